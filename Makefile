@@ -1,0 +1,53 @@
+# tierserve: two commands do everything on a fresh machine.
+#   make serve   install, then `serve run configs/cluster.yaml`
+#   make test    install, then lint, type-check and run the whole test suite
+#
+# Torch: on a machine without an NVIDIA GPU the install pins the CPU build of torch
+# (CPU_TORCH, plus TORCH_INDEX where the CPU wheels are not on the default index, e.g.
+# TORCH_INDEX=https://download.pytorch.org/whl/cpu). With a GPU, the plain install takes CUDA torch.
+
+PYTHON     ?= python3
+VENV       ?= .venv
+PY         := $(VENV)/bin/python
+PIP        := $(PY) -m pip
+CPU_TORCH  ?= torch==2.13.0
+TORCH_INDEX ?=
+CONFIG     ?= configs/cluster.yaml
+PYTEST_ARGS ?=
+
+HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
+STAMP   := $(VENV)/.installed
+
+.PHONY: install serve test lint typecheck bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PIP) install -q --upgrade pip
+ifeq ($(HAS_GPU),1)
+	@echo "tierserve: NVIDIA GPU found: installing CUDA torch"
+	$(PIP) install -q -e '.[dev]'
+else
+	@echo "tierserve: no GPU: installing the CPU build of torch ($(CPU_TORCH))"
+	$(PIP) install -q "$(CPU_TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX) --extra-index-url https://pypi.org/simple)
+	@echo "$(CPU_TORCH)" > $(VENV)/torch-constraint.txt
+	$(PIP) install -q -c $(VENV)/torch-constraint.txt -e '.[dev]'
+endif
+	@touch $(STAMP)
+
+serve: install
+	$(VENV)/bin/serve run $(CONFIG)
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+
+test: install lint
+	TRITON_INTERPRET=$${TRITON_INTERPRET-1} $(PY) -m pytest $(PYTEST_ARGS)
+
+bench: install
+	$(PY) -m bench.scheduler
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
