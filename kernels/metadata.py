@@ -60,6 +60,12 @@ class AttentionMetadata:
         return int(self.slot_mapping.shape[0])
 
 
+def slots_for(block_table: Sequence[int], start: int, end: int, block_size: int) -> list[int]:
+    """Cache slots (``block_id * block_size + offset``) of positions ``start .. end``."""
+    bs = block_size
+    return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
+
+
 def build_metadata(
     seqs: Sequence[SeqSpec], block_size: int, device: torch.device | str = "cpu"
 ) -> AttentionMetadata:
@@ -69,39 +75,41 @@ def build_metadata(
     num_decodes = 0
     while num_decodes < len(seqs) and seqs[num_decodes].q_len == 1:
         num_decodes += 1
+    bs = block_size
     slots: list[int] = []
     positions: list[int] = []
     cu = [0]
     seq_lens: list[int] = []
     q_lens: list[int] = []
-    max_blocks = 1
+    tables: list[list[int]] = []
     for s in seqs:
         if s.q_len <= 0 or s.start < 0:
             raise ValueError(f"bad sequence spec {s}: q_len must be > 0 and start >= 0")
         end = s.start + s.q_len
-        need = -(-end // block_size)
-        if len(s.block_table) < need:
-            raise ValueError(
-                f"block table has {len(s.block_table)} blocks; {end} positions need {need}"
-            )
-        table = s.block_table
-        for p in range(s.start, end):
-            slots.append(table[p // block_size] * block_size + p % block_size)
-        positions.extend(range(s.start, end))
+        need = -(-end // bs)
+        table = list(s.block_table[:need])
+        if len(table) < need:
+            raise ValueError(f"block table has {len(table)} blocks; {end} positions need {need}")
+        if s.q_len == 1:
+            p = s.start
+            slots.append(table[p // bs] * bs + p % bs)
+            positions.append(p)
+        else:
+            slots.extend(slots_for(table, s.start, end, bs))
+            positions.extend(range(s.start, end))
         cu.append(cu[-1] + s.q_len)
         seq_lens.append(end)
         q_lens.append(s.q_len)
-        max_blocks = max(max_blocks, need)
-    tables = torch.zeros((len(seqs), max_blocks), dtype=torch.int32)
-    for i, s in enumerate(seqs):
-        need = -(-seq_lens[i] // block_size)
-        tables[i, :need] = torch.tensor(list(s.block_table[:need]), dtype=torch.int32)
+        tables.append(table)
+    width = max(len(t) for t in tables)
+    padded = [t + [0] * (width - len(t)) for t in tables]
+    dev = torch.device(device)
     return AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        block_tables=tables.to(device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        cu_q_lens=torch.tensor(cu, dtype=torch.int32, device=device),
-        positions=torch.tensor(positions, dtype=torch.int64, device=device),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev, non_blocking=True),
+        block_tables=torch.tensor(padded, dtype=torch.int32).to(dev, non_blocking=True),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
+        cu_q_lens=torch.tensor(cu, dtype=torch.int32).to(dev, non_blocking=True),
+        positions=torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True),
         num_decodes=num_decodes,
         max_q_len=max(q_lens),
         max_seq_len=max(seq_lens),
