@@ -1,0 +1,107 @@
+"""The scheduler's only view of KV memory: block ids, never bytes (seed 2.6)."""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+RequestId = int
+
+
+class NoCapacity(Exception):
+    """Not enough free blocks; nothing was allocated."""
+
+
+@dataclass(frozen=True, slots=True)
+class Allocation:
+    """What ``allocate`` found: ``cached_tokens`` leading positions already computed (prefix hits)."""
+
+    cached_tokens: int = 0
+
+
+@runtime_checkable
+class BlockSpace(Protocol):
+    """Hands out KV block ids to requests. ``allocate`` and ``append_slot`` are all or nothing."""
+
+    @property
+    def block_tokens(self) -> int: ...
+    @property
+    def total_blocks(self) -> int: ...
+    @property
+    def free_blocks(self) -> int: ...
+
+    def allocate(self, id: RequestId, tokens: Sequence[int]) -> Allocation:
+        """Blocks for every position of ``tokens``; raises ``NoCapacity`` and allocates nothing."""
+        ...
+
+    def append_slot(self, id: RequestId, total: int) -> None:
+        """Grow ``id``'s table to hold ``total`` positions; raises ``NoCapacity``, changing nothing."""
+        ...
+
+    def release(self, id: RequestId, computed: Sequence[int]) -> None:
+        """Give back every block of ``id``; ``computed`` are its tokens whose K/V were written."""
+        ...
+
+    def block_table(self, id: RequestId) -> Sequence[int]:
+        """``id``'s block ids in position order (empty when it holds none)."""
+        ...
+
+
+class FreeListBlocks:
+    """The simplest BlockSpace: a free list that always hands out the lowest free ids first."""
+
+    __slots__ = ("_block_tokens", "_free", "_tables", "_total")
+
+    def __init__(self, block_tokens: int, ids: Iterable[int]) -> None:
+        if block_tokens <= 0:
+            raise ValueError(f"block_tokens must be positive, got {block_tokens}")
+        self._block_tokens = block_tokens
+        self._free = sorted(set(ids))
+        self._total = len(self._free)
+        self._tables: dict[RequestId, list[int]] = {}
+
+    @property
+    def block_tokens(self) -> int:
+        return self._block_tokens
+
+    @property
+    def total_blocks(self) -> int:
+        return self._total
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+    def _take(self, n: int) -> list[int]:
+        free = self._free
+        return [heapq.heappop(free) for _ in range(n)]
+
+    def allocate(self, id: RequestId, tokens: Sequence[int]) -> Allocation:
+        if id in self._tables:
+            raise ValueError(f"request {id} already holds blocks")
+        need = -(-len(tokens) // self._block_tokens)
+        if need > len(self._free):
+            raise NoCapacity
+        self._tables[id] = self._take(need)
+        return Allocation(0)
+
+    def append_slot(self, id: RequestId, total: int) -> None:
+        table = self._tables.setdefault(id, [])
+        need = -(-total // self._block_tokens) - len(table)
+        if need <= 0:
+            return
+        if need > len(self._free):
+            raise NoCapacity
+        table.extend(self._take(need))
+
+    def release(self, id: RequestId, computed: Sequence[int] = ()) -> None:
+        table = self._tables.pop(id, None)
+        if table:
+            free = self._free
+            for b in table:
+                heapq.heappush(free, b)
+
+    def block_table(self, id: RequestId) -> Sequence[int]:
+        return self._tables.get(id, ())

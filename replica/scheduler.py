@@ -1,0 +1,491 @@
+"""The continuous-batching scheduler of seed sections 2 to 4, in Python.
+
+Every step ``schedule()`` re-forms the batch in three phases: (1) running decodes, highest rank
+first, each growing its block table by ``append_slot`` and preempting the lowest-ranked running
+request not yet scheduled when the pool is empty; (2) prefills already in progress, each getting the
+chunk its ``PrefillPolicy`` grants; (3) admissions from the waiting queue in rank order, all or
+nothing, stopping at the first request that does not fit. ``on_step`` then advances the computed
+positions, appends the sampled tokens and finishes requests.
+
+Rank: higher priority runs first. Under ``SchedPolicy.PRIORITY`` the waiting queue is a heap on the
+fixed key ``priority * aging_steps - arrival`` (seed 2.4; ``aging_steps == 0`` means strict
+priority without aging), equal keys by arrival; under ``FCFS`` by arrival only. Running requests
+are ranked by the same key; the victim of a preemption is the lowest-ranked, the newest among
+equals. Note: vLLM's ``priority`` runs lower values first; ours runs higher values first.
+"""
+
+from __future__ import annotations
+
+import bisect
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from replica.block_space import (
+    Allocation,
+    BlockSpace,
+    FreeListBlocks,
+    NoCapacity,
+    RequestId,
+)
+from replica.lazy_heap import Handle, LazyHeap
+from replica.prefill_policy import Chunked, PrefillPolicy, WholePrompt
+
+__all__ = [
+    "AdmitError",
+    "Allocation",
+    "BlockSpace",
+    "Chunk",
+    "Chunked",
+    "EmptyPrompt",
+    "FinishReason",
+    "FinishedEvent",
+    "FreeListBlocks",
+    "NeverFits",
+    "NoCapacity",
+    "PrefillPolicy",
+    "QueueFull",
+    "Request",
+    "RequestEvent",
+    "RequestId",
+    "SchedPolicy",
+    "SchedStats",
+    "ScheduleOutput",
+    "Scheduler",
+    "SchedulerConfig",
+    "StepOutput",
+    "TokenEvent",
+    "TooLong",
+    "WholePrompt",
+]
+
+
+class SchedPolicy(enum.Enum):
+    FCFS = "fcfs"
+    PRIORITY = "priority"
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Caps of one replica's scheduler.
+
+    max_seqs: running sequences at most. max_batch_tokens: tokens per step at most (a decode costs
+    one, a prefill chunk its length). max_waiting: waiting requests at most (beyond: ``QueueFull``).
+    aging_steps: steps per level of aging (0: strict priority). max_model_len: the context, in
+    tokens (prompt plus generated).
+    """
+
+    max_seqs: int = 256
+    max_batch_tokens: int = 2048
+    max_waiting: int = 1024
+    policy: SchedPolicy = SchedPolicy.FCFS
+    aging_steps: int = 100
+    max_model_len: int = 2048
+
+    def __post_init__(self) -> None:
+        for name in ("max_seqs", "max_batch_tokens", "max_waiting", "max_model_len"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"SchedulerConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.max_model_len < 2:
+            raise ValueError("SchedulerConfig.max_model_len must be at least 2")
+        if self.aging_steps < 0:
+            raise ValueError(f"SchedulerConfig.aging_steps must be >= 0, got {self.aging_steps}")
+
+
+@dataclass(slots=True)
+class Request:
+    """What a caller asks for: prompt token ids, how many tokens to generate, a priority."""
+
+    prompt: Sequence[int]
+    max_tokens: int
+    priority: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
+            raise TypeError(f"max_tokens must be an int, got {type(self.max_tokens).__name__}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+
+
+class AdmitError(Exception):
+    """``add`` refused a request; ``reason`` is a stable label (metrics, HTTP error codes)."""
+
+    reason = "refused"
+
+
+class QueueFull(AdmitError):
+    reason = "queue_full"
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        super().__init__(f"the waiting queue is full ({limit} requests); retry later")
+
+
+class EmptyPrompt(AdmitError):
+    reason = "empty"
+
+    def __init__(self) -> None:
+        super().__init__("the prompt is empty; it needs at least one token")
+
+
+class TooLong(AdmitError):
+    reason = "too_long"
+
+    def __init__(self, tokens: int, limit: int) -> None:
+        self.tokens = tokens
+        self.limit = limit
+        super().__init__(
+            f"prompt has {tokens} tokens; this model's context is {limit}, so a prompt may have "
+            f"at most {limit - 1} tokens to leave room for one generated token"
+        )
+
+
+class NeverFits(AdmitError):
+    reason = "never_fits"
+
+    def __init__(self, blocks: int, total: int) -> None:
+        self.blocks = blocks
+        self.total = total
+        super().__init__(
+            f"the request could grow to {blocks} KV blocks but the pool holds only {total}; "
+            "lower max_tokens or shorten the prompt"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """Prefill positions ``start .. start + len`` of request ``id``; ``last`` ones get sampled."""
+
+    id: RequestId
+    start: int
+    len: int
+    last: bool
+
+
+@dataclass(slots=True)
+class ScheduleOutput:
+    """One step's plan.
+
+    prefill: chunks to prefill, in rank order. decode: requests feeding their newest token, in rank
+    order. preempted: requests preempted this step (blocks released, back in the waiting queue).
+    """
+
+    prefill: list[Chunk] = field(default_factory=list)
+    decode: list[RequestId] = field(default_factory=list)
+    preempted: list[RequestId] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decode) + sum(c.len for c in self.prefill)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.prefill and not self.decode
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutput:
+    """A token sampled for ``id``; ``stop`` when the engine saw an end condition (EOS, stop string)."""
+
+    id: RequestId
+    token: int
+    stop: bool = False
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    id: RequestId
+    token: int
+
+
+@dataclass(frozen=True, slots=True)
+class FinishedEvent:
+    id: RequestId
+    reason: FinishReason
+
+
+RequestEvent = TokenEvent | FinishedEvent
+
+
+@dataclass(frozen=True, slots=True)
+class SchedStats:
+    running: int
+    waiting: int
+    free_blocks: int
+    total_blocks: int
+    preemptions: int
+    rejected: dict[str, int]
+    step: int
+
+
+class _Seq:
+    """Scheduler-side state of one request."""
+
+    __slots__ = ("computed", "handle", "id", "max_tokens", "priority", "prompt_len", "rank", "tokens")
+
+    def __init__(self, id: RequestId, req: Request, rank: tuple[int, int]) -> None:
+        self.id = id
+        self.tokens: list[int] = list(req.prompt)
+        self.prompt_len = len(self.tokens)
+        self.max_tokens = req.max_tokens
+        self.priority = req.priority
+        self.rank = rank  # ascending = better; fixed at arrival, kept across preemption
+        self.computed = 0  # positions whose K/V are in the cache
+        self.handle: Handle[_Seq] | None = None  # set while waiting
+
+
+def _rank_of(seq: _Seq) -> tuple[int, int]:
+    return seq.rank
+
+
+class Scheduler:
+    """Continuous batching with admission by free blocks, priority with aging, preemption, abort."""
+
+    def __init__(
+        self,
+        cfg: SchedulerConfig,
+        blocks: BlockSpace,
+        prefill_policy: PrefillPolicy | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self._blocks = blocks
+        self._policy: PrefillPolicy = prefill_policy if prefill_policy is not None else WholePrompt()
+        self._waiting: LazyHeap[_Seq] = LazyHeap()
+        self._running: list[_Seq] = []  # sorted by rank, best first
+        self._seqs: dict[RequestId, _Seq] = {}
+        self._next_id = 0
+        self._step = 0
+        self._preemptions = 0
+        self._rejected: dict[str, int] = {}
+        self._last: list[tuple[_Seq, int]] = []  # (seq, positions fed) of the last schedule()
+
+    # ------------------------------------------------------------------ admission
+
+    def check(self, req: Request) -> None:
+        """Raise the ``AdmitError`` that ``add`` would raise for ``req`` (a full queue aside)."""
+        self._check(req, queue=False)
+
+    def add(self, req: Request) -> RequestId:
+        """Queue a request; raises an ``AdmitError`` for what could never run or a full queue."""
+        try:
+            self._check(req)
+        except AdmitError as e:
+            self._rejected[e.reason] = self._rejected.get(e.reason, 0) + 1
+            raise
+        rid = self._next_id
+        self._next_id += 1
+        if self.cfg.policy is SchedPolicy.FCFS:
+            key = 0
+        elif self.cfg.aging_steps == 0:
+            key = -req.priority
+        else:
+            key = self._step - req.priority * self.cfg.aging_steps
+        seq = _Seq(rid, req, (key, rid))
+        self._seqs[rid] = seq
+        self._enqueue(seq)
+        return rid
+
+    def _check(self, req: Request, queue: bool = True) -> None:
+        n = len(req.prompt)
+        if n == 0:
+            raise EmptyPrompt()
+        ctx = self.cfg.max_model_len
+        if n >= ctx:
+            raise TooLong(n, ctx)
+        longest = min(n + req.max_tokens, ctx)
+        need = -(-longest // self._blocks.block_tokens)
+        if need > self._blocks.total_blocks:
+            raise NeverFits(need, self._blocks.total_blocks)
+        if queue and len(self._waiting) >= self.cfg.max_waiting:
+            raise QueueFull(self.cfg.max_waiting)
+
+    def _enqueue(self, seq: _Seq) -> None:
+        seq.handle = self._waiting.push(seq.rank, seq)
+
+    # ------------------------------------------------------------------ abort
+
+    def abort(self, id: RequestId) -> bool:
+        """Drop a request, waiting (O(1)) or running (its blocks freed at once); False if unknown."""
+        seq = self._seqs.pop(id, None)
+        if seq is None:
+            return False
+        if seq.handle is not None:
+            self._waiting.remove(seq.handle)
+            seq.handle = None
+        else:
+            self._running.remove(seq)
+            self._blocks.release(id, seq.tokens[: seq.computed])
+        return True
+
+    # ------------------------------------------------------------------ the step
+
+    def schedule(self) -> ScheduleOutput:
+        """Plan one step: decodes, prefills in progress, admissions (seed 2.2)."""
+        cfg = self.cfg
+        blocks = self._blocks
+        out = ScheduleOutput()
+        fed: list[tuple[_Seq, int]] = []
+        budget = cfg.max_batch_tokens
+        running = self._running
+
+        # Phase 1: decodes, highest rank first. Requests after index i are not yet scheduled.
+        i = 0
+        while i < len(running):
+            seq = running[i]
+            n = len(seq.tokens)
+            if n - seq.computed != 1:
+                i += 1  # a prefill in progress: phase 2
+                continue
+            if budget == 0:
+                break
+            if not self._grow(seq, n, out):
+                break  # seq preempted itself: nothing ranks lower
+            out.decode.append(seq.id)
+            fed.append((seq, 1))
+            budget -= 1
+            i += 1
+
+        # Phase 2: prefills in progress (chunked prefill), rank order. Blocks were allocated at
+        # admission for every position, so no allocation happens here.
+        policy = self._policy
+        for seq in running:
+            remaining = len(seq.tokens) - seq.computed
+            if remaining <= 1 or budget == 0:
+                continue
+            take = policy.chunk_len(remaining, budget, not fed)
+            if take > 0:
+                out.prefill.append(Chunk(seq.id, seq.computed, take, take == remaining))
+                fed.append((seq, take))
+                budget -= take
+
+        # Phase 3: admissions in rank order, all or nothing, no skipping ahead.
+        waiting = self._waiting
+        while waiting and len(running) < cfg.max_seqs and budget > 0:
+            head = waiting.peek()
+            assert head is not None
+            remaining = len(head.tokens)
+            take = policy.chunk_len(remaining, budget, not fed)
+            if take == 0:
+                break
+            try:
+                alloc = blocks.allocate(head.id, head.tokens)
+            except NoCapacity:
+                break
+            waiting.pop()
+            head.handle = None
+            head.computed = min(alloc.cached_tokens, remaining - 1)
+            remaining -= head.computed
+            take = min(take, remaining)
+            bisect.insort(running, head, key=_rank_of)
+            out.prefill.append(Chunk(head.id, head.computed, take, take == remaining))
+            fed.append((head, take))
+            budget -= take
+
+        self._last = fed
+        self._step += 1
+        return out
+
+    def _grow(self, seq: _Seq, n: int, out: ScheduleOutput) -> bool:
+        """Room for ``n`` positions, preempting from the bottom; False when ``seq`` was the victim."""
+        while True:
+            try:
+                self._blocks.append_slot(seq.id, n)
+                return True
+            except NoCapacity:
+                victim = self._running[-1]
+                self._preempt(victim, out)
+                if victim is seq:
+                    return False
+
+    def _preempt(self, victim: _Seq, out: ScheduleOutput) -> None:
+        """Preemption by recompute (seed 2.5): free the blocks now, requeue with the same rank."""
+        self._running.remove(victim)
+        self._blocks.release(victim.id, victim.tokens[: victim.computed])
+        victim.computed = 0
+        self._enqueue(victim)
+        self._preemptions += 1
+        out.preempted.append(victim.id)
+
+    def on_step(self, outputs: Sequence[StepOutput]) -> list[RequestEvent]:
+        """Advance the last plan: computed positions, sampled tokens, finishes (and their blocks)."""
+        for seq, n in self._last:
+            seq.computed += n
+        self._last = []
+        events: list[RequestEvent] = []
+        ctx = self.cfg.max_model_len
+        finished: list[_Seq] = []
+        seqs = self._seqs
+        for o in outputs:
+            got = seqs.get(o.id)
+            if got is None or got.handle is not None:
+                continue  # aborted (or preempted) between schedule and on_step
+            seq = got
+            seq.tokens.append(o.token)
+            events.append(TokenEvent(o.id, o.token))
+            n = len(seq.tokens)
+            if o.stop:
+                reason = FinishReason.STOP
+            elif n - seq.prompt_len >= seq.max_tokens or n >= ctx:
+                reason = FinishReason.LENGTH
+            else:
+                continue
+            events.append(FinishedEvent(o.id, reason))
+            finished.append(seq)
+        if finished:
+            for f in finished:
+                del seqs[f.id]
+                self._blocks.release(f.id, f.tokens[: f.computed])
+            done = {f.id for f in finished}
+            self._running = [s for s in self._running if s.id not in done]
+        return events
+
+    # ------------------------------------------------------------------ queries
+
+    def tokens(self, id: RequestId) -> Sequence[int] | None:
+        """Prompt plus generated tokens of an unfinished request."""
+        seq = self._seqs.get(id)
+        return seq.tokens if seq is not None else None
+
+    def prompt_len(self, id: RequestId) -> int | None:
+        seq = self._seqs.get(id)
+        return seq.prompt_len if seq is not None else None
+
+    def computed(self, id: RequestId) -> int | None:
+        """Positions of ``id`` whose K/V are in the cache."""
+        seq = self._seqs.get(id)
+        return seq.computed if seq is not None else None
+
+    def unfinished(self) -> list[RequestId]:
+        return list(self._seqs)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._seqs)
+
+    def is_waiting(self, id: RequestId) -> bool:
+        seq = self._seqs.get(id)
+        return seq is not None and seq.handle is not None
+
+    def stats(self) -> SchedStats:
+        return SchedStats(
+            running=len(self._running),
+            waiting=len(self._waiting),
+            free_blocks=self._blocks.free_blocks,
+            total_blocks=self._blocks.total_blocks,
+            preemptions=self._preemptions,
+            rejected=dict(self._rejected),
+            step=self._step,
+        )
+
+    @property
+    def blocks(self) -> BlockSpace:
+        return self._blocks
+
+    @property
+    def prefill_policy(self) -> PrefillPolicy:
+        return self._policy
