@@ -1,0 +1,116 @@
+"""Incremental detokenization and stop strings.
+
+Text is emitted only once it is whole: a token that ends inside a UTF-8 character (the decoder
+shows U+FFFD) is held until the character completes, or until ``MAX_HOLD`` tokens show it never
+will. Only a short window of tokens is decoded per step (the previous emission's tokens give the
+context that word-piece and SentencePiece decoders need for leading spaces), so a step costs O(1)
+in the length of the output. With stop strings, the last ``len(longest stop) - 1`` characters are
+held back until they can no longer begin a stop string; a matched stop string is not returned.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+MAX_HOLD = 6  # tokens; a UTF-8 character is at most 4 bytes
+PROMPT_CONTEXT = 4  # prompt tokens decoded before the first generated one
+
+
+class Decoder(Protocol):
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+class IncrementalDetokenizer:
+    """Per request: ``add(token)`` returns the text that became final; ``finish()`` the rest."""
+
+    __slots__ = (
+        "_hold",
+        "_max_stop",
+        "_prefix",
+        "_read",
+        "_sent",
+        "_skip",
+        "_stops",
+        "_text",
+        "_tok",
+        "_tokens",
+        "stopped",
+    )
+
+    def __init__(
+        self,
+        tokenizer: Decoder,
+        prompt_ids: Sequence[int],
+        stop: Sequence[str] | None = None,
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self._tok = tokenizer
+        ctx = list(prompt_ids[-PROMPT_CONTEXT:])
+        self._tokens: list[int] = ctx
+        self._prefix = 0  # window start: tokens before it are fully emitted
+        self._read = len(ctx)  # tokens before it have been turned into text
+        self._skip = skip_special_tokens
+        self._stops = [s for s in (stop or []) if s]
+        self._max_stop = max((len(s) for s in self._stops), default=0)
+        self._text = ""  # decoded text of the generated tokens, up to ``_read``
+        self._sent = 0  # characters of ``_text`` already returned
+        self._hold = 0
+        self.stopped: str | None = None  # the stop string that matched, if any
+
+    @property
+    def text(self) -> str:
+        """Everything decoded so far (without a matched stop string and what follows it)."""
+        return self._text
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=self._skip)
+
+    def add(self, token: int) -> str:
+        """Feed one generated token; return the newly final text (may be empty)."""
+        if self.stopped is not None:
+            return ""
+        self._tokens.append(token)
+        before = self._decode(self._tokens[self._prefix : self._read])
+        full = self._decode(self._tokens[self._prefix :])
+        if full.endswith("\ufffd") and self._hold < MAX_HOLD:
+            self._hold += 1
+            return ""
+        self._hold = 0
+        new = full[len(before) :] if full.startswith(before) else full
+        self._prefix, self._read = self._read, len(self._tokens)
+        return self._append(new)
+
+    def _append(self, new: str, final: bool = False) -> str:
+        start = len(self._text)
+        self._text += new
+        if self._stops:
+            lo = max(0, start - self._max_stop + 1)
+            hits = [(i, s) for s in self._stops if (i := self._text.find(s, lo)) >= 0]
+            if hits:
+                idx, s = min(hits)
+                self.stopped = s
+                self._text = self._text[:idx]
+                return self._emit(idx)
+            if not final:
+                return self._emit(len(self._text) - (self._max_stop - 1))
+        return self._emit(len(self._text))
+
+    def _emit(self, upto: int) -> str:
+        if upto <= self._sent:
+            return ""
+        out = self._text[self._sent : upto]
+        self._sent = upto
+        return out
+
+    def finish(self) -> str:
+        """At the end of the request: everything still held back."""
+        new = ""
+        if self.stopped is None and self._read < len(self._tokens):
+            before = self._decode(self._tokens[self._prefix : self._read])
+            full = self._decode(self._tokens[self._prefix :])
+            self._read = len(self._tokens)
+            new = full[len(before) :] if full.startswith(before) else full
+        if self.stopped is not None:
+            return self._emit(len(self._text))
+        return self._append(new, final=True)
