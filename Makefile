@@ -45,7 +45,7 @@ lint: install
 	$(VENV)/bin/mypy
 
 test: install lint
-	TRITON_INTERPRET=$${TRITON_INTERPRET-1} $(PY) -m pytest $(PYTEST_ARGS)
+	$(if $(HAS_GPU),,TRITON_INTERPRET=$${TRITON_INTERPRET-1}) $(PY) -m pytest $(PYTEST_ARGS)
 
 bench: install
 	$(PY) -m bench.scheduler

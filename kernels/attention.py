@@ -1,8 +1,17 @@
 """Attention dispatch: store this step's K/V into the paged cache, then attend.
 
 ``backend`` is ``"torch"`` (plain torch, the CPU default) or ``"triton"`` (the GPU path; on CPU it
-runs under ``TRITON_INTERPRET=1``). ``deterministic`` selects code paths whose result for a row does
-not depend on the other rows of the batch or on how a prompt was cut into chunks.
+runs only under ``TRITON_INTERPRET=1``, set before the Triton kernels are first imported).
+``deterministic`` selects code paths whose result for a row does not depend on the other rows of
+the batch, on how a prompt was cut into chunks, or on whether a token is a decode or prefill row.
+
+- torch:  ``torch_attention.paged_attention_fast`` (padded-gather SDPA for decodes, SDPA per chunk)
+  or ``torch_attention.paged_attention_deterministic``.
+- triton: ``triton_attention.paged_attention``: a decode launch (split-KV when the grid is small)
+  plus a prefill launch, or, deterministic, one fixed-configuration launch for every row.
+
+The two deterministic paths are each invariant; they are not bit-equal to each other. The
+deterministic torch path runs on CPU only (``ValueError`` on CUDA); the GPU's is the Triton one.
 """
 
 from __future__ import annotations
@@ -11,10 +20,11 @@ from typing import Literal
 
 import torch
 
-from kernels import reference
+from kernels import reference, torch_attention
 from kernels.metadata import AttentionMetadata
 
 Backend = Literal["torch", "triton"]
+BACKENDS: tuple[str, ...] = ("torch", "triton")
 
 
 def attention(
@@ -28,6 +38,80 @@ def attention(
     backend: Backend = "torch",
     deterministic: bool = False,
 ) -> torch.Tensor:
-    """``q`` ``[T, q_heads, D]``, ``k``/``v`` ``[T, kv_heads, D]`` -> ``[T, q_heads, D]``."""
+    """``q`` ``[T, q_heads, D]``, ``k``/``v`` ``[T, kv_heads, D]`` -> ``[T, q_heads, D]`` in ``q.dtype``.
+
+    Stores ``k``/``v`` at ``meta.slot_mapping`` in ``k_cache``/``v_cache``
+    (``[num_blocks, block_size, kv_heads, D]``, mutated), then attends every query row causally
+    over its sequence's cached positions. Raises ``ValueError`` on inconsistent shapes or an
+    unknown backend.
+    """
+    validate(q, k, v, k_cache, v_cache, meta, backend)
+    if backend == "triton":
+        from kernels import triton_attention, triton_kv
+
+        _check_triton_device(q)
+        triton_kv.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        return triton_attention.paged_attention(
+            q, k_cache, v_cache, meta, scale, deterministic=deterministic
+        )
     reference.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-    return reference.paged_attention(q, k_cache, v_cache, meta, scale)
+    if deterministic:
+        return torch_attention.paged_attention_deterministic(q, k_cache, v_cache, meta, scale)
+    return torch_attention.paged_attention_fast(q, k_cache, v_cache, meta, scale)
+
+
+def validate(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    backend: str = "torch",
+) -> None:
+    """Raise ``ValueError`` with what is wrong if the inputs of ``attention`` do not fit together."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; use one of {', '.join(BACKENDS)}")
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(
+            f"q, k, v must be [tokens, heads, head_dim]; got {tuple(q.shape)}, "
+            f"{tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            "k_cache and v_cache must both be [num_blocks, block_size, kv_heads, head_dim]; got "
+            f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    t, hq, d = q.shape
+    _, bs, hkv, dc = k_cache.shape
+    if k.shape != (t, hkv, dc) or v.shape != (t, hkv, dc):
+        raise ValueError(
+            f"k and v must be [{t}, {hkv}, {dc}] to match q's tokens and the cache; got "
+            f"{tuple(k.shape)} and {tuple(v.shape)}"
+        )
+    if d != dc:
+        raise ValueError(f"q has head_dim {d} but the cache has head_dim {dc}")
+    if hq % hkv:
+        raise ValueError(f"q has {hq} heads, not a multiple of the {hkv} KV heads")
+    if bs != meta.block_size:
+        raise ValueError(
+            f"cache blocks hold {bs} positions but the metadata says {meta.block_size}"
+        )
+    if t != meta.num_tokens:
+        raise ValueError(f"q has {t} tokens but the metadata describes {meta.num_tokens}")
+    if not (q.device == k_cache.device == meta.slot_mapping.device):
+        raise ValueError(
+            f"q ({q.device}), the cache ({k_cache.device}) and the metadata "
+            f"({meta.slot_mapping.device}) must be on one device"
+        )
+
+
+def _check_triton_device(q: torch.Tensor) -> None:
+    from kernels import triton_attention
+
+    if q.device.type == "cpu" and not triton_attention.interpreted():
+        raise RuntimeError(
+            "the triton backend got CPU tensors but the kernels were compiled for a GPU; set "
+            "TRITON_INTERPRET=1 before kernels.triton_attention is first imported, or use "
+            "backend='torch' on CPU"
+        )

@@ -26,7 +26,7 @@ def store_kv(
 
 def gather_seq(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
     """The first ``length`` positions of one sequence, ``[length, kv_heads, head_dim]``."""
-    nb, bs, h, d = cache.shape
+    _, bs, h, d = cache.shape
     blocks = -(-length // bs)
     return cache[block_table[:blocks].long()].reshape(blocks * bs, h, d)[:length]
 

@@ -1,0 +1,62 @@
+"""Request routing for the engine deployment: send each request where the most KV blocks are free.
+
+What it does
+    ``FreeKVBlocksRouter`` (``router.free_blocks_router``) is a Serve ``RequestRouter``. For each
+    request it ranks the replicas by estimated free KV blocks: the replica's last report minus
+    the blocks of the requests this router sent it after the report was taken and that have not
+    completed (``router.policy``, pure and Ray-free). It returns one replica per group, best
+    first, so Serve takes the best replica that is below its ``max_ongoing_requests``. Ties are
+    broken at random. A replica that has not reported yet is assumed to be as large as the
+    largest reported pool, minus what this router has sent it.
+
+Configuration (engine deployment)::
+
+    request_router_config:
+      request_router_class: router.free_blocks_router:FreeKVBlocksRouter
+      request_routing_stats_period_s: 1
+      request_router_kwargs: {saturation_waiting: 8}   # optional, see RouterSettings
+
+    Give the engine a large ``max_ongoing_requests`` (its own scheduler queues): Serve skips a
+    replica at that limit whatever the ranking says.
+
+The replica's side (``router.stats``)
+    ``async def record_routing_stats(self) -> dict`` returns ``RoutingStats(...).to_dict()``:
+    ``free_blocks``, ``total_blocks``, ``block_tokens``, ``waiting``, ``running``,
+    ``preemptions``, ``report_time`` (``time.time()`` when the snapshot was taken) and
+    ``waiting_blocks`` (what the waiting queue needs at admission; 0 if unknown). Requests that
+    were waiting at the replica are not in ``free_blocks``: without ``waiting_blocks`` the router
+    overestimates a replica with a queue.
+
+The kwargs contract (ingress -> engine ``generate``)
+    ``generate(prompt_ids, sampling, priority=<int>, prompt_tokens=<int>, max_tokens=<int>)``,
+    all three keyword arguments, not positional: the router reads them from
+    ``pending_request.kwargs``. ``prompt_tokens`` is ``len(prompt_ids)``; ``max_tokens`` the
+    request's generation limit (the same as in ``sampling``); ``priority`` the resolved tier
+    priority, higher first. The engine's ``generate`` must accept them. A request is charged
+    ``ceil((prompt_tokens + 1) / block_tokens)`` blocks (its prompt and first token). Missing
+    values never fail routing: ``prompt_tokens`` falls back to ``len(prompt_ids)``.
+
+Saturation and priority
+    A replica is saturated for a request when its estimated free blocks cannot hold it and its
+    estimated queue (reported waiting plus requests sent since) is at least
+    ``saturation_waiting``. Saturated replicas rank after the others. The ingress can ask
+    ``router.registry.saturated(app, deployment, prompt_tokens)`` (any thread) and shed
+    its lowest tier when every replica is saturated. The router does not reorder or hold requests
+    by ``priority``: it passes it on, and the replica's scheduler runs higher priorities first.
+    (Holding a low-priority request in the router does not work with Serve 2.60: the FIFO
+    hand-off gives the next free replica to the oldest pending request, held or not.)
+
+Limits
+    - One router per handle owner (each ingress replica, each proxy), each with its own view:
+      routers do not see each other's in-flight requests, only the replicas' reports.
+    - The report's ``report_time`` (replica clock) is compared with the router's clock: keep
+      the nodes' clocks in sync (NTP); a skew of s seconds misplaces charges by s.
+    - Under Ray Client the rejection protocol is off, so ``on_request_routed`` never fires and
+      only the short-lived tentative charges (``tentative_ttl_s``) correct stale reports.
+    - The charge is the admission footprint; the growth of running requests shows up only in the
+      next report.
+"""
+
+from router.stats import RoutingStats
+
+__all__ = ["RoutingStats"]

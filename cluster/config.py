@@ -1,0 +1,120 @@
+"""The cluster's configuration: the application ``args`` of ``configs/cluster.yaml``, validated.
+
+Serve's own keys (replicas, resources, the router class, back-pressure) stay in the YAML's
+``deployments`` section, where Serve reads them; everything tierserve reads is here.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+
+from replica.engine_config import EngineConfig
+from replica.models.embedded import EMBEDDED_MODEL
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class EngineSettings(_Strict):
+    """One replica's engine (``replica.engine_config.EngineConfig``), as written in the config."""
+
+    model: str = EMBEDDED_MODEL
+    block_size: Literal[8, 16, 32, 64, 128] = 16
+    num_kv_blocks: int | None = Field(default=None, gt=0)
+    kv_cache_bytes: int | None = Field(default=256 * 2**20, gt=0)
+    gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0)
+    max_num_seqs: int = Field(default=64, gt=0)
+    max_batch_tokens: int = Field(default=2048, gt=0)
+    max_model_len: int | None = Field(default=None, ge=2)
+    max_waiting: int = Field(default=256, gt=0)
+    policy: Literal["fcfs", "priority"] = "priority"
+    aging_steps: int = Field(default=100, ge=0)
+    prefill_chunk_tokens: int | None = Field(default=256, gt=0)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: str = "auto"
+    deterministic: bool = False
+    attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    trust_remote_code: bool = False
+    num_threads: int | None = Field(default=None, gt=0)
+
+    def to_engine_config(self) -> EngineConfig:
+        return EngineConfig(**self.model_dump())
+
+
+class TierConfig(_Strict):
+    """A priority tier: callers with one of ``api_keys`` (or, for the default tier, no key).
+
+    base_priority: the priority of a request that asks for none. max_priority: the highest the
+    ``X-TL-Priority`` header may ask for. queue_share: the fraction of a replica's waiting queue
+    this tier may fill before its requests are refused with 429 (lower tiers get smaller shares,
+    so under overload they are refused first).
+    """
+
+    name: str = Field(pattern=r"^[a-z][a-z0-9_-]{0,31}$")
+    base_priority: int = Field(ge=-1000, le=1000)
+    max_priority: int = Field(ge=-1000, le=1000)
+    queue_share: float = Field(default=1.0, gt=0.0, le=1.0)
+    api_keys: list[SecretStr] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> TierConfig:
+        if self.max_priority < self.base_priority:
+            raise ValueError(
+                f"tier {self.name!r}: max_priority ({self.max_priority}) is below base_priority "
+                f"({self.base_priority})"
+            )
+        return self
+
+
+def _default_tiers() -> list[TierConfig]:
+    return [
+        TierConfig(name="interactive", base_priority=10, max_priority=15, queue_share=1.0),
+        TierConfig(name="standard", base_priority=5, max_priority=9, queue_share=0.8),
+        TierConfig(name="batch", base_priority=0, max_priority=4, queue_share=0.5),
+    ]
+
+
+class ClusterConfig(_Strict):
+    """The whole application's settings.
+
+    served_model_name: the name clients pass as ``model`` (default: the engine's model).
+    default_tier: the tier of a request without an API key; ``None`` makes a key mandatory.
+    max_request_bytes: requests with a larger body get 413. max_tokens_limit: the largest
+    ``max_tokens`` a request may ask for. max_stop_strings: the most ``stop`` strings per request.
+    """
+
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+    served_model_name: str | None = None
+    tiers: list[TierConfig] = Field(default_factory=_default_tiers, min_length=1)
+    default_tier: str | None = "standard"
+    max_request_bytes: int = Field(default=1 << 20, gt=0)
+    max_tokens_limit: int = Field(default=4096, gt=0)
+    max_stop_strings: int = Field(default=8, ge=0)
+    retry_after_s: int = Field(default=1, ge=0)
+
+    @field_validator("tiers")
+    @classmethod
+    def _unique(cls, tiers: list[TierConfig]) -> list[TierConfig]:
+        names = [t.name for t in tiers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tier names must be unique, got {names}")
+        keys = [k.get_secret_value() for t in tiers for k in t.api_keys]
+        if len(set(keys)) != len(keys):
+            raise ValueError("an API key is listed in more than one tier")
+        return tiers
+
+    @model_validator(mode="after")
+    def _default_exists(self) -> ClusterConfig:
+        if self.default_tier is not None and self.default_tier not in {t.name for t in self.tiers}:
+            raise ValueError(
+                f"default_tier {self.default_tier!r} is not one of the tiers "
+                f"{[t.name for t in self.tiers]}"
+            )
+        return self
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.engine.model

@@ -1,0 +1,334 @@
+"""The HTTP front door: FastAPI under ``@serve.ingress``, an OpenAI-compatible subset.
+
+One request: validate the body (pydantic, strict), resolve the caller's tier and priority, tokenize,
+then call the engine deployment's streaming ``generate`` through a handle whose router is
+``router.free_blocks_router.FreeKVBlocksRouter``. Errors are OpenAI-shaped JSON
+(``{"error": {"message", "type", "code", "param"}}``): 400 bad input, 401 bad key, 413 body too
+large, 429 full queue or shed load (with ``Retry-After``), 503 no replica can serve.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from cluster.config import ClusterConfig
+from cluster.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatMessageOut,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+    dump,
+    new_id,
+    now,
+    usage,
+)
+from cluster.tiers import AuthError, Caller, PriorityError, TierResolver
+from replica.models.loader import load_tokenizer
+
+log = logging.getLogger("tierserve.ingress")
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+          405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+          503: "service_unavailable"}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
+
+
+def error_response(
+    status: int, message: str, code: str | None = None, param: str | None = None,
+    retry_after: int | None = None,
+) -> JSONResponse:
+    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
+    body = {"error": {"message": message, "type": _TYPES.get(status, "server_error"),
+                      "code": code, "param": param}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+app = FastAPI(title="tierserve", version="0.1.0",
+              description="OpenAI-compatible LLM serving with priority tiers.")
+
+
+@app.exception_handler(RequestValidationError)
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    msg = first.get("msg", "invalid request body")
+    if first.get("type") == "json_invalid":
+        msg, param = "the request body is not valid JSON", None
+    elif first.get("type") == "extra_forbidden":
+        msg = f"unknown field {param!r}"
+    elif param:
+        msg = f"{param}: {msg}"
+    return error_response(400, msg, code="invalid_request", param=param)
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    return error_response(exc.status_code, str(exc.detail), code="http_error")
+
+
+@app.exception_handler(ApiError)
+async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+    retry = request.app.state.retry_after if exc.status == 429 else None
+    return error_response(exc.status, exc.message, exc.code, exc.param, retry)
+
+
+@serve.deployment(name="Ingress", max_ongoing_requests=1024)
+@serve.ingress(app)
+class Ingress:
+    def __init__(self, llm: DeploymentHandle, config: dict[str, Any]) -> None:
+        self.cfg = ClusterConfig(**config)
+        self.tiers = TierResolver(self.cfg)
+        self.llm = llm.options(stream=True)
+        self.tokenizer = load_tokenizer(self.cfg.engine.model, self.cfg.engine.trust_remote_code)
+        self.created = now()
+        app.state.retry_after = self.cfg.retry_after_s
+        self._limits: dict[str, Any] | None = None
+
+    # ------------------------------------------------------------------ routes
+
+    @app.get("/health")
+    async def health(self) -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models(self) -> dict[str, Any]:
+        return dump(ModelList(data=[ModelCard(id=self.cfg.model_name, created=self.created)]))
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(self, request: Request) -> Response:
+        body = await self._body(request, CompletionRequest)
+        assert isinstance(body, CompletionRequest)
+        caller = self._caller(request)
+        if isinstance(body.prompt, str):
+            if not body.prompt:
+                raise ApiError(400, "prompt is empty", "empty", "prompt")
+            ids = list(self.tokenizer.encode(body.prompt, add_special_tokens=True))
+        else:
+            ids = list(body.prompt)
+        return await self._serve(request, body, ids, caller, chat=False)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat(self, request: Request) -> Response:
+        body = await self._body(request, ChatCompletionRequest)
+        assert isinstance(body, ChatCompletionRequest)
+        caller = self._caller(request)
+        messages = [{"role": m.role, "content": m.content} for m in body.messages]
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        except Exception as e:
+            raise ApiError(400, f"the chat template could not render these messages: {e}",
+                           "bad_messages", "messages") from e
+        if isinstance(ids, dict):
+            ids = ids["input_ids"]
+        if body.max_completion_tokens is not None:
+            body.max_tokens = body.max_completion_tokens
+        return await self._serve(request, body, list(ids), caller, chat=True)
+
+    # ------------------------------------------------------------------ helpers
+
+    async def _body(self, request: Request, model: type[CompletionRequest] | type[ChatCompletionRequest]
+                    ) -> CompletionRequest | ChatCompletionRequest:
+        declared = request.headers.get("content-length")
+        limit = self.cfg.max_request_bytes
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise ApiError(413, f"the request body is larger than {limit} bytes", "too_large")
+        raw = bytearray()
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > limit:
+                raise ApiError(413, f"the request body is larger than {limit} bytes", "too_large")
+        try:
+            data = json.loads(bytes(raw))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ApiError(400, f"the request body is not valid JSON: {e}", "invalid_json") from None
+        if not isinstance(data, dict):
+            raise ApiError(400, "the request body must be a JSON object", "invalid_json")
+        try:
+            return model.model_validate(data)
+        except Exception as e:
+            from pydantic import ValidationError
+
+            if not isinstance(e, ValidationError):
+                raise
+            first = e.errors()[0]
+            param = ".".join(str(p) for p in first.get("loc", ())) or None
+            msg = first.get("msg", "invalid request")
+            if first.get("type") == "extra_forbidden":
+                msg = f"unknown field {param!r}"
+            else:
+                msg = f"{param}: {msg}" if param else msg
+            raise ApiError(400, msg, "invalid_request", param) from None
+
+    def _caller(self, request: Request) -> Caller:
+        try:
+            return self.tiers.resolve(request.headers.get("authorization"),
+                                      request.headers.get("x-tl-priority"))
+        except AuthError as e:
+            raise ApiError(401, str(e), "invalid_api_key") from None
+        except PriorityError as e:
+            raise ApiError(400, str(e), "invalid_priority", "X-TL-Priority") from None
+
+    def _sampling(self, body: CompletionRequest | ChatCompletionRequest) -> dict[str, Any]:
+        if body.model != self.cfg.model_name:
+            raise ApiError(400, f"unknown model {body.model!r}; this server serves "
+                                f"{self.cfg.model_name!r}", "model_not_found", "model")
+        stops = body.stop_list()
+        if len(stops) > self.cfg.max_stop_strings:
+            raise ApiError(400, f"stop has {len(stops)} strings; at most "
+                                f"{self.cfg.max_stop_strings} are allowed", "too_many_stops", "stop")
+        if any(not s for s in stops):
+            raise ApiError(400, "stop strings must not be empty", "invalid_request", "stop")
+        max_tokens = body.max_tokens if body.max_tokens is not None else self.cfg.max_tokens_limit
+        if max_tokens > self.cfg.max_tokens_limit:
+            raise ApiError(400, f"max_tokens {max_tokens} is above this server's limit "
+                                f"({self.cfg.max_tokens_limit})", "max_tokens_too_large", "max_tokens")
+        return {
+            "max_tokens": max_tokens,
+            "temperature": float(body.temperature),
+            "top_p": float(body.top_p),
+            "top_k": body.top_k,
+            "seed": body.seed,
+            "stop": stops or None,
+            "stop_token_ids": body.stop_token_ids,
+            "ignore_eos": body.ignore_eos,
+        }
+
+    async def _serve(self, request: Request, body: CompletionRequest | ChatCompletionRequest,
+                     ids: list[int], caller: Caller, chat: bool) -> Response:
+        sampling = self._sampling(body)
+        if not ids:
+            raise ApiError(400, "prompt is empty", "empty", "prompt")
+        stream = self.llm.generate.remote(
+            ids, sampling, priority=caller.priority, prompt_tokens=len(ids),
+            max_tokens=sampling["max_tokens"], queue_share=caller.tier.queue_share,
+        )
+        try:
+            first = await self._next(stream)
+        except BaseException:
+            stream.cancel()
+            raise
+        if first is None:
+            raise ApiError(503, "the replica ended the request without an answer", "no_answer")
+        if "error" in first:
+            err = first["error"]
+            raise ApiError(err["status"], err["message"], err["code"], err.get("param"))
+        rid = new_id("chatcmpl" if chat else "cmpl")
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            gen = self._sse(stream, first, rid, chat, include_usage)
+            return StreamingResponse(gen, media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        try:
+            text, last = first["text"], first
+            while not last["finished"]:
+                item = await self._next(stream)
+                if item is None:
+                    raise ApiError(503, "the replica stopped streaming", "replica_failed")
+                text += item["text"]
+                last = item
+        except BaseException:
+            stream.cancel()
+            raise
+        if last["finish_reason"] == "error":
+            raise ApiError(503, last.get("error") or "the replica failed", "replica_failed")
+        u = usage(last["prompt_tokens"], last["completion_tokens"])
+        if chat:
+            out: Any = ChatCompletionResponse(
+                id=rid, created=now(), model=self.cfg.model_name, usage=u,
+                choices=[ChatChoice(message=ChatMessageOut(content=text),
+                                    finish_reason=last["finish_reason"])])
+        else:
+            out = CompletionResponse(
+                id=rid, created=now(), model=self.cfg.model_name, usage=u,
+                choices=[CompletionChoice(text=text, finish_reason=last["finish_reason"])])
+        return JSONResponse(dump(out))
+
+    async def _next(self, stream: Any) -> dict[str, Any] | None:
+        try:
+            item: dict[str, Any] = await stream.__anext__()
+            return item
+        except StopAsyncIteration:
+            return None
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.warning("replica call failed: %s", type(e).__name__)
+            raise ApiError(503, f"no replica could serve the request ({type(e).__name__})",
+                           "replica_unavailable") from None
+
+    async def _sse(self, stream: Any, first: dict[str, Any], rid: str, chat: bool,
+                   include_usage: bool) -> AsyncIterator[str]:
+        created = now()
+        model = self.cfg.model_name
+        item: dict[str, Any] | None = first
+        try:
+            if chat:
+                head = ChatCompletionChunk(id=rid, created=created, model=model,
+                                           choices=[ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))])
+                yield f"data: {head.model_dump_json()}\n\n"
+            while item is not None:
+                reason = item["finish_reason"] if item["finished"] else None
+                if reason == "error":
+                    err = {"error": {"message": item.get("error") or "the replica failed",
+                                     "type": "service_unavailable", "code": "replica_failed",
+                                     "param": None}}
+                    yield f"data: {json.dumps(err)}\n\n"
+                    break
+                if item["text"] or reason is not None:
+                    if chat:
+                        chunk: Any = ChatCompletionChunk(
+                            id=rid, created=created, model=model,
+                            choices=[ChatChunkChoice(delta=ChatDelta(content=item["text"] or None),
+                                                     finish_reason=reason)])
+                    else:
+                        chunk = CompletionResponse(
+                            id=rid, created=created, model=model,
+                            choices=[CompletionChoice(text=item["text"], finish_reason=reason)])
+                    yield f"data: {chunk.model_dump_json(exclude_none=False)}\n\n"
+                if item["finished"]:
+                    if include_usage:
+                        u = usage(item["prompt_tokens"], item["completion_tokens"])
+                        tail: Any = (ChatCompletionChunk if chat else CompletionResponse)(
+                            id=rid, created=created, model=model, choices=[], usage=u)
+                        yield f"data: {tail.model_dump_json()}\n\n"
+                    break
+                item = await self._next(stream)
+            yield "data: [DONE]\n\n"
+        except ApiError as e:
+            err = {"error": {"message": e.message, "type": "service_unavailable", "code": e.code,
+                             "param": None}}
+            yield f"data: {json.dumps(err)}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            stream.cancel()

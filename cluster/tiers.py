@@ -1,0 +1,81 @@
+"""Who is calling and how urgent it is: API key -> tier, ``X-TL-Priority`` -> priority in the tier.
+
+Keys are compared in constant time (``hmac.compare_digest`` against every configured key, no early
+exit) and never logged. A caller never gets above its tier: the header may choose any priority
+from the tier's ``base_priority`` to its ``max_priority``; a value outside that range is a 400.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from dataclasses import dataclass
+
+from cluster.config import ClusterConfig, TierConfig
+
+
+class AuthError(Exception):
+    """Missing or unknown API key (401)."""
+
+
+class PriorityError(ValueError):
+    """A bad ``X-TL-Priority`` header (400)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    tier: TierConfig
+    priority: int
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
+
+
+class TierResolver:
+    def __init__(self, config: ClusterConfig) -> None:
+        self._tiers = {t.name: t for t in config.tiers}
+        self._default = self._tiers.get(config.default_tier) if config.default_tier else None
+        self._keys = [(_digest(k.get_secret_value()), t) for t in config.tiers for k in t.api_keys]
+        # Tiers ranked lowest first: under overload the first ones are shed first.
+        self.lowest_first = sorted(config.tiers, key=lambda t: (t.base_priority, t.max_priority))
+
+    def resolve(self, authorization: str | None, priority_header: str | None) -> Caller:
+        """The caller's tier and priority; raises ``AuthError`` or ``PriorityError``."""
+        tier = self._tier(authorization)
+        return Caller(tier, self._priority(tier, priority_header))
+
+    def _tier(self, authorization: str | None) -> TierConfig:
+        if not authorization:
+            if self._default is None:
+                raise AuthError("this server needs an API key: send 'Authorization: Bearer <key>'")
+            return self._default
+        scheme, _, token = authorization.partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise AuthError("the Authorization header must be 'Bearer <key>'")
+        probe = _digest(token.strip())
+        found: TierConfig | None = None
+        for digest, tier in self._keys:  # no early exit: the time does not depend on the match
+            if hmac.compare_digest(probe, digest):
+                found = tier
+        if found is None:
+            raise AuthError("the API key is not valid")
+        return found
+
+    @staticmethod
+    def _priority(tier: TierConfig, header: str | None) -> int:
+        if header is None or header.strip() == "":
+            return tier.base_priority
+        text = header.strip()
+        try:
+            value = int(text, 10)
+        except ValueError:
+            raise PriorityError(
+                f"X-TL-Priority must be an integer, got {text[:32]!r}"
+            ) from None
+        if not tier.base_priority <= value <= tier.max_priority:
+            raise PriorityError(
+                f"X-TL-Priority {value} is outside what tier {tier.name!r} allows "
+                f"({tier.base_priority} to {tier.max_priority})"
+            )
+        return value

@@ -1,0 +1,401 @@
+"""Triton paged attention over the flat batch of ``kernels.metadata``.
+
+One kernel serves decodes and prefill chunks. A program owns one KV head of one "query block": up
+to ``BLOCK_M // GROUP_PAD`` consecutive query rows of one sequence times the ``GROUP`` query heads
+that share the KV head, flattened into the ``BLOCK_M`` rows of a ``tl.dot`` (so each K/V tile is
+loaded once per KV-head group; decodes pad the group up to the 16 rows ``tl.dot`` needs). The
+program walks its sequence's keys ``BLOCK_N`` at a time through the block table with an online
+softmax (base 2, fp32 accumulation), masking causally by each row's position.
+
+Launch plans (``paged_attention``):
+- fast: decodes in one launch tuned for bandwidth, optionally split along the context
+  (flash-decoding) with a combine kernel when there are too few programs to fill the GPU; prefill
+  chunks in a second launch with large query blocks.
+- deterministic: every row, decode or prefill, in one launch of one fixed configuration, no split.
+  A row's result then depends only on its own query, position and cached K/V: tiles start at key 0
+  in fixed ``BLOCK_N`` steps, keys a row may not see get score ``-inf`` and value 0 through
+  ``where`` and masked loads, and a tile with no visible key leaves the row's state untouched.
+
+Under ``TRITON_INTERPRET=1`` (CPU) the interpreter's ``tl.dot`` cannot multiply bf16, so the kernel
+upcasts its dot operands to fp32 there (constexpr ``UPCAST``); on a GPU the dots run in the input
+dtype (fp32 inputs use exact ``ieee`` dots rather than tf32).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.metadata import AttentionMetadata
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _paged_attn_kernel(  # type: ignore[no-untyped-def]
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    part_acc_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    cu_q_lens_ptr,
+    seq_offset,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_bt,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    EXACT_SKIP: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
+    seq = (tl.program_id(0) + seq_offset).to(tl.int64)
+    qblock = tl.program_id(1) // NUM_SPLITS
+    split = tl.program_id(1) % NUM_SPLITS
+    kv_head = tl.program_id(2).to(tl.int64)
+
+    q_start = tl.load(cu_q_lens_ptr + seq)
+    q_len = tl.load(cu_q_lens_ptr + seq + 1) - q_start
+    if qblock * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    prefix = seq_len - q_len  # cached positions before this step's first query
+
+    m_idx = tl.arange(0, BLOCK_M)
+    q_local = qblock * BLOCK_Q + m_idx // GROUP_PAD  # row within the sequence's queries
+    head_in_group = m_idx % GROUP_PAD
+    row_ok = (q_local < q_len) & (head_in_group < GROUP)
+    row = (q_start + q_local).to(tl.int64)
+    head = kv_head * GROUP + head_in_group
+    pos = prefix + q_local  # each row sees keys 0..pos
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+
+    q = tl.load(
+        q_ptr + row[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    # Keys this program may need: up to the last row's position; split evenly across NUM_SPLITS.
+    kv_end = prefix + tl.minimum(q_len, (qblock + 1) * BLOCK_Q)
+    num_tiles = tl.cdiv(kv_end, BLOCK_N)
+    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    table = block_tables_ptr + seq * stride_bt
+    n_idx = tl.arange(0, BLOCK_N)
+    for tile in range(tile_lo, tile_hi):
+        n = tile * BLOCK_N + n_idx
+        n_ok = n < kv_end
+        blk = tl.load(table + n // PAGE, mask=n_ok, other=0).to(tl.int64)
+        in_page = (n % PAGE).to(tl.int64)
+        k_off = blk * stride_kb + in_page * stride_ks + kv_head * stride_kh
+        v_off = blk * stride_vb + in_page * stride_vs + kv_head * stride_vh
+        k = tl.load(
+            k_cache_ptr + k_off[None, :] + d[:, None],
+            mask=n_ok[None, :] & d_ok[:, None],
+            other=0.0,
+        )
+        v = tl.load(
+            v_cache_ptr + v_off[:, None] + d[None, :],
+            mask=n_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, k, input_precision=PRECISION) * qk_scale
+        visible = (n[None, :] <= pos[:, None]) & n_ok[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_new = l_i * alpha + tl.sum(p, 1)
+        acc_new = acc * alpha[:, None]
+        acc_new = tl.dot(p.to(v.dtype), v, acc_new, input_precision=PRECISION)
+        if EXACT_SKIP:
+            # A tile with no key visible to a row must leave that row bit-for-bit unchanged.
+            touched = tile * BLOCK_N <= pos
+            m_i = tl.where(touched, m_new, m_i)
+            l_i = tl.where(touched, l_new, l_i)
+            acc = tl.where(touched[:, None], acc_new, acc)
+        else:
+            m_i = m_new
+            l_i = l_new
+            acc = acc_new
+
+    if NUM_SPLITS == 1:
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        o = acc / l_safe[:, None]
+        tl.store(
+            out_ptr + row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & d_ok[None, :],
+        )
+    else:
+        # Partial results [rows, q_heads, NUM_SPLITS(, HEAD_DIM)], indexed by the row of the batch.
+        num_q_heads = tl.num_programs(2) * GROUP
+        part = (row * num_q_heads + head) * NUM_SPLITS + split
+        tl.store(part_m_ptr + part, m_i, mask=row_ok)
+        tl.store(part_l_ptr + part, l_i, mask=row_ok)
+        tl.store(
+            part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :],
+            acc,
+            mask=row_ok[:, None] & d_ok[None, :],
+        )
+
+
+@triton.jit
+def _combine_splits_kernel(  # type: ignore[no-untyped-def]
+    out_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    part_acc_ptr,
+    stride_ot,
+    stride_oh,
+    NUM_SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    base = (row * tl.num_programs(1) + head) * NUM_SPLITS
+    sp = tl.arange(0, NUM_SPLITS)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    m = tl.load(part_m_ptr + base + sp)
+    lsum = tl.load(part_l_ptr + base + sp)
+    acc = tl.load(
+        part_acc_ptr + (base + sp)[:, None] * HEAD_DIM + d[None, :], mask=d_ok[None, :], other=0.0
+    )
+    m_max = tl.max(m, 0)
+    w = tl.exp2(m - m_max)  # empty splits have m = -inf -> weight 0
+    total = tl.sum(w * lsum, 0)
+    o = tl.sum(w[:, None] * acc, 0) / total
+    tl.store(
+        out_ptr + row * stride_ot + head * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d_ok
+    )
+
+
+def _is_interpreted(fn: object) -> bool:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(fn, InterpretedFunction)
+
+
+# ``@triton.jit`` picks interpreter or compiler when the module is imported, once.
+_INTERPRETED = _is_interpreted(_paged_attn_kernel)
+
+
+@dataclass(frozen=True, slots=True)
+class KernelConfig:
+    """Tile shape and launch parameters of one attention launch."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+# Deterministic mode: ONE configuration for every row, decode or prefill (changing it changes bits).
+DETERMINISTIC_BLOCK_M = 64
+DETERMINISTIC_BLOCK_N = 32
+
+
+def interpreted() -> bool:
+    """True when the kernels were built for the Triton CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return _INTERPRETED
+
+
+def _decode_config(group_pad: int, head_dim: int) -> KernelConfig:
+    return KernelConfig(max(16, group_pad), 64 if head_dim <= 128 else 32, 4, 3)
+
+
+def _prefill_config(group_pad: int, head_dim: int) -> KernelConfig:
+    if head_dim <= 128:
+        return KernelConfig(max(128, group_pad), 64, 8, 2)
+    return KernelConfig(max(64, group_pad), 32, 4, 2)
+
+
+def _deterministic_config(group_pad: int) -> KernelConfig:
+    return KernelConfig(max(DETERMINISTIC_BLOCK_M, group_pad), DETERMINISTIC_BLOCK_N, 4, 2)
+
+
+def auto_kv_splits(device: torch.device, programs: int, max_len: int) -> int:
+    """Decode context splits (a power of two) for ``programs`` = decodes x KV heads.
+
+    1 unless the decode grid alone would leave most SMs idle; each split keeps >= 256 keys.
+    """
+    if device.type != "cuda" or interpreted():
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    if programs >= sms:
+        return 1
+    want = triton.next_power_of_2(triton.cdiv(2 * sms, programs))
+    return max(1, min(want, 32, triton.next_power_of_2(triton.cdiv(max_len, 256))))
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    deterministic: bool = False,
+    num_kv_splits: int | None = None,
+) -> torch.Tensor:
+    """Attention of ``q`` ``[T, q_heads, D]`` over the paged cache -> ``[T, q_heads, D]`` in ``q.dtype``.
+
+    This step's K/V must already be stored. ``q``'s last dimension must be contiguous; the caches
+    contiguous. ``num_kv_splits`` forces the decode context split (a power of two; fast mode only);
+    ``None`` picks one from the GPU size. ``deterministic`` runs every row through one fixed
+    configuration (see the module docstring).
+    """
+    t, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    group = hq // hkv
+    group_pad = triton.next_power_of_2(group)
+    out = torch.empty_like(q)
+    if t == 0:
+        return out
+    if q.stride(2) != 1:
+        raise ValueError("paged_attention needs q with a contiguous last (head_dim) dimension")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("paged_attention needs contiguous K/V caches")
+    if num_kv_splits is not None and (num_kv_splits < 1 or num_kv_splits & (num_kv_splits - 1)):
+        raise ValueError(f"num_kv_splits must be a power of two >= 1, got {num_kv_splits}")
+    launch = _Launcher(q, k_cache, v_cache, out, meta, scale, group, group_pad)
+    nd, ns = meta.num_decodes, meta.num_seqs
+    if deterministic:
+        cfg = _deterministic_config(group_pad)
+        launch(cfg, seq_offset=0, num_seqs=ns, max_q_len=meta.max_q_len, splits=1, exact=True)
+        return out
+    if nd:
+        cfg = _decode_config(group_pad, d)
+        splits = num_kv_splits
+        if splits is None:
+            splits = auto_kv_splits(q.device, nd * hkv, max(meta.seq_lens_host[:nd]))
+        launch(cfg, seq_offset=0, num_seqs=nd, max_q_len=1, splits=splits, exact=False)
+    if ns > nd:
+        cfg = _prefill_config(group_pad, d)
+        max_q = max(meta.q_lens_host[nd:])
+        launch(cfg, seq_offset=nd, num_seqs=ns - nd, max_q_len=max_q, splits=1, exact=False)
+    return out
+
+
+@dataclass(slots=True)
+class _Launcher:
+    """Binds the tensors of one ``paged_attention`` call; each call of it is one kernel launch."""
+
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    out: torch.Tensor
+    meta: AttentionMetadata
+    scale: float
+    group: int
+    group_pad: int
+
+    def __call__(
+        self,
+        cfg: KernelConfig,
+        seq_offset: int,
+        num_seqs: int,
+        max_q_len: int,
+        splits: int,
+        exact: bool,
+    ) -> None:
+        q, kc, vc, out, meta = self.q, self.k_cache, self.v_cache, self.out, self.meta
+        hq, d = q.shape[1], q.shape[2]
+        hkv = kc.shape[2]
+        block_q = cfg.block_m // self.group_pad
+        if splits > 1:
+            # Only decode launches split; decode rows are rows 0..num_seqs-1 of the batch.
+            part_m = torch.empty((num_seqs, hq, splits), dtype=torch.float32, device=q.device)
+            part_l = torch.empty_like(part_m)
+            part_acc = torch.empty((num_seqs, hq, splits, d), dtype=torch.float32, device=q.device)
+        else:
+            part_m = part_l = part_acc = out  # unused
+        grid = (num_seqs, triton.cdiv(max_q_len, block_q) * splits, hkv)
+        _paged_attn_kernel[grid](
+            q,
+            kc,
+            vc,
+            out,
+            part_m,
+            part_l,
+            part_acc,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.cu_q_lens,
+            seq_offset,
+            self.scale * _LOG2E,
+            q.stride(0),
+            q.stride(1),
+            out.stride(0),
+            out.stride(1),
+            meta.block_tables.stride(0),
+            kc.stride(0),
+            kc.stride(1),
+            kc.stride(2),
+            vc.stride(0),
+            vc.stride(1),
+            vc.stride(2),
+            GROUP=self.group,
+            GROUP_PAD=self.group_pad,
+            HEAD_DIM=d,
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n,
+            BLOCK_D=max(16, triton.next_power_of_2(d)),
+            PAGE=kc.shape[1],
+            NUM_SPLITS=splits,
+            EXACT_SKIP=exact,
+            UPCAST=_INTERPRETED,
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
+        if splits > 1:
+            _combine_splits_kernel[(num_seqs, hq)](
+                out,
+                part_m,
+                part_l,
+                part_acc,
+                out.stride(0),
+                out.stride(1),
+                NUM_SPLITS=splits,
+                HEAD_DIM=d,
+                BLOCK_D=triton.next_power_of_2(d),
+                num_warps=4,
+            )

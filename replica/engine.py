@@ -1,0 +1,336 @@
+"""The engine: one replica's loop of schedule, forward, sample, on_step.
+
+``Engine.step()`` runs one iteration and returns every request's new output; the offline ``LLM``
+calls it directly. ``Engine.start()`` runs the same loop in a background thread for a server:
+requests come in through ``generate`` (an async iterator of deltas) or ``add_request`` from any
+thread or asyncio task. A lock guards the scheduler; the forward pass runs outside it, so an abort
+during a forward frees the request's blocks at once (nothing can reuse them before the next
+``schedule``), and its sampled row is dropped by ``on_step``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncGenerator, Callable, Sequence
+from dataclasses import dataclass, field
+
+from replica.block_space import RequestId
+from replica.detokenizer import IncrementalDetokenizer
+from replica.engine_config import EngineConfig, build_engine_parts
+from replica.sampler import SamplerState, SamplingParams, sample
+from replica.scheduler import (
+    FinishedEvent,
+    FinishReason,
+    Request,
+    ScheduleOutput,
+    StepOutput,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """One delta of a request: the text and token ids made since the last delta.
+
+    ``finished`` marks the last delta; then ``finish_reason`` is ``"stop"``, ``"length"``,
+    ``"abort"`` or ``"error"`` (with ``error`` saying what went wrong).
+    """
+
+    request_id: RequestId
+    text: str
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class _Live:
+    """Engine-side state of one request."""
+
+    id: RequestId
+    prompt_len: int
+    params: SamplingParams
+    sampler: SamplerState
+    detok: IncrementalDetokenizer
+    stop_ids: frozenset[int]
+    sink: Callable[[RequestOutput], None] | None
+    arrival: float = field(default_factory=time.monotonic)
+    first_token: float | None = None
+    generated: int = 0
+
+
+@dataclass(slots=True)
+class StepTimes:
+    """Where the loop's wall time went, cumulative."""
+
+    steps: int = 0
+    total_s: float = 0.0
+    forward_s: float = 0.0
+
+    @property
+    def overhead(self) -> float:
+        """Share of the loop's time not spent in the model forward."""
+        return 1.0 - self.forward_s / self.total_s if self.total_s else 0.0
+
+
+class EngineDead(RuntimeError):
+    """The step loop stopped on an error; the engine takes no new requests."""
+
+
+class Engine:
+    """Scheduler, KV pool, runner, sampler and detokenizer of one replica."""
+
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        self.config = config or EngineConfig()
+        parts = build_engine_parts(self.config)
+        self.model_config = parts.model_config
+        self.tokenizer = parts.tokenizer
+        self.scheduler = parts.scheduler
+        self.runner = parts.runner
+        self.max_model_len = parts.max_model_len
+        self.vocab_size = parts.model_config.vocab_size
+        self.eos_ids = frozenset(parts.model_config.eos_token_ids)
+        self.times = StepTimes()
+        self._refused: dict[str, int] = {}  # refusals decided outside the scheduler (e.g. shed)
+        self._live: dict[RequestId, _Live] = {}
+        self._lock = threading.RLock()
+        self._wake = threading.Condition(self._lock)
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.error: BaseException | None = None
+
+    # ------------------------------------------------------------------ requests
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=True))
+
+    def validate(self, prompt_ids: Sequence[int], max_tokens: int, priority: int = 0) -> None:
+        """Raise the error ``add_request`` would raise for this prompt (a full queue aside)."""
+        bad = next(
+            (t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size), None
+        )
+        if bad is not None:
+            raise ValueError(
+                f"token id {bad!r} is out of range for this model's vocab ({self.vocab_size})"
+            )
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        with self._lock:
+            self.scheduler.check(Request(list(prompt_ids), max_tokens, priority))
+
+    def add_request(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        sink: Callable[[RequestOutput], None] | None = None,
+    ) -> RequestId:
+        """Queue a request; raises ``ValueError``/``AdmitError`` for bad input or a full queue."""
+        params = params or SamplingParams()
+        params.validate()
+        ids = list(prompt_ids)
+        self.validate(ids, params.max_tokens, priority)
+        stop_ids = frozenset(params.stop_token_ids or ())
+        if not params.ignore_eos:
+            stop_ids |= self.eos_ids
+        with self._lock:
+            if self.error is not None:
+                raise EngineDead(f"the engine's step loop died: {self.error!r}")
+            rid = self.scheduler.add(Request(ids, params.max_tokens, priority))
+            self._live[rid] = _Live(
+                id=rid,
+                prompt_len=len(ids),
+                params=params,
+                sampler=SamplerState(params),
+                detok=IncrementalDetokenizer(self.tokenizer, ids, params.stop),
+                stop_ids=stop_ids,
+                sink=sink,
+            )
+            self._wake.notify()
+        return rid
+
+    def abort(self, rid: RequestId) -> bool:
+        """Drop a request (waiting or running); its blocks are free when this returns."""
+        with self._lock:
+            live = self._live.pop(rid, None)
+            found = self.scheduler.abort(rid)
+        if live is not None and live.sink is not None:
+            live.sink(self._final(live, "abort"))
+        return found
+
+    def count_rejection(self, reason: str) -> None:
+        """Count a request refused before it reached the scheduler (e.g. ``shed``)."""
+        with self._lock:
+            self._refused[reason] = self._refused.get(reason, 0) + 1
+
+    def rejections(self) -> dict[str, int]:
+        """Refused requests by reason: the scheduler's and the engine's own."""
+        with self._lock:
+            out = dict(self.scheduler.stats().rejected)
+            for k, v in self._refused.items():
+                out[k] = out.get(k, 0) + v
+        return out
+
+    def has_unfinished(self) -> bool:
+        with self._lock:
+            return self.scheduler.has_unfinished()
+
+    def stats(self) -> dict[str, int | float]:
+        with self._lock:
+            s = self.scheduler.stats()
+        return {
+            "running": s.running,
+            "waiting": s.waiting,
+            "free_blocks": s.free_blocks,
+            "total_blocks": s.total_blocks,
+            "num_preemptions": s.preemptions,
+            "steps": s.step,
+            "overhead": self.times.overhead,
+        }
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self) -> list[RequestOutput]:
+        """One iteration: schedule, forward, sample, on_step. Returns this step's deltas."""
+        t0 = time.perf_counter()
+        with self._lock:
+            plan = self.scheduler.schedule()
+            if plan.is_empty:
+                return []
+            batch = self.runner.build_batch(plan, self.scheduler)
+            states = [self._live[rid] for rid in batch.sampled]
+        t1 = time.perf_counter()
+        result = self.runner.forward(batch)
+        t2 = time.perf_counter()
+        tokens = sample(result.logits, [s.sampler for s in states])
+        outputs = self._finish_step(plan, states, tokens)
+        t3 = time.perf_counter()
+        self.times.steps += 1
+        self.times.forward_s += t2 - t1
+        self.times.total_s += t3 - t0
+        return outputs
+
+    def _finish_step(
+        self, plan: ScheduleOutput, states: list[_Live], tokens: list[int]
+    ) -> list[RequestOutput]:
+        now = time.monotonic()
+        step_outputs: list[StepOutput] = []
+        deltas: dict[RequestId, RequestOutput] = {}
+        for live, tok in zip(states, tokens, strict=True):
+            live.generated += 1
+            if live.first_token is None:
+                live.first_token = now
+            text = live.detok.add(tok)
+            stop = tok in live.stop_ids or live.detok.stopped is not None
+            step_outputs.append(StepOutput(live.id, tok, stop))
+            deltas[live.id] = RequestOutput(
+                live.id, text, [tok], prompt_tokens=live.prompt_len, completion_tokens=live.generated
+            )
+        with self._lock:
+            events = self.scheduler.on_step(step_outputs)
+            for e in events:
+                if isinstance(e, FinishedEvent):
+                    live_done = self._live.pop(e.id, None)
+                    out = deltas.get(e.id)
+                    if live_done is None or out is None:
+                        continue
+                    out.text += live_done.detok.finish()
+                    out.finished = True
+                    out.finish_reason = e.reason.value
+            # Requests aborted during the forward are gone from _live: drop their deltas.
+            result = [d for rid, d in deltas.items() if rid in self._live or d.finished]
+        sinks = {live.id: live.sink for live in states}
+        for d in result:
+            sink = sinks[d.request_id]
+            if sink is not None:
+                sink(d)
+        return result
+
+    def _final(self, live: _Live, reason: str, error: str | None = None) -> RequestOutput:
+        return RequestOutput(
+            live.id,
+            "",
+            [],
+            finished=True,
+            finish_reason=reason,
+            prompt_tokens=live.prompt_len,
+            completion_tokens=live.generated,
+            error=error,
+        )
+
+    # ------------------------------------------------------------------ background loop
+
+    def start(self) -> None:
+        """Run the step loop in a daemon thread until ``shutdown``."""
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._loop, name="tierserve-engine", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self._lock:
+                    while not self._stopping and not self.scheduler.has_unfinished():
+                        self._wake.wait(timeout=1.0)
+                    if self._stopping:
+                        return
+                self.step()
+        except BaseException as e:  # the loop must never die silently
+            log.exception("engine step loop died")
+            self._fail_all(e)
+
+    def _fail_all(self, e: BaseException) -> None:
+        with self._lock:
+            self.error = e
+            lives = list(self._live.values())
+            self._live.clear()
+            for live in lives:
+                self.scheduler.abort(live.id)
+        for live in lives:
+            if live.sink is not None:
+                live.sink(self._final(live, "error", f"the replica's engine failed: {e!r}"))
+
+    @property
+    def alive(self) -> bool:
+        """False once the background loop has died (or was never started)."""
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._stopping = True
+            self._wake.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    async def generate(
+        self, prompt_ids: Sequence[int], params: SamplingParams | None = None, priority: int = 0
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Stream a request's deltas; leaving the iterator early aborts the request."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+
+        def sink(out: RequestOutput) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, out)
+
+        rid = self.add_request(prompt_ids, params, priority, sink=sink)
+        finished = False
+        try:
+            while not finished:
+                out = await queue.get()
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self.abort(rid)
+
+
+__all__ = ["Engine", "EngineDead", "FinishReason", "RequestOutput", "StepTimes"]

@@ -1,0 +1,66 @@
+"""What a replica tells the router about its KV pool: the ``record_routing_stats`` contract.
+
+The replica's deployment returns ``RoutingStats(...).to_dict()`` from ``record_routing_stats``;
+Serve's controller calls it about once per ``request_routing_stats_period_s`` and hands the dict
+to every router as ``RunningReplica.routing_stats`` (an empty dict until the first report).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingStats:
+    """One snapshot of a replica's scheduler, taken at ``report_time``."""
+
+    free_blocks: int  # KV blocks not held by any running request
+    total_blocks: int  # KV blocks in the pool
+    block_tokens: int  # positions per block
+    waiting: int = 0  # requests in the waiting queue (including preempted ones)
+    running: int = 0  # requests holding blocks
+    preemptions: int = 0  # total since the replica started
+    report_time: float = 0.0  # time.time() on the replica when the snapshot was taken
+    # Blocks the waiting queue needs to be admitted: for each waiting request,
+    # ceil((its tokens + 1) / block_tokens). 0 when the replica does not compute it.
+    waiting_blocks: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable dict (ints and one float)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> RoutingStats | None:
+        """Parse a report; ``None`` for an empty dict (no report yet).
+
+        Unknown keys are ignored (a newer replica may report more). Raises ``ValueError`` when a
+        non-empty dict lacks a required key or holds a value of the wrong kind.
+        """
+        if not data:
+            return None
+        required = ("free_blocks", "total_blocks", "block_tokens", "report_time")
+        missing = [k for k in required if k not in data]
+        if missing:
+            raise ValueError(f"routing stats lack {', '.join(missing)}: got keys {sorted(data)}")
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            if f.name not in data:
+                continue
+            raw = data[f.name]
+            if isinstance(raw, bool) or not isinstance(raw, (int, float)):
+                raise ValueError(f"routing stats field {f.name} must be a number, got {raw!r}")
+            if f.name == "report_time":
+                values[f.name] = float(raw)
+            else:
+                if not math.isfinite(raw) or raw != int(raw):
+                    raise ValueError(
+                        f"routing stats field {f.name} must be an integer, got {raw!r}"
+                    )
+                values[f.name] = int(raw)
+        if values["block_tokens"] <= 0:
+            raise ValueError(
+                f"routing stats block_tokens must be positive, got {values['block_tokens']}"
+            )
+        return cls(**values)

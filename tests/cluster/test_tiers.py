@@ -1,0 +1,87 @@
+"""Tiers: keys map to tiers in constant time, the header never lifts a caller above its tier."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.config import ClusterConfig, TierConfig
+from cluster.tiers import AuthError, PriorityError, TierResolver
+
+
+def resolver(default: str | None = "standard") -> TierResolver:
+    cfg = ClusterConfig(
+        tiers=[
+            TierConfig(name="interactive", base_priority=10, max_priority=15, api_keys=["k-int"]),
+            TierConfig(name="standard", base_priority=5, max_priority=9, api_keys=["k-std"]),
+            TierConfig(name="batch", base_priority=0, max_priority=4, queue_share=0.5,
+                       api_keys=["k-batch"]),
+        ],
+        default_tier=default,
+    )
+    return TierResolver(cfg)
+
+
+def test_key_selects_its_tier_and_base_priority() -> None:
+    c = resolver().resolve("Bearer k-int", None)
+    assert (c.tier.name, c.priority) == ("interactive", 10)
+
+
+def test_no_key_gets_the_default_tier() -> None:
+    c = resolver().resolve(None, None)
+    assert (c.tier.name, c.priority) == ("standard", 5)
+
+
+def test_no_key_without_a_default_tier_is_401() -> None:
+    with pytest.raises(AuthError, match="needs an API key"):
+        resolver(default=None).resolve(None, None)
+
+
+@pytest.mark.parametrize("header", ["Bearer nope", "Basic k-int", "Bearer ", "k-int"])
+def test_bad_keys_are_refused(header: str) -> None:
+    with pytest.raises(AuthError):
+        resolver().resolve(header, None)
+
+
+def test_header_chooses_within_the_tier() -> None:
+    assert resolver().resolve("Bearer k-batch", "3").priority == 3
+
+
+@pytest.mark.parametrize("value", ["10", "15", "5", "-1"])
+def test_batch_key_cannot_ask_for_more(value: str) -> None:
+    with pytest.raises(PriorityError, match="outside what tier 'batch' allows"):
+        resolver().resolve("Bearer k-batch", value)
+
+
+@pytest.mark.parametrize("value", ["high", "1.5", "0x10", "9" * 40 + "x"])
+def test_non_integer_priority_is_a_clear_error(value: str) -> None:
+    with pytest.raises(PriorityError, match="must be an integer"):
+        resolver().resolve(None, value)
+
+
+def test_lowest_tier_first() -> None:
+    assert [t.name for t in resolver().lowest_first] == ["batch", "standard", "interactive"]
+
+
+def test_keys_are_not_in_the_config_repr() -> None:
+    cfg = ClusterConfig(tiers=[TierConfig(name="a", base_priority=0, max_priority=1, api_keys=["sekrit"])],
+                        default_tier=None)
+    assert "sekrit" not in repr(cfg) and "sekrit" not in str(cfg.model_dump())
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        ({"tiers": [{"name": "a", "base_priority": 5, "max_priority": 1}]}, "below base_priority"),
+        ({"default_tier": "gold"}, "not one of the tiers"),
+        ({"tiers": [{"name": "a", "base_priority": 0, "max_priority": 1},
+                    {"name": "a", "base_priority": 0, "max_priority": 1}], "default_tier": "a"}, "unique"),
+        ({"engine": {"block_size": 7}}, "block_size"),
+        ({"engine": {"policy": "lifo"}}, "policy"),
+        ({"surprise": 1}, "surprise"),
+    ],
+)
+def test_bad_config_is_refused_with_a_clear_message(args: dict[str, object], match: str) -> None:
+    from cluster.app import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=match):
+        load_config(args)

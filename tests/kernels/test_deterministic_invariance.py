@@ -1,0 +1,174 @@
+"""Bit-exact invariances of the deterministic paths (torch on CPU, Triton in the interpreter/GPU).
+
+A request's attention output must not change by one bit with what else shares its batch, where its
+blocks sit in the pool, how its prompt was cut into chunks, or whether a token ran as a decode row
+or inside a prefill chunk (recompute after preemption). Each scenario starts from a NaN-filled
+cache, so a masked key that leaks in would also show up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from kernels import reference
+from kernels.attention import Backend, attention
+from tests.kernels.common import SCALE
+from tests.kernels.helpers import (
+    DEVICES,
+    Seq,
+    Shape,
+    assert_close,
+    make_step,
+    new_cache,
+    new_seq,
+    random_blocks,
+    row_slices,
+    store_prefix,
+)
+
+
+def _triton_available() -> bool:
+    if torch.cuda.is_available():
+        return True
+    from kernels import triton_attention
+
+    return triton_attention.interpreted()
+
+
+TRITON_MARKS = [
+    pytest.mark.triton,
+    pytest.mark.skipif(not _triton_available(), reason="needs CUDA or TRITON_INTERPRET=1"),
+]
+BACKENDS = ["torch", pytest.param("triton", marks=TRITON_MARKS)]
+NUM_BLOCKS = 4096
+SHAPE = Shape(kv_heads=2, group=3, head_dim=16)
+
+
+def _run(
+    backend: Backend,
+    batches: list[list[tuple[Seq, int, int]]],
+    block_size: int,
+    dtype: torch.dtype,
+    device: str,
+) -> list[list[torch.Tensor]]:
+    """Run steps in order on one fresh cache (each part's prefix stored first); rows per part."""
+    if backend == "torch" and device != "cpu":
+        pytest.skip("the deterministic torch path is CPU-only (the GPU's is the Triton kernel)")
+    k_cache, v_cache = new_cache(NUM_BLOCKS, block_size, SHAPE, dtype, device)
+    stored: set[int] = set()
+    outs = []
+    for parts in batches:
+        for seq, start, _ in parts:
+            if id(seq) not in stored:
+                store_prefix(seq, start, k_cache, v_cache)
+                stored.add(id(seq))
+        step = make_step(parts, block_size, device)
+        out = attention(
+            step.q, step.k, step.v, k_cache, v_cache, step.meta, SCALE, backend, deterministic=True
+        )
+        outs.append([out[rows] for rows in row_slices(parts)])
+    return outs
+
+
+def _moved(seq: Seq, block_size: int, gen: torch.Generator, taken: set[int]) -> Seq:
+    """The same request with its blocks somewhere else in the pool."""
+    return dataclasses.replace(seq, blocks=random_blocks(len(seq.blocks), NUM_BLOCKS, gen, taken))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_alone_vs_in_a_batch_of_eight(backend: Backend, dtype: torch.dtype, device: str) -> None:
+    block_size = 16
+    gen = torch.Generator().manual_seed(7)
+    taken: set[int] = set()
+
+    def seq(length: int) -> Seq:
+        return new_seq(length, SHAPE, block_size, NUM_BLOCKS, dtype, device, gen, taken)
+
+    dec, chunk = seq(41), seq(33)  # the requests under test: a decode at 40, a chunk 20..32
+    others = [seq(n) for n in (17, 64, 3, 50, 29, 70)]
+    alone = _run(backend, [[(dec, 40, 1)], [(chunk, 20, 13)]], block_size, dtype, device)
+    dec2, chunk2 = _moved(dec, block_size, gen, taken), _moved(chunk, block_size, gen, taken)
+    batch = [
+        (others[0], 16, 1),
+        (others[1], 63, 1),
+        (dec2, 40, 1),
+        (others[2], 2, 1),
+        (others[3], 0, 50),
+        (chunk2, 20, 13),
+        (others[4], 9, 20),
+        (others[5], 35, 35),
+    ]
+    together = _run(backend, [batch], block_size, dtype, device)[0]
+    assert torch.equal(alone[0][0], together[2]), "decode row changed with its batch"
+    assert torch.equal(alone[1][0], together[5]), "chunk rows changed with their batch"
+    # And they are right, not just stable.
+    k_cache, v_cache = new_cache(NUM_BLOCKS, block_size, SHAPE, dtype, device)
+    for s, start, n in batch:
+        store_prefix(s, start + n, k_cache, v_cache)
+    step = make_step(batch, block_size, device)
+    want = reference.paged_attention(step.q, k_cache, v_cache, step.meta, SCALE)
+    assert_close(torch.cat(together), want, dtype, "batched rows vs reference")
+
+
+def _chunked(seq: Seq, length: int, plan: str, companion: Seq) -> list[list[tuple[Seq, int, int]]]:
+    """Steps that feed ``seq``'s prompt per ``plan``; a companion request decodes alongside."""
+    if plan == "whole":
+        cuts = [length]
+    elif plan.startswith("chunks-"):
+        size = int(plan.removeprefix("chunks-"))
+        cuts = [*range(size, length, size), length]
+    else:  # "prefill-then-decode": a 20-token chunk, then one decode row per token
+        cuts = [20, *range(21, length + 1)]
+    steps, start = [], 0
+    for i, end in enumerate(cuts):
+        n = end - start
+        mine = (seq, start, n)
+        other = (companion, 10 + i, 1)
+        steps.append([mine, other] if n == 1 else [other, mine])
+        start = end
+    return steps
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    ("backend", "block_size"),
+    # The torch path's tile is the block, so both sizes; the Triton tile is fixed (32 keys), so
+    # block 16 (a tile spanning two blocks) is its harder case under the slow interpreter.
+    [("torch", 16), ("torch", 32), pytest.param("triton", 16, marks=TRITON_MARKS)],
+)
+def test_chunking_and_decode_rows_do_not_change_bits(
+    backend: Backend, block_size: int, device: str
+) -> None:
+    """Whole prompt == chunks of 1 (decode rows), 7, 16 == a chunk then decodes, bit for bit."""
+    dtype = torch.bfloat16
+    length = 45
+    gen = torch.Generator().manual_seed(3)
+    seq = new_seq(length, SHAPE, block_size, NUM_BLOCKS, dtype, device, gen)
+    companion = new_seq(
+        length + 10, SHAPE, block_size, NUM_BLOCKS, dtype, device, gen, set(seq.blocks)
+    )
+
+    def rows(plan: str) -> torch.Tensor:
+        steps = _chunked(seq, length, plan, companion)
+        outs = _run(backend, steps, block_size, dtype, device)
+        mine = [
+            next(o for p, o in zip(s, out, strict=True) if p[0] is seq)
+            for s, out in zip(steps, outs, strict=True)
+        ]
+        return torch.cat(mine)
+
+    whole = rows("whole")
+    for plan in ("chunks-1", "chunks-7", "chunks-16", "prefill-then-decode"):
+        got = rows(plan)
+        assert got.shape == whole.shape
+        assert torch.equal(got, whole), f"{plan}: rows differ from the whole-prompt prefill"
+    step = make_step([(seq, 0, length)], block_size, device)
+    k_cache, v_cache = new_cache(NUM_BLOCKS, block_size, SHAPE, dtype, device)
+    store_prefix(seq, length, k_cache, v_cache)
+    want = reference.paged_attention(step.q, k_cache, v_cache, step.meta, SCALE)
+    assert_close(whole, want, dtype, "whole prompt vs reference")

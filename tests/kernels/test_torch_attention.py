@@ -1,0 +1,44 @@
+"""The plain-torch paths (fast and deterministic) against the reference, through the dispatch."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from kernels.attention import attention
+from tests.kernels.common import MIXED, check_against_reference
+from tests.kernels.helpers import DEVICES, Shape
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["fast", "deterministic"])
+def test_torch_paths_match_reference(
+    deterministic: bool, group: int, block_size: int, dtype: torch.dtype, device: str
+) -> None:
+    if deterministic and device != "cpu":
+        pytest.skip("the deterministic torch path is CPU-only (the GPU's is the Triton kernel)")
+    attend = functools.partial(attention, backend="torch", deterministic=deterministic)
+    shape = Shape(kv_heads=2, group=group, head_dim=32)
+    check_against_reference(attend, MIXED, shape, block_size, dtype, device)
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["fast", "deterministic"])
+@pytest.mark.parametrize("spec", [[(0, 1)], [(7, 1), (33, 1)], [(0, 5)], [(3, 29), (0, 64)]])
+def test_torch_paths_decode_only_or_prefill_only(
+    deterministic: bool, spec: list[tuple[int, int]]
+) -> None:
+    attend = functools.partial(attention, backend="torch", deterministic=deterministic)
+    check_against_reference(attend, spec, Shape(1, 4, 16), 16, torch.float32, "cpu")
+
+
+def test_deterministic_bounds_memory_with_row_slabs(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kernels import torch_attention
+
+    monkeypatch.setattr(torch_attention, "_DET_MAX_PRODUCT", 1)  # one row per slab
+    attend = functools.partial(attention, backend="torch", deterministic=True)
+    check_against_reference(attend, MIXED, Shape(2, 3, 16), 16, torch.float32, "cpu")

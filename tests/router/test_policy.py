@@ -1,0 +1,183 @@
+"""The ranking policy and the stats contract, without Ray."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter
+
+import pytest
+
+from router.policy import (
+    Charge,
+    ReplicaLoad,
+    RequestShape,
+    all_saturated,
+    charge_blocks,
+    estimate_free,
+    rank_replicas,
+)
+from router.stats import RoutingStats
+
+T0 = 1000.0
+
+
+def stats(
+    free: int, total: int = 100, *, at: float = T0, waiting: int = 0, **kw: int
+) -> RoutingStats:
+    return RoutingStats(
+        free_blocks=free, total_blocks=total, block_tokens=16, waiting=waiting, report_time=at, **kw
+    )
+
+
+def order(loads: list[ReplicaLoad[str]], prompt: int = 31, seed: int = 0) -> list[str]:
+    return [r.key for r in rank_replicas(loads, RequestShape(prompt), random.Random(seed))]
+
+
+# ---------------------------------------------------------------- stats contract
+
+
+def test_stats_round_trip_through_json() -> None:
+    s = RoutingStats(
+        10, 64, 16, waiting=2, running=3, preemptions=1, report_time=T0, waiting_blocks=4
+    )
+    d = json.loads(json.dumps(s.to_dict()))
+    assert RoutingStats.from_dict(d) == s
+
+
+def test_empty_report_means_no_report_yet() -> None:
+    assert RoutingStats.from_dict({}) is None
+    assert RoutingStats.from_dict(None) is None
+
+
+def test_report_tolerates_unknown_keys_and_defaults_optional_ones() -> None:
+    d = {"free_blocks": 3, "total_blocks": 8, "block_tokens": 16, "report_time": 5, "extra": "x"}
+    assert RoutingStats.from_dict(d) == RoutingStats(3, 8, 16, report_time=5.0)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"free_blocks": 1},
+        {"free_blocks": "1", "total_blocks": 8, "block_tokens": 16, "report_time": 0},
+        {"free_blocks": 1.5, "total_blocks": 8, "block_tokens": 16, "report_time": 0},
+        {"free_blocks": 1, "total_blocks": 8, "block_tokens": 0, "report_time": 0},
+    ],
+)
+def test_malformed_report_is_an_error(bad: dict[str, object]) -> None:
+    with pytest.raises(ValueError, match="routing stats"):
+        RoutingStats.from_dict(bad)
+
+
+# ---------------------------------------------------------------- charges and estimates
+
+
+@pytest.mark.parametrize(("prompt", "blocks"), [(0, 1), (15, 1), (16, 2), (31, 2), (32, 3)])
+def test_charge_is_prompt_plus_first_token(prompt: int, blocks: int) -> None:
+    assert charge_blocks(prompt, 16) == blocks
+
+
+def test_request_shape_reads_kwargs_and_falls_back() -> None:
+    shape = RequestShape.from_call(
+        [[1, 2, 3]], {"priority": 2, "prompt_tokens": 40, "max_tokens": 9}
+    )
+    assert shape == RequestShape(40, 9, 2)
+    assert RequestShape.from_call([[1, 2, 3]], {}) == RequestShape(3, 0, 0)
+    assert RequestShape.from_call([], {"priority": True, "prompt_tokens": "x"}) == RequestShape(0)
+
+
+def test_charges_before_the_report_are_not_subtracted_twice() -> None:
+    s = stats(50, at=T0)
+    charges = [Charge(10, T0 - 1), Charge(7, T0 + 1), Charge(3, T0)]
+    assert estimate_free(s, charges, assumed_total=0) == 50 - 7 - 3
+
+
+def test_waiting_blocks_count_against_free_blocks() -> None:
+    assert estimate_free(stats(50, waiting=2, waiting_blocks=12), [], 0) == 38
+
+
+def test_ranks_by_reported_free_blocks() -> None:
+    loads = [ReplicaLoad("a", stats(10)), ReplicaLoad("b", stats(90)), ReplicaLoad("c", stats(40))]
+    assert order(loads) == ["b", "c", "a"]
+
+
+def test_in_flight_corrects_a_stale_report() -> None:
+    # b reported the most, but this router has sent it 60 blocks since: c is now best.
+    loads = [
+        ReplicaLoad("b", stats(90), [Charge(30, T0 + 0.1), Charge(30, T0 + 0.2)]),
+        ReplicaLoad("c", stats(40)),
+    ]
+    assert order(loads) == ["c", "b"]
+
+
+def test_completed_requests_are_no_longer_charged() -> None:
+    # The same situation once both requests completed (the router dropped their charges).
+    loads = [ReplicaLoad("b", stats(90), []), ReplicaLoad("c", stats(40))]
+    assert order(loads) == ["b", "c"]
+
+
+def test_a_newer_report_absorbs_older_charges() -> None:
+    charge = Charge(60, T0 + 0.1)
+    old = [ReplicaLoad("b", stats(90), [charge]), ReplicaLoad("c", stats(40))]
+    new = [ReplicaLoad("b", stats(30, at=T0 + 1), [charge]), ReplicaLoad("c", stats(40))]
+    assert order(old) == ["c", "b"]
+    assert order(new) == ["c", "b"]
+    assert estimate_free(new[0].stats, new[0].charges, 0) == 30
+
+
+def test_ties_are_broken_at_random() -> None:
+    loads = [ReplicaLoad(k, stats(50)) for k in "abcd"]
+    firsts = Counter(order(loads, seed=seed)[0] for seed in range(400))
+    assert set(firsts) == set("abcd")
+    assert min(firsts.values()) > 60  # about 100 each
+    assert order(loads, seed=7) == order(loads, seed=7)
+
+
+def test_unreported_replica_is_assumed_as_large_as_the_largest_pool() -> None:
+    loads = [ReplicaLoad("old", stats(20, total=100)), ReplicaLoad("new", None)]
+    assert order(loads) == ["new", "old"]
+    ranked = rank_replicas(loads, RequestShape(31), random.Random(0))
+    assert ranked[0].est_free == 100
+    # ... minus everything this router has sent it (no report: all charges are unseen).
+    loads[1] = ReplicaLoad("new", None, [Charge(50, T0 - 5), Charge(40, T0 + 5)])
+    assert order(loads) == ["old", "new"]
+
+
+def test_without_any_report_fewest_outstanding_blocks_wins() -> None:
+    loads = [
+        ReplicaLoad("a", None, [Charge(4, T0)]),
+        ReplicaLoad("b", None, []),
+        ReplicaLoad("c", None, [Charge(2, T0)]),
+    ]
+    assert order(loads) == ["b", "c", "a"]
+    ranked = rank_replicas(loads, RequestShape(31), random.Random(0))
+    assert not any(r.saturated for r in ranked)  # nothing is known against them
+
+
+def test_saturated_replicas_rank_last_and_are_reported() -> None:
+    # a has more free blocks than b, but not enough for the request, and a long queue.
+    loads = [ReplicaLoad("a", stats(3, waiting=9)), ReplicaLoad("b", stats(2, waiting=1))]
+    ranked = rank_replicas(loads, RequestShape(63), random.Random(0), saturation_waiting=8)
+    assert [r.key for r in ranked] == ["b", "a"]
+    assert [r.saturated for r in ranked] == [False, True]
+    assert ranked[1].need == 4
+    assert not all_saturated(ranked)
+
+
+def test_requests_sent_since_the_report_lengthen_the_queue() -> None:
+    charges = [Charge(1, T0 + 1)] * 3
+    load = ReplicaLoad("a", stats(2, waiting=5), charges)
+    ranked = rank_replicas([load], RequestShape(63), random.Random(0), saturation_waiting=8)
+    assert ranked[0].est_waiting == 8 and ranked[0].saturated
+    assert all_saturated(ranked)
+
+
+def test_a_pool_too_small_for_the_whole_request_ranks_last() -> None:
+    loads = [ReplicaLoad("small", stats(8, total=8)), ReplicaLoad("big", stats(5, total=100))]
+    ranked = rank_replicas(loads, RequestShape(31, max_tokens=200), random.Random(0))
+    assert [r.key for r in ranked] == ["big", "small"]
+    assert ranked[1].never_fits
+    # A request no pool can ever hold is not "saturated": the replica refuses it at once.
+    only_small = rank_replicas(loads[:1], RequestShape(31, 200), random.Random(0))
+    assert not all_saturated(only_small)
+    assert not all_saturated([])

@@ -1,0 +1,245 @@
+"""FreeKVBlocksRouter's hooks with stand-in replicas: no Ray cluster, called as Serve 2.60 does."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from typing import Any, cast
+
+import pytest
+from ray.serve._private.common import (
+    DeploymentHandleSource,
+    DeploymentID,
+    ReplicaID,
+    RequestMetadata,
+)
+from ray.serve.request_router import PendingRequest, ReplicaResult, RunningReplica
+
+from router import registry
+from router.free_blocks_router import FreeKVBlocksRouter
+from router.policy import RequestShape
+from router.stats import RoutingStats
+
+DEPLOYMENT = DeploymentID(name="engine", app_name="app")
+RESULT = cast(ReplicaResult, None)  # the router never looks at the result
+
+
+class FakeReplica:
+    """What a RequestRouter reads from a RunningReplica."""
+
+    def __init__(self, name: str, free: int, total: int = 256, **stats: Any) -> None:
+        self.replica_id = ReplicaID(unique_id=name, deployment_id=DEPLOYMENT)
+        self.max_ongoing_requests = 1000
+        self.node_id = "node"
+        self.availability_zone: str | None = None
+        self.multiplexed_model_ids: set[str] = set()
+        self.report(free, total, **stats)
+
+    def report(self, free: int, total: int = 256, at: float | None = None, **stats: Any) -> None:
+        now = time.time() if at is None else at
+        self.routing_stats = RoutingStats(free, total, 16, report_time=now, **stats).to_dict()
+
+    async def get_queue_len(self, *, deadline_s: float) -> int:
+        return 0
+
+
+def request(prompt: int = 255, rid: str = "", **kwargs: Any) -> PendingRequest:
+    meta = RequestMetadata(
+        request_id="x", internal_request_id=rid or f"r{id(kwargs)}", is_streaming=True
+    )
+    kw = {"priority": 0, "prompt_tokens": prompt, "max_tokens": 32, **kwargs}
+    return PendingRequest(args=[[1] * prompt, None], kwargs=kw, metadata=meta)
+
+
+Body = Callable[[FreeKVBlocksRouter, list[FakeReplica]], Awaitable[None]]
+
+
+def run(body: Body, *replicas: FakeReplica, **router_kwargs: Any) -> None:
+    async def main() -> None:
+        router = FreeKVBlocksRouter(
+            deployment_id=DEPLOYMENT,
+            handle_source=DeploymentHandleSource.UNKNOWN,
+            use_replica_queue_len_cache=True,
+        )
+        router.initialize_state(**{"seed": 0, **router_kwargs})
+        router.update_replicas(cast(list[RunningReplica], list(replicas)))
+        await body(router, list(replicas))
+
+    asyncio.run(main())
+
+
+async def choose(router: FreeKVBlocksRouter, pr: PendingRequest) -> str:
+    groups = await router.choose_replicas(list(router.curr_replicas.values()), pr)
+    assert all(len(g) == 1 for g in groups)  # one replica per group: the ranking decides
+    return str(groups[0][0].replica_id.unique_id)
+
+
+def outstanding(router: FreeKVBlocksRouter) -> dict[str, int]:
+    return {rid.unique_id: blocks for rid, blocks in router.outstanding().items()}
+
+
+def test_ranked_groups_best_first_and_backoff_requested() -> None:
+    async def body(router: FreeKVBlocksRouter, reps: list[FakeReplica]) -> None:
+        pr = request()
+        groups = await router.choose_replicas(list(router.curr_replicas.values()), pr)
+        assert [g[0].replica_id.unique_id for g in groups] == ["b", "c", "a"]
+        assert pr.routing_context.should_backoff  # else Serve retries without sleeping
+
+    run(body, FakeReplica("a", 10), FakeReplica("b", 200), FakeReplica("c", 100))
+
+
+def test_burst_before_any_confirmation_spreads() -> None:
+    # 12 requests of 16 blocks chosen back to back, none confirmed yet: tentative charges spread
+    # them the way the estimates say (a: 100, b: 70, c: 55 free), not all onto a.
+    async def body(router: FreeKVBlocksRouter, reps: list[FakeReplica]) -> None:
+        picks = Counter([await choose(router, request()) for _ in range(12)])
+        assert picks == {"a": 5, "b": 4, "c": 3}
+        assert outstanding(router) == {"a": 80, "b": 64, "c": 48}
+
+    run(body, FakeReplica("a", 100), FakeReplica("b", 70), FakeReplica("c", 55))
+
+
+def test_routed_moves_the_charge_and_completed_releases_it() -> None:
+    async def body(router: FreeKVBlocksRouter, reps: list[FakeReplica]) -> None:
+        b = reps[1]
+        pr = request()
+        assert await choose(router, pr) == "a"
+        assert outstanding(router) == {"a": 16, "b": 0}
+        router.on_request_routed(pr, b.replica_id, RESULT)  # a was full: Serve took b
+        assert outstanding(router) == {"a": 0, "b": 16}
+        router.on_request_completed(b.replica_id, pr.metadata.internal_request_id)
+        assert outstanding(router) == {"a": 0, "b": 0}
+
+    run(body, FakeReplica("a", 100), FakeReplica("b", 50))
+
+
+def test_rejected_send_drops_the_tentative_charge() -> None:
+    async def body(router: FreeKVBlocksRouter, reps: list[FakeReplica]) -> None:
+        pr = request()
+        assert await choose(router, pr) == "a"
+        router.on_request_completed(reps[0].replica_id, pr.metadata.internal_request_id)
+        assert outstanding(router) == {"a": 0}
+
+    run(body, FakeReplica("a", 100))
+
+
+def test_retry_replaces_its_own_tentative_charge() -> None:
+    async def body(router: FreeKVBlocksRouter, reps: list[FakeReplica]) -> None:
+        pr = request()
+        for _ in range(5):  # Serve calls choose_replicas again after a backoff
+            await choose(router, pr)
+        assert outstanding(router) == {"a": 16}
+
+    run(body, FakeReplica("a", 100))
+
+
+def test_calls_sharing_an_internal_request_id_are_counted_separately() -> None:
+    # Handle calls made while serving one request inherit its internal_request_id.
+    async def body(router: FreeKVBlocksRouter, reps: list[FakeReplica]) -> None:
+        a = reps[0].replica_id
+        p1, p2 = request(rid="same"), request(prompt=31, rid="same")
+        for pr in (p1, p2):
+            await choose(router, pr)
+            router.on_request_routed(pr, a, RESULT)
+        assert outstanding(router) == {"a": 18}
+        router.on_request_completed(a, "same")
+        assert outstanding(router) in ({"a": 2}, {"a": 16})
+        router.on_request_completed(a, "same")
+        assert outstanding(router) == {"a": 0}
+
+    run(body, FakeReplica("a", 100))
+
+
+def test_a_newer_report_absorbs_requests_routed_before_it() -> None:
+    async def body(router: FreeKVBlocksRouter, reps: list[FakeReplica]) -> None:
+        a, b = reps
+        for _ in range(3):
+            pr = request()
+            assert await choose(router, pr) == "a"
+            router.on_request_routed(pr, a.replica_id, RESULT)
+        # 100 - 48 = 52 < 60: b ranks first until a reports again.
+        assert await choose(router, request(rid="probe")) == "b"
+        router.on_request_completed(b.replica_id, "probe")
+        a.report(free=52, at=time.time() + 1)  # the snapshot shows the three requests
+        router.update_replicas(cast(list[RunningReplica], reps))
+        ranked = router.rank(list(router.curr_replicas.values()), RequestShape(255))
+        assert [(r.key.unique_id, r.est_free) for r in ranked] == [("b", 60), ("a", 52)]
+
+    run(body, FakeReplica("a", 100), FakeReplica("b", 60))
+
+
+def test_removed_and_dead_replicas_are_forgotten() -> None:
+    async def body(router: FreeKVBlocksRouter, reps: list[FakeReplica]) -> None:
+        a, b = reps
+        for rep in (a, b):
+            pr = request()
+            await choose(router, pr)
+            router.on_request_routed(pr, rep.replica_id, RESULT)
+        router.update_replicas(cast(list[RunningReplica], [b]))
+        assert outstanding(router) == {"b": 16}
+        assert not router._ledger.charges(a.replica_id)
+        router.on_replica_actor_died(b.replica_id)
+        assert outstanding(router) == {}
+        assert not router._ledger.confirmed and not router._ledger.tentative
+
+    run(body, FakeReplica("a", 100), FakeReplica("b", 90))
+
+
+def test_unconfirmed_tentative_charges_expire() -> None:
+    async def body(router: FreeKVBlocksRouter, reps: list[FakeReplica]) -> None:
+        await choose(router, request())  # cancelled before it was sent: never confirmed
+        await asyncio.sleep(0.06)
+        await choose(router, request())
+        assert outstanding(router) == {"a": 16}
+
+    run(body, FakeReplica("a", 100), tentative_ttl_s=0.05)
+
+
+def test_replicas_without_a_report_get_traffic() -> None:
+    async def body(router: FreeKVBlocksRouter, reps: list[FakeReplica]) -> None:
+        reps[1].routing_stats = {}  # just started
+        router.update_replicas(cast(list[RunningReplica], reps))
+        assert await choose(router, request()) == "new"
+
+    run(body, FakeReplica("old", 40, total=256), FakeReplica("new", 0))
+
+
+def test_malformed_report_is_treated_as_no_report() -> None:
+    async def body(router: FreeKVBlocksRouter, reps: list[FakeReplica]) -> None:
+        reps[0].routing_stats = {"free_blocks": "lots"}
+        router.update_replicas(cast(list[RunningReplica], reps))
+        assert await choose(router, request()) in ("a", "b")
+
+    run(body, FakeReplica("a", 100), FakeReplica("b", 10))
+
+
+def test_saturation_is_visible_to_the_ingress() -> None:
+    async def body(router: FreeKVBlocksRouter, reps: list[FakeReplica]) -> None:
+        assert not registry.saturated("app", "engine", prompt_tokens=255)
+        for rep in reps:
+            rep.report(free=4, waiting=3)
+        router.update_replicas(cast(list[RunningReplica], reps))
+        assert registry.saturated("app", "engine", prompt_tokens=255)  # needs 16 blocks
+        assert not registry.saturated("app", "engine", prompt_tokens=15)  # needs 1
+        assert not registry.saturated("app", "other", prompt_tokens=255)
+
+    run(body, FakeReplica("a", 100), FakeReplica("b", 100), saturation_waiting=2)
+
+
+def test_unknown_router_kwargs_are_refused() -> None:
+    async def body(router: FreeKVBlocksRouter, reps: list[FakeReplica]) -> None:
+        with pytest.raises(ValueError, match="unknown request_router_kwargs"):
+            router.initialize_state(saturation_wait=3)
+
+    run(body, FakeReplica("a", 100))
+
+
+def test_choose_without_a_request_ranks_and_charges_nothing() -> None:
+    async def body(router: FreeKVBlocksRouter, reps: list[FakeReplica]) -> None:
+        groups = await router.choose_replicas(list(router.curr_replicas.values()), None)
+        assert [g[0].replica_id.unique_id for g in groups] == ["b", "a"]
+        assert outstanding(router) == {"a": 0, "b": 0}
+
+    run(body, FakeReplica("a", 10), FakeReplica("b", 20))
