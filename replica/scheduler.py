@@ -83,6 +83,18 @@ class SchedulerConfig:
     max_model_len: int = 2048
 
     def __post_init__(self) -> None:
+        if not isinstance(self.policy, SchedPolicy):
+            try:
+                object.__setattr__(self, "policy", SchedPolicy(self.policy))
+            except ValueError:
+                raise ValueError(
+                    f"SchedulerConfig.policy must be one of {[p.value for p in SchedPolicy]}, "
+                    f"got {self.policy!r}"
+                ) from None
+        for name in ("max_seqs", "max_batch_tokens", "max_waiting", "max_model_len", "aging_steps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"SchedulerConfig.{name} must be an int, got {value!r}")
         for name in ("max_seqs", "max_batch_tokens", "max_waiting", "max_model_len"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"SchedulerConfig.{name} must be positive, got {getattr(self, name)}")
@@ -198,13 +210,13 @@ class FinishReason(enum.Enum):
     ABORT = "abort"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class TokenEvent:
     id: RequestId
     token: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class FinishedEvent:
     id: RequestId
     reason: FinishReason
