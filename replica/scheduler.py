@@ -210,13 +210,13 @@ class FinishReason(enum.Enum):
     ABORT = "abort"
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class TokenEvent:
     id: RequestId
     token: int
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class FinishedEvent:
     id: RequestId
     reason: FinishReason
