@@ -7,7 +7,6 @@ then call the engine deployment's streaming ``generate`` through a handle whose 
 large, 429 full queue or shed load (with ``Retry-After``), 503 no replica can serve.
 """
 
-from __future__ import annotations
 
 import asyncio
 import json
@@ -240,7 +239,7 @@ class Ingress:
             raise
         if first is None:
             raise ApiError(503, "the replica ended the request without an answer", "no_answer")
-        if "error" in first:
+        if isinstance(first.get("error"), dict):  # an error record, not a delta
             err = first["error"]
             raise ApiError(err["status"], err["message"], err["code"], err.get("param"))
         rid = new_id("chatcmpl" if chat else "cmpl")
