@@ -106,7 +106,9 @@ def build_engine_parts(cfg: EngineConfig) -> EngineParts:
     backend = cfg.attention_backend
     if backend == "auto":
         backend = "triton" if device.type == "cuda" else "torch"
-    options = ModelOptions(attention_backend=backend, deterministic=cfg.deterministic)
+    options = ModelOptions(
+        attention_backend=backend, deterministic=cfg.deterministic, max_model_len=cfg.max_model_len
+    )
     model, tokenizer, mcfg = load_model(
         cfg.model, dtype=dtype, device=device, options=options, trust_remote_code=cfg.trust_remote_code
     )

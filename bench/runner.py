@@ -1,0 +1,248 @@
+"""Model forward-pass throughput on CPU: decode batches and one prefill, default vs deterministic.
+
+Run: ``python -m bench.runner`` (several minutes). ``--quick``: a short run (the SmolLM2 shape
+with decode batches 1 and 8 and a 128-token prefill only). ``--threads N`` sets torch's CPU
+threads; ``--models tiny,smollm2`` picks the models; ``--json PATH`` writes the figures. Nothing
+here asserts on time.
+
+What is measured: the wall time of ``LlamaForCausalLM.forward`` alone (the flat batch's metadata
+is built outside the timed region), the median over repetitions after one warm-up (steps of 256
+tokens or more: one run, no warm-up), for
+
+- ``decode xB``: B sequences each with ``--ctx`` (128) cached positions, one new token each; the
+  head runs on all B rows; tokens/s = B / step time.
+- ``prefill N``: one prompt of N (512) tokens from position 0; the head runs on the last row
+  only; tokens/s = N / step time.
+
+Models: the embedded default ``tierserve-tiny`` and a SmolLM2-135M-shaped model with random
+weights (30 layers, hidden 576, 9 heads, 3 KV heads, head_dim 64, MLP 1536, vocabulary 49152,
+tied head). ``det/def`` is the deterministic mode's step time over the default mode's: what
+batch- and chunk-invariance costs; ``model-side det/def`` is the same ratio with the default
+attention kernel, i.e. the cost of the padded matmuls and composed SiLU alone. The header
+records the machine and threads; the footer the load average before and after (other processes
+on a shared machine slow every figure down; 2 threads on 2 busy cores suffer most).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from kernels.metadata import AttentionMetadata, SeqSpec, build_metadata
+from replica.models.config import ModelConfig
+from replica.models.embedded import build_model, embedded_config
+from replica.models.llama import LlamaAttention, LlamaForCausalLM, ModelOptions
+
+BLOCK = 16
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """Step times in ms: default mode; deterministic; deterministic model side only (padded
+    matmuls and composed SiLU, with the default attention)."""
+
+    model: str
+    case: str
+    tokens: int
+    default_ms: float
+    det_ms: float
+    det_model_ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    input_ids: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor
+    tokens: int
+
+
+def smollm2_shaped_config() -> ModelConfig:
+    """SmolLM2-135M's shapes (its weights are not used: nothing is downloaded)."""
+    return ModelConfig(
+        architecture="LlamaForCausalLM",
+        vocab_size=49152,
+        hidden_size=576,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        intermediate_size=1536,
+        rms_norm_eps=1e-5,
+        rope_theta=100000.0,
+        rope_scaling=None,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+    )
+
+
+def random_model(cfg: ModelConfig, options: ModelOptions, seed: int = 0) -> LlamaForCausalLM:
+    """``cfg`` with uniform random weights of std 1/sqrt(fan_in) (norm weights one)."""
+    model = LlamaForCausalLM(cfg, options)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                a = (3.0 / p.shape[1]) ** 0.5
+                p.uniform_(-a, a, generator=gen)
+    return model.eval()
+
+
+def kv_caches(cfg: ModelConfig, blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per-layer caches filled with random values (as if every position had been computed)."""
+    shape = (blocks, BLOCK, cfg.num_kv_heads, cfg.head_dim)
+    return [(torch.rand(shape), torch.rand(shape)) for _ in range(cfg.num_layers)]
+
+
+def decode_batch(batch: int, ctx: int, vocab: int) -> Batch:
+    per_seq = -(-(ctx + 1) // BLOCK)
+    specs = [SeqSpec(ctx, 1, range(s * per_seq, (s + 1) * per_seq)) for s in range(batch)]
+    return Batch(
+        torch.randint(0, vocab, (batch,)),
+        build_metadata(specs, BLOCK),
+        torch.arange(batch),
+        batch,
+    )
+
+
+def prefill_batch(n: int, vocab: int) -> Batch:
+    table = range(-(-n // BLOCK))
+    return Batch(
+        torch.randint(0, vocab, (n,)),
+        build_metadata([SeqSpec(0, n, table)], BLOCK),
+        torch.tensor([n - 1]),
+        n,
+    )
+
+
+def step_seconds(
+    model: LlamaForCausalLM,
+    caches: list[tuple[torch.Tensor, torch.Tensor]],
+    batch: Batch,
+    repeats: int,
+    warmup: int = 1,
+) -> float:
+    """Median wall time of one forward after ``warmup`` untimed ones."""
+    times = []
+    for i in range(warmup + repeats):
+        t0 = time.perf_counter()
+        model(batch.input_ids, batch.meta.positions, caches, batch.meta, batch.logits_indices)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def set_deterministic_attention(model: LlamaForCausalLM, on: bool) -> None:
+    """Switch only the attention calls of a deterministic model (to split its cost)."""
+    for module in model.modules():
+        if isinstance(module, LlamaAttention):
+            module.deterministic = on
+
+
+def bench_model(
+    name: str, cfg: ModelConfig, batches: list[int], ctx: int, prefill: int, repeats: int
+) -> list[Row]:
+    torch.manual_seed(0)
+    if name == "tiny":
+        fast, det = build_model(ModelOptions()), build_model(ModelOptions(deterministic=True))
+    else:
+        fast = random_model(cfg, ModelOptions())
+        det = random_model(cfg, ModelOptions(deterministic=True))
+    per_seq = -(-(ctx + 1) // BLOCK)
+    caches = kv_caches(cfg, max(max(batches) * per_seq, -(-prefill // BLOCK)))
+    cases = [(f"decode x{b} (ctx {ctx})", decode_batch(b, ctx, cfg.vocab_size)) for b in batches]
+    cases.append((f"prefill {prefill}", prefill_batch(prefill, cfg.vocab_size)))
+    rows = []
+    for label, batch in cases:
+        # Long steps: one timed run, no warm-up (a warm-up matters for short steps only).
+        reps, warm = (repeats, 1) if batch.tokens < 256 else (1, 0)
+        a = step_seconds(fast, caches, batch, reps, warm)
+        set_deterministic_attention(det, False)
+        c = step_seconds(det, caches, batch, reps, warm)
+        set_deterministic_attention(det, True)
+        b = step_seconds(det, caches, batch, reps, warm)
+        rows.append(Row(name, label, batch.tokens, a * 1e3, b * 1e3, c * 1e3))
+        print(_format(rows[-1]), flush=True)
+    return rows
+
+
+def machine() -> dict[str, object]:
+    cpu = platform.processor() or "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "capability": torch.backends.cpu.get_cpu_capability(),
+        "python": platform.python_version(),
+        "load_avg_1m": os.getloadavg()[0],
+    }
+
+
+HEADER = (
+    f"{'model':8s} {'case':22s} {'tokens':>6s} {'default ms':>10s} {'tok/s':>8s} "
+    f"{'det ms':>10s} {'tok/s':>8s} {'det/def':>7s} {'model-side det/def':>18s}"
+)
+
+
+def _format(r: Row) -> str:
+    return (
+        f"{r.model:8s} {r.case:22s} {r.tokens:6d} {r.default_ms:10.2f} "
+        f"{r.tokens / r.default_ms * 1e3:8.0f} {r.det_ms:10.2f} "
+        f"{r.tokens / r.det_ms * 1e3:8.0f} {r.det_ms / r.default_ms:7.2f} "
+        f"{r.det_model_ms / r.default_ms:18.2f}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer repetitions, a shorter run")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    ap.add_argument("--models", default="tiny,smollm2", help="comma list of tiny, smollm2")
+    ap.add_argument("--ctx", type=int, default=128, help="cached positions per decode sequence")
+    ap.add_argument("--prefill", type=int, default=512, help="prefill prompt length")
+    ap.add_argument("--json", default=None, help="write the figures to this path")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    repeats = 3 if args.quick else 7
+    info = machine()
+    print("machine: " + ", ".join(f"{k}={v}" for k, v in info.items()))
+    print(HEADER)
+    configs = {"tiny": embedded_config(), "smollm2": smollm2_shaped_config()}
+    rows: list[Row] = []
+    with torch.inference_mode():
+        for name in args.models.split(","):
+            if name not in configs:
+                ap.error(f"unknown model {name!r}; choose from {', '.join(configs)}")
+            quick_big = args.quick and name != "tiny"
+            batches = [1, 8] if quick_big else [1, 8, 32, 64]
+            prefill = min(args.prefill, 128) if quick_big else args.prefill
+            rows += bench_model(name, configs[name], batches, args.ctx, prefill, repeats)
+    info["load_avg_1m_after"] = os.getloadavg()[0]
+    print(
+        f"load average (1 min) before {info['load_avg_1m']:.2f}, after {info['load_avg_1m_after']:.2f}"
+    )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": info, "rows": [asdict(r) for r in rows]}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

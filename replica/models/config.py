@@ -1,0 +1,199 @@
+"""Model configuration: the few numbers the Llama-family model code needs, read from a HF config."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+_ARCH_BY_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
+
+
+class ModelLoadError(ValueError):
+    """A model could not be built or loaded; the message says what was wrong and what to do."""
+
+
+@dataclass(frozen=True, slots=True)
+class RopeScaling:
+    """Llama 3 ("llama3") rotary frequency scaling."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """Shape and numerics of a Llama-family decoder.
+
+    ``qkv_bias``: q/k/v projections carry a bias (Qwen2; Llama with ``attention_bias``).
+    ``o_bias``: the output projection carries a bias (Llama with ``attention_bias`` only).
+    ``sliding_window``: the window the checkpoint was trained with, or None for full attention.
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool = False
+    o_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+    sliding_window: int | None = None
+    torch_dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ModelLoadError(
+                f"{self.num_heads} attention heads is not a multiple of {self.num_kv_heads} "
+                "key/value heads"
+            )
+        if self.head_dim % 2:
+            raise ModelLoadError(f"rotary embeddings need an even head_dim, got {self.head_dim}")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def check_context(self, max_model_len: int) -> None:
+        """Raise ``ModelLoadError`` if serving ``max_model_len`` positions needs what we lack."""
+        if max_model_len > self.max_position_embeddings:
+            raise ModelLoadError(
+                f"max_model_len {max_model_len} exceeds the model's "
+                f"max_position_embeddings {self.max_position_embeddings}"
+            )
+        if self.sliding_window is not None and self.sliding_window < max_model_len:
+            raise ModelLoadError(
+                f"{self.architecture} uses sliding-window attention (window {self.sliding_window}) "
+                f"and sliding windows are not supported; set max_model_len <= "
+                f"{self.sliding_window} to serve it with full attention"
+            )
+
+    @classmethod
+    def from_hf(cls, hf: Any) -> ModelConfig:
+        """Build from a ``transformers`` config (v4 or v5 field names); unsupported -> ModelLoadError."""
+        arch = _architecture(hf)
+        act = getattr(hf, "hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ModelLoadError(f"{arch}: activation {act!r} is not supported (only silu)")
+        if getattr(hf, "mlp_bias", False):
+            raise ModelLoadError(f"{arch}: mlp_bias=True is not supported")
+        if getattr(hf, "pretraining_tp", 1) not in (1, None):
+            raise ModelLoadError(f"{arch}: pretraining_tp != 1 is not supported")
+        heads = int(hf.num_attention_heads)
+        hidden = int(hf.hidden_size)
+        head_dim = getattr(hf, "head_dim", None) or hidden // heads
+        theta, scaling = _rope(hf, arch)
+        attention_bias = bool(getattr(hf, "attention_bias", False))
+        qwen2 = arch == "Qwen2ForCausalLM"
+        eos = getattr(hf, "eos_token_id", None)
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        return cls(
+            architecture=arch,
+            vocab_size=int(hf.vocab_size),
+            hidden_size=hidden,
+            num_layers=int(hf.num_hidden_layers),
+            num_heads=heads,
+            num_kv_heads=int(getattr(hf, "num_key_value_heads", None) or heads),
+            head_dim=int(head_dim),
+            intermediate_size=int(hf.intermediate_size),
+            rms_norm_eps=float(hf.rms_norm_eps),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=int(hf.max_position_embeddings),
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            qkv_bias=qwen2 or attention_bias,
+            o_bias=attention_bias and not qwen2,
+            bos_token_id=getattr(hf, "bos_token_id", None),
+            eos_token_ids=tuple(int(e) for e in eos_ids),
+            pad_token_id=getattr(hf, "pad_token_id", None),
+            sliding_window=_sliding_window(hf, arch),
+            torch_dtype=_dtype(getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None)),
+        )
+
+
+def _architecture(hf: Any) -> str:
+    archs = getattr(hf, "architectures", None) or []
+    model_type = getattr(hf, "model_type", None)
+    arch = (
+        archs[0] if archs else _ARCH_BY_MODEL_TYPE.get(str(model_type), f"model_type={model_type}")
+    )
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    return str(arch)
+
+
+def _rope(hf: Any, arch: str) -> tuple[float, RopeScaling | None]:
+    params: Mapping[str, Any] = getattr(hf, "rope_parameters", None) or {}
+    legacy: Mapping[str, Any] = getattr(hf, "rope_scaling", None) or {}
+    if "full_attention" in params:  # per-layer-type parameters (v5): all our layers are full
+        params = params["full_attention"]
+    theta = float(params.get("rope_theta", getattr(hf, "rope_theta", None) or 10000.0))
+    scaling = dict(legacy)
+    scaling.update(params)
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ModelLoadError(
+            f"{arch}: rope scaling type {rope_type!r} is not supported; "
+            f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    if float(scaling.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ModelLoadError(f"{arch}: partial rotary embeddings are not supported")
+    if rope_type == "default":
+        return theta, None
+    try:
+        return theta, RopeScaling(
+            factor=float(scaling["factor"]),
+            low_freq_factor=float(scaling["low_freq_factor"]),
+            high_freq_factor=float(scaling["high_freq_factor"]),
+            original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+        )
+    except KeyError as e:
+        raise ModelLoadError(f"{arch}: llama3 rope scaling lacks the field {e.args[0]!r}") from e
+
+
+def _sliding_window(hf: Any, arch: str) -> int | None:
+    window = getattr(hf, "sliding_window", None)
+    if window is None:
+        return None
+    if arch == "Qwen2ForCausalLM":
+        layer_types = getattr(hf, "layer_types", None)
+        if layer_types is not None:
+            used = "sliding_attention" in layer_types
+        else:
+            used = bool(getattr(hf, "use_sliding_window", False))
+        if not used:
+            return None
+    return int(window)
+
+
+def _dtype(value: Any) -> torch.dtype | None:
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    dtype = getattr(torch, str(value).removeprefix("torch."), None)
+    return dtype if isinstance(dtype, torch.dtype) else None

@@ -1,0 +1,123 @@
+"""The embedded default model ``tierserve-tiny``: a small Llama with fixed pseudo-random weights and
+a byte-level tokenizer, built in-process (no download). Its text is gibberish by design.
+
+Weights: integers from a seeded ``torch.Generator`` (``randint``: integer-only sampling, no
+transcendental math) scaled by a constant in fp32, so every machine and thread count gives the
+same bits. Tokenizer: ids 0-255 are the bytes, then the special tokens of ``SPECIAL_TOKENS``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+from transformers import PreTrainedTokenizerFast
+
+from replica.models.config import ModelConfig
+from replica.models.llama import LlamaForCausalLM, ModelOptions
+
+EMBEDDED_MODEL = "tierserve-tiny"
+SEED = 0x7E5E
+SPECIAL_TOKENS = (
+    "<|bos|>",
+    "<|eos|>",
+    "<|pad|>",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|end|>",
+)
+BOS_ID, EOS_ID, PAD_ID = 256, 257, 258
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('unknown chat role ' ~ message['role']) }}"
+    "{% endif %}"
+    "<|{{ message['role'] }}|>\n{{ message['content'] }}<|end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+_INT_RANGE = 1 << 12
+
+
+def embedded_config() -> ModelConfig:
+    """4 layers, hidden 256, 8 query and 2 KV heads of 32, MLP 768, 2048 positions, tied head."""
+    return ModelConfig(
+        architecture="LlamaForCausalLM",
+        vocab_size=256 + len(SPECIAL_TOKENS),
+        hidden_size=256,
+        num_layers=4,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=32,
+        intermediate_size=768,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=BOS_ID,
+        eos_token_ids=(EOS_ID,),
+        pad_token_id=PAD_ID,
+        torch_dtype=torch.float32,
+    )
+
+
+def build_model(
+    options: ModelOptions | None = None,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> LlamaForCausalLM:
+    """The embedded model, weights generated on CPU in fp32 then cast/moved."""
+    model = LlamaForCausalLM(embedded_config(), options, device="cpu", dtype=torch.float32)
+    gen = torch.Generator(device="cpu").manual_seed(SEED)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+                continue
+            # Uniform in [-a, a): std a / sqrt(3). Linears get std 1 / sqrt(fan_in); the
+            # (tied) embedding std 0.07, so logits spread by about one unit.
+            a = 0.125 if "embed_tokens" in name else math.sqrt(3.0 / param.shape[1])
+            torch.randint(-_INT_RANGE, _INT_RANGE, tuple(param.shape), generator=gen, out=param)
+            param.mul_(a / _INT_RANGE)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """Byte-level tokenizer: every byte is a token (no merges); encoding prepends ``<|bos|>``;
+    decoding any id sequence works (invalid UTF-8 becomes U+FFFD)."""
+    chars = _byte_chars()
+    tok = Tokenizer(models.BPE(vocab={chars[b]: b for b in range(256)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<|bos|> $A",
+        pair="<|bos|> $A <|bos|> $B",
+        special_tokens=[("<|bos|>", BOS_ID)],
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|bos|>",
+        eos_token="<|eos|>",
+        pad_token="<|pad|>",
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=2048,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def _byte_chars() -> dict[int, str]:
+    """A printable stand-in character for every byte (the byte-level pre-tokenizer's alphabet):
+    visible Latin-1 bytes stand for themselves, the rest map to code points from 256 up."""
+    visible = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars = {b: chr(b) for b in visible}
+    extra = 256
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(extra)
+            extra += 1
+    return chars

@@ -1,0 +1,219 @@
+"""The Llama-family decoder (Llama, Mistral, Qwen2) over one flat batch of paged sequences.
+
+A step's batch is flat: ``T`` tokens from many sequences (decodes first, then prefill chunks, as
+``kernels.metadata`` lays them out). Every op except attention is row-wise; attention reads and
+writes each layer's paged KV cache through ``kernels.attention.attention``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kernels.attention import Backend, attention
+from kernels.metadata import AttentionMetadata
+from replica.models.config import ModelConfig
+from replica.models.layers import (
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    SwiGLU,
+    VocabEmbedding,
+    apply_rotary_,
+)
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin of this step's positions
+
+
+@dataclass(frozen=True, slots=True)
+class ModelOptions:
+    """How the model runs (not what it is).
+
+    attention_backend: attention kernels, ``"torch"`` (CPU) or ``"triton"`` (GPU).
+    deterministic: a row's bits depend neither on the rest of the batch nor on how its prompt
+        was cut into chunks (padded matmuls, composed SiLU, deterministic attention); slower.
+    max_model_len: positions the rotary tables cover; None means the config's
+        ``max_position_embeddings``.
+    """
+
+    attention_backend: Backend = "torch"
+    deterministic: bool = False
+    max_model_len: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.attention_backend not in ("torch", "triton"):
+            raise ValueError(
+                f"attention_backend must be 'torch' or 'triton', got {self.attention_backend!r}"
+            )
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+
+
+class LlamaAttention(nn.Module):
+    """Fused qkv projection, rotary embeddings, paged GQA attention, output projection."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        opts: ModelOptions,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+        self.backend: Backend = opts.attention_backend
+        self.deterministic = opts.deterministic
+        det = opts.deterministic
+        self.qkv_proj = Linear(
+            cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, cfg.qkv_bias, det, device, dtype
+        )
+        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, cfg.o_bias, det, device, dtype)
+
+    def forward(
+        self, x: torch.Tensor, rope: Rope, kv_cache: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        hq, hkv = self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x).view(t, hq + 2 * hkv, self.head_dim)
+        apply_rotary_(qkv[:, : hq + hkv], *rope)
+        out = attention(
+            qkv[:, :hq],
+            qkv[:, hq : hq + hkv],
+            qkv[:, hq + hkv :],
+            kv_cache[0],
+            kv_cache[1],
+            meta,
+            self.scale,
+            backend=self.backend,
+            deterministic=self.deterministic,
+        )
+        return self.o_proj(out.reshape(t, hq * self.head_dim))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm attention and MLP blocks that add into the residual stream in place."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        opts: ModelOptions,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        det = opts.deterministic
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, det, device, dtype)
+        self.self_attn = LlamaAttention(cfg, opts, device, dtype)
+        self.post_attention_layernorm = RMSNorm(
+            cfg.hidden_size, cfg.rms_norm_eps, det, device, dtype
+        )
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, opts.deterministic, device, dtype)
+
+    def forward(
+        self, residual: torch.Tensor, rope: Rope, kv_cache: KVCache, meta: AttentionMetadata
+    ) -> None:
+        h = self.self_attn(self.input_layernorm(residual), rope, kv_cache, meta)
+        residual.add_(h)
+        residual.add_(self.mlp(self.post_attention_layernorm(residual)))
+
+
+class LlamaModel(nn.Module):
+    """Embedding and decoder layers; ``forward`` returns the residual stream before the final norm."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        opts: ModelOptions,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        max_len = opts.max_model_len or cfg.max_position_embeddings
+        cfg.check_context(max_len)
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, device, dtype)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, opts, device, dtype) for _ in range(cfg.num_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, opts.deterministic, device, dtype)
+        self.rotary = RotaryEmbedding(
+            cfg.head_dim, max_len, cfg.rope_theta, cfg.rope_scaling, device, dtype
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: Sequence[KVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        residual = self.embed_tokens(input_ids)
+        rope = self.rotary(positions)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            layer(residual, rope, kv_cache, meta)
+        return residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama/Mistral/Qwen2 causal LM over one flat paged batch.
+
+    Parameters are allocated uninitialised (except norm weights); ``replica.models.loader`` or
+    ``replica.models.embedded`` fills them. Names follow the Hugging Face layout, with q/k/v fused
+    into ``self_attn.qkv_proj`` (rows ``[q | k | v]``) and gate/up into ``mlp.gate_up_proj``
+    (rows ``[gate | up]``).
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        options: ModelOptions | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.options = options or ModelOptions()
+        self.model = LlamaModel(config, self.options, device, dtype)
+        self.lm_head = Linear(
+            config.hidden_size, config.vocab_size, False, self.options.deterministic, device, dtype
+        )
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def max_model_len(self) -> int:
+        return self.model.rotary.max_positions
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: Sequence[KVCache],
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """Run one step: store every token's K/V, return logits ``[R, vocab]`` (model dtype) of
+        the rows ``logits_indices`` ``[R]`` of the flat batch.
+
+        ``input_ids``/``positions``: ``[T]`` int64, laid out as ``meta`` says. ``kv_caches``: one
+        ``(k_cache, v_cache)`` per layer, each ``[num_blocks, block_size, kv_heads, head_dim]``.
+        """
+        if len(kv_caches) != len(self.model.layers):
+            raise ValueError(
+                f"got {len(kv_caches)} KV caches for a model of {len(self.model.layers)} layers"
+            )
+        if input_ids.shape[0] != meta.num_tokens or positions.shape[0] != meta.num_tokens:
+            raise ValueError(
+                f"batch has {input_ids.shape[0]} ids and {positions.shape[0]} positions; "
+                f"metadata describes {meta.num_tokens} tokens"
+            )
+        residual = self.model(input_ids, positions, kv_caches, meta)
+        rows = residual.index_select(0, logits_indices)
+        return self.lm_head(self.model.norm(rows))

@@ -1,0 +1,267 @@
+"""Load a Llama-family model and its tokenizer: the embedded default, a local checkpoint directory,
+or a Hugging Face hub id.
+
+A checkpoint directory holds ``config.json``, weights (``model.safetensors``, sharded
+``*.safetensors`` with ``model.safetensors.index.json``, or ``pytorch_model.bin`` / its sharded
+index) and tokenizer files. Hugging Face tensor names map onto ours with q/k/v fused into
+``qkv_proj`` and gate/up into ``gate_up_proj``. Every failure is a ``ModelLoadError`` (a
+``ValueError``) that names what was wrong.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from replica.models import embedded
+from replica.models.config import ModelConfig, ModelLoadError
+from replica.models.llama import LlamaDecoderLayer, LlamaForCausalLM, ModelOptions
+
+__all__ = [
+    "ModelLoadError",
+    "ModelOptions",
+    "default_dtype",
+    "load_model",
+    "load_tokenizer",
+    "load_weights",
+    "read_config",
+    "resolve_checkpoint",
+    "weight_files",
+]
+
+_CONFIG_FILES = ["*.json", "*.jinja", "*.model", "*.tiktoken", "*.txt", "tokenizer*"]
+
+
+def default_dtype(device: torch.device | str) -> torch.dtype:
+    """fp32 on CPU, bf16 on CUDA and other accelerators."""
+    return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
+
+
+def load_model(
+    model: str,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str = "cpu",
+    options: ModelOptions | None = None,
+    trust_remote_code: bool = False,
+) -> tuple[LlamaForCausalLM, PreTrainedTokenizerBase, ModelConfig]:
+    """Build the model, its tokenizer (a ``transformers`` fast tokenizer) and its config.
+
+    ``model``: ``embedded.EMBEDDED_MODEL``, a checkpoint directory or a hub id. ``dtype`` None
+    means ``default_dtype(device)``. Raises ``ModelLoadError``.
+    """
+    dev = torch.device(device)
+    dtype = dtype or default_dtype(dev)
+    if model == embedded.EMBEDDED_MODEL:
+        cfg = embedded.embedded_config()
+        return embedded.build_model(options, dev, dtype), embedded.build_tokenizer(), cfg
+    path = resolve_checkpoint(model)
+    cfg = read_config(path, trust_remote_code)
+    net = LlamaForCausalLM(cfg, options, dev, dtype)
+    load_weights(net, path)
+    return net.eval(), _tokenizer_from(path, trust_remote_code), cfg
+
+
+def load_tokenizer(model: str, trust_remote_code: bool = False) -> Any:
+    """The tokenizer alone, a ``PreTrainedTokenizerBase`` (typed ``Any``: its methods' unions of
+    return types get in callers' way); no weights are read or fetched. Raises ``ModelLoadError``."""
+    if model == embedded.EMBEDDED_MODEL:
+        return embedded.build_tokenizer()
+    return _tokenizer_from(resolve_checkpoint(model, weights=False), trust_remote_code)
+
+
+def resolve_checkpoint(model: str, weights: bool = True) -> Path:
+    """A local directory for ``model``: the directory itself, or a hub snapshot (downloaded once,
+    then cached by ``huggingface_hub``; ``weights`` False fetches config and tokenizer only)."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists() or model.startswith((".", "/", "~")) or model.count("/") > 1:
+        raise ModelLoadError(
+            f"model {model!r} is not a checkpoint directory, a hub id (org/name) or "
+            f"{embedded.EMBEDDED_MODEL!r}"
+        )
+    patterns = [*_CONFIG_FILES, "*.safetensors"] if weights else _CONFIG_FILES
+    try:
+        from huggingface_hub import snapshot_download
+
+        local = Path(snapshot_download(model, allow_patterns=patterns))
+        if weights and not any(local.glob("*.safetensors")):
+            local = Path(snapshot_download(model, allow_patterns=[*_CONFIG_FILES, "*.bin"]))
+    except Exception as e:
+        raise ModelLoadError(
+            f"model {model!r} is not a local directory and could not be fetched from the "
+            f"Hugging Face hub ({type(e).__name__}: {e})"
+        ) from e
+    return local
+
+
+def read_config(path: Path, trust_remote_code: bool = False) -> ModelConfig:
+    """``ModelConfig`` from ``path/config.json`` through ``AutoConfig`` (plus the end-of-sequence
+    ids of ``generation_config.json``). Raises ``ModelLoadError``."""
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(
+            f"{path} has no config.json; a checkpoint directory needs config.json, weights and "
+            "tokenizer files (as written by save_pretrained)"
+        )
+    from transformers import AutoConfig
+
+    try:
+        hf = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    except Exception as e:
+        raise ModelLoadError(f"cannot read {path / 'config.json'}: {e}") from e
+    cfg = ModelConfig.from_hf(hf)
+    extra = _generation_eos(path)
+    if extra:
+        eos = tuple(dict.fromkeys((*cfg.eos_token_ids, *extra)))
+        cfg = dataclasses.replace(cfg, eos_token_ids=eos)
+    return cfg
+
+
+def _generation_eos(path: Path) -> tuple[int, ...]:
+    """End-of-sequence ids of ``generation_config.json`` (chat models often list more there)."""
+    file = path / "generation_config.json"
+    if not file.is_file():
+        return ()
+    try:
+        eos = json.loads(file.read_text()).get("eos_token_id")
+    except (ValueError, AttributeError):
+        return ()
+    if isinstance(eos, int):
+        return (eos,)
+    if isinstance(eos, list):
+        return tuple(e for e in eos if isinstance(e, int))
+    return ()
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The weight files of a checkpoint, safetensors preferred. Raises ``ModelLoadError``."""
+    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        index = path / index_name
+        if index.is_file():
+            try:
+                shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            except (ValueError, KeyError, AttributeError) as e:
+                raise ModelLoadError(f"{index} is not a valid weight index: {e}") from e
+            files = [path / s for s in shards]
+            missing = [f.name for f in files if not f.is_file()]
+            if missing:
+                raise ModelLoadError(f"{index} names shard(s) that are missing: {missing}")
+            return files
+    files = sorted(path.glob("*.safetensors"))
+    if files:
+        return files
+    if (path / "pytorch_model.bin").is_file():
+        return [path / "pytorch_model.bin"]
+    raise ModelLoadError(
+        f"no weight files in {path}: expected model.safetensors, sharded *.safetensors with "
+        "model.safetensors.index.json, or pytorch_model.bin"
+    )
+
+
+def load_weights(model: LlamaForCausalLM, path: Path) -> None:
+    """Copy a checkpoint's tensors into ``model`` (casting to its dtype, moving to its device).
+
+    Raises ``ModelLoadError`` naming missing tensors or a tensor whose shape does not match.
+    """
+    targets = _targets(model)
+    filled: set[str] = set()
+    with torch.no_grad():
+        for file in weight_files(path):
+            for name, tensor in _read_tensors(file, targets):
+                target = targets[name]
+                if tuple(tensor.shape) != tuple(target.shape):
+                    raise ModelLoadError(
+                        f"tensor {name} in {file.name} has shape {tuple(tensor.shape)}; "
+                        f"the config implies {tuple(target.shape)}"
+                    )
+                target.copy_(tensor)
+                filled.add(name)
+    missing = [n for n in targets if n not in filled]
+    if missing:
+        shown = ", ".join(missing[:8]) + (
+            f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+        )
+        raise ModelLoadError(f"checkpoint {path} lacks {len(missing)} tensor(s): {shown}")
+
+
+def _targets(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
+    """HF tensor name -> the view of our parameter it fills."""
+    cfg = model.config
+    q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    out: dict[str, torch.Tensor] = {
+        "model.embed_tokens.weight": model.model.embed_tokens.weight.data,
+        "model.norm.weight": model.model.norm.weight.data,
+    }
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = model.lm_head.weight.data
+    for i, layer in enumerate(model.model.layers):
+        assert isinstance(layer, LlamaDecoderLayer)
+        p = f"model.layers.{i}."
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv_params = [("weight", attn.qkv_proj.weight)]
+        if attn.qkv_proj.bias is not None:
+            qkv_params.append(("bias", attn.qkv_proj.bias))
+        for kind, param in qkv_params:
+            out[f"{p}self_attn.q_proj.{kind}"] = param.data[:q]
+            out[f"{p}self_attn.k_proj.{kind}"] = param.data[q : q + kv]
+            out[f"{p}self_attn.v_proj.{kind}"] = param.data[q + kv :]
+        out[f"{p}self_attn.o_proj.weight"] = attn.o_proj.weight.data
+        if attn.o_proj.bias is not None:
+            out[f"{p}self_attn.o_proj.bias"] = attn.o_proj.bias.data
+        out[f"{p}mlp.gate_proj.weight"] = mlp.gate_up_proj.weight.data[:inter]
+        out[f"{p}mlp.up_proj.weight"] = mlp.gate_up_proj.weight.data[inter:]
+        out[f"{p}mlp.down_proj.weight"] = mlp.down_proj.weight.data
+        out[f"{p}input_layernorm.weight"] = layer.input_layernorm.weight.data
+        out[f"{p}post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight.data
+    return out
+
+
+def _read_tensors(
+    file: Path, wanted: dict[str, torch.Tensor]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of ``file`` named in ``wanted``, one at a time (on CPU)."""
+    if file.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    if name in wanted:
+                        yield name, f.get_tensor(name)
+        except ModelLoadError:
+            raise
+        except Exception as e:
+            raise ModelLoadError(f"cannot read {file}: {e}") from e
+        return
+    try:
+        state = torch.load(str(file), map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError:  # the legacy (non-zip) format cannot be memory-mapped
+        state = None
+    except Exception as e:
+        raise ModelLoadError(f"cannot read {file}: {e}") from e
+    if state is None:
+        try:
+            state = torch.load(str(file), map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise ModelLoadError(f"cannot read {file}: {e}") from e
+    for name, tensor in state.items():
+        if name in wanted:
+            yield name, tensor
+
+
+def _tokenizer_from(path: Path, trust_remote_code: bool) -> PreTrainedTokenizerBase:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    except Exception as e:
+        raise ModelLoadError(
+            f"cannot load a tokenizer from {path} ({type(e).__name__}: {e}); the checkpoint "
+            "directory needs tokenizer files (tokenizer.json or tokenizer.model)"
+        ) from e

@@ -1,0 +1,195 @@
+"""Test helpers for ``replica.models``: drive a model over paged KV caches, and build tiny random
+Hugging Face checkpoints (``save_pretrained`` into a directory, with the embedded tokenizer)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kernels.metadata import SeqSpec, build_metadata
+from kernels.reference import gather_seq
+from replica.models.embedded import build_tokenizer
+from replica.models.llama import LlamaForCausalLM
+
+
+@dataclass(frozen=True)
+class Work:
+    """``tokens`` of sequence ``seq`` starting at position ``start``, in one step."""
+
+    seq: int
+    start: int
+    tokens: Sequence[int]
+
+
+@dataclass
+class PagedHarness:
+    """Per-layer KV caches and contiguous block tables: sequence ``i`` owns blocks
+    ``1 + i * per_seq .. 1 + (i + 1) * per_seq - 1`` (block 0 stays unused)."""
+
+    model: LlamaForCausalLM
+    max_seqs: int
+    max_len: int
+    block_size: int = 16
+    caches: list[tuple[torch.Tensor, torch.Tensor]] = field(init=False)
+
+    def __post_init__(self) -> None:
+        cfg = self.model.config
+        self.per_seq = -(-self.max_len // self.block_size)
+        blocks = 1 + self.max_seqs * self.per_seq
+        dtype = self.model.model.embed_tokens.weight.dtype
+        shape = (blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.caches = [
+            (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+            for _ in range(cfg.num_layers)
+        ]
+
+    def table(self, seq: int) -> list[int]:
+        first = 1 + seq * self.per_seq
+        return list(range(first, first + self.per_seq))
+
+    def step(self, work: Sequence[Work], all_rows: bool = False) -> list[torch.Tensor]:
+        """One flat batch (decodes are moved first); per item, the logits of its last token
+        ``[vocab]``, or of all its tokens ``[len, vocab]`` with ``all_rows``, in ``work``'s order."""
+        order = sorted(range(len(work)), key=lambda i: len(work[i].tokens) != 1)
+        specs: list[SeqSpec] = []
+        ids: list[int] = []
+        spans: dict[int, tuple[int, int]] = {}
+        for i in order:
+            w = work[i]
+            specs.append(SeqSpec(w.start, len(w.tokens), self.table(w.seq)))
+            spans[i] = (len(ids), len(ids) + len(w.tokens))
+            ids.extend(w.tokens)
+        meta = build_metadata(specs, self.block_size)
+        if all_rows:
+            rows = torch.arange(len(ids))
+        else:
+            rows = torch.tensor([spans[i][1] - 1 for i in range(len(work))])
+        logits = self.model(torch.tensor(ids), meta.positions, self.caches, meta, rows)
+        if not all_rows:
+            return list(logits)
+        return [logits[spans[i][0] : spans[i][1]] for i in range(len(work))]
+
+    def kv(self, seq: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Cached K and V ``[length, kv_heads, head_dim]`` of every layer for ``seq``."""
+        table = torch.tensor(self.table(seq), dtype=torch.int32)
+        return [
+            (gather_seq(k, table, length), gather_seq(v, table, length)) for k, v in self.caches
+        ]
+
+    def greedy(self, prompts: Sequence[Sequence[int]], new_tokens: int) -> list[list[int]]:
+        """Prefill every prompt in one step, then decode all together; greedy tokens per prompt."""
+        logits = self.step([Work(i, 0, p) for i, p in enumerate(prompts)])
+        out = [[int(lg.argmax())] for lg in logits]
+        for _ in range(new_tokens - 1):
+            work = [Work(i, len(p) + len(out[i]) - 1, [out[i][-1]]) for i, p in enumerate(prompts)]
+            for i, lg in enumerate(self.step(work)):
+                out[i].append(int(lg.argmax()))
+        return out
+
+
+def randomize_(model: torch.nn.Module, seed: int, std: float = 0.2) -> None:
+    """Give every weight a visible value: matrices N(0, std), norm weights 1 + N(0, 0.1), biases
+    N(0, 0.1) (HF initialises norms to one and biases to zero, which would hide loading bugs)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if p.dim() >= 2:
+                p.copy_(noise * std)
+            elif "norm" in name:
+                p.copy_(1 + 0.1 * noise)
+            else:
+                p.copy_(0.1 * noise)
+
+
+def tiny_hf_model(kind: str, seed: int = 0, **overrides: Any) -> Any:
+    """A tiny random ``transformers`` causal LM (fp32, eval mode) of one of ``TINY_KINDS``."""
+    import transformers
+
+    base: dict[str, Any] = dict(
+        vocab_size=300,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        intermediate_size=136,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    cls: Any = transformers.LlamaConfig
+    if kind == "llama-gqa":
+        base["num_key_value_heads"] = 2
+    elif kind == "llama3-rope":
+        base.update(
+            num_key_value_heads=2,
+            rope_scaling=dict(
+                rope_type="llama3",
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=256,
+            ),
+        )
+    elif kind == "llama-tied":
+        base["tie_word_embeddings"] = True
+    elif kind == "llama-bias":
+        base["attention_bias"] = True
+    elif kind == "qwen2":
+        cls = transformers.Qwen2Config
+        base["num_key_value_heads"] = 2
+    elif kind == "mistral":
+        cls = transformers.MistralConfig
+        base.update(num_key_value_heads=2, head_dim=24, sliding_window=None)
+    elif kind != "llama":
+        raise ValueError(kind)
+    base.update(overrides)
+    config = cls(**base)
+    model_cls = {
+        "LlamaConfig": transformers.LlamaForCausalLM,
+        "Qwen2Config": transformers.Qwen2ForCausalLM,
+        "MistralConfig": transformers.MistralForCausalLM,
+    }[cls.__name__]
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    randomize_(model, seed)
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    return model
+
+
+TINY_KINDS = ("llama", "llama-gqa", "llama3-rope", "llama-tied", "llama-bias", "qwen2", "mistral")
+
+
+def save_checkpoint(model: Any, path: Path, **save_kwargs: Any) -> Path:
+    """``save_pretrained`` plus the embedded byte tokenizer (its 263 ids fit every tiny vocab)."""
+    model.save_pretrained(str(path), **save_kwargs)
+    build_tokenizer().save_pretrained(str(path))
+    return path
+
+
+def hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
+    """Our weights under Hugging Face names (q/k/v and gate/up split again)."""
+    cfg = model.config
+    q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    out: dict[str, torch.Tensor] = {}
+    for name, t in model.state_dict().items():
+        if ".qkv_proj." in name:
+            kind = name.rsplit(".", 1)[1]
+            stem = name.split(".qkv_proj.")[0]
+            out[f"{stem}.q_proj.{kind}"] = t[:q]
+            out[f"{stem}.k_proj.{kind}"] = t[q : q + kv]
+            out[f"{stem}.v_proj.{kind}"] = t[q + kv :]
+        elif ".gate_up_proj." in name:
+            stem = name.split(".gate_up_proj.")[0]
+            out[f"{stem}.gate_proj.weight"] = t[:inter]
+            out[f"{stem}.up_proj.weight"] = t[inter:]
+        else:
+            out[name] = t
+    return out
