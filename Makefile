@@ -37,8 +37,7 @@ endif
 	@touch $(STAMP)
 
 serve: install
-	@test -f cluster/app.py || { echo "tierserve: the cluster (Ray Serve app) is not built yet; see the open issues"; exit 1; }
-	$(VENV)/bin/serve run $(CONFIG)
+	$(PY) -m cluster.launch $(CONFIG)
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -1,0 +1,79 @@
+"""Run the cluster in the foreground: ``python -m cluster.launch [CONFIG]`` (what ``make serve`` runs).
+
+This process starts a Ray instance on this machine with Ray's metrics exported on
+``--metrics-port`` (default 8080, so a stock Prometheus can scrape
+``http://127.0.0.1:8080/metrics``), then runs ``serve run CONFIG`` against it. Ctrl-C (SIGINT
+to the process group) stops ``serve run`` (which deletes the applications), then this process
+shuts its Ray instance down, so every process it started is gone and the ports are free again.
+On a multi-node Ray cluster, start Ray with ``ray start`` on every node and use ``serve run``
+directly (see the README).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import ray
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _default_sigint() -> None:  # in the child: Ctrl-C stops `serve run` even if we inherited SIG_IGN
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cluster.launch", description=__doc__)
+    parser.add_argument("config", nargs="?", default="configs/cluster.yaml")
+    parser.add_argument("--metrics-port", type=int, default=int(os.environ.get("METRICS_PORT", 8080)))
+    args = parser.parse_args(argv)
+    if not os.path.exists(args.config):
+        print(f"tierserve: no config file at {args.config}", file=sys.stderr)
+        return 2
+    serve_bin = shutil.which("serve", path=os.path.dirname(sys.executable)) or shutil.which("serve")
+    if serve_bin is None:
+        print("tierserve: the `serve` command (ray[serve]) is not installed", file=sys.stderr)
+        return 2
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
+    ctx = ray.init(
+        _metrics_export_port=args.metrics_port,
+        include_dashboard=False,
+        namespace="serve",
+        _node_ip_address="127.0.0.1",
+    )
+    address = ctx.address_info["gcs_address"]
+    print(
+        f"tierserve: Ray at {address}; metrics at http://127.0.0.1:{args.metrics_port}/metrics",
+        file=sys.stderr,
+    )
+    proc = subprocess.Popen(
+        [serve_bin, "run", "--address", address, args.config], preexec_fn=_default_sigint
+    )
+    rc = 1
+    try:
+        rc = proc.wait()
+    except KeyboardInterrupt:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+        try:
+            rc = proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = 130
+    finally:
+        print("tierserve: stopping Ray", file=sys.stderr)
+        ray.shutdown()
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
