@@ -1,0 +1,43 @@
+"""The shipped configs are valid for Serve and for tierserve."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from ray.serve.schema import ServeDeploySchema
+
+from cluster.app import load_config
+
+ROOT = Path(__file__).resolve().parents[2] / "configs"
+CPU, GPU = ROOT / "cluster.yaml", ROOT / "cluster-gpu.yaml"
+CONFIGS = [CPU, GPU]
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_config_is_valid(path: Path) -> None:
+    raw = yaml.safe_load(path.read_text())
+    schema = ServeDeploySchema.parse_obj(raw)
+    app = schema.applications[0]
+    cfg = load_config(app.args)
+    names = {d.name for d in app.deployments}
+    assert names == {"LLMServer", "Ingress"}
+    llm = next(d for d in app.deployments if d.name == "LLMServer")
+    assert llm.request_router_config is not None
+    assert cfg.engine.model
+
+
+def test_default_config_binds_loopback_and_runs_two_cpu_replicas() -> None:
+    raw = yaml.safe_load(CPU.read_text())
+    assert raw["http_options"]["host"] == "127.0.0.1"
+    llm = next(d for d in raw["applications"][0]["deployments"] if d["name"] == "LLMServer")
+    assert llm["num_replicas"] == 2 and "num_gpus" not in llm["ray_actor_options"]
+    assert raw["applications"][0]["args"]["engine"]["model"] == "tierserve-tiny"
+
+
+def test_gpu_config_puts_one_replica_per_gpu() -> None:
+    raw = yaml.safe_load(GPU.read_text())
+    llm = next(d for d in raw["applications"][0]["deployments"] if d["name"] == "LLMServer")
+    assert llm["ray_actor_options"]["num_gpus"] == 1
+    assert raw["applications"][0]["args"]["engine"]["attention_backend"] == "triton"
