@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         namespace="serve",
         _node_ip_address="127.0.0.1",
     )
-    address = ctx.address_info["gcs_address"]
+    address = ctx.address_info["gcs_address"]  # type: ignore[attr-defined]
     print(
         f"tierserve: Ray at {address}; metrics at http://127.0.0.1:{args.metrics_port}/metrics",
         file=sys.stderr,
