@@ -173,6 +173,11 @@ class Ingress:
             raise ApiError(400, f"the request body is not valid JSON: {e}", "invalid_json") from None
         if not isinstance(data, dict):
             raise ApiError(400, "the request body must be a JSON object", "invalid_json")
+        try:  # JSON may escape a lone surrogate (\ud800): no tokenizer can encode that string
+            json.dumps(data, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise ApiError(400, "the request body has a string that is not valid Unicode "
+                                "(an unpaired surrogate escape)", "invalid_json") from None
         try:
             return model.model_validate(data)
         except Exception as e:
@@ -231,6 +236,7 @@ class Ingress:
         stream = self.llm.generate.remote(
             ids, sampling, priority=caller.priority, prompt_tokens=len(ids),
             max_tokens=sampling["max_tokens"], queue_share=caller.tier.queue_share,
+            tier=caller.tier.name,
         )
         try:
             first = await self._next(stream)

@@ -52,8 +52,12 @@ class LLMServer:
         if settings.get("num_threads") is None and "OMP_NUM_THREADS" not in os.environ:
             settings["num_threads"] = _cpu_share()
         self.config = EngineConfig(**settings)
-        self.engine = Engine(self.config)
+        from cluster.metrics import ReplicaMetrics
+
+        self.metrics = ReplicaMetrics()
+        self.engine = Engine(self.config, observer=self.metrics)
         self.engine.start()
+        self.metrics.start(self.engine.stats)
         self.started = time.time()
         log.info("replica ready: %s", self.engine.stats())
 
@@ -66,6 +70,7 @@ class LLMServer:
         prompt_tokens: int | None = None,
         max_tokens: int | None = None,
         queue_share: float = 1.0,
+        tier: str = "",
     ) -> AsyncIterator[dict[str, Any]]:
         """Stream one request's deltas (see the module docstring for the record shapes)."""
         try:
@@ -75,12 +80,12 @@ class LLMServer:
             return
         shed_at = max(1, int(queue_share * self.config.max_waiting))
         if queue_share < 1.0 and self.engine.stats()["waiting"] >= shed_at:
-            self.engine.count_rejection("shed")
+            self.engine.count_rejection("shed", tier)
             yield error_record(
                 429, "shed", f"the server is busy: this tier's share of the queue ({shed_at}) is full"
             )
             return
-        stream = self.engine.generate(prompt_ids, params, priority)
+        stream = self.engine.generate(prompt_ids, params, priority, tier)
         try:
             async for out in stream:
                 yield asdict(out)
@@ -107,6 +112,7 @@ class LLMServer:
             waiting=int(s["waiting"]),
             running=int(s["running"]),
             preemptions=int(s["num_preemptions"]),
+            waiting_blocks=int(s["waiting_blocks"]),
             report_time=time.time(),
         ).to_dict()
 
@@ -131,6 +137,9 @@ class LLMServer:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
+        metrics = getattr(self, "metrics", None)
+        if metrics is not None:
+            metrics.stop()
 
 
 LLMDeployment: Deployment = serve.deployment(

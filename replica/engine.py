@@ -16,12 +16,14 @@ import threading
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from replica.block_space import RequestId
 from replica.detokenizer import IncrementalDetokenizer
 from replica.engine_config import EngineConfig, build_engine_parts
 from replica.sampler import SamplerState, SamplingParams, sample
 from replica.scheduler import (
+    AdmitError,
     FinishedEvent,
     FinishReason,
     Request,
@@ -50,6 +52,28 @@ class RequestOutput:
     error: str | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class RequestTimes:
+    """One finished (or aborted) request, for metrics. Times in seconds; None when not reached."""
+
+    tier: str
+    reason: str
+    prompt_tokens: int
+    generated_tokens: int
+    queue_s: float | None
+    ttft_s: float | None
+    tpot_s: float | None
+    e2e_s: float
+
+
+class EngineObserver(Protocol):
+    """Receives what metrics need; called from the engine's loop thread (keep it cheap)."""
+
+    def request_done(self, times: RequestTimes) -> None: ...
+    def step_done(self, duration_s: float, tokens: int, preempted: int) -> None: ...
+    def rejected(self, reason: str, tier: str) -> None: ...
+
+
 @dataclass(slots=True)
 class _Live:
     """Engine-side state of one request."""
@@ -61,9 +85,26 @@ class _Live:
     detok: IncrementalDetokenizer
     stop_ids: frozenset[int]
     sink: Callable[[RequestOutput], None] | None
+    tier: str = ""
     arrival: float = field(default_factory=time.monotonic)
+    admitted: float | None = None
     first_token: float | None = None
     generated: int = 0
+
+    def times(self, reason: str, now: float) -> RequestTimes:
+        tpot = None
+        if self.first_token is not None and self.generated > 1:
+            tpot = (now - self.first_token) / (self.generated - 1)
+        return RequestTimes(
+            tier=self.tier,
+            reason=reason,
+            prompt_tokens=self.prompt_len,
+            generated_tokens=self.generated,
+            queue_s=None if self.admitted is None else self.admitted - self.arrival,
+            ttft_s=None if self.first_token is None else self.first_token - self.arrival,
+            tpot_s=tpot,
+            e2e_s=now - self.arrival,
+        )
 
 
 @dataclass(slots=True)
@@ -87,8 +128,11 @@ class EngineDead(RuntimeError):
 class Engine:
     """Scheduler, KV pool, runner, sampler and detokenizer of one replica."""
 
-    def __init__(self, config: EngineConfig | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig | None = None, observer: EngineObserver | None = None
+    ) -> None:
         self.config = config or EngineConfig()
+        self.observer = observer
         parts = build_engine_parts(self.config)
         self.model_config = parts.model_config
         self.tokenizer = parts.tokenizer
@@ -131,12 +175,28 @@ class Engine:
         params: SamplingParams | None = None,
         priority: int = 0,
         sink: Callable[[RequestOutput], None] | None = None,
+        tier: str = "",
     ) -> RequestId:
         """Queue a request; raises ``ValueError``/``AdmitError`` for bad input or a full queue."""
         params = params or SamplingParams()
         params.validate()
         ids = list(prompt_ids)
         self.validate(ids, params.max_tokens, priority)
+        try:
+            return self._add(ids, params, priority, sink, tier)
+        except AdmitError as e:
+            if self.observer is not None:
+                self.observer.rejected(e.reason, tier)
+            raise
+
+    def _add(
+        self,
+        ids: list[int],
+        params: SamplingParams,
+        priority: int,
+        sink: Callable[[RequestOutput], None] | None,
+        tier: str,
+    ) -> RequestId:
         stop_ids = frozenset(params.stop_token_ids or ())
         if not params.ignore_eos:
             stop_ids |= self.eos_ids
@@ -152,6 +212,7 @@ class Engine:
                 detok=IncrementalDetokenizer(self.tokenizer, ids, params.stop),
                 stop_ids=stop_ids,
                 sink=sink,
+                tier=tier,
             )
             self._wake.notify()
         return rid
@@ -161,14 +222,19 @@ class Engine:
         with self._lock:
             live = self._live.pop(rid, None)
             found = self.scheduler.abort(rid)
-        if live is not None and live.sink is not None:
-            live.sink(self._final(live, "abort"))
+        if live is not None:
+            if self.observer is not None:
+                self.observer.request_done(live.times("abort", time.monotonic()))
+            if live.sink is not None:
+                live.sink(self._final(live, "abort"))
         return found
 
-    def count_rejection(self, reason: str) -> None:
+    def count_rejection(self, reason: str, tier: str = "") -> None:
         """Count a request refused before it reached the scheduler (e.g. ``shed``)."""
         with self._lock:
             self._refused[reason] = self._refused.get(reason, 0) + 1
+        if self.observer is not None:
+            self.observer.rejected(reason, tier)
 
     def rejections(self) -> dict[str, int]:
         """Refused requests by reason: the scheduler's and the engine's own."""
@@ -185,7 +251,9 @@ class Engine:
     def stats(self) -> dict[str, int | float]:
         with self._lock:
             s = self.scheduler.stats()
+            waiting_blocks = self.scheduler.waiting_blocks() if s.waiting else 0
         return {
+            "waiting_blocks": waiting_blocks,
             "running": s.running,
             "waiting": s.waiting,
             "free_blocks": s.free_blocks,
@@ -206,6 +274,11 @@ class Engine:
                 return []
             batch = self.runner.build_batch(plan, self.scheduler)
             states = [self._live[rid] for rid in batch.sampled]
+            now = time.monotonic()
+            for c in plan.prefill:
+                live = self._live.get(c.id)
+                if live is not None and live.admitted is None:
+                    live.admitted = now
         t1 = time.perf_counter()
         result = self.runner.forward(batch)
         t2 = time.perf_counter()
@@ -215,6 +288,8 @@ class Engine:
         self.times.steps += 1
         self.times.forward_s += t2 - t1
         self.times.total_s += t3 - t0
+        if self.observer is not None:
+            self.observer.step_done(t3 - t0, plan.num_tokens, len(plan.preempted))
         return outputs
 
     def _finish_step(
@@ -244,6 +319,8 @@ class Engine:
                     out.text += live_done.detok.finish()
                     out.finished = True
                     out.finish_reason = e.reason.value
+                    if self.observer is not None:
+                        self.observer.request_done(live_done.times(e.reason.value, now))
             # Requests aborted during the forward are gone from _live: drop their deltas.
             result = [d for rid, d in deltas.items() if rid in self._live or d.finished]
         sinks = {live.id: live.sink for live in states}
@@ -312,7 +389,11 @@ class Engine:
             self._thread = None
 
     async def generate(
-        self, prompt_ids: Sequence[int], params: SamplingParams | None = None, priority: int = 0
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        tier: str = "",
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream a request's deltas; leaving the iterator early aborts the request."""
         loop = asyncio.get_running_loop()
@@ -321,7 +402,7 @@ class Engine:
         def sink(out: RequestOutput) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, out)
 
-        rid = self.add_request(prompt_ids, params, priority, sink=sink)
+        rid = self.add_request(prompt_ids, params, priority, sink=sink, tier=tier)
         finished = False
         try:
             while not finished:

@@ -479,6 +479,11 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self._seqs)
 
+    def waiting_blocks(self) -> int:
+        """Blocks the waiting requests need at admission (their tokens plus the first new one)."""
+        b = self._blocks.block_tokens
+        return sum(-(-(len(seq.tokens) + 1) // b) for seq in self._waiting.items())
+
     def is_waiting(self, id: RequestId) -> bool:
         seq = self._seqs.get(id)
         return seq is not None and seq.handle is not None
