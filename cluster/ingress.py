@@ -11,7 +11,7 @@ large, 429 full queue or shed load (with ``Retry-After``), 503 no replica can se
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -69,6 +69,18 @@ def error_response(
     return JSONResponse(body, status_code=status, headers=headers)
 
 
+# Pydantic puts the member type of a union in an error's location ("temperature.float",
+# "prompt.str"); the client's ``param`` is the field path only.
+_UNION_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+
+
+def error_param(loc: Sequence[int | str], extra: bool = False) -> str | None:
+    """The field path of an error; ``extra``: the location is an unknown field's name, as is."""
+    parts = [str(p) for p in loc if p != "body" and (
+        extra or isinstance(p, int) or (p not in _UNION_TAGS and "[" not in p))]
+    return ".".join(parts) or None
+
+
 app = FastAPI(title="tierserve", version="0.1.0",
               description="OpenAI-compatible LLM serving with priority tiers.")
 
@@ -77,8 +89,7 @@ app = FastAPI(title="tierserve", version="0.1.0",
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     errors = exc.errors()
     first = errors[0] if errors else {}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
+    param = error_param(first.get("loc", ()), first.get("type") == "extra_forbidden")
     msg = first.get("msg", "invalid request body")
     if first.get("type") == "json_invalid":
         msg, param = "the request body is not valid JSON", None
@@ -186,7 +197,7 @@ class Ingress:
             if not isinstance(e, ValidationError):
                 raise
             first = e.errors()[0]
-            param = ".".join(str(p) for p in first.get("loc", ())) or None
+            param = error_param(first.get("loc", ()), first.get("type") == "extra_forbidden")
             msg = first.get("msg", "invalid request")
             if first.get("type") == "extra_forbidden":
                 msg = f"unknown field {param!r}"

@@ -6,9 +6,28 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+)
 
 Number = StrictFloat | StrictInt
+
+
+def _only_false(value: bool) -> bool:
+    if value:
+        raise ValueError("only false is supported")
+    return value
+
+
+# A flag this server accepts for compatibility but does not implement: true is a clear 400.
+Unsupported = Annotated[StrictBool, AfterValidator(_only_false)]
 
 
 class _Body(BaseModel):
@@ -24,7 +43,8 @@ class _SamplingFields(_Body):
     max_tokens: StrictInt | None = Field(default=None, ge=1)
     temperature: Annotated[Number, Field(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[Number, Field(gt=0.0, le=1.0)] = 1.0
-    top_k: StrictInt = Field(default=0, ge=-1)
+    # Bounded: the sampler builds an int64 tensor of the batch's k values.
+    top_k: StrictInt = Field(default=0, ge=-1, le=2**31 - 1)
     seed: StrictInt | None = Field(default=None, ge=0, le=2**63 - 1)
     stop: StrictStr | list[StrictStr] | None = None
     stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = None
@@ -47,7 +67,7 @@ class CompletionRequest(_SamplingFields):
 
     prompt: StrictStr | list[Annotated[StrictInt, Field(ge=0)]]
     max_tokens: StrictInt | None = Field(default=16, ge=1)
-    echo: StrictBool = Field(default=False, description="only false is supported")
+    echo: Unsupported = False
     logprobs: None = Field(default=None, description="not supported")
 
 
@@ -62,7 +82,7 @@ class ChatCompletionRequest(_SamplingFields):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
-    logprobs: StrictBool = Field(default=False, description="only false is supported")
+    logprobs: Unsupported = False
 
 
 class Usage(BaseModel):

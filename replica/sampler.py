@@ -15,6 +15,9 @@ from dataclasses import dataclass, field
 import torch
 
 
+GREEDY_BELOW = 1e-5
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """How to pick each next token and when to stop (close to vLLM's ``SamplingParams``).
@@ -62,7 +65,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperatures below ``GREEDY_BELOW`` are greedy (dividing by them would overflow)."""
+        return self.temperature < GREEDY_BELOW
 
 
 @dataclass(slots=True)
@@ -117,7 +121,7 @@ def _filter_top_k_top_p(x: torch.Tensor, params: Sequence[SamplingParams]) -> to
     sorted_x, order = x.sort(dim=-1, descending=True)
     keep = torch.ones_like(sorted_x, dtype=torch.bool)
     if any(ks):
-        k = torch.tensor([k if k else vocab for k in ks], device=x.device).clamp(max=vocab)
+        k = torch.tensor([min(k, vocab) if k else vocab for k in ks], device=x.device)
         ranks = torch.arange(vocab, device=x.device).unsqueeze(0)
         keep &= ranks < k.unsqueeze(1)
     if any(p < 1.0 for p in ps):

@@ -95,3 +95,11 @@ def test_bad_params_name_the_field(kwargs: dict[str, object], field: str) -> Non
 def test_row_count_mismatch_is_an_error() -> None:
     with pytest.raises(ValueError, match="rows"):
         sample(logits(2), [SamplerState(SamplingParams())])
+
+
+def test_huge_top_k_and_tiny_temperature_are_safe() -> None:
+    x = logits(2, seed=4)
+    huge = sample(x, [SamplerState(SamplingParams(top_k=10**30, seed=1)) for _ in range(2)])
+    assert all(0 <= t < x.shape[1] for t in huge)
+    tiny = sample(x, [SamplerState(SamplingParams(temperature=1e-300, seed=1)) for _ in range(2)])
+    assert tiny == x.argmax(-1).tolist()

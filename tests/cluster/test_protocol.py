@@ -1,0 +1,60 @@
+"""The request models and the error ``param`` without Ray (the HTTP side is in test_errors.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from cluster.ingress import error_param
+from cluster.protocol import ChatCompletionRequest, CompletionRequest
+
+COMPLETION = {"model": "m", "prompt": "p"}
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def first_error(model: Any, body: dict[str, Any]) -> dict[str, Any]:
+    with pytest.raises(ValidationError) as e:
+        model.model_validate(body)
+    return dict(e.value.errors()[0])
+
+
+@pytest.mark.parametrize(("model", "body"), [(CompletionRequest, COMPLETION | {"echo": True}),
+                                             (ChatCompletionRequest, CHAT | {"logprobs": True})])
+def test_unsupported_flags_are_refused_when_true(model: Any, body: dict[str, Any]) -> None:
+    err = first_error(model, body)
+    assert "only false is supported" in err["msg"]
+    flag = "echo" if "echo" in body else "logprobs"
+    assert model.model_validate(body | {flag: False})
+
+
+@pytest.mark.parametrize("top_k", [2**31, 2**63, 10**30])
+def test_top_k_is_bounded(top_k: int) -> None:
+    err = first_error(CompletionRequest, COMPLETION | {"top_k": top_k})
+    assert err["loc"] == ("top_k",)
+    assert CompletionRequest.model_validate(COMPLETION | {"top_k": 2**31 - 1}).top_k == 2**31 - 1
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"temperature": "hot"}, "temperature"),  # pydantic: ('temperature', 'float')
+        ({"prompt": 7}, "prompt"),  # ('prompt', 'str')
+        ({"stop": [1]}, "stop"),  # ('stop', 'str')
+        ({"stop_token_ids": [-1]}, "stop_token_ids.0"),
+        ({"stream_options": {"include_usage": "y"}}, "stream_options.include_usage"),
+        ({"odd-name": 1}, "odd-name"),  # an unknown field is named as sent
+        ({"list": 1}, "list"),
+    ],
+)
+def test_error_param_is_the_field_path(body: dict[str, Any], param: str) -> None:
+    err = first_error(CompletionRequest, COMPLETION | body)
+    assert error_param(err["loc"], err["type"] == "extra_forbidden") == param
+
+
+def test_error_param_of_nested_chat_fields() -> None:
+    err = first_error(ChatCompletionRequest, CHAT | {"messages": [{"role": "user", "content": 1}]})
+    assert error_param(err["loc"]) == "messages.0.content"
+    assert error_param(("body", "max_tokens")) == "max_tokens"  # FastAPI's own validation
+    assert error_param(()) is None
