@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-
 GREEDY_BELOW = 1e-5
 
 
