@@ -45,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _interrupt)
     ctx = ray.init(
+        address="local",  # always a fresh instance of our own, never someone else's cluster
         _metrics_export_port=args.metrics_port,
         include_dashboard=False,
         namespace="serve",

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from replica.engine import RequestTimes
+if TYPE_CHECKING:  # importing the engine pulls in torch; the metrics module must stay light
+    from replica.engine import RequestTimes
 
 GAUGE_PERIOD_S = 1.0
 

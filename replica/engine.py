@@ -181,10 +181,10 @@ class Engine:
         params = params or SamplingParams()
         params.validate()
         ids = list(prompt_ids)
-        self.validate(ids, params.max_tokens, priority)
         try:
+            self.validate(ids, params.max_tokens, priority)
             return self._add(ids, params, priority, sink, tier)
-        except AdmitError as e:
+        except AdmitError as e:  # empty, too_long, never_fits, queue_full
             if self.observer is not None:
                 self.observer.rejected(e.reason, tier)
             raise

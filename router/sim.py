@@ -7,7 +7,9 @@ and one token per running request per step. A step of ``t`` tokens takes ``base_
 
 ``SimEngine`` is the Serve deployment around it, with the same ``generate`` and
 ``record_routing_stats`` as the real replica. ``pool_blocks`` may be a list: replica ``rank``
-takes ``pool_blocks[rank % len(pool_blocks)]``, so one deployment can mix pool sizes.
+takes ``pool_blocks[rank % len(pool_blocks)]``, so one deployment can mix pool sizes. Its report
+also carries ``rejections`` (requests ``SimCore.add`` refused; the router ignores the key), and
+``stream_every`` thins the stream for benchmarks (the first and last token always come).
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ class SimCore:
         self.model = model or StepModel()
         self.free_blocks = total_blocks
         self.preemptions = 0
+        self.rejections = 0  # requests add() refused (never fits, queue full)
         self._next_id = 0
         self._seqs: dict[int, _Seq] = {}
         self._waiting: list[tuple[tuple[int, int], int]] = []  # heap of (rank, id); lazy deletion
@@ -92,8 +95,10 @@ class SimCore:
             )
         need = blocks_for(prompt_tokens + max_tokens, self.block_tokens)
         if need > self.total_blocks:
+            self.rejections += 1
             raise ValueError(f"request needs {need} blocks; this pool has {self.total_blocks}")
         if self.waiting >= self.max_waiting:
+            self.rejections += 1
             raise ValueError(f"waiting queue is full ({self.max_waiting})")
         seq = _Seq(self._next_id, prompt_tokens, max_tokens, priority)
         self._next_id += 1
@@ -216,7 +221,11 @@ class SimEngine:
         max_waiting: int = 256,
         step_base_s: float = 0.004,
         step_per_token_s: float = 0.0001,
+        stream_every: int = 1,
     ) -> None:
+        if stream_every <= 0:
+            raise ValueError(f"stream_every must be positive, got {stream_every}")
+        self.stream_every = stream_every
         rank = _replica_rank()
         total = (
             pool_blocks if isinstance(pool_blocks, int) else pool_blocks[rank % len(pool_blocks)]
@@ -262,24 +271,40 @@ class SimEngine:
         prompt_tokens: int | None = None,
         max_tokens: int = 16,
     ) -> AsyncIterator[dict[str, Any]]:
-        """Stream ``{"token", "replica", "total_blocks"}`` per generated token."""
+        """Stream ``{"token", "tokens", "replica", "total_blocks", "arrived", "at"}`` per token.
+
+        ``tokens`` counts the tokens generated so far; ``arrived`` is ``time.time()`` when the call
+        reached the replica, ``at`` when the token was handed to the stream. With ``stream_every`` k > 1 only the first token, every k-th and the
+        last are sent.
+        """
+        arrived = time.time()
         n = prompt_tokens if prompt_tokens is not None else len(prompt_ids)
         id = self.core.add(n, max_tokens, priority)
         sink: asyncio.Queue[tuple[int, bool]] = asyncio.Queue()
         self._sinks[id] = sink
         self._kick()
         done = False
+        count = 0
         try:
             while not done:
                 token, done = await sink.get()
-                yield {"token": token, "replica": self.name, "total_blocks": self.core.total_blocks}
+                count += 1
+                if count == 1 or done or count % self.stream_every == 0:
+                    yield {
+                        "token": token,
+                        "tokens": count,
+                        "replica": self.name,
+                        "total_blocks": self.core.total_blocks,
+                        "arrived": arrived,
+                        "at": time.time(),
+                    }
         finally:
             self._sinks.pop(id, None)
             if not done:
                 self.core.abort(id)
 
     async def record_routing_stats(self) -> dict[str, Any]:
-        return self.core.stats(time.time()).to_dict()
+        return {**self.core.stats(time.time()).to_dict(), "rejections": self.core.rejections}
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0})

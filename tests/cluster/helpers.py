@@ -261,8 +261,8 @@ class LocalServe:
         return self.apps
 
     def _start(self) -> dict[str, ServeApp]:
-        ray.init(num_cpus=4, include_dashboard=False, logging_level=logging.WARNING,
-                 log_to_driver=False)
+        ray.init(address="local", num_cpus=4, include_dashboard=False,
+                 logging_level=logging.WARNING, log_to_driver=False)
         try:
             port = free_port()
             client = start_serve(port)

@@ -1,0 +1,332 @@
+"""Observability against a real local cluster: Ray's metrics endpoint, the dashboard, the load generator.
+
+One Ray instance for the module, started here with its metrics exported on a free port (as
+``make serve`` does on 8080) and a 2 s metrics report interval instead of Ray's 10 s, so the
+counters reach the endpoint sooner (gauges then expire after 4 s unless refreshed: a stricter
+check of the replicas' gauge refresher than the default 20 s). The app is the YAML's
+(``configs/cluster.yaml``, with the tiers' test API keys) with one small engine replica: 16 KV
+blocks of 16 tokens, 4 running sequences, a queue of 4 (batch is shed from 2 waiting, standard
+from 3, interactive refused at 4).
+
+The load generator's smoke run (closed loop, every tier, some clients hanging up) provokes
+preemptions and shedding. Then, so that every metric moves whatever the smoke run met: one short
+request per tier, one client that hangs up mid-stream (an abort), a burst of interactive
+requests that fills the queue (``queue_full``, and preemptions again) while two batch requests
+are shed, and two requests that can never run (``never_fits``, ``too_long``). Ray exports a
+counter only after its first increment, so the checks poll the endpoint for a bounded time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import ray
+from prometheus_client.parser import text_string_to_metric_families
+from ray import serve
+
+from cluster import loadgen
+from cluster.metrics import EXPORTED, GAUGES
+from tests.cluster.helpers import (
+    KEYS,
+    ServeApp,
+    app_config,
+    deploy,
+    free_port,
+    start_serve,
+)
+from tests.observability import promql
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+DASHBOARD = ROOT / "configs" / "grafana" / "tierserve.json"
+APP = "tierserve"
+MODEL = "tierserve-tiny"
+BLOCKS, BLOCK_TOKENS, MAX_MODEL_LEN = 16, 16, 2048
+ENGINE: dict[str, Any] = {"num_kv_blocks": BLOCKS, "kv_cache_bytes": None, "max_num_seqs": 4,
+                          "max_waiting": 4, "block_size": BLOCK_TOKENS,
+                          "max_model_len": MAX_MODEL_LEN}
+REPORT_INTERVAL_MS = 2000
+
+
+@dataclass(frozen=True)
+class Sample:
+    name: str
+    labels: dict[str, str]
+    value: float
+
+
+def scrape(url: str) -> list[Sample]:
+    """Every sample of the endpoint, read with prometheus_client's own parser."""
+    text = httpx.get(url, timeout=10).text
+    return [Sample(s.name, dict(s.labels), float(s.value))
+            for fam in text_string_to_metric_families(text) for s in fam.samples]
+
+
+def ours(samples: list[Sample], name: str) -> list[Sample]:
+    return [s for s in samples if s.name == name and s.labels.get("application") == APP]
+
+
+def by_label(samples: list[Sample], name: str, label: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for s in ours(samples, name):
+        out[s.labels.get(label, "")] = out.get(s.labels.get(label, ""), 0.0) + s.value
+    return out
+
+
+@dataclass
+class Cluster:
+    app: ServeApp
+    metrics_url: str
+
+    def wait_scrape(self, what: str, ok: Callable[[list[Sample]], bool],
+                    timeout_s: float = 60.0) -> list[Sample]:
+        """Scrape until ``ok``; on a timeout, say which tierserve series the last scrape had."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            samples = scrape(self.metrics_url)
+            if ok(samples):
+                return samples
+            if time.monotonic() > deadline:
+                seen = sorted({s.name for s in samples if s.labels.get("application") == APP})
+                missing = sorted(EXPORTED - set(seen))
+                raise AssertionError(f"gave up waiting for {what} after {timeout_s:g} s; "
+                                     f"exported names missing from the last scrape: {missing}")
+            time.sleep(0.5)
+
+
+@dataclass
+class Provoked:
+    report: dict[str, Any]
+    out_dir: Path
+    statuses: dict[str, list[tuple[int, str | None]]]
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    if ray.is_initialized():  # an earlier module's instance: this one needs its own settings
+        ray.shutdown()
+    metrics_port, http_port = free_port(), free_port()
+    # address="local": a new instance even where `ray start` left /tmp/ray/ray_current_cluster
+    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="warning",
+             log_to_driver=False,
+             _metrics_export_port=metrics_port,
+             _system_config={"metrics_report_interval_ms": REPORT_INTERVAL_MS})
+    try:
+        client = start_serve(http_port)
+        deploy(client, [app_config(APP, "/", ENGINE, {}, {"LLMServer": {"num_replicas": 1}})])
+        app = ServeApp(APP, f"http://127.0.0.1:{http_port}", 1)
+        app.wait_ready()
+        yield Cluster(app, f"http://127.0.0.1:{metrics_port}/metrics")
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+
+
+def _post(url: str, tier: str, prompt: list[int], max_tokens: int) -> tuple[int, str | None]:
+    r = httpx.post(url, json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens,
+                              "ignore_eos": True},
+                   headers={"Authorization": f"Bearer {KEYS[tier]}"}, timeout=120)
+    code = r.json()["error"]["code"] if r.status_code != 200 else None
+    return r.status_code, code
+
+
+def _hang_up(url: str) -> bool:
+    """Stream a long request and go away after its first chunk (the server aborts it)."""
+    body = {"model": MODEL, "prompt": [66] * 16, "max_tokens": 200, "ignore_eos": True,
+            "stream": True}
+    with httpx.Client(timeout=120) as client, client.stream(
+        "POST", url, json=body, headers={"Authorization": f"Bearer {KEYS['interactive']}"}
+    ) as r:
+        if r.status_code != 200:
+            return False
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                return True
+    return False
+
+
+async def _burst(url: str, n: int, max_tokens: int, waiting: Callable[[], int]
+                 ) -> dict[str, list[tuple[int, str | None]]]:
+    """``n`` interactive requests at once (4 run, 4 wait, the rest: queue_full), then, once the
+    replica has 2 waiting, two batch requests (shed: batch may only fill half the queue)."""
+    async with httpx.AsyncClient(timeout=120) as client:
+        async def one(tier: str, i: int) -> tuple[int, str | None]:
+            r = await client.post(url, json={"model": MODEL, "prompt": [40 + i] * 16,
+                                             "max_tokens": max_tokens, "ignore_eos": True},
+                                  headers={"Authorization": f"Bearer {KEYS[tier]}"})
+            return r.status_code, (r.json()["error"]["code"] if r.status_code != 200 else None)
+
+        burst = [asyncio.create_task(one("interactive", i)) for i in range(n)]
+        deadline = time.monotonic() + 60
+        while await asyncio.to_thread(waiting) < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        shed = await asyncio.gather(*(one("batch", i) for i in range(2)))
+        return {"burst": list(await asyncio.gather(*burst)), "shed": list(shed)}
+
+
+@pytest.fixture(scope="module")
+def provoked(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Provoked:
+    """The load generator's smoke run, then requests that provoke every metric for certain."""
+    out = tmp_path_factory.mktemp("load")
+    rc = loadgen.main([
+        "--url", cluster.app.base_url, "--metrics-url", cluster.metrics_url, "--app", APP,
+        "--concurrency", "10", "-n", "48", "-d", "30", "--drain-timeout", "60",
+        "--prompt-len", "24", "--output-len", "uniform:48:96", "--abort-fraction", "0.15",
+        "--class", f"interactive=1,key={KEYS['interactive']}",
+        "--class", f"standard=1,key={KEYS['standard']}",
+        "--class", f"batch=1,key={KEYS['batch']}",
+        "--sample-interval", "1", "--settle-timeout", "30", "--seed", "1",
+        "--out-dir", str(out), "--name", "smoke", "--no-progress",
+    ])
+    assert rc == 0
+    report = json.loads((out / "smoke.json").read_text())
+    url = cluster.app.url("/v1/completions")
+    statuses = {  # one short request per tier while idle: each tier's latencies are observed
+        tier: [_post(url, tier, [70] * 8, 4)] for tier in ("interactive", "standard", "batch")}
+    assert all(v == [(200, None)] for v in statuses.values()), statuses
+    assert _hang_up(url), "the stream to hang up on did not start"
+    waiting = lambda: sum(int(x["waiting"]) for x in cluster.app.replica_stats().values())  # noqa: E731
+    statuses |= asyncio.run(_burst(url, 12, 64, waiting))
+    statuses |= {
+        # 24 + 400 tokens need 27 blocks of 16: more than the pool's 16, ever.
+        "never_fits": [_post(url, "standard", [65] * 24, 400)],
+        "too_long": [_post(url, "batch", [65] * MAX_MODEL_LEN, 1)],
+    }
+    return Provoked(report, out, statuses)
+
+
+# ------------------------------------------------------------------ (a) the scrape
+
+
+def test_a_scrape_holds_every_exported_metric(cluster: Cluster, provoked: Provoked) -> None:
+    samples = cluster.wait_scrape(
+        "every name of cluster.metrics.EXPORTED in the scrape",
+        lambda ss: EXPORTED.issubset(s.name for s in ss if s.labels.get("application") == APP))
+    replicas = {s.labels.get("replica") for s in ours(samples, "ray_tierserve_kv_blocks_total")}
+    assert replicas == {name.rsplit("#", 1)[1] for name in cluster.app.replicas()}
+    tiers = set(by_label(samples, "ray_tierserve_time_to_first_token_seconds_count", "tier"))
+    assert {"interactive", "standard", "batch"} <= tiers
+
+
+def total(samples: list[Sample], name: str) -> float:
+    return sum(s.value for s in ours(samples, name))
+
+
+def test_preemptions_aborts_and_finishes_are_counted(cluster: Cluster, provoked: Provoked) -> None:
+    # the smoke run's clients that hung up (if any got a token before a 429), and one more
+    aborted = provoked.report["requests"]["aborted_by_client"] + 1
+    samples = cluster.wait_scrape(
+        f"preemptions > 0 and at least {aborted} aborts",
+        lambda ss: total(ss, "ray_tierserve_preemptions_total") > 0
+        and total(ss, "ray_tierserve_aborts_total") >= aborted)
+    finished = by_label(samples, "ray_tierserve_requests_finished_total", "reason")
+    assert finished.get("length", 0) > 0 and finished.get("abort", 0) > 0
+    assert total(samples, "ray_tierserve_generation_tokens_total") > 0
+    assert total(samples, "ray_tierserve_prompt_tokens_total") > 0
+    for h in ("step_duration_seconds", "step_tokens", "queue_time_seconds",
+              "time_per_output_token_seconds", "e2e_request_latency_seconds"):
+        assert total(samples, f"ray_tierserve_{h}_count") > 0, h
+
+
+def test_rejections_by_reason(cluster: Cluster, provoked: Provoked) -> None:
+    assert (429, "queue_full") in provoked.statuses["burst"], provoked.statuses["burst"]
+    assert (429, "shed") in provoked.statuses["shed"], provoked.statuses["shed"]
+    samples = cluster.wait_scrape(
+        "rejections for queue_full and shed",
+        lambda ss: {"queue_full", "shed"} <= set(by_label(ss, "ray_tierserve_rejections_total", "reason")))
+    by_tier = by_label(samples, "ray_tierserve_rejections_total", "tier")
+    assert by_tier.get("batch", 0) > 0
+    assert provoked.report["rejections"]["total"] > 0
+
+
+def test_requests_that_can_never_run_are_counted_by_reason(cluster: Cluster,
+                                                           provoked: Provoked) -> None:
+    assert provoked.statuses["never_fits"] == [(400, "never_fits")]
+    assert provoked.statuses["too_long"] == [(400, "too_long")]
+    cluster.wait_scrape(
+        "rejections for never_fits and too_long",
+        lambda ss: {"never_fits", "too_long"} <= set(by_label(ss, "ray_tierserve_rejections_total", "reason")),
+        timeout_s=4 * REPORT_INTERVAL_MS / 1000)
+
+
+def test_the_gauges_return_to_idle_and_stay(cluster: Cluster, provoked: Provoked) -> None:
+    def idle(ss: list[Sample]) -> bool:
+        reps: dict[str, dict[str, float]] = {}
+        for name in GAUGES:
+            for s in ours(ss, f"ray_{name}"):
+                reps.setdefault(s.labels["replica"], {})[name] = s.value
+        return len(reps) == 1 and all(
+            r.get("tierserve_requests_waiting") == 0 and r.get("tierserve_requests_running") == 0
+            and r.get("tierserve_kv_blocks_free") == r.get("tierserve_kv_blocks_total") == BLOCKS
+            for r in reps.values())
+
+    cluster.wait_scrape("waiting 0, running 0 and all blocks free in the scrape", idle)
+    time.sleep(2.5 * REPORT_INTERVAL_MS / 1000)  # past Ray's gauge expiry (2 report intervals)
+    assert idle(scrape(cluster.metrics_url)), "the idle replica's gauges expired"
+
+
+# ------------------------------------------------------------------ (b) the dashboard
+
+
+def test_every_metric_the_dashboard_queries_is_scraped(cluster: Cluster, provoked: Provoked) -> None:
+    dash = promql.load(DASHBOARD)
+    queries = promql.dashboard_queries(dash)
+    assert len(queries) >= 20
+    names = set().union(*(promql.metric_names(e) for _, e in queries)) | promql.variable_metrics(dash)
+    assert names and names <= EXPORTED, sorted(names - EXPORTED)
+    samples = cluster.wait_scrape(
+        "every metric the dashboard queries in the scrape",
+        lambda ss: names.issubset(s.name for s in ss if s.labels.get("application") == APP))
+    # the label the per-replica and per-tier panels group by is on the series they read
+    for title, expr in queries:
+        for label in ("replica", "tier", "reason"):
+            if f"by ({label}" in expr:
+                for name in promql.metric_names(expr):
+                    assert all(label in s.labels for s in ours(samples, name)), (title, name, label)
+
+
+# ------------------------------------------------------------------ (c) the load generator
+
+
+def test_the_load_generator_report(provoked: Provoked) -> None:
+    rep = provoked.report
+    req = rep["requests"]
+    assert req["sent"] == 48 or rep["wall_s"] >= 30
+    assert req["ok"] > 0 and req["errors"] == 0, rep["errors"]
+    assert req["sent"] == req["ok"] + req["rejected"] + req["aborted_by_client"] + req["errors"]
+    assert rep["throughput"]["requests_per_s"] > 0 and rep["throughput"]["output_tokens_per_s"] > 0
+    for group in [rep["latency_s"]["all"], *rep["latency_s"]["per_class"].values()]:
+        for metric in ("ttft", "tpot", "e2e"):
+            s = group[metric]
+            if s["n"]:
+                assert 0 < s["p50"] <= s["p90"] <= s["p99"] <= s["max"], (metric, s)
+    assert rep["latency_s"]["all"]["ttft"]["n"] == req["ok"]
+    assert set(rep["latency_s"]["per_class"]) == {"interactive", "standard", "batch"}
+    assert all(k.startswith(("429 ", "400 ")) for k in rep["rejections"]["by_status_code"])
+    srv = rep["server"]
+    assert srv is not None and srv["settled"] and srv["idle_after"], (srv, rep["metrics_error"])
+    assert [(g["free_blocks"], g["total_blocks"]) for g in srv["replicas_after"].values()] == [
+        (BLOCKS, BLOCKS)]
+    assert srv["preemptions"] > 0
+    assert srv["finished_by_reason"].get("length", 0) >= req["ok"]
+    assert srv["aborts"] >= req["aborted_by_client"]
+    assert sum(srv["rejections_by_reason"].values()) >= sum(
+        n for k, n in rep["rejections"]["by_status_code"].items() if k.startswith("429"))
+    assert len(rep["samples"]) >= 5
+    assert any(r["waiting"] > 0 for s in rep["samples"] for r in s["replicas"].values())
+    assert "sk-" not in json.dumps(rep) and KEYS["batch"] not in json.dumps(rep)
+    for kind in ("latency", "server"):
+        png = Path(rep["plots"][kind])
+        assert png.parent == provoked.out_dir
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
