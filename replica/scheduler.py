@@ -20,6 +20,7 @@ import bisect
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from replica.block_space import (
     Allocation,
@@ -210,14 +211,14 @@ class FinishReason(enum.Enum):
     ABORT = "abort"
 
 
-@dataclass(frozen=True, slots=True)
-class TokenEvent:
+class TokenEvent(NamedTuple):
+    """``id`` sampled ``token`` (a NamedTuple: one is made per sampled row, so it must be cheap)."""
+
     id: RequestId
     token: int
 
 
-@dataclass(frozen=True, slots=True)
-class FinishedEvent:
+class FinishedEvent(NamedTuple):
     id: RequestId
     reason: FinishReason
 
@@ -348,10 +349,12 @@ class Scheduler:
 
         # Phase 1: decodes, highest rank first. Requests after index i are not yet scheduled.
         i = 0
+        partial = False  # a prefill in progress was seen (only with chunked prefill)
         while i < len(running):
             seq = running[i]
             n = len(seq.tokens)
             if n - seq.computed != 1:
+                partial = True
                 i += 1  # a prefill in progress: phase 2
                 continue
             if budget == 0:
@@ -366,7 +369,7 @@ class Scheduler:
         # Phase 2: prefills in progress (chunked prefill), rank order. Blocks were allocated at
         # admission for every position, so no allocation happens here.
         policy = self._policy
-        for seq in running:
+        for seq in running if partial and budget else ():
             remaining = len(seq.tokens) - seq.computed
             if remaining <= 1 or budget == 0:
                 continue
