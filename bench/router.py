@@ -606,12 +606,12 @@ class OfflineFreeBlocks:
             self.loads(), self.shape(q), self.rng, saturation_waiting=self.saturation_waiting
         )
         best = ranked[0]
-        self.tentative[i] = (best.key, Charge(best.need, now))
+        self.tentative[i] = (best.key, Charge(best.need, now, best.full))
         return best.key
 
     def on_routed(self, now: float, i: int, k: int) -> None:
         _, charge = self.tentative.pop(i)
-        self.confirmed[k][i] = Charge(charge.blocks, now)
+        self.confirmed[k][i] = Charge(charge.blocks, now, charge.full)
 
     def on_completed(self, now: float, i: int, k: int) -> None:
         self.tentative.pop(i, None)

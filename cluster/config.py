@@ -6,6 +6,8 @@ Serve's own keys (replicas, resources, the router class, back-pressure) stay in 
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
@@ -47,6 +49,10 @@ class EngineSettings(_Strict):
 class TierConfig(_Strict):
     """A priority tier: callers with one of ``api_keys`` (or, for the default tier, no key).
 
+    An API key is written as ``env:VAR`` (the value of environment variable ``VAR`` in the
+    ingress's process), ``file:PATH`` (the file's content, stripped) or literally. Serve logs an
+    application's ``args`` when it deploys them, so use the references for real keys.
+
     base_priority: the priority of a request that asks for none. max_priority: the highest the
     ``X-TL-Priority`` header may ask for. queue_share: the fraction of a replica's waiting queue
     this tier may fill before its requests are refused with 429 (lower tiers get smaller shares,
@@ -84,6 +90,9 @@ class ClusterConfig(_Strict):
     default_tier: the tier of a request without an API key; ``None`` makes a key mandatory.
     max_request_bytes: requests with a larger body get 413. max_tokens_limit: the largest
     ``max_tokens`` a request may ask for. max_stop_strings: the most ``stop`` strings per request.
+    retry_after_s: the ``Retry-After`` of a 429. replica_retries: how many times a request whose
+    replica failed before its first token is sent again (to another replica). fault_injection:
+    lets ``LLMServer.inject_fault`` break a replica (for the fault tests only).
     """
 
     engine: EngineSettings = Field(default_factory=EngineSettings)
@@ -94,6 +103,8 @@ class ClusterConfig(_Strict):
     max_tokens_limit: int = Field(default=4096, gt=0)
     max_stop_strings: int = Field(default=8, ge=0)
     retry_after_s: int = Field(default=1, ge=0)
+    replica_retries: int = Field(default=2, ge=0, le=10)
+    fault_injection: bool = False
 
     @field_validator("tiers")
     @classmethod
@@ -118,3 +129,25 @@ class ClusterConfig(_Strict):
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.engine.model
+
+
+def resolve_key(ref: str) -> str:
+    """The key an ``api_keys`` entry stands for (see ``TierConfig``). Raises ``ValueError`` for a
+    missing variable, an unreadable file or an empty key, without showing any key."""
+    if ref.startswith("env:"):
+        name = ref[4:]
+        value = os.environ.get(name)
+        if value is None:
+            raise ValueError(f"API key reference {ref!r}: environment variable {name!r} is not set")
+    elif ref.startswith("file:"):
+        try:
+            value = Path(ref[5:]).expanduser().read_text()
+        except OSError as e:
+            raise ValueError(f"API key reference {ref!r}: cannot read the file ({e.strerror})") from None
+    else:
+        value = ref
+    value = value.strip()
+    if not value:
+        raise ValueError(f"API key {ref!r} is empty" if ref.startswith(("env:", "file:"))
+                         else "an API key is empty")
+    return value

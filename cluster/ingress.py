@@ -22,6 +22,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.config import ClusterConfig
+from cluster.openapi import openapi_schema
 from cluster.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -41,7 +42,7 @@ from cluster.protocol import (
     usage,
 )
 from cluster.tiers import AuthError, Caller, PriorityError, TierResolver
-from replica.models.loader import load_tokenizer
+from replica.models.loader import load_model_config, load_tokenizer
 
 log = logging.getLogger("tierserve.ingress")
 
@@ -81,8 +82,11 @@ def error_param(loc: Sequence[int | str], extra: bool = False) -> str | None:
     return ".".join(parts) or None
 
 
-app = FastAPI(title="tierserve", version="0.1.0",
-              description="OpenAI-compatible LLM serving with priority tiers.")
+# FastAPI's own /openapi.json (and the docs pages built on it) is replaced by the Ingress's route
+# below: Serve pickles this app into the replica, so a schema cached on the module's app object
+# would not be the one served.
+app = FastAPI(title="tierserve", version="0.1.0", openapi_url=None, docs_url=None,
+              redoc_url=None, description="OpenAI-compatible LLM serving with priority tiers.")
 
 
 @app.exception_handler(RequestValidationError)
@@ -102,7 +106,9 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
 
 @app.exception_handler(StarletteHTTPException)
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    return error_response(exc.status_code, str(exc.detail), code="http_error")
+    response = error_response(exc.status_code, str(exc.detail), code="http_error")
+    response.headers.update(exc.headers or {})  # e.g. the Allow header of a 405
+    return response
 
 
 @app.exception_handler(ApiError)
@@ -119,11 +125,23 @@ class Ingress:
         self.tiers = TierResolver(self.cfg)
         self.llm = llm.options(stream=True)
         self.tokenizer = load_tokenizer(self.cfg.engine.model, self.cfg.engine.trust_remote_code)
+        self.vocab_size = load_model_config(self.cfg.engine.model,
+                                            self.cfg.engine.trust_remote_code).vocab_size
+        self.special_ids = frozenset(self.tokenizer.all_special_ids)
         self.created = now()
+        self.openapi_doc = openapi_schema(app, {
+            "model": self.cfg.model_name, "max_tokens": self.cfg.max_tokens_limit,
+            "vocab_size": self.vocab_size, "max_stop_strings": self.cfg.max_stop_strings,
+            "max_request_bytes": self.cfg.max_request_bytes})
         app.state.retry_after = self.cfg.retry_after_s
         self._limits: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------ routes
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi(self) -> JSONResponse:
+        """The OpenAPI document: every field, limit and error response (``cluster/openapi.py``)."""
+        return JSONResponse(self.openapi_doc)
 
     @app.get("/health")
     async def health(self) -> dict[str, str]:
@@ -144,6 +162,14 @@ class Ingress:
             ids = list(self.tokenizer.encode(body.prompt, add_special_tokens=True))
         else:
             ids = list(body.prompt)
+            bad = next((t for t in ids if t >= self.vocab_size), None)
+            if bad is not None:
+                raise ApiError(400, f"token id {bad} is out of range for this model's vocab "
+                                    f"({self.vocab_size})", "invalid_token", "prompt")
+        if ids and all(t in self.special_ids for t in ids):
+            raise ApiError(400, "the prompt has only special tokens "
+                                f"({self.tokenizer.decode(ids[:8])!r}...): nothing to complete",
+                           "only_special_tokens", "prompt")
         return await self._serve(request, body, ids, caller, chat=False)
 
     @app.post("/v1/chat/completions", response_model=None)
@@ -224,6 +250,10 @@ class Ingress:
                                 f"{self.cfg.max_stop_strings} are allowed", "too_many_stops", "stop")
         if any(not s for s in stops):
             raise ApiError(400, "stop strings must not be empty", "invalid_request", "stop")
+        bad = next((t for t in body.stop_token_ids or () if t >= self.vocab_size), None)
+        if bad is not None:
+            raise ApiError(400, f"stop token id {bad} is out of range for this model's vocab "
+                                f"({self.vocab_size})", "invalid_token", "stop_token_ids")
         max_tokens = body.max_tokens if body.max_tokens is not None else self.cfg.max_tokens_limit
         if max_tokens > self.cfg.max_tokens_limit:
             raise ApiError(400, f"max_tokens {max_tokens} is above this server's limit "
@@ -244,16 +274,7 @@ class Ingress:
         sampling = self._sampling(body)
         if not ids:
             raise ApiError(400, "prompt is empty", "empty", "prompt")
-        stream = self.llm.generate.remote(
-            ids, sampling, priority=caller.priority, prompt_tokens=len(ids),
-            max_tokens=sampling["max_tokens"], queue_share=caller.tier.queue_share,
-            tier=caller.tier.name,
-        )
-        try:
-            first = await self._next(stream)
-        except BaseException:
-            stream.cancel()
-            raise
+        stream, first = await self._start(ids, sampling, caller)
         if first is None:
             raise ApiError(503, "the replica ended the request without an answer", "no_answer")
         if isinstance(first.get("error"), dict):  # an error record, not a delta
@@ -289,6 +310,40 @@ class Ingress:
                 id=rid, created=now(), model=self.cfg.model_name, usage=u,
                 choices=[CompletionChoice(text=text, finish_reason=last["finish_reason"])])
         return JSONResponse(dump(out))
+
+    async def _start(self, ids: list[int], sampling: dict[str, Any], caller: Caller
+                     ) -> tuple[Any, dict[str, Any] | None]:
+        """Send the request and wait for its first item. A replica that fails before it (its
+        actor died or is unreachable, or its engine has failed) has produced nothing for this
+        request, so the request is sent again (the router drops a dead replica, and Serve an
+        unhealthy one) up to ``replica_retries`` times."""
+        for attempt in range(self.cfg.replica_retries + 1):
+            stream = self.llm.generate.remote(
+                ids, sampling, priority=caller.priority, prompt_tokens=len(ids),
+                max_tokens=sampling["max_tokens"], queue_share=caller.tier.queue_share,
+                tier=caller.tier.name,
+            )
+            try:
+                first = await self._next(stream)
+                err = first.get("error") if first is not None else None
+                if isinstance(err, dict) and err.get("code") == "replica_unavailable":
+                    raise ApiError(503, err["message"], "replica_unavailable")
+                if (first is not None and first.get("finish_reason") == "error"
+                        and not first.get("completion_tokens")):  # failed before its first token
+                    raise ApiError(503, str(first.get("error")), "replica_unavailable")
+                return stream, first
+            except ApiError as e:
+                stream.cancel()
+                if e.code != "replica_unavailable" or attempt == self.cfg.replica_retries:
+                    raise
+                log.warning("retrying a request whose replica failed before answering "
+                            "(attempt %d of %d)", attempt + 2, self.cfg.replica_retries + 1)
+                # Give the router and Serve time to see the failure (a report, a health check).
+                await asyncio.sleep(0.5 * 2**attempt)
+            except BaseException:
+                stream.cancel()
+                raise
+        raise AssertionError("unreachable")
 
     async def _next(self, stream: Any) -> dict[str, Any] | None:
         try:

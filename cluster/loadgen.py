@@ -76,10 +76,11 @@ ABORTS = "ray_tierserve_aborts_total"
 FINISHED = "ray_tierserve_requests_finished_total"
 PROMPT_TOKENS = "ray_tierserve_prompt_tokens_total"
 GENERATION_TOKENS = "ray_tierserve_generation_tokens_total"
+RSS = "ray_tierserve_replica_resident_memory_bytes"
 SCRAPED = (WAITING, RUNNING, KV_FREE, KV_TOTAL, PREEMPTIONS, REJECTIONS, ABORTS, FINISHED,
-           PROMPT_TOKENS, GENERATION_TOKENS)
+           PROMPT_TOKENS, GENERATION_TOKENS, RSS)
 GAUGE_KEYS = {WAITING: "waiting", RUNNING: "running", KV_FREE: "free_blocks",
-              KV_TOTAL: "total_blocks"}
+              KV_TOTAL: "total_blocks", RSS: "rss_bytes"}
 
 DEFAULT_CLASSES = ("high=1,priority=9", "normal=2,priority=7", "low=1,priority=5")
 PERCENTILES = (50, 90, 99)

@@ -12,6 +12,7 @@ between scrapes (Ray drops a gauge that is not set for about 20 s).
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -31,6 +32,7 @@ GAUGES = {
     "tierserve_requests_waiting": "Requests in the replica's waiting queue (queue depth).",
     "tierserve_kv_blocks_free": "Free KV blocks of the replica's pool.",
     "tierserve_kv_blocks_total": "KV blocks of the replica's pool.",
+    "tierserve_replica_resident_memory_bytes": "Resident memory of the replica's process.",
 }
 COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "tierserve_preemptions": ("Requests preempted (blocks freed, recomputed later).", ()),
@@ -50,6 +52,15 @@ HISTOGRAMS: dict[str, tuple[str, list[float], tuple[str, ...]]] = {
 }
 
 REJECTION_REASONS = ("queue_full", "empty", "too_long", "never_fits", "shed")
+
+
+def resident_bytes() -> int:
+    """This process's resident memory (``/proc/self/statm``; 0 where there is no ``/proc``)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def exported_names() -> set[str]:
@@ -127,6 +138,8 @@ class ReplicaMetrics:
         g["tierserve_requests_waiting"].set(s["waiting"])
         g["tierserve_kv_blocks_free"].set(s["free_blocks"])
         g["tierserve_kv_blocks_total"].set(s["total_blocks"])
+        if "rss_bytes" in s:
+            g["tierserve_replica_resident_memory_bytes"].set(s["rss_bytes"])
 
     def stop(self) -> None:
         self._stop.set()

@@ -9,15 +9,29 @@ from typing import Annotated, Any, Literal
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     StrictBool,
     StrictFloat,
     StrictInt,
     StrictStr,
+    WithJsonSchema,
 )
 
 Number = StrictFloat | StrictInt
+
+
+def _integral(value: Any) -> Any:
+    """JSON Schema's ``integer`` includes numbers like ``4.0``: take them as ints (not bools,
+    strings or fractions, which the strict int check then refuses)."""
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**63:
+        return int(value)
+    return value
+
+
+# An integer as JSON Schema means it: 4 and 4.0, never "4", true or 4.5.
+Int = Annotated[StrictInt, BeforeValidator(_integral)]
 
 
 def _only_false(value: bool) -> bool:
@@ -27,7 +41,11 @@ def _only_false(value: bool) -> bool:
 
 
 # A flag this server accepts for compatibility but does not implement: true is a clear 400.
-Unsupported = Annotated[StrictBool, AfterValidator(_only_false)]
+Unsupported = Annotated[
+    StrictBool,
+    AfterValidator(_only_false),
+    WithJsonSchema({"type": "boolean", "enum": [False], "description": "only false is supported"}),
+]
 
 
 class _Body(BaseModel):
@@ -40,18 +58,18 @@ class StreamOptions(_Body):
 
 class _SamplingFields(_Body):
     model: StrictStr
-    max_tokens: StrictInt | None = Field(default=None, ge=1)
+    max_tokens: Annotated[Int, Field(ge=1)] | None = None
     temperature: Annotated[Number, Field(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[Number, Field(gt=0.0, le=1.0)] = 1.0
     # Bounded: the sampler builds an int64 tensor of the batch's k values.
-    top_k: StrictInt = Field(default=0, ge=-1, le=2**31 - 1)
-    seed: StrictInt | None = Field(default=None, ge=0, le=2**63 - 1)
+    top_k: Annotated[Int, Field(ge=-1, le=2**31 - 1)] = 0
+    seed: Annotated[Int, Field(ge=0, le=2**63 - 1)] | None = None
     stop: StrictStr | list[StrictStr] | None = None
-    stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = None
+    stop_token_ids: list[Annotated[Int, Field(ge=0)]] | None = None
     ignore_eos: StrictBool = False
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    n: StrictInt = Field(default=1, ge=1, le=1, description="only 1 is supported")
+    n: Annotated[Int, Field(ge=1, le=1, description="only 1 is supported")] = 1
     user: StrictStr | None = None
     presence_penalty: Annotated[Number, Field(ge=0.0, le=0.0)] = 0.0
     frequency_penalty: Annotated[Number, Field(ge=0.0, le=0.0)] = 0.0
@@ -65,8 +83,8 @@ class _SamplingFields(_Body):
 class CompletionRequest(_SamplingFields):
     """``POST /v1/completions``: ``prompt`` is a string or a list of token ids (one prompt)."""
 
-    prompt: StrictStr | list[Annotated[StrictInt, Field(ge=0)]]
-    max_tokens: StrictInt | None = Field(default=16, ge=1)
+    prompt: StrictStr | list[Annotated[Int, Field(ge=0)]]
+    max_tokens: Annotated[Int, Field(ge=1)] | None = 16
     echo: Unsupported = False
     logprobs: None = Field(default=None, description="not supported")
 
@@ -81,7 +99,7 @@ class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    max_completion_tokens: Annotated[Int, Field(ge=1)] | None = None
     logprobs: Unsupported = False
 
 

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 from dataclasses import dataclass
 
-from cluster.config import ClusterConfig, TierConfig
+from cluster.config import ClusterConfig, TierConfig, resolve_key
 
 
 class AuthError(Exception):
@@ -28,6 +29,11 @@ class Caller:
     priority: int
 
 
+# What X-TL-Priority may hold (also the pattern in the OpenAPI document).
+PRIORITY_PATTERN = "^[ \t]*(-?[0-9]{1,9})?[ \t]*$"
+_PRIORITY = re.compile(r"-?[0-9]{1,9}")
+
+
 def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
 
@@ -36,7 +42,10 @@ class TierResolver:
     def __init__(self, config: ClusterConfig) -> None:
         self._tiers = {t.name: t for t in config.tiers}
         self._default = self._tiers.get(config.default_tier) if config.default_tier else None
-        self._keys = [(_digest(k.get_secret_value()), t) for t in config.tiers for k in t.api_keys]
+        self._keys = [(_digest(resolve_key(k.get_secret_value())), t)
+                      for t in config.tiers for k in t.api_keys]
+        if len({d for d, _ in self._keys}) != len(self._keys):
+            raise ValueError("an API key is listed more than once (after resolving env:/file:)")
         # Tiers ranked lowest first: under overload the first ones are shed first.
         self.lowest_first = sorted(config.tiers, key=lambda t: (t.base_priority, t.max_priority))
 
@@ -64,15 +73,14 @@ class TierResolver:
 
     @staticmethod
     def _priority(tier: TierConfig, header: str | None) -> int:
-        if header is None or header.strip() == "":
+        if header is None or header.strip(" \t") == "":
             return tier.base_priority
-        text = header.strip()
-        try:
-            value = int(text, 10)
-        except ValueError:
+        text = header.strip(" \t")
+        if not _PRIORITY.fullmatch(text):
             raise PriorityError(
-                f"X-TL-Priority must be an integer, got {text[:32]!r}"
-            ) from None
+                f"X-TL-Priority must be an integer of at most 9 digits, got {text[:32]!r}"
+            )
+        value = int(text, 10)
         if not tier.base_priority <= value <= tier.max_priority:
             raise PriorityError(
                 f"X-TL-Priority {value} is outside what tier {tier.name!r} allows "

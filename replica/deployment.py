@@ -47,7 +47,8 @@ def _cpu_share() -> int | None:
 class LLMServer:
     """One replica: scheduler, KV pool and runner of one model."""
 
-    def __init__(self, engine: dict[str, Any] | None = None) -> None:
+    def __init__(self, engine: dict[str, Any] | None = None, fault_injection: bool = False) -> None:
+        self.fault_injection = fault_injection
         settings = dict(engine or {})
         if settings.get("num_threads") is None and "OMP_NUM_THREADS" not in os.environ:
             settings["num_threads"] = _cpu_share()
@@ -57,7 +58,7 @@ class LLMServer:
         self.metrics = ReplicaMetrics()
         self.engine = Engine(self.config, observer=self.metrics)
         self.engine.start()
-        self.metrics.start(self.engine.stats)
+        self.metrics.start(self.stats)
         self.started = time.time()
         log.info("replica ready: %s", self.engine.stats())
 
@@ -104,7 +105,7 @@ class LLMServer:
         """What the router ranks replicas by (``router.stats.RoutingStats``)."""
         from router.stats import RoutingStats
 
-        s = self.engine.stats()
+        s = self.stats()
         return RoutingStats(
             free_blocks=int(s["free_blocks"]),
             total_blocks=int(s["total_blocks"]),
@@ -113,7 +114,11 @@ class LLMServer:
             running=int(s["running"]),
             preemptions=int(s["num_preemptions"]),
             waiting_blocks=int(s["waiting_blocks"]),
+            committed_blocks=int(s["committed_blocks"]),
             report_time=time.time(),
+            alive=int(self.engine.alive),
+            steps=int(s["steps"]),
+            rss_bytes=int(s["rss_bytes"]),
         ).to_dict()
 
     def check_health(self) -> None:
@@ -122,7 +127,30 @@ class LLMServer:
             raise RuntimeError(f"the engine's step loop is not running: {self.engine.error!r}")
 
     def stats(self) -> dict[str, int | float]:
-        return self.engine.stats()
+        """The engine's stats and this process's resident memory (``rss_bytes``)."""
+        from cluster.metrics import resident_bytes
+
+        return self.engine.stats() | {"rss_bytes": resident_bytes()}
+
+    def inject_fault(self, message: str = "injected fault") -> str:
+        """Make the next forward pass raise, as a broken GPU or kernel would (for fault tests).
+
+        Refused unless the app was deployed with ``fault_injection: true`` (never in a real
+        config). Returns this replica's actor name.
+        """
+        if not self.fault_injection:
+            raise PermissionError("fault injection is off (the app's fault_injection setting)")
+        self.engine.inject_fault(message)
+        return self.replica_name()
+
+    def replica_name(self) -> str:
+        """This replica's Serve actor name (``SERVE_REPLICA::app#deployment#id``)."""
+        try:
+            import ray
+
+            return str(ray.get_runtime_context().get_actor_name())
+        except Exception:
+            return ""
 
     def info(self) -> dict[str, Any]:
         """What the ingress needs about the model (served limits)."""

@@ -21,6 +21,7 @@ from typing import Protocol
 from replica.block_space import RequestId
 from replica.detokenizer import IncrementalDetokenizer
 from replica.engine_config import EngineConfig, build_engine_parts
+from replica.runner import ForwardBatch, RunnerOutput
 from replica.sampler import SamplerState, SamplingParams, sample
 from replica.scheduler import (
     AdmitError,
@@ -252,8 +253,10 @@ class Engine:
         with self._lock:
             s = self.scheduler.stats()
             waiting_blocks = self.scheduler.waiting_blocks() if s.waiting else 0
+            committed = self.scheduler.committed_blocks() if s.waiting or s.running else 0
         return {
             "waiting_blocks": waiting_blocks,
+            "committed_blocks": committed,
             "running": s.running,
             "waiting": s.waiting,
             "free_blocks": s.free_blocks,
@@ -374,6 +377,15 @@ class Engine:
         for live in lives:
             if live.sink is not None:
                 live.sink(self._final(live, "error", f"the replica's engine failed: {e!r}"))
+
+    def inject_fault(self, message: str = "injected fault") -> None:
+        """Make every later forward pass raise ``RuntimeError(message)`` (for fault tests): the
+        next step then fails, every live request ends with ``"error"`` and ``alive`` turns False."""
+
+        def broken(batch: ForwardBatch) -> RunnerOutput:
+            raise RuntimeError(message)
+
+        self.runner.forward = broken  # type: ignore[method-assign]
 
     @property
     def alive(self) -> bool:

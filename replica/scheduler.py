@@ -487,6 +487,13 @@ class Scheduler:
         b = self._blocks.block_tokens
         return sum(-(-(len(seq.tokens) + 1) // b) for seq in self._waiting.items())
 
+    def committed_blocks(self) -> int:
+        """Blocks every unfinished request (running or waiting) holds once it has generated all
+        of its ``max_tokens`` (capped at the context): what the pool is promised."""
+        b = self._blocks.block_tokens
+        ctx = self.cfg.max_model_len
+        return sum(-(-min(seq.prompt_len + seq.max_tokens, ctx) // b) for seq in self._seqs.values())
+
     def is_waiting(self, id: RequestId) -> bool:
         seq = self._seqs.get(id)
         return seq is not None and seq.handle is not None

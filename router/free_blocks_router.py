@@ -46,12 +46,14 @@ from ray.serve.request_router import (
 
 from router import registry
 from router.policy import (
+    LATENCY_PRIORITY,
     Charge,
     Ranked,
     ReplicaLoad,
     RequestShape,
     all_saturated,
     charge_blocks,
+    full_blocks,
     rank_replicas,
 )
 from router.stats import RoutingStats
@@ -67,6 +69,9 @@ class RouterSettings:
     saturation_waiting: int = 8
     # Block size assumed before any replica has reported.
     default_block_tokens: int = 16
+    # Requests at or above this priority are ranked for their first token, the others for room
+    # and balance (router.policy).
+    latency_priority: int = LATENCY_PRIORITY
     # A tentative charge never confirmed by on_request_routed is forgotten after this long.
     tentative_ttl_s: float = 5.0
     # Seed of the random tie-break (None: from the OS).
@@ -125,7 +130,8 @@ class _Ledger:
 
 
 class FreeKVBlocksRouter(FIFOMixin, RequestRouter):
-    """Sends each request to the replica with the most estimated free KV blocks."""
+    """Ranks replicas by their KV pools (``router.policy``): latency-tier requests to the replica
+    that can start them soonest, the others where their whole length fits with the least load."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -170,6 +176,7 @@ class FreeKVBlocksRouter(FIFOMixin, RequestRouter):
                 self._rng,
                 saturation_waiting=self.settings.saturation_waiting,
                 default_block_tokens=self.settings.default_block_tokens,
+                latency_priority=self.settings.latency_priority,
             )
 
     async def choose_replicas(
@@ -195,7 +202,7 @@ class FreeKVBlocksRouter(FIFOMixin, RequestRouter):
                     pending_request,
                     best.key,
                     pending_request.metadata.internal_request_id,
-                    Charge(best.need, now),
+                    Charge(best.need, now, best.full),
                 )
         return [[by_id[r.key]] for r in ranked]
 
@@ -229,15 +236,16 @@ class FreeKVBlocksRouter(FIFOMixin, RequestRouter):
             if replica is None:
                 return  # removed meanwhile: nothing to track
             if t is not None and t.request is pending_request and t.replica_id == replica_id:
-                blocks = t.charge.blocks
+                blocks, full = t.charge.blocks, t.charge.full
             else:
                 stats = self._stats(replica)
                 bt = stats.block_tokens if stats else self.settings.default_block_tokens
                 shape = RequestShape.from_call(pending_request.args, pending_request.kwargs)
                 blocks = charge_blocks(shape.prompt_tokens, bt)
+                full = full_blocks(shape.prompt_tokens, shape.max_tokens, bt)
             rid = pending_request.metadata.internal_request_id
             per_id = self._ledger.confirmed.setdefault(replica_id, {})
-            per_id.setdefault(rid, []).append(Charge(blocks, time.time()))
+            per_id.setdefault(rid, []).append(Charge(blocks, time.time(), full))
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         with self._lock:

@@ -1,9 +1,24 @@
-"""The ranking: which replica has the most free KV blocks for this request. Pure and Ray-free.
+"""The ranking: which replica should take this request. Pure and Ray-free.
 
 A replica's report (``RoutingStats``) is a snapshot taken at ``report_time``. Requests this router
-sent it after that moment are not in the snapshot, so they are subtracted; requests sent before
-it are already counted by the replica (running ones in ``free_blocks``, waiting ones in
-``waiting_blocks``) and are not subtracted twice.
+sent it after that moment are not in the snapshot, so they are added to it ("unseen" charges);
+requests sent before it are already counted by the replica (running ones in ``free_blocks`` and
+``committed_blocks``, waiting ones in ``waiting_blocks``) and are not counted twice.
+
+Two rankings, by the request's priority:
+
+- Latency (``priority >= latency_priority``, the interactive tier by default): the replica where
+  the first token comes soonest. First those whose free blocks (less what was sent since the
+  report) hold the prompt now; then the least prefill work queued ahead (the waiting queue's
+  blocks plus the unseen charges: a long prompt admitted in the same step delays everyone's
+  first token, and a request that has to wait for blocks waits for decodes to finish); then the
+  most free blocks.
+- Throughput (lower priorities): the replica that can take the whole request without
+  preempting anyone and has the least of this router's work. First those whose committed blocks
+  (every unfinished request at its full ``max_tokens``, plus the unseen charges at theirs) leave
+  room for this request at its full length; then the fewest requests outstanding from this
+  router; then the most room. Spreading requests by count and never overcommitting a pool is what
+  keeps preemptions down; by free blocks alone a burst piles onto the emptiest replica.
 
 A replica that has not reported yet is assumed to be as large as the largest reported pool
 (replicas of one deployment share a pool size; a new replica's pool is empty), minus everything
@@ -26,6 +41,10 @@ K = TypeVar("K", bound=Hashable)
 PRIORITY = "priority"
 PROMPT_TOKENS = "prompt_tokens"
 MAX_TOKENS = "max_tokens"
+
+# Requests at or above this priority are ranked for their first token (the default tiers'
+# interactive base priority); the others for room and balance.
+LATENCY_PRIORITY = 10
 
 
 def blocks_for(tokens: int, block_tokens: int) -> int:
@@ -68,12 +87,22 @@ class RequestShape:
         )
 
 
+def full_blocks(prompt_tokens: int, max_tokens: int, block_tokens: int) -> int:
+    """Blocks a request holds once it has generated all of its ``max_tokens``."""
+    return blocks_for(prompt_tokens + max(max_tokens, 1), block_tokens)
+
+
 @dataclass(frozen=True, slots=True)
 class Charge:
     """A request this router sent to a replica that has not completed yet."""
 
-    blocks: int
+    blocks: int  # at admission: prompt and first token
     routed_at: float  # time.time() on the router when it was sent
+    full: int = 0  # at its full length (prompt + max_tokens); 0: unknown, taken as ``blocks``
+
+    @property
+    def full_blocks(self) -> int:
+        return max(self.full, self.blocks)
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +124,11 @@ class Ranked(Generic[K]):
     est_waiting: int  # reported waiting plus requests sent since the report
     saturated: bool  # cannot hold the request now and has a long queue
     never_fits: bool  # its pool is too small for prompt + max_tokens
+    dead: bool = False  # its last report says its engine has failed
+    pending: int = 0  # prefill work queued ahead, in blocks (waiting + sent since the report)
+    room: int = 0  # blocks left once every unfinished request reaches its full length
+    outstanding: int = 0  # requests this router sent there that have not completed
+    full: int = 0  # blocks this request holds at its full length
 
 
 def charged_since_report(stats: RoutingStats | None, charges: Sequence[Charge]) -> list[Charge]:
@@ -119,32 +153,50 @@ def rank_replicas(
     *,
     saturation_waiting: int = 8,
     default_block_tokens: int = 16,
+    latency_priority: int = LATENCY_PRIORITY,
 ) -> list[Ranked[K]]:
-    """Best replica first.
+    """Best replica first (see the module docstring for the two rankings).
 
-    Order: replicas that fit and are not saturated, then saturated ones, then those whose pool
-    can never hold ``prompt + max_tokens``; within each, most estimated free blocks first; ties
-    at random (``rng``). Saturated: the estimated free blocks cannot hold the request and the
-    estimated queue is at least ``saturation_waiting``. A replica without a report is never
-    saturated and never too small (nothing is known against it).
+    Before either ranking: replicas whose engine has failed go last, then those whose pool can
+    never hold ``prompt + max_tokens``, then saturated ones (the estimated free blocks cannot
+    hold the request and the estimated queue is at least ``saturation_waiting``). Remaining ties
+    at random (``rng``). A replica without a report is never saturated, never too small and never
+    dead (nothing is known against it).
     """
     reported = [load.stats for load in loads if load.stats is not None]
     assumed_total = max((s.total_blocks for s in reported), default=0)
     fallback_block_tokens = reported[0].block_tokens if reported else default_block_tokens
+    latency = request.priority >= latency_priority
 
-    ranked: list[tuple[tuple[bool, bool, int, float], Ranked[K]]] = []
+    ranked: list[tuple[tuple[Any, ...], Ranked[K]]] = []
     for load in loads:
         stats = load.stats
         block_tokens = stats.block_tokens if stats is not None else fallback_block_tokens
         need = charge_blocks(request.prompt_tokens, block_tokens)
-        est_free = estimate_free(stats, load.charges, assumed_total)
-        unseen = len(charged_since_report(stats, load.charges))
-        est_waiting = (stats.waiting if stats is not None else 0) + unseen
+        full = full_blocks(request.prompt_tokens, request.max_tokens, block_tokens)
+        unseen = charged_since_report(stats, load.charges)
+        unseen_now = sum(c.blocks for c in unseen)
+        unseen_full = sum(c.full_blocks for c in unseen)
+        if stats is None:
+            free_now, pending = assumed_total - unseen_now, unseen_now
+            room = assumed_total - unseen_full
+            est_waiting = len(unseen)
+        else:
+            free_now, pending = stats.free_blocks - unseen_now, stats.waiting_blocks + unseen_now
+            room = stats.total_blocks - stats.committed_blocks - unseen_full
+            est_waiting = stats.waiting + len(unseen)
+        est_free = free_now - (stats.waiting_blocks if stats is not None else 0)
         saturated = stats is not None and est_free < need and est_waiting >= saturation_waiting
-        longest = request.prompt_tokens + request.max_tokens
-        never_fits = stats is not None and blocks_for(longest, block_tokens) > stats.total_blocks
-        entry = Ranked(load.key, est_free, need, est_waiting, saturated, never_fits)
-        ranked.append(((never_fits, saturated, -est_free, rng.random()), entry))
+        never_fits = stats is not None and full > stats.total_blocks
+        dead = stats is not None and not stats.alive
+        outstanding = len(load.charges)
+        entry = Ranked(load.key, est_free, need, est_waiting, saturated, never_fits, dead,
+                       pending, room, outstanding, full)
+        if latency:
+            key: tuple[Any, ...] = (free_now < need, pending, -est_free)
+        else:
+            key = (room < full, outstanding, -room)
+        ranked.append(((dead, never_fits, saturated, *key, rng.random()), entry))
     ranked.sort(key=lambda pair: pair[0])
     return [entry for _, entry in ranked]
 

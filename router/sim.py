@@ -190,6 +190,9 @@ class SimCore:
             preemptions=self.preemptions,
             report_time=now,
             waiting_blocks=sum(self._need(s) for s in waiting),
+            committed_blocks=sum(
+                blocks_for(s.prompt + s.max_tokens, self.block_tokens) for s in self._seqs.values()
+            ),
         )
 
 

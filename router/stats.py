@@ -26,6 +26,16 @@ class RoutingStats:
     # Blocks the waiting queue needs to be admitted: for each waiting request,
     # ceil((its tokens + 1) / block_tokens). 0 when the replica does not compute it.
     waiting_blocks: int = 0
+    # Blocks every unfinished request (running or waiting) holds once it has generated all its
+    # max_tokens: what the pool is promised. 0 when the replica does not compute it.
+    committed_blocks: int = 0
+    # 0 once the replica's engine has failed (Serve replaces it after its next health check;
+    # until then the router sends it nothing it can avoid).
+    alive: int = 1
+    # For operators and tests (the router ignores them): engine steps run since the replica
+    # started, and the replica process's resident memory.
+    steps: int = 0
+    rss_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serialisable dict (ints and one float)."""

@@ -75,6 +75,13 @@ def load_tokenizer(model: str, trust_remote_code: bool = False) -> Any:
     return _tokenizer_from(resolve_checkpoint(model, weights=False), trust_remote_code)
 
 
+def load_model_config(model: str, trust_remote_code: bool = False) -> ModelConfig:
+    """The model's config alone (no weights read or fetched). Raises ``ModelLoadError``."""
+    if model == embedded.EMBEDDED_MODEL:
+        return embedded.embedded_config()
+    return read_config(resolve_checkpoint(model, weights=False), trust_remote_code)
+
+
 def resolve_checkpoint(model: str, weights: bool = True) -> Path:
     """A local directory for ``model``: the directory itself, or a hub snapshot (downloaded once,
     then cached by ``huggingface_hub``; ``weights`` False fetches config and tokenizer only)."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import os
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -39,6 +40,10 @@ CLUSTER_YAML = ROOT / "configs" / "cluster.yaml"
 MODEL = "tierserve-tiny"
 KEYS = {"interactive": "test-key-interactive", "standard": "test-key-standard",
         "batch": "test-key-batch"}
+# The apps name their keys by environment variable (Serve logs an app's args): set here, before
+# any test starts Ray, so that every Ray worker (the ingress) inherits them.
+KEY_VARS = {tier: f"TIERSERVE_TEST_KEY_{tier.upper()}" for tier in KEYS}
+os.environ.update({KEY_VARS[tier]: key for tier, key in KEYS.items()})
 
 # The main app: 96 blocks of 16 per replica (a request that could grow past 1536 tokens never
 # fits: 400), room for 64 concurrent requests without shedding, and the deterministic mode so
@@ -82,7 +87,7 @@ def app_config(
     app["args"]["engine"].update(engine)
     app["args"].update(args)
     for tier in app["args"]["tiers"]:
-        tier["api_keys"] = [KEYS[tier["name"]]]
+        tier["api_keys"] = [f"env:{KEY_VARS[tier['name']]}"]
     for dep in app["deployments"]:
         dep.update((deployments or {}).get(dep["name"], {}))
     return app
@@ -250,10 +255,17 @@ def assert_error(response: httpx.Response, status: int, code: str | None = None)
 
 
 class LocalServe:
-    """Ray on this machine with Serve and the ``main`` and ``solo`` apps; started on first use."""
+    """Ray on this machine with Serve and the ``main`` and ``solo`` apps; started on first use.
+
+    ``add`` deploys one more app beside them (a module's own, e.g. with fault injection on) and
+    ``remove`` takes it down again (Serve's config is declarative: every deploy lists all apps).
+    """
 
     def __init__(self) -> None:
         self.apps: dict[str, ServeApp] | None = None
+        self.client: Any = None
+        self.port = 0
+        self.configs: dict[str, dict[str, Any]] = {}
 
     def ensure(self) -> dict[str, ServeApp]:
         if self.apps is None:
@@ -261,21 +273,45 @@ class LocalServe:
         return self.apps
 
     def _start(self) -> dict[str, ServeApp]:
-        ray.init(address="local", num_cpus=4, include_dashboard=False,
+        ray.init(address="local", num_cpus=8, include_dashboard=False,
                  logging_level=logging.WARNING, log_to_driver=False)
         try:
-            port = free_port()
-            client = start_serve(port)
-            deploy(client, [
-                app_config("tierserve", "/", MAIN_ENGINE, MAIN_ARGS),
-                app_config("solo", "/solo", SOLO_ENGINE, SOLO_ARGS,
-                           {"LLMServer": {"num_replicas": 1}}),
-            ])
+            self.port = free_port()
+            self.client = start_serve(self.port)
+            self.configs = {
+                "main": app_config("tierserve", "/", MAIN_ENGINE, MAIN_ARGS),
+                "solo": app_config("solo", "/solo", SOLO_ENGINE, SOLO_ARGS,
+                                   {"LLMServer": {"num_replicas": 1}}),
+            }
+            deploy(self.client, list(self.configs.values()))
         except BaseException:
             self._shutdown()
             raise
-        base = f"http://127.0.0.1:{port}"
+        base = f"http://127.0.0.1:{self.port}"
         return {"main": ServeApp("tierserve", base, 2), "solo": ServeApp("solo", base + "/solo", 1)}
+
+    def add(self, key: str, config: dict[str, Any]) -> ServeApp:
+        """Deploy one more app (``app_config(...)``) beside the others; returns it, ready."""
+        apps = self.ensure()
+        self.configs[key] = config
+        deploy(self.client, list(self.configs.values()))
+        replicas = next(d.get("num_replicas", 1) for d in config["deployments"]
+                        if d["name"] == "LLMServer")
+        prefix = config["route_prefix"].rstrip("/")
+        app = ServeApp(config["name"], f"http://127.0.0.1:{self.port}{prefix}", replicas)
+        apps[key] = app
+        app.wait_ready()
+        return app
+
+    def remove(self, key: str) -> None:
+        """Take an app that ``add`` deployed down again."""
+        if self.apps is None or key not in self.configs or key in ("main", "solo"):
+            return
+        name = self.configs.pop(key)["name"]
+        self.apps.pop(key, None)
+        deploy(self.client, list(self.configs.values()))
+        wait_for(f"app {name} to go", lambda: name not in serve.status().applications,
+                 timeout_s=120, every_s=0.5)
 
     @staticmethod
     def _shutdown() -> None:

@@ -44,12 +44,15 @@ BAD_BODIES: list[tuple[str, dict[str, Any], str, str | None]] = [
     (CHAT, chat(messages=[{"role": "user", "content": "x" * 2100}]), "too_long", None),
     (CHAT, chat(max_tokens=2000), "never_fits", None),
     (CHAT, chat(max_tokens=None, max_completion_tokens=2000), "never_fits", None),
-    (C, comp(prompt=[65, 300]), "invalid_request", None),  # token id beyond the vocab
-    (C, comp(prompt=[10**30]), "invalid_request", None),
+    (C, comp(prompt=[65, 300]), "invalid_token", "prompt"),  # token id beyond the vocab
+    (C, comp(prompt=[10**30]), "invalid_token", "prompt"),
+    (C, comp(stop_token_ids=[300]), "invalid_token", "stop_token_ids"),
+    (C, comp(prompt="<|bos|><|eos|><|pad|>"), "only_special_tokens", "prompt"),
+    (C, comp(prompt=[256, 257, 257, 258]), "only_special_tokens", "prompt"),
     # wrong types
     (C, comp(max_tokens="16"), "invalid_request", "max_tokens"),
     (C, comp(max_tokens=True), "invalid_request", "max_tokens"),
-    (C, comp(max_tokens=4.0), "invalid_request", "max_tokens"),
+    (C, comp(max_tokens=4.5), "invalid_request", "max_tokens"),
     (C, comp(temperature="hot"), "invalid_request", "temperature"),
     (C, comp(prompt=123), "invalid_request", None),
     (C, comp(prompt=[[1, 2]]), "invalid_request", None),
@@ -58,7 +61,7 @@ BAD_BODIES: list[tuple[str, dict[str, Any], str, str | None]] = [
     (C, comp(stream="yes"), "invalid_request", "stream"),
     (C, comp(stop=[1]), "invalid_request", None),
     (C, comp(seed=1.5), "invalid_request", "seed"),
-    (C, comp(top_k=2.0), "invalid_request", "top_k"),
+    (C, comp(top_k=2.5), "invalid_request", "top_k"),
     (C, comp(stream=True, stream_options={"include_usage": "yes"}), "invalid_request",
      "stream_options.include_usage"),
     (C, comp(model=7), "invalid_request", "model"),
@@ -143,6 +146,9 @@ RAW_BODIES: list[tuple[bytes | None, bytes, str]] = [
     (b'"\\ud800"', b"", "invalid_json"),
     (b'"hi \\udfff there"', b"", "invalid_json"),
     (b'"hi"', b', "stop": ["\\udfff"]', "invalid_json"),
+    # Bytes that are not UTF-8 inside a string.
+    (b'"hi \xff\xfe there"', b"", "invalid_json"),
+    (b'"\xc3"', b"", "invalid_json"),
 ]
 
 

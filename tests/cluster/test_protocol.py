@@ -58,3 +58,15 @@ def test_error_param_of_nested_chat_fields() -> None:
     assert error_param(err["loc"]) == "messages.0.content"
     assert error_param(("body", "max_tokens")) == "max_tokens"  # FastAPI's own validation
     assert error_param(()) is None
+
+
+@pytest.mark.parametrize(("value", "ok"), [(4, True), (4.0, True), (4.5, False), ("4", False),
+                                           (True, False), (None, True), (2.0**70, False)])
+def test_integers_are_json_schema_integers(value: object, ok: bool) -> None:
+    body = {"model": "m", "prompt": "x", "max_tokens": value}
+    if ok:
+        parsed = CompletionRequest.model_validate(body)
+        assert parsed.max_tokens is None or type(parsed.max_tokens) is int
+    else:
+        with pytest.raises(ValidationError):
+            CompletionRequest.model_validate(body)

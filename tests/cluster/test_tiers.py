@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
-from cluster.config import ClusterConfig, TierConfig
+from cluster.config import ClusterConfig, TierConfig, resolve_key
 from cluster.tiers import AuthError, PriorityError, TierResolver
 
 
@@ -85,3 +87,42 @@ def test_bad_config_is_refused_with_a_clear_message(args: dict[str, object], mat
 
     with pytest.raises(ConfigError, match=match):
         load_config(args)
+
+
+def test_keys_can_be_environment_variables_or_files(tmp_path: Any, monkeypatch: Any) -> None:
+    monkeypatch.setenv("TS_KEY_A", " from-env \n")
+    (tmp_path / "key").write_text("from-file\n")
+    assert resolve_key("env:TS_KEY_A") == "from-env"
+    assert resolve_key(f"file:{tmp_path / 'key'}") == "from-file"
+    assert resolve_key("literal") == "literal"
+    cfg = ClusterConfig(tiers=[
+        TierConfig(name="a", base_priority=0, max_priority=1, api_keys=["env:TS_KEY_A"]),
+        TierConfig(name="b", base_priority=2, max_priority=3, api_keys=[f"file:{tmp_path / 'key'}"]),
+    ], default_tier=None)
+    resolver = TierResolver(cfg)
+    assert resolver.resolve("Bearer from-env", None).tier.name == "a"
+    assert resolver.resolve("Bearer from-file", None).tier.name == "b"
+    with pytest.raises(AuthError):
+        resolver.resolve("Bearer env:TS_KEY_A", None)  # the reference itself is no key
+
+
+@pytest.mark.parametrize(("ref", "match"), [
+    ("env:TS_NOT_SET_ANYWHERE", "environment variable 'TS_NOT_SET_ANYWHERE' is not set"),
+    ("file:/nonexistent/key", "cannot read the file"),
+    ("env:TS_EMPTY", "is empty"),
+])
+def test_a_bad_key_reference_is_a_clear_error(ref: str, match: str, monkeypatch: Any) -> None:
+    monkeypatch.setenv("TS_EMPTY", "  ")
+    with pytest.raises(ValueError, match=match):
+        resolve_key(ref)
+
+
+def test_two_references_to_one_key_are_refused(monkeypatch: Any) -> None:
+    monkeypatch.setenv("TS_K1", "same")
+    monkeypatch.setenv("TS_K2", "same")
+    cfg = ClusterConfig(tiers=[
+        TierConfig(name="a", base_priority=0, max_priority=1, api_keys=["env:TS_K1"]),
+        TierConfig(name="b", base_priority=2, max_priority=3, api_keys=["env:TS_K2"]),
+    ], default_tier=None)
+    with pytest.raises(ValueError, match="more than once"):
+        TierResolver(cfg)

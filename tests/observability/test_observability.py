@@ -19,6 +19,7 @@ counter only after its first increment, so the checks poll the endpoint for a bo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import Callable, Iterator
@@ -330,3 +331,74 @@ def test_the_load_generator_report(provoked: Provoked) -> None:
         png = Path(rep["plots"][kind])
         assert png.parent == provoked.out_dir
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+# ------------------------------------------------------------------ (d) disconnects under load
+
+
+async def _disconnects(url: str, waiting: Callable[[], int]) -> dict[str, list[str]]:
+    """Under a load of two long streams: two clients hang up mid-stream, two during their
+    (long) prompt, two while queued. Returns what each client saw, by kind."""
+    hdrs = {"Authorization": f"Bearer {KEYS['interactive']}"}
+    async with httpx.AsyncClient(timeout=120) as client:
+        async def stream(prompt: list[int], max_tokens: int, leave_after_first: bool) -> str:
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens,
+                    "ignore_eos": True, "stream": True}
+            async with client.stream("POST", url, json=body, headers=hdrs) as r:
+                if r.status_code != 200:
+                    return f"status {r.status_code}"
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {") and leave_after_first:
+                        return "hung up mid-stream"
+                    if line == "data: [DONE]":
+                        return "done"
+            return "ended without [DONE]"
+
+        async def hang_up(task: asyncio.Task[str], after_s: float) -> str:
+            await asyncio.sleep(after_s)
+            if task.done():
+                return f"finished before the hang-up: {task.result()}"
+            task.cancel()  # closes the connection
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            return "hung up"
+
+        load = [asyncio.create_task(stream([50 + i] * 16, 96, False)) for i in range(2)]
+        mid_stream = [asyncio.create_task(stream([60 + i] * 16, 200, True)) for i in range(2)]
+        long_prompts = [asyncio.create_task(stream([80 + i] * 180, 60, False)) for i in range(2)]
+        mid_prompt = await asyncio.gather(*(hang_up(t, 0.02 + 0.03 * i)
+                                            for i, t in enumerate(long_prompts)))
+        holders = [asyncio.create_task(stream([90 + i] * 16, 200, False)) for i in range(2)]
+        queued_tasks = [asyncio.create_task(stream([100 + i] * 16, 200, False)) for i in range(2)]
+        deadline = time.monotonic() + 60
+        while await asyncio.to_thread(waiting) < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        queued = await asyncio.gather(*(hang_up(t, 0.0) for t in queued_tasks + holders))
+        return {"load": list(await asyncio.gather(*load)),
+                "mid_stream": list(await asyncio.gather(*mid_stream)),
+                "mid_prompt": list(mid_prompt), "queued": queued}
+
+
+def test_disconnects_under_load_are_aborted_and_return_every_block(cluster: Cluster,
+                                                                   provoked: Provoked) -> None:
+    before = total(scrape(cluster.metrics_url), "ray_tierserve_aborts_total")
+    waiting = lambda: sum(int(x["waiting"]) for x in cluster.app.replica_stats().values())  # noqa: E731
+    seen = asyncio.run(_disconnects(cluster.app.url("/v1/completions"), waiting))
+    assert seen["load"] == ["done", "done"], seen
+    assert seen["mid_stream"] == ["hung up mid-stream"] * 2, seen
+    assert all(s.startswith(("hung up", "finished before")) for s in seen["mid_prompt"]), seen
+    hung_up = seen["mid_stream"] + [s for s in seen["mid_prompt"] + seen["queued"]
+                                    if s == "hung up"]
+    # Every client that went away while its request was on the replica (at least the two that
+    # hung up mid-stream and those that were queued there) is counted as an abort, and every
+    # block is back once the load is over.
+    samples = cluster.wait_scrape(
+        "the aborts counted and the replica idle with every block free",
+        lambda ss: total(ss, "ray_tierserve_aborts_total") - before >= 2
+        and total(ss, "ray_tierserve_requests_waiting") == 0
+        and total(ss, "ray_tierserve_requests_running") == 0
+        and total(ss, "ray_tierserve_kv_blocks_free") == BLOCKS)
+    aborts = total(samples, "ray_tierserve_aborts_total") - before
+    assert 2 <= aborts <= len(hung_up), (aborts, seen)
+    stats = cluster.app.wait_idle()
+    assert [s["free_blocks"] for s in stats.values()] == [BLOCKS]

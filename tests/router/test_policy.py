@@ -9,6 +9,7 @@ from collections import Counter
 import pytest
 
 from router.policy import (
+    LATENCY_PRIORITY,
     Charge,
     ReplicaLoad,
     RequestShape,
@@ -30,8 +31,13 @@ def stats(
     )
 
 
-def order(loads: list[ReplicaLoad[str]], prompt: int = 31, seed: int = 0) -> list[str]:
-    return [r.key for r in rank_replicas(loads, RequestShape(prompt), random.Random(seed))]
+HIGH = LATENCY_PRIORITY  # a request ranked for its first token
+
+
+def order(loads: list[ReplicaLoad[str]], prompt: int = 31, seed: int = 0,
+          priority: int = HIGH, max_tokens: int = 0) -> list[str]:
+    shape = RequestShape(prompt, max_tokens, priority)
+    return [r.key for r in rank_replicas(loads, shape, random.Random(seed))]
 
 
 # ---------------------------------------------------------------- stats contract
@@ -136,7 +142,7 @@ def test_ties_are_broken_at_random() -> None:
 def test_unreported_replica_is_assumed_as_large_as_the_largest_pool() -> None:
     loads = [ReplicaLoad("old", stats(20, total=100)), ReplicaLoad("new", None)]
     assert order(loads) == ["new", "old"]
-    ranked = rank_replicas(loads, RequestShape(31), random.Random(0))
+    ranked = rank_replicas(loads, RequestShape(31, priority=HIGH), random.Random(0))
     assert ranked[0].est_free == 100
     # ... minus everything this router has sent it (no report: all charges are unseen).
     loads[1] = ReplicaLoad("new", None, [Charge(50, T0 - 5), Charge(40, T0 + 5)])
@@ -181,3 +187,58 @@ def test_a_pool_too_small_for_the_whole_request_ranks_last() -> None:
     only_small = rank_replicas(loads[:1], RequestShape(31, 200), random.Random(0))
     assert not all_saturated(only_small)
     assert not all_saturated([])
+
+
+# ---------------------------------------------------------------- the two rankings
+
+
+def test_latency_requests_avoid_queued_prefill_work() -> None:
+    # a has more free blocks, but a long prompt waits there (admitted in the same step as ours).
+    loads = [ReplicaLoad("a", stats(90, waiting=1, waiting_blocks=60)),
+             ReplicaLoad("b", stats(40))]
+    assert order(loads) == ["b", "a"]
+    # ... unless b cannot hold the prompt now.
+    loads[1] = ReplicaLoad("b", stats(1))
+    assert order(loads) == ["a", "b"]
+
+
+def test_latency_requests_count_prompts_sent_since_the_report_as_queued_work() -> None:
+    loads = [ReplicaLoad("a", stats(90), [Charge(20, T0 + 1)]), ReplicaLoad("b", stats(60))]
+    ranked = rank_replicas(loads, RequestShape(31, priority=HIGH), random.Random(0))
+    assert [r.key for r in ranked] == ["b", "a"]
+    assert [r.pending for r in ranked] == [0, 20]
+
+
+def test_throughput_requests_go_where_their_whole_length_fits() -> None:
+    # a has more free blocks now, but its running requests are promised most of its pool.
+    loads = [ReplicaLoad("a", stats(80, committed_blocks=90)), ReplicaLoad("b", stats(30))]
+    ranked = rank_replicas(loads, RequestShape(31, 200, 0), random.Random(0))
+    assert [r.key for r in ranked] == ["b", "a"]
+    assert [(r.room, r.full) for r in ranked] == [(100, 15), (10, 15)]
+
+
+def test_throughput_requests_spread_by_outstanding_count() -> None:
+    # Both have room; b has fewer of this router's requests in flight.
+    loads = [ReplicaLoad("a", stats(90), [Charge(1, T0 - 1, 3)] * 3),
+             ReplicaLoad("b", stats(50), [Charge(1, T0 - 1, 3)])]
+    assert order(loads, priority=0, max_tokens=16) == ["b", "a"]
+    # Charges since the report count at their full length against the room.
+    loads = [ReplicaLoad("a", stats(90), [Charge(2, T0 + 1, 99)]), ReplicaLoad("b", stats(50),
+                                                                            [Charge(1, T0 + 1)] * 2)]
+    assert order(loads, priority=0, max_tokens=16) == ["b", "a"]
+
+
+def test_the_latency_threshold_splits_the_rankings() -> None:
+    loads = [ReplicaLoad("a", stats(90, waiting=1, waiting_blocks=60), [Charge(1, T0 - 1)]),
+             ReplicaLoad("b", stats(40))]
+    assert order(loads, priority=HIGH) == ["b", "a"]
+    assert order(loads, priority=HIGH - 1) == ["b", "a"]  # fewer outstanding
+    loads[1] = ReplicaLoad("b", stats(40), [Charge(1, T0 - 1)] * 2)
+    assert order(loads, priority=HIGH - 1) == ["a", "b"]
+
+
+def test_a_replica_whose_engine_failed_ranks_last() -> None:
+    loads = [ReplicaLoad("dead", stats(100, alive=0)), ReplicaLoad("busy", stats(1, waiting=20))]
+    for priority in (0, HIGH):
+        ranked = rank_replicas(loads, RequestShape(31, 8, priority), random.Random(0))
+        assert [(r.key, r.dead) for r in ranked] == [("busy", False), ("dead", True)]

@@ -19,7 +19,7 @@ from ray.serve.request_router import PendingRequest, ReplicaResult, RunningRepli
 
 from router import registry
 from router.free_blocks_router import FreeKVBlocksRouter
-from router.policy import RequestShape
+from router.policy import LATENCY_PRIORITY, RequestShape
 from router.stats import RoutingStats
 
 DEPLOYMENT = DeploymentID(name="engine", app_name="app")
@@ -46,10 +46,11 @@ class FakeReplica:
 
 
 def request(prompt: int = 255, rid: str = "", **kwargs: Any) -> PendingRequest:
+    """A latency-tier request by default: ranked by free blocks (``router.policy``)."""
     meta = RequestMetadata(
         request_id="x", internal_request_id=rid or f"r{id(kwargs)}", is_streaming=True
     )
-    kw = {"priority": 0, "prompt_tokens": prompt, "max_tokens": 32, **kwargs}
+    kw = {"priority": LATENCY_PRIORITY, "prompt_tokens": prompt, "max_tokens": 32, **kwargs}
     return PendingRequest(args=[[1] * prompt, None], kwargs=kw, metadata=meta)
 
 
@@ -154,20 +155,24 @@ def test_calls_sharing_an_internal_request_id_are_counted_separately() -> None:
 
 def test_a_newer_report_absorbs_requests_routed_before_it() -> None:
     async def body(router: FreeKVBlocksRouter, reps: list[FakeReplica]) -> None:
-        a, b = reps
-        for _ in range(3):
+        a = reps[0]
+        for _ in range(3):  # b has a long prompt waiting: a takes them
             pr = request()
             assert await choose(router, pr) == "a"
             router.on_request_routed(pr, a.replica_id, RESULT)
-        # 100 - 48 = 52 < 60: b ranks first until a reports again.
-        assert await choose(router, request(rid="probe")) == "b"
-        router.on_request_completed(b.replica_id, "probe")
+        # Until a reports again its three requests are counted on top of its last report.
+        shape = RequestShape(255, 32, LATENCY_PRIORITY)
+        ranked = {r.key.unique_id: r for r in router.rank(list(router.curr_replicas.values()),
+                                                          shape)}
+        assert (ranked["a"].est_free, ranked["a"].pending) == (100 - 48, 48)
         a.report(free=52, at=time.time() + 1)  # the snapshot shows the three requests
         router.update_replicas(cast(list[RunningReplica], reps))
-        ranked = router.rank(list(router.curr_replicas.values()), RequestShape(255))
-        assert [(r.key.unique_id, r.est_free) for r in ranked] == [("b", 60), ("a", 52)]
+        ranked = {r.key.unique_id: r for r in router.rank(list(router.curr_replicas.values()),
+                                                          shape)}
+        assert (ranked["a"].est_free, ranked["a"].pending) == (52, 0)
+        assert (ranked["b"].est_free, ranked["b"].pending) == (60 - 100, 100)
 
-    run(body, FakeReplica("a", 100), FakeReplica("b", 60))
+    run(body, FakeReplica("a", 100), FakeReplica("b", 60, waiting=1, waiting_blocks=100))
 
 
 def test_removed_and_dead_replicas_are_forgotten() -> None:

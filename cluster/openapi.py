@@ -1,0 +1,207 @@
+"""The OpenAPI document the ingress serves at ``/openapi.json``: every field and every answer.
+
+The two generation routes read their bodies themselves (a size limit before parsing, strict
+validation, OpenAI-shaped errors), so FastAPI cannot see their request models. This module
+builds the document from the same pydantic models: the request bodies, the JSON and the
+event-stream answers, and every error status a route can return, with the ``Retry-After`` header
+of 429. Limits that depend on the config (the served model's name, ``max_tokens_limit``, the
+vocabulary, ``max_stop_strings``, the body size) are written into the schema, so a client (or a
+fuzzer) generating from it knows what the server accepts.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+from cluster.protocol import (
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    ModelList,
+)
+from cluster.tiers import PRIORITY_PATTERN
+
+REF = "#/components/schemas/{model}"
+
+# status -> when a route answers it
+_ERRORS: dict[int, str] = {
+    400: "Bad input: not JSON, unknown field, wrong type, out-of-range value, unknown model, "
+    "empty or too long prompt, a request that can never fit a replica's KV pool, a bad "
+    "X-TL-Priority header.",
+    401: "A missing (when no default tier is configured) or unknown API key.",
+    413: "The body is larger than max_request_bytes.",
+    429: "The waiting queue is full for this tier, or lower tiers are shed under load. Retry "
+    "after the Retry-After header's seconds.",
+    503: "No replica could serve the request (replica failure or none running).",
+}
+
+
+def _error(status: int) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "description": _ERRORS[status],
+        "content": {"application/json": {"schema": {"$ref": REF.format(model="ErrorResponse")}}},
+    }
+    if status == 429:
+        out["headers"] = {
+            "Retry-After": {
+                "description": "seconds to wait before retrying",
+                "schema": {"type": "string", "pattern": "^[0-9]+$"},
+            }
+        }
+    return out
+
+
+def _components() -> dict[str, Any]:
+    models: list[tuple[type[BaseModel], Any]] = [
+        (CompletionRequest, "validation"),
+        (ChatCompletionRequest, "validation"),
+        (CompletionResponse, "serialization"),
+        (ChatCompletionResponse, "serialization"),
+        (ChatCompletionChunk, "serialization"),
+        (ModelList, "serialization"),
+        (ErrorResponse, "serialization"),
+    ]
+    _, schema = models_json_schema(models, ref_template=REF)
+    defs: dict[str, Any] = _json_schema_keywords(schema.get("$defs", {}))
+    # The server refuses an empty prompt (400 "empty").
+    _set_in_any_of(defs["CompletionRequest"]["properties"]["prompt"], "string", {"minLength": 1})
+    _set_in_any_of(defs["CompletionRequest"]["properties"]["prompt"], "array", {"minItems": 1})
+    return defs
+
+
+def _limit(schemas: dict[str, Any], limits: dict[str, Any]) -> None:
+    """Write the config's limits into the request schemas."""
+    model = limits.get("model")
+    max_tokens = limits.get("max_tokens")
+    vocab = limits.get("vocab_size")
+    stops = limits.get("max_stop_strings")
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        props = schemas[name]["properties"]
+        if model is not None:
+            props["model"] = {"type": "string", "enum": [model], "title": "Model"}
+        if max_tokens is not None:
+            for key in ("max_tokens", "max_completion_tokens"):
+                if key in props:
+                    _set_in_any_of(props[key], "integer", {"maximum": max_tokens})
+        if "stop" in props:  # the server refuses empty stop strings
+            _set_in_any_of(props["stop"], "string", {"minLength": 1})
+            _set_in_any_of(props["stop"], "array", {"items": {"type": "string", "minLength": 1}})
+            if stops is not None:
+                _set_in_any_of(props["stop"], "array", {"maxItems": stops})
+        if vocab is not None and "stop_token_ids" in props:
+            _set_in_any_of(props["stop_token_ids"], "array", {"items": {
+                "type": "integer", "minimum": 0, "maximum": vocab - 1}})
+    if vocab is not None:
+        prompt = schemas["CompletionRequest"]["properties"]["prompt"]
+        _set_in_any_of(prompt, "array", {"items": {
+            "type": "integer", "minimum": 0, "maximum": vocab - 1}})
+
+
+_KEYWORDS = {"ge": "minimum", "le": "maximum", "gt": "exclusiveMinimum", "lt": "exclusiveMaximum"}
+
+
+def _json_schema_keywords(node: Any) -> Any:
+    """Pydantic writes a constraint it cannot place as its own name (``ge``) next to the schema
+    it applies to (a union, an annotated int); JSON Schema calls it ``minimum``. Rewritten in
+    place, recursively."""
+    if isinstance(node, dict):
+        for short, keyword in _KEYWORDS.items():
+            if short in node and keyword not in node and not isinstance(node[short], dict):
+                node[keyword] = node.pop(short)
+        for value in node.values():
+            _json_schema_keywords(value)
+    elif isinstance(node, list):
+        for value in node:
+            _json_schema_keywords(value)
+    return node
+
+
+def _set_in_any_of(prop: dict[str, Any], type_: str, values: dict[str, Any]) -> None:
+    options = prop.get("anyOf", [prop])
+    for option in options:
+        if option.get("type") == type_:
+            option.update(values)
+
+
+def openapi_schema(app: FastAPI, limits: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The complete document for ``app`` (the ingress's FastAPI app) under ``limits``.
+
+    limits: ``model`` (the served name), ``max_tokens``, ``vocab_size``, ``max_stop_strings``,
+    ``max_request_bytes``; any may be missing.
+    """
+    limits = limits or {}
+    doc = get_openapi(title=app.title, version=app.version, description=app.description,
+                      routes=app.routes)
+    doc = copy.deepcopy(doc)
+    schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+    schemas.update(_components())
+    _limit(schemas, limits)
+    size = limits.get("max_request_bytes")
+    routes = {
+        "/v1/completions": ("CompletionRequest", "CompletionResponse", "CompletionResponse"),
+        "/v1/chat/completions": ("ChatCompletionRequest", "ChatCompletionResponse",
+                                 "ChatCompletionChunk"),
+    }
+    security = {"bearer": {"type": "http", "scheme": "bearer",
+                           "description": "an API key of a configured tier"}}
+    doc["components"]["securitySchemes"] = security
+    for path, (req, resp, chunk) in routes.items():
+        op = doc["paths"][path]["post"]
+        body_note = f" At most {size} bytes." if size else ""
+        op["requestBody"] = {
+            "required": True,
+            "description": "An OpenAI-style request." + body_note,
+            "content": {"application/json": {"schema": {"$ref": REF.format(model=req)}}},
+        }
+        op["parameters"] = [{
+            "name": "X-TL-Priority", "in": "header", "required": False,
+            "description": "a priority within the caller's tier (an integer between the tier's "
+                           "base_priority and max_priority)",
+            "schema": {"type": "string", "pattern": PRIORITY_PATTERN},
+        }]
+        op["security"] = [{"bearer": []}, {}]
+        op["responses"] = {
+            "200": {
+                "description": "The completion; with stream=true, server-sent events of chunks "
+                               f"({chunk}) ending with 'data: [DONE]'.",
+                "content": {
+                    "application/json": {"schema": {"$ref": REF.format(model=resp)}},
+                    # One server-sent event: its data is a chunk's JSON, an error's JSON
+                    # ({"error": ...}) or "[DONE]".
+                    "text/event-stream": {"schema": {
+                        "type": "object",
+                        "properties": {"data": {"type": "string"}, "event": {"type": "string"},
+                                       "id": {"type": "string"}, "retry": {"type": "integer"}},
+                        "required": ["data"],
+                    }},
+                },
+            },
+            **{str(status): _error(status) for status in _ERRORS},
+        }
+    models = doc["paths"]["/v1/models"]["get"]
+    models["responses"] = {"200": {
+        "description": "The served model.",
+        "content": {"application/json": {"schema": {"$ref": REF.format(model="ModelList")}}},
+    }}
+    health = doc["paths"]["/health"]["get"]
+    health["responses"] = {"200": {
+        "description": "The ingress is up.",
+        "content": {"application/json": {"schema": {
+            "type": "object", "properties": {"status": {"type": "string", "enum": ["ok"]}},
+            "required": ["status"]}}},
+    }}
+    for path in doc["paths"].values():
+        for op in path.values():
+            op.get("responses", {}).pop("422", None)
+    doc["components"]["schemas"].pop("HTTPValidationError", None)
+    doc["components"]["schemas"].pop("ValidationError", None)
+    return doc
