@@ -90,7 +90,8 @@ class ClusterConfig(_Strict):
     default_tier: the tier of a request without an API key; ``None`` makes a key mandatory.
     max_request_bytes: requests with a larger body get 413. max_tokens_limit: the largest
     ``max_tokens`` a request may ask for. max_stop_strings: the most ``stop`` strings per request.
-    retry_after_s: the ``Retry-After`` of a 429. replica_retries: how many times a request whose
+    retry_after_s: the ``Retry-After`` of a 429. max_inflight_requests: requests in flight
+    through the ingress at most (a tier may use its ``queue_share`` of them); beyond, 429. replica_retries: how many times a request whose
     replica failed before its first token is sent again (to another replica). fault_injection:
     lets ``LLMServer.inject_fault`` break a replica (for the fault tests only).
     """
@@ -104,6 +105,7 @@ class ClusterConfig(_Strict):
     max_stop_strings: int = Field(default=8, ge=0)
     retry_after_s: int = Field(default=1, ge=0)
     replica_retries: int = Field(default=2, ge=0, le=10)
+    max_inflight_requests: int = Field(default=1024, gt=0)
     fault_injection: bool = False
 
     @field_validator("tiers")

@@ -11,7 +11,7 @@ large, 429 full queue or shed load (with ``Retry-After``), 503 no replica can se
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -22,6 +22,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.config import ClusterConfig
+from cluster.metrics import IngressMetrics
 from cluster.openapi import openapi_schema
 from cluster.protocol import (
     ChatChoice,
@@ -43,8 +44,11 @@ from cluster.protocol import (
 )
 from cluster.tiers import AuthError, Caller, PriorityError, TierResolver
 from replica.models.loader import load_model_config, load_tokenizer
+from router import registry
 
 log = logging.getLogger("tierserve.ingress")
+
+ENGINE_DEPLOYMENT = "LLMServer"  # the deployment the ingress's handle calls
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
@@ -128,6 +132,12 @@ class Ingress:
         self.vocab_size = load_model_config(self.cfg.engine.model,
                                             self.cfg.engine.trust_remote_code).vocab_size
         self.special_ids = frozenset(self.tokenizer.all_special_ids)
+        self.metrics = IngressMetrics()
+        self.inflight = 0  # requests between admission and their last byte
+        try:
+            self.app_name = serve.get_replica_context().app_name
+        except Exception:  # outside a replica (unit tests)
+            self.app_name = ""
         self.created = now()
         self.openapi_doc = openapi_schema(app, {
             "model": self.cfg.model_name, "max_tokens": self.cfg.max_tokens_limit,
@@ -158,6 +168,7 @@ class Ingress:
         caller = self._caller(request)
         if isinstance(body.prompt, str):
             if not body.prompt:
+                self.metrics.rejected("empty", caller.tier.name)
                 raise ApiError(400, "prompt is empty", "empty", "prompt")
             ids = list(self.tokenizer.encode(body.prompt, add_special_tokens=True))
         else:
@@ -273,7 +284,50 @@ class Ingress:
                      ids: list[int], caller: Caller, chat: bool) -> Response:
         sampling = self._sampling(body)
         if not ids:
+            self.metrics.rejected("empty", caller.tier.name)
             raise ApiError(400, "prompt is empty", "empty", "prompt")
+        # Overload: when the router sees every replica saturated (no room now and a long queue),
+        # tiers that may not fill the whole queue are refused here, before a replica is asked.
+        if caller.tier.queue_share < 1.0 and registry.saturated(
+                self.app_name, ENGINE_DEPLOYMENT, len(ids), sampling["max_tokens"]):
+            self.metrics.rejected("shed", caller.tier.name)
+            raise ApiError(429, f"the server is busy: every replica is saturated; tier "
+                                f"{caller.tier.name!r} is shed first", "shed")
+        self._admit(caller)
+        self.inflight += 1
+        handed_off = False
+        try:
+            response = await self._generate(body, ids, sampling, caller, chat)
+            if isinstance(response, StreamingResponse):  # in flight until its stream ends
+                response.body_iterator = self._release_after(response.body_iterator)
+                handed_off = True
+            return response
+        finally:
+            if not handed_off:
+                self.inflight -= 1
+
+    def _admit(self, caller: Caller) -> None:
+        """Bound the requests in flight through this ingress (``max_inflight_requests``; a tier
+        may use its ``queue_share`` of it): beyond, 429 at once, before any replica is asked."""
+        limit = max(1, int(caller.tier.queue_share * self.cfg.max_inflight_requests))
+        if self.inflight >= limit:
+            reason = "shed" if caller.tier.queue_share < 1.0 else "queue_full"
+            self.metrics.rejected(reason, caller.tier.name)
+            raise ApiError(429, f"the server is busy: {self.inflight} requests in flight; tier "
+                                f"{caller.tier.name!r} may have at most {limit}", reason)
+
+    async def _release_after(self, body: AsyncIterable[Any]) -> AsyncIterator[Any]:
+        try:
+            async for chunk in body:
+                yield chunk
+        finally:
+            self.inflight -= 1
+            aclose = getattr(body, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+    async def _generate(self, body: CompletionRequest | ChatCompletionRequest, ids: list[int],
+                        sampling: dict[str, Any], caller: Caller, chat: bool) -> Response:
         stream, first = await self._start(ids, sampling, caller)
         if first is None:
             raise ApiError(503, "the replica ended the request without an answer", "no_answer")

@@ -75,6 +75,24 @@ def exported_names() -> set[str]:
 EXPORTED = exported_names()
 
 
+class IngressMetrics:
+    """What the ingress refuses before any replica sees the request (``empty``, early ``shed``).
+
+    The same ``tierserve_rejections`` series as the replicas' (Serve's ``deployment`` label tells
+    them apart), so a dashboard's ``sum by (reason)`` counts every refusal once.
+    """
+
+    def __init__(self) -> None:
+        from ray.serve.metrics import Counter
+
+        doc, tags = COUNTERS["tierserve_rejections"]
+        self.rejections = Counter("tierserve_rejections", description=doc,
+                                  tag_keys=tags)  # type: ignore[arg-type]
+
+    def rejected(self, reason: str, tier: str) -> None:
+        self.rejections.inc(1, tags={"reason": reason, "tier": tier or "none"})
+
+
 class ReplicaMetrics:
     """The metrics of one replica; an ``EngineObserver`` plus a gauge refresher."""
 

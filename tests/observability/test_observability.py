@@ -402,3 +402,17 @@ def test_disconnects_under_load_are_aborted_and_return_every_block(cluster: Clus
     assert 2 <= aborts <= len(hung_up), (aborts, seen)
     stats = cluster.app.wait_idle()
     assert [s["free_blocks"] for s in stats.values()] == [BLOCKS]
+
+
+def test_refusals_at_the_ingress_are_counted_too(cluster: Cluster, provoked: Provoked) -> None:
+    r = httpx.post(cluster.app.url("/v1/completions"), timeout=60,
+                   headers={"Authorization": f"Bearer {KEYS['batch']}"},
+                   json={"model": MODEL, "prompt": "", "max_tokens": 4})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "empty", r.text
+    samples = cluster.wait_scrape(
+        "a rejection for reason empty, counted by the ingress",
+        lambda ss: "empty" in by_label(ss, "ray_tierserve_rejections_total", "reason"))
+    empty = [s for s in ours(samples, "ray_tierserve_rejections_total")
+             if s.labels.get("reason") == "empty"]
+    assert {s.labels.get("deployment") for s in empty} == {"Ingress"}
+    assert {s.labels.get("tier") for s in empty} == {"batch"}
