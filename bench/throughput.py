@@ -814,7 +814,7 @@ def plot(summary: dict[str, Any], path: str, machine_info: dict[str, Any], plan:
         ax.set_ylabel("requested tokens / s")
         ax.margins(y=0.2)
     fig.suptitle(
-        "prompts 16-512 tokens, outputs 16-256 tokens, greedy, ignore EOS; fp32; "
+        "prompts 16-512 tokens, outputs 16-256, greedy, ignore EOS; fp32\n"
         f"{machine_info['cpu']} x{machine_info['cores']}, {machine_info['torch_threads']} threads",
         fontsize=9,
     )

@@ -145,7 +145,9 @@ def test_killing_a_replica_mid_load_loses_nothing_that_had_not_started(
 
     outcomes, fault_at = asyncio.run(load_with_fault(faults_app, kill))
     errors = check_outcomes(outcomes, fault_at)
-    assert errors < len(outcomes)
+    # Only the dead replica's running requests may fail (queued ones were sent again): at most
+    # its max_num_seqs; the other replica's all completed.
+    assert errors <= ENGINE["max_num_seqs"], errors
     # Serve replaces the dead replica; the survivor got every block back.
     wait_replaced(faults_app, victim)
     # Traffic reaches the new replica too.
@@ -163,7 +165,7 @@ def test_a_failing_runner_marks_the_replica_unhealthy_and_serve_replaces_it(
                       .result(timeout_s=30))
 
     outcomes, fault_at = asyncio.run(load_with_fault(faults_app, fault))
-    check_outcomes(outcomes, fault_at)
+    assert check_outcomes(outcomes, fault_at) <= ENGINE["max_num_seqs"]
     assert len(broken) == 1 and broken[0].startswith(f"SERVE_REPLICA::{faults_app.name}#"), broken
     # The broken replica reports itself dead to the router, fails its health check and goes.
     wait_replaced(faults_app, broken[0])
