@@ -44,11 +44,9 @@ from cluster.protocol import (
 )
 from cluster.tiers import AuthError, Caller, PriorityError, TierResolver
 from replica.models.loader import load_model_config, load_tokenizer
-from router import registry
 
 log = logging.getLogger("tierserve.ingress")
 
-ENGINE_DEPLOYMENT = "LLMServer"  # the deployment the ingress's handle calls
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
@@ -134,10 +132,6 @@ class Ingress:
         self.special_ids = frozenset(self.tokenizer.all_special_ids)
         self.metrics = IngressMetrics()
         self.inflight = 0  # requests between admission and their last byte
-        try:
-            self.app_name = serve.get_replica_context().app_name
-        except Exception:  # outside a replica (unit tests)
-            self.app_name = ""
         self.created = now()
         self.openapi_doc = openapi_schema(app, {
             "model": self.cfg.model_name, "max_tokens": self.cfg.max_tokens_limit,
@@ -286,13 +280,6 @@ class Ingress:
         if not ids:
             self.metrics.rejected("empty", caller.tier.name)
             raise ApiError(400, "prompt is empty", "empty", "prompt")
-        # Overload: when the router sees every replica saturated (no room now and a long queue),
-        # tiers that may not fill the whole queue are refused here, before a replica is asked.
-        if caller.tier.queue_share < 1.0 and registry.saturated(
-                self.app_name, ENGINE_DEPLOYMENT, len(ids), sampling["max_tokens"]):
-            self.metrics.rejected("shed", caller.tier.name)
-            raise ApiError(429, f"the server is busy: every replica is saturated; tier "
-                                f"{caller.tier.name!r} is shed first", "shed")
         self._admit(caller)
         self.inflight += 1
         handed_off = False

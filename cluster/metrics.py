@@ -76,7 +76,8 @@ EXPORTED = exported_names()
 
 
 class IngressMetrics:
-    """What the ingress refuses before any replica sees the request (``empty``, early ``shed``).
+    """What the ingress refuses before any replica sees the request (``empty``; ``shed`` and
+    ``queue_full`` beyond ``max_inflight_requests``).
 
     The same ``tierserve_rejections`` series as the replicas' (Serve's ``deployment`` label tells
     them apart), so a dashboard's ``sum by (reason)`` counts every refusal once.

@@ -6,7 +6,8 @@ running slots, the waiting queue fills up by tier: ``batch`` (queue_share 0.5) i
 every refusal is a 429 with ``Retry-After``. A client that gives up while waiting leaves the
 queue. When the holders hang up, everything accepted completes.
 
-Then the replica's actor is killed in the middle of two requests: both callers get a 503.
+Then the replica's actor is killed in the middle of two requests that have both produced tokens:
+the non-streaming caller gets a 503, the streaming one an error event.
 """
 
 from __future__ import annotations
@@ -147,7 +148,14 @@ async def die_mid_request(app: ServeApp) -> tuple[httpx.Response, list[Any]]:
         whole = asyncio.create_task(
             client.post(C, json=HOLD | {"stream": False}, headers=headers(KEYS["standard"])))
         async with holding(client, KEYS["batch"]) as lines:
-            await stats_when(app, "2 running", running=2)
+            s = await stats_when(app, "2 running", running=2)
+            # Both requests have produced tokens (a request that has not is sent again, to the
+            # replica Serve starts instead: that is the faults tests' subject, not this one's).
+            steps = int(s["steps"])
+            await asyncio.to_thread(app.wait_stats, "3 more steps",
+                                    lambda st: all(int(x["steps"]) >= steps + 3
+                                                   for x in st.values()))
+            await asyncio.sleep(0.5)
             (actor,) = app.replicas().values()
             ray.kill(actor, no_restart=True)
             tail = [e async for e in _events(lines)]

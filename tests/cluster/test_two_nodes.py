@@ -84,14 +84,15 @@ def stream(stack: contextlib.ExitStack, client: httpx.Client, prompt: Any) -> It
     return events
 
 
-def test_requests_reach_both_nodes_ranked_by_free_blocks(
+def test_requests_reach_both_nodes_ranked_by_kv_room(
     two_nodes: tuple[ServeApp, dict[str, str]],
 ) -> None:
     app, names = two_nodes
     nodes = app.node_ids()
     with contextlib.ExitStack() as stack:
         client = stack.enter_context(httpx.Client(base_url=app.base_url, timeout=120))
-        # A 700-token prompt holds 44 of one replica's 96 blocks (it grows from there).
+        # A 700-token prompt holds 44 of one replica's 96 blocks now, and is promised 94 of them
+        # (700 + 800 tokens).
         streams = [stream(stack, client, [65] * 700)]
         stats = app.wait_stats("the big request running",
                                lambda s: sorted(r["running"] for r in s.values()) == [0, 1])
@@ -99,12 +100,18 @@ def test_requests_reach_both_nodes_ranked_by_free_blocks(
         (other,) = [n for n in stats if n != big]
         total = MAIN_ENGINE["num_kv_blocks"]
         assert stats[big]["free_blocks"] <= total - 44 < stats[other]["free_blocks"] == total
-        # Small requests (1 block each): every one goes to the replica with more free blocks.
-        for _ in range(5):
+        # A second one fits only the other replica's room: it goes there, on the other node.
+        streams.append(stream(stack, client, [66] * 700))
+        stats = app.wait_stats("both big requests running",
+                               lambda s: sum(r["running"] for r in s.values()) == 2)
+        assert (stats[big]["running"], stats[other]["running"]) == (1, 1), stats
+        # Small requests (standard tier): neither pool has room for a whole one (800 tokens)
+        # any more, so they are spread by count, two to each node.
+        for _ in range(4):
             streams.append(stream(stack, client, "small"))
         stats = app.wait_stats("6 requests running",
                                lambda s: sum(r["running"] for r in s.values()) == 6)
-        assert (stats[big]["running"], stats[other]["running"]) == (1, 5), stats
+        assert (stats[big]["running"], stats[other]["running"]) == (3, 3), stats
         assert {names[nodes[big]], names[nodes[other]]} == {"node_a", "node_b"}
         assert len(streams) == 6
     # Every client hung up: both nodes' replicas get all their blocks back.
