@@ -1,0 +1,31 @@
+"""Suite-wide hooks.
+
+The process ends with ``os._exit`` once pytest has finished and printed its summary: the test
+session starts and stops several Ray instances (and Serve handles, whose routers run threads in
+this process), and Python's own teardown of those native libraries at interpreter exit crashed
+once on CI with a segmentation fault after every test had passed. Skipping that teardown keeps
+pytest's exit status as the process's, and nothing is left to flush (stdout and stderr are flushed
+first).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+_status: list[int] = []
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    _status.append(int(exitstatus))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if not _status or os.environ.get("TIERSERVE_NORMAL_EXIT"):
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(_status[-1])
