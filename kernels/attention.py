@@ -5,8 +5,10 @@ runs only under ``TRITON_INTERPRET=1``, set before the Triton kernels are first 
 ``deterministic`` selects code paths whose result for a row does not depend on the other rows of
 the batch, on how a prompt was cut into chunks, or on whether a token is a decode or prefill row.
 
-- torch:  ``torch_attention.paged_attention_fast`` (padded-gather SDPA for decodes, SDPA per chunk)
-  or ``torch_attention.paged_attention_deterministic``.
+- torch:  on CPU with fp32 queries and caches, ``cpu_native.paged_attention`` (a C++ kernel built
+  at first use that reads the paged cache in place); otherwise, or when it cannot be built,
+  ``torch_attention.paged_attention_fast`` (padded-gather SDPA for decodes, SDPA per chunk);
+  deterministic: ``torch_attention.paged_attention_deterministic``.
 - triton: ``triton_attention.paged_attention``: a decode launch (split-KV when the grid is small)
   plus a prefill launch, or, deterministic, one fixed-configuration launch for every row.
 
@@ -20,7 +22,7 @@ from typing import Literal
 
 import torch
 
-from kernels import reference, torch_attention
+from kernels import cpu_native, reference, torch_attention
 from kernels.metadata import AttentionMetadata
 
 Backend = Literal["torch", "triton"]
@@ -57,6 +59,11 @@ def attention(
     reference.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     if deterministic:
         return torch_attention.paged_attention_deterministic(q, k_cache, v_cache, meta, scale)
+    tile = cpu_native.row_tile(q, k_cache)
+    if tile:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        cpu_native.paged_attention(q, k_cache, v_cache, meta, scale, out, meta.num_seqs, tile)
+        return out
     return torch_attention.paged_attention_fast(q, k_cache, v_cache, meta, scale)
 
 

@@ -1,4 +1,5 @@
-"""The plain-torch paths (fast and deterministic) against the reference, through the dispatch."""
+"""The CPU paths (native kernel, plain-torch fast, deterministic) against the reference, through
+the dispatch. ``native=False`` switches the native kernel off so the torch fast path runs too."""
 
 from __future__ import annotations
 
@@ -16,10 +17,23 @@ from tests.kernels.helpers import DEVICES, Shape
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("group", [1, 3, 4])
-@pytest.mark.parametrize("deterministic", [False, True], ids=["fast", "deterministic"])
+@pytest.mark.parametrize(
+    ("deterministic", "native"),
+    [(False, True), (False, False), (True, False)],
+    ids=["fast-native", "fast-torch", "deterministic"],
+)
 def test_torch_paths_match_reference(
-    deterministic: bool, group: int, block_size: int, dtype: torch.dtype, device: str
+    deterministic: bool,
+    native: bool,
+    group: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    from kernels import cpu_native
+
+    monkeypatch.setattr(cpu_native, "enabled", native)
     if deterministic and device != "cpu":
         pytest.skip("the deterministic torch path is CPU-only (the GPU's is the Triton kernel)")
     attend = functools.partial(attention, backend="torch", deterministic=deterministic)
@@ -27,11 +41,21 @@ def test_torch_paths_match_reference(
     check_against_reference(attend, MIXED, shape, block_size, dtype, device)
 
 
-@pytest.mark.parametrize("deterministic", [False, True], ids=["fast", "deterministic"])
+@pytest.mark.parametrize(
+    ("deterministic", "native"),
+    [(False, True), (False, False), (True, False)],
+    ids=["fast-native", "fast-torch", "deterministic"],
+)
 @pytest.mark.parametrize("spec", [[(0, 1)], [(7, 1), (33, 1)], [(0, 5)], [(3, 29), (0, 64)]])
 def test_torch_paths_decode_only_or_prefill_only(
-    deterministic: bool, spec: list[tuple[int, int]]
+    deterministic: bool,
+    native: bool,
+    spec: list[tuple[int, int]],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    from kernels import cpu_native
+
+    monkeypatch.setattr(cpu_native, "enabled", native)
     attend = functools.partial(attention, backend="torch", deterministic=deterministic)
     check_against_reference(attend, spec, Shape(1, 4, 16), 16, torch.float32, "cpu")
 

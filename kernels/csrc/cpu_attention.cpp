@@ -1,0 +1,396 @@
+// tierserve: paged attention for CPU serving, fp32, built at first use by kernels/cpu_native.py.
+//
+// One entry point, ts_paged_attention_f32, attends every query row of a flat batch (decodes and
+// prefill chunks alike) causally over its sequence's paged K/V, reading the cache in place: no
+// gather into a padded copy, no mask tensor. The cache layout is [num_blocks, block_size,
+// kv_heads, head_dim] (kernels/reference.py); this step's K/V are already stored.
+//
+// Work item: one sequence, one KV head, a tile of up to row_tile consecutive query rows; items
+// run in parallel under OpenMP (the libgomp torch loaded, so one thread pool). An item's query
+// vectors (its rows x the query heads sharing the KV head) walk the keys in runs of kKeyTile
+// with an online softmax. With AVX2 and FMA and a head_dim that is a multiple of 8, scores are
+// 8-key FMA partial sums reduced by horizontal adds, exp is a vector polynomial, and the value
+// sum keeps two accumulator sets to hide FMA latency; otherwise a portable loop does the same
+// math. The order of the sums differs from torch's SDPA: results agree to rounding, not bits.
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int kMaxVecs = 64;    // query vectors per item: row tile x query heads per KV head
+constexpr int kMaxDim = 256;    // head_dim
+constexpr int kKeyTile = 32;    // keys per softmax run
+constexpr float kNegBig = -1e30f;
+
+// exp(x) for the softmax's x <= 0, to ~2 ulp (Cephes' expf); written without calls or branches
+// so that the compiler vectorizes the loops that use it. x below -87 is clamped (exp < 2e-38).
+inline float fast_exp(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  x = x > 88.0f ? 88.0f : x;
+  const float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  const float r2 = r * r;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r2 + r + 1.0f;
+  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  return x <= -87.0f ? 0.0f : p * two_n;
+}
+
+struct Item {
+  const float* q;        // first query row of the tile, at its KV head's first query head
+  int64_t q_row_stride;  // elements between query rows
+  float* out;            // same layout as q with out_row_stride
+  int64_t out_row_stride;
+  int rows;              // query rows in the tile
+  int first_visible;     // keys visible to the tile's first row (its position + 1)
+  const int32_t* table;  // the sequence's block table
+  const float* k_cache;  // at KV head h of block 0, position 0
+  const float* v_cache;
+};
+
+template <int DT>
+void attend_generic(const Item& it, int group, int d_runtime, int block_size, int64_t pos_stride,
+            float scale) {
+  const int D = DT ? DT : d_runtime;
+  const int nvec = it.rows * group;
+  thread_local std::vector<float> scratch;
+  if (scratch.size() < static_cast<size_t>(2 * nvec * D)) scratch.resize(2 * kMaxVecs * kMaxDim);
+  float* qs = scratch.data();
+  float* acc = qs + nvec * D;
+  alignas(64) float s[kMaxVecs][kKeyTile];
+  float m[kMaxVecs], l[kMaxVecs];
+  int visible[kMaxVecs];
+  for (int r = 0; r < it.rows; ++r) {
+    for (int g = 0; g < group; ++g) {
+      const int v = r * group + g;
+      const float* src = it.q + r * it.q_row_stride + static_cast<int64_t>(g) * D;
+      for (int i = 0; i < D; ++i) qs[v * D + i] = src[i] * scale;
+      m[v] = kNegBig;
+      l[v] = 0.0f;
+      visible[v] = it.first_visible + r;
+    }
+  }
+  std::memset(acc, 0, sizeof(float) * nvec * D);
+  const int total = it.first_visible + it.rows - 1;
+  for (int p0 = 0; p0 < total;) {
+    const int b = p0 / block_size;
+    const int off = p0 - b * block_size;
+    const int n = std::min(std::min(block_size - off, kKeyTile), total - p0);
+    const int64_t base = (static_cast<int64_t>(it.table[b]) * block_size + off) * pos_stride;
+    const float* kb = it.k_cache + base;
+    const float* vb = it.v_cache + base;
+    for (int j = 0; j < n; ++j) {
+      const float* kj = kb + j * pos_stride;
+      for (int v = 0; v < nvec; ++v) {
+        const float* qv = qs + v * D;
+        float t = 0.0f;
+#pragma omp simd reduction(+ : t)
+        for (int i = 0; i < D; ++i) t += qv[i] * kj[i];
+        s[v][j] = (p0 + j < visible[v]) ? t : kNegBig;
+      }
+    }
+    for (int v = 0; v < nvec; ++v) {
+      if (p0 >= visible[v]) continue;
+      float mb = m[v];
+      for (int j = 0; j < n; ++j) mb = std::max(mb, s[v][j]);
+      const float alpha = fast_exp(m[v] - mb);
+      m[v] = mb;
+      float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+      for (int j = 0; j < n; ++j) {
+        const float e = fast_exp(s[v][j] - mb);
+        s[v][j] = e;
+        sum += e;
+      }
+      l[v] = l[v] * alpha + sum;
+      if (alpha != 1.0f) {
+        float* a = acc + v * D;
+#pragma omp simd
+        for (int i = 0; i < D; ++i) a[i] *= alpha;
+      }
+    }
+    for (int j = 0; j < n; ++j) {
+      const float* vj = vb + j * pos_stride;
+      for (int v = 0; v < nvec; ++v) {
+        if (p0 >= visible[v]) continue;
+        const float pj = s[v][j];
+        float* a = acc + v * D;
+#pragma omp simd
+        for (int i = 0; i < D; ++i) a[i] += pj * vj[i];
+      }
+    }
+    p0 += n;
+  }
+  for (int r = 0; r < it.rows; ++r) {
+    for (int g = 0; g < group; ++g) {
+      const int v = r * group + g;
+      const float inv = 1.0f / l[v];
+      float* dst = it.out + r * it.out_row_stride + static_cast<int64_t>(g) * D;
+      for (int i = 0; i < D; ++i) dst[i] = acc[v * D + i] * inv;
+    }
+  }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// Eight 8-lane partial sums -> one vector of their eight totals.
+inline __m256 reduce8(const __m256* p) {
+  const __m256 t0 = _mm256_hadd_ps(p[0], p[1]);
+  const __m256 t1 = _mm256_hadd_ps(p[2], p[3]);
+  const __m256 t2 = _mm256_hadd_ps(p[4], p[5]);
+  const __m256 t3 = _mm256_hadd_ps(p[6], p[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1);  // lanes: k0 k1 k2 k3 | k0 k1 k2 k3 (halves)
+  const __m256 u1 = _mm256_hadd_ps(t2, t3);  // k4..k7 likewise
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+// fast_exp on eight lanes.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  x = _mm256_min_ps(x, _mm256_set1_ps(88.0f));
+  const __m256 n = _mm256_floor_ps(
+      _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  const __m256 r2 = _mm256_mul_ps(r, r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, r2, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const __m256 y = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+  return _mm256_andnot_ps(_mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LE_OQ), y);
+}
+template <int DT>
+void attend_avx2(const Item& it, int group, int d_runtime, int block_size, int64_t pos_stride,
+            float scale) {
+  const int D = DT ? DT : d_runtime;
+  const int C = D / 8;
+  const int nvec = it.rows * group;
+  thread_local std::vector<float> scratch;
+  if (scratch.size() < static_cast<size_t>(2 * nvec * D)) scratch.resize(2 * kMaxVecs * kMaxDim);
+  float* qs = scratch.data();
+  float* acc = qs + nvec * D;
+  alignas(64) float s[kKeyTile];
+  const float* kp[kKeyTile];
+  const float* vp[kKeyTile];
+  float m[kMaxVecs], l[kMaxVecs];
+  int visible[kMaxVecs];
+  for (int r = 0; r < it.rows; ++r) {
+    for (int g = 0; g < group; ++g) {
+      const int v = r * group + g;
+      const float* src = it.q + r * it.q_row_stride + static_cast<int64_t>(g) * D;
+      for (int i = 0; i < D; ++i) qs[v * D + i] = src[i] * scale;
+      m[v] = kNegBig;
+      l[v] = 0.0f;
+      visible[v] = it.first_visible + r;
+    }
+  }
+  std::memset(acc, 0, sizeof(float) * nvec * D);
+  const int total = it.first_visible + it.rows - 1;
+  for (int p0 = 0; p0 < total; p0 += kKeyTile) {
+    const int n = std::min(kKeyTile, total - p0);
+    for (int j = 0; j < n; ++j) {
+      const int p = p0 + j;
+      const int b = p / block_size;
+      const int64_t slot = static_cast<int64_t>(it.table[b]) * block_size + (p - b * block_size);
+      kp[j] = it.k_cache + slot * pos_stride;
+      vp[j] = it.v_cache + slot * pos_stride;
+    }
+    for (int v = 0; v < nvec; ++v) {
+      const int lim = std::min(n, visible[v] - p0);  // keys of this run the vector sees
+      if (lim <= 0) continue;
+      const float* qv = qs + v * D;
+      for (int j0 = 0; j0 < lim; j0 += 8) {
+        __m256 p[8];
+        for (int jj = 0; jj < 8; ++jj) {
+          __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+          if (j0 + jj < lim) {
+            const float* kj = kp[j0 + jj];
+            int c = 0;
+            for (; c + 1 < C; c += 2) {
+              a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qv + 8 * c), _mm256_loadu_ps(kj + 8 * c), a0);
+              a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qv + 8 * c + 8), _mm256_loadu_ps(kj + 8 * c + 8), a1);
+            }
+            if (c < C)
+              a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qv + 8 * c), _mm256_loadu_ps(kj + 8 * c), a0);
+          }
+          p[jj] = _mm256_add_ps(a0, a1);
+        }
+        _mm256_store_ps(s + j0, reduce8(p));
+      }
+      const int lim8 = (lim + 7) & ~7;
+      for (int j = lim; j < lim8; ++j) s[j] = kNegBig;
+      __m256 mx = _mm256_set1_ps(m[v]);
+      for (int j = 0; j < lim8; j += 8) mx = _mm256_max_ps(mx, _mm256_load_ps(s + j));
+      __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+      h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+      h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+      const float mb = _mm_cvtss_f32(h);
+      const float alpha = fast_exp(m[v] - mb);
+      m[v] = mb;
+      __m256 sm = _mm256_setzero_ps();
+      const __m256 mbv = _mm256_set1_ps(mb);
+      for (int j = 0; j < lim8; j += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_load_ps(s + j), mbv));
+        _mm256_store_ps(s + j, e);
+        sm = _mm256_add_ps(sm, e);
+      }
+      __m128 t = _mm_add_ps(_mm256_castps256_ps128(sm), _mm256_extractf128_ps(sm, 1));
+      t = _mm_add_ps(t, _mm_movehl_ps(t, t));
+      t = _mm_add_ss(t, _mm_shuffle_ps(t, t, 1));
+      const float sum = _mm_cvtss_f32(t);
+      l[v] = l[v] * alpha + sum;
+      float* a = acc + v * D;
+      const __m256 al = _mm256_set1_ps(alpha);
+      for (int c0 = 0; c0 < C; c0 += 4) {
+        const int cn = std::min(4, C - c0);
+        __m256 r0[4], r1[4];
+        for (int c = 0; c < cn; ++c) {
+          r0[c] = _mm256_mul_ps(al, _mm256_loadu_ps(a + 8 * (c0 + c)));
+          r1[c] = _mm256_setzero_ps();
+        }
+        int j = 0;
+        for (; j + 1 < lim; j += 2) {
+          const __m256 pa = _mm256_set1_ps(s[j]);
+          const __m256 pb = _mm256_set1_ps(s[j + 1]);
+          const float* va = vp[j] + 8 * c0;
+          const float* vb2 = vp[j + 1] + 8 * c0;
+          for (int c = 0; c < cn; ++c) {
+            r0[c] = _mm256_fmadd_ps(pa, _mm256_loadu_ps(va + 8 * c), r0[c]);
+            r1[c] = _mm256_fmadd_ps(pb, _mm256_loadu_ps(vb2 + 8 * c), r1[c]);
+          }
+        }
+        if (j < lim) {
+          const __m256 pa = _mm256_set1_ps(s[j]);
+          const float* va = vp[j] + 8 * c0;
+          for (int c = 0; c < cn; ++c) r0[c] = _mm256_fmadd_ps(pa, _mm256_loadu_ps(va + 8 * c), r0[c]);
+        }
+        for (int c = 0; c < cn; ++c) _mm256_storeu_ps(a + 8 * (c0 + c), _mm256_add_ps(r0[c], r1[c]));
+      }
+    }
+  }
+  for (int r = 0; r < it.rows; ++r) {
+    for (int g = 0; g < group; ++g) {
+      const int v = r * group + g;
+      const float inv = 1.0f / l[v];
+      float* dst = it.out + r * it.out_row_stride + static_cast<int64_t>(g) * D;
+      for (int i = 0; i < D; ++i) dst[i] = acc[v * D + i] * inv;
+    }
+  }
+}
+
+#endif  // AVX2 and FMA
+
+template <int DT>
+void attend(const Item& it, int group, int d_runtime, int block_size, int64_t pos_stride,
+            float scale) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if ((DT ? DT : d_runtime) % 8 == 0) {
+    attend_avx2<DT>(it, group, d_runtime, block_size, pos_stride, scale);
+    return;
+  }
+#endif
+  attend_generic<DT>(it, group, d_runtime, block_size, pos_stride, scale);
+}
+
+}  // namespace
+
+extern "C" {
+
+// Limits the caller must respect (checked again here: a violation returns a negative code).
+int ts_max_vecs() { return kMaxVecs; }
+int ts_max_head_dim() { return kMaxDim; }
+
+// q: [T, hq, D] with row stride q_row_stride (elements), heads contiguous; out likewise.
+// k_cache, v_cache: [num_blocks, block_size, hkv, D] contiguous. tables: [S, table_stride]
+// int32. seq_lens[s]: positions in the cache after this step; cu_q_lens: [S + 1] prefix sums of
+// query rows (sequence s owns rows cu_q_lens[s] .. cu_q_lens[s + 1] - 1, at positions
+// seq_lens[s] - q_len .. seq_lens[s] - 1). row_tile: query rows per work item. Returns 0, or
+// a negative code without touching out: -1 bad heads/sizes, -2 row tile too large, -3 a query
+// length outside 1..seq_len, -4 a context longer than the block table, -5 a block id outside
+// 0..num_blocks - 1.
+int ts_paged_attention_f32(const float* q, int64_t q_row_stride, const float* k_cache,
+                           const float* v_cache, const int32_t* tables, int64_t table_stride,
+                           const int32_t* seq_lens, const int32_t* cu_q_lens, float* out,
+                           int64_t out_row_stride, int num_seqs, int hq, int hkv, int head_dim,
+                           int block_size, int num_blocks, float scale, int row_tile,
+                           int num_threads) {
+  if (hkv <= 0 || hq % hkv || head_dim > kMaxDim || block_size <= 0 || row_tile <= 0) return -1;
+  const int group = hq / hkv;
+  if (group * row_tile > kMaxVecs) return -2;
+  // Work items: (sequence, row tile, KV head), listed up front so OpenMP can balance them.
+  int64_t items = 0;
+  for (int s = 0; s < num_seqs; ++s) {
+    const int n = cu_q_lens[s + 1] - cu_q_lens[s];
+    if (n <= 0 || n > seq_lens[s]) return -3;
+    // Every block the sequence reads must be a block of the cache (never read out of bounds).
+    const int64_t blocks = (static_cast<int64_t>(seq_lens[s]) + block_size - 1) / block_size;
+    if (blocks > table_stride) return -4;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int32_t id = tables[s * table_stride + b];
+      if (id < 0 || id >= num_blocks) return -5;
+    }
+    items += static_cast<int64_t>((n + row_tile - 1) / row_tile) * hkv;
+  }
+  int32_t* item_seq = new int32_t[items];
+  int32_t* item_row = new int32_t[items];
+  int32_t* item_head = new int32_t[items];
+  int64_t k = 0;
+  for (int s = 0; s < num_seqs; ++s) {
+    for (int r = cu_q_lens[s]; r < cu_q_lens[s + 1]; r += row_tile) {
+      for (int h = 0; h < hkv; ++h) {
+        item_seq[k] = s;
+        item_row[k] = r;
+        item_head[k] = h;
+        ++k;
+      }
+    }
+  }
+  const int64_t pos_stride = static_cast<int64_t>(hkv) * head_dim;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+  for (int64_t i = 0; i < items; ++i) {
+    const int s = item_seq[i];
+    const int r = item_row[i];
+    const int h = item_head[i];
+    const int end = cu_q_lens[s + 1];
+    const int q_len = end - cu_q_lens[s];
+    Item it;
+    it.rows = std::min(row_tile, end - r);
+    it.first_visible = seq_lens[s] - q_len + (r - cu_q_lens[s]) + 1;
+    it.q = q + r * q_row_stride + static_cast<int64_t>(h) * group * head_dim;
+    it.q_row_stride = q_row_stride;
+    it.out = out + r * out_row_stride + static_cast<int64_t>(h) * group * head_dim;
+    it.out_row_stride = out_row_stride;
+    it.table = tables + s * table_stride;
+    it.k_cache = k_cache + static_cast<int64_t>(h) * head_dim;
+    it.v_cache = v_cache + static_cast<int64_t>(h) * head_dim;
+    switch (head_dim) {
+      case 32: attend<32>(it, group, head_dim, block_size, pos_stride, scale); break;
+      case 64: attend<64>(it, group, head_dim, block_size, pos_stride, scale); break;
+      case 128: attend<128>(it, group, head_dim, block_size, pos_stride, scale); break;
+      default: attend<0>(it, group, head_dim, block_size, pos_stride, scale); break;
+    }
+  }
+  delete[] item_seq;
+  delete[] item_row;
+  delete[] item_head;
+  return 0;
+}
+
+}  // extern "C"

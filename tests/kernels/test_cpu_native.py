@@ -1,0 +1,213 @@
+"""The native CPU attention kernel: against the reference, its fallbacks, and its refusals."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from kernels import cpu_native, torch_attention
+from kernels.attention import attention
+from kernels.metadata import SeqSpec, build_metadata
+from tests.kernels.common import LONG_DECODES, MIXED, check_against_reference
+from tests.kernels.helpers import Shape
+
+needs_native = pytest.mark.skipif(
+    not cpu_native.available(),
+    reason=f"native kernel unavailable: {cpu_native.unavailable_reason()}",
+)
+
+
+@pytest.fixture
+def fresh_loader(monkeypatch: pytest.MonkeyPatch, tmp_path: object) -> Iterator[None]:
+    """The loader as if nothing had been built yet in this process (restored afterwards)."""
+    monkeypatch.setattr(cpu_native, "_tried", False)
+    monkeypatch.setattr(cpu_native, "_lib", None)
+    monkeypatch.setattr(cpu_native, "_reason", None)
+    monkeypatch.setenv(cpu_native.ENV_CACHE, str(tmp_path))
+    yield
+
+
+def _native(q, k, v, kc, vc, meta, scale, row_tile):  # type: ignore[no-untyped-def]
+    from kernels import reference
+
+    reference.store_kv(k, v, kc, vc, meta.slot_mapping)
+    out = torch.empty_like(q)
+    cpu_native.paged_attention(q, kc, vc, meta, scale, out, meta.num_seqs, row_tile)
+    return out
+
+
+@needs_native
+@pytest.mark.parametrize("row_tile", [1, 3, 8])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize(
+    "shape",
+    [Shape(2, 4, 32), Shape(3, 3, 64), Shape(1, 1, 128), Shape(2, 2, 20), Shape(1, 5, 72)],
+    ids=["gqa4-d32", "gqa3-d64", "mha-d128", "d20-portable", "d72"],
+)
+def test_native_matches_reference(shape: Shape, block_size: int, row_tile: int) -> None:
+    """Decodes and chunks (with and without a cached prefix), AVX2 and portable head sizes."""
+    attend = functools.partial(_native, row_tile=row_tile)
+    check_against_reference(attend, MIXED, shape, block_size, torch.float32, "cpu")
+
+
+@needs_native
+def test_native_long_contexts_and_prompts() -> None:
+    """Contexts over many key runs (block edges not aligned with the kernel's runs)."""
+    attend = functools.partial(_native, row_tile=8)
+    check_against_reference(
+        attend, [*LONG_DECODES, (0, 300), (250, 90)], Shape(2, 4, 32), 16, torch.float32, "cpu"
+    )
+    check_against_reference(attend, LONG_DECODES, Shape(1, 8, 64), 48, torch.float32, "cpu")
+
+
+@needs_native
+@pytest.mark.parametrize("magnitude", [30.0, 1000.0])
+def test_native_softmax_is_stable_with_large_scores(magnitude: float) -> None:
+    """Scores far beyond exp's range: the online softmax must neither overflow nor lose keys."""
+    torch.manual_seed(1)
+    meta = build_metadata([SeqSpec(0, 70, list(range(5))), SeqSpec(99, 1, list(range(5, 12)))], 16)
+    hq, hkv, d = 4, 2, 32
+    kc = torch.randn(16, 16, hkv, d)
+    vc = torch.randn(16, 16, hkv, d)
+    q = torch.randn(meta.num_tokens, hq, d) * magnitude
+    from kernels import reference
+
+    want = reference.paged_attention(q, kc, vc, meta, 0.2)
+    got = torch.empty_like(q)
+    cpu_native.paged_attention(q, kc, vc, meta, 0.2, got, meta.num_seqs, 4)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@needs_native
+def test_dispatch_uses_native_for_fp32_and_torch_otherwise(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+    native = cpu_native.paged_attention
+    fast = torch_attention.paged_attention_fast
+    monkeypatch.setattr(
+        cpu_native, "paged_attention", lambda *a, **k: (calls.append("native"), native(*a, **k))[1]
+    )
+    monkeypatch.setattr(
+        torch_attention,
+        "paged_attention_fast",
+        lambda *a, **k: (calls.append("torch"), fast(*a, **k))[1],
+    )
+    attend = functools.partial(attention, backend="torch")
+    check_against_reference(attend, MIXED, Shape(2, 4, 32), 16, torch.float32, "cpu")
+    check_against_reference(attend, MIXED, Shape(2, 4, 32), 16, torch.bfloat16, "cpu")
+    monkeypatch.setattr(cpu_native, "enabled", False)
+    check_against_reference(attend, MIXED, Shape(2, 4, 32), 16, torch.float32, "cpu")
+    assert calls == ["native", "torch", "torch"]
+
+
+def test_no_compiler_falls_back_to_torch(
+    fresh_loader: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("CXX", "false")  # a "compiler" that always fails
+    assert not cpu_native.available()
+    assert "failed" in (cpu_native.unavailable_reason() or "")
+    assert "native CPU attention unavailable" in caplog.text
+    q = torch.randn(3, 4, 16)
+    assert cpu_native.row_tile(q, torch.zeros(4, 16, 2, 16)) == 0
+    # The dispatch still answers, through torch.
+    attend = functools.partial(attention, backend="torch")
+    check_against_reference(attend, MIXED, Shape(2, 2, 16), 16, torch.float32, "cpu")
+
+
+def test_environment_switch_disables_the_kernel(
+    fresh_loader: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(cpu_native.ENV_SWITCH, "0")
+    assert not cpu_native.available()
+    assert cpu_native.unavailable_reason() == f"disabled by {cpu_native.ENV_SWITCH}"
+    with pytest.raises(cpu_native.NativeKernelError, match="unavailable: disabled"):
+        cpu_native.paged_attention(
+            torch.zeros(1, 2, 8),
+            torch.zeros(2, 16, 2, 8),
+            torch.zeros(2, 16, 2, 8),
+            build_metadata([SeqSpec(0, 1, [0])], 16),
+            1.0,
+            torch.zeros(1, 2, 8),
+            1,
+            1,
+        )
+
+
+def test_build_goes_to_the_cache_and_is_reused(fresh_loader: None, tmp_path: object) -> None:
+    if cpu_native._compiler() is None:
+        pytest.skip("no C++ compiler")
+    assert cpu_native.available(), cpu_native.unavailable_reason()
+    from pathlib import Path
+
+    built = sorted(Path(str(tmp_path)).glob("cpu_attention-*.so"))
+    assert len(built) == 1
+    assert not list(Path(str(tmp_path)).glob("*.tmp"))  # no leftover of the atomic write
+    mtime = built[0].stat().st_mtime_ns
+    cpu_native._tried = False
+    cpu_native._lib = None
+    assert cpu_native.available()
+    assert built[0].stat().st_mtime_ns == mtime  # loaded, not rebuilt
+
+
+@needs_native
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+def test_one_openmp_runtime_in_the_process() -> None:
+    """The kernel runs on torch's libgomp thread pool, not a second OpenMP runtime."""
+    assert cpu_native.available()
+    with open("/proc/self/maps", encoding="utf-8") as f:
+        gomps = {line.split()[-1] for line in f if "libgomp" in line}
+    assert len(gomps) <= 1, gomps
+
+
+def _case() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, object]:
+    meta = build_metadata([SeqSpec(0, 1, [1]), SeqSpec(0, 3, [2])], 16)
+    kc = torch.zeros(4, 16, 2, 8)
+    return torch.zeros(4, 4, 8), kc, kc.clone(), meta
+
+
+@needs_native
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ("table_block", "a block table names a block outside the cache"),
+        ("negative_block", "a block table names a block outside the cache"),
+        ("short_table", "context is longer than its block table"),
+        ("row_tile", "row tile too large"),
+        ("int64_tables", "must be int32"),
+        ("out_shape", "must match the metadata"),
+        ("num_seqs", "must match the metadata"),
+        ("strided_heads", "contiguous heads"),
+        ("bf16", "fp32"),
+    ],
+)
+def test_refusals_say_what_is_wrong(change: str, message: str) -> None:
+    """Inconsistent inputs raise before any read out of bounds, and leave ``out`` untouched."""
+    q, kc, vc, meta = _case()
+    out = torch.full_like(q, 7.0)
+    num_seqs, tile = 2, 1
+    if change == "table_block":
+        meta.block_tables[1, 0] = 4  # the cache has blocks 0..3
+    elif change == "negative_block":
+        meta.block_tables[0, 0] = -1
+    elif change == "short_table":
+        meta.seq_lens[1] = 17  # 2 blocks, the table has 1 column
+    elif change == "row_tile":
+        tile = 64
+    elif change == "int64_tables":
+        meta.block_tables = meta.block_tables.long()
+    elif change == "out_shape":
+        out = torch.zeros(3, 4, 8)
+    elif change == "num_seqs":
+        num_seqs = 3
+    elif change == "strided_heads":
+        q = torch.zeros(4, 8, 8)[:, ::2]
+    elif change == "bf16":
+        q = q.bfloat16()
+    with pytest.raises(cpu_native.NativeKernelError, match=message):
+        cpu_native.paged_attention(q, kc, vc, meta, 1.0, out, num_seqs, tile)  # type: ignore[arg-type]
+    if out.shape == q.shape and change != "bf16":
+        assert (out == 7.0).all()
