@@ -39,11 +39,13 @@ def attention(
     scale: float,
     backend: Backend = "torch",
     deterministic: bool = False,
+    kv_stored: bool = False,
 ) -> torch.Tensor:
     """``q`` ``[T, q_heads, D]``, ``k``/``v`` ``[T, kv_heads, D]`` -> ``[T, q_heads, D]`` in ``q.dtype``.
 
     Stores ``k``/``v`` at ``meta.slot_mapping`` in ``k_cache``/``v_cache``
-    (``[num_blocks, block_size, kv_heads, D]``, mutated), then attends every query row causally
+    (``[num_blocks, block_size, kv_heads, D]``, mutated; skipped when ``kv_stored`` says the
+    caller already did, e.g. ``cpu_native.rope_store``), then attends every query row causally
     over its sequence's cached positions. Raises ``ValueError`` on inconsistent shapes or an
     unknown backend.
     """
@@ -52,17 +54,19 @@ def attention(
         from kernels import triton_attention, triton_kv
 
         _check_triton_device(q)
-        triton_kv.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if not kv_stored:
+            triton_kv.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         return triton_attention.paged_attention(
             q, k_cache, v_cache, meta, scale, deterministic=deterministic
         )
-    reference.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    if not kv_stored:
+        reference.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     if deterministic:
         return torch_attention.paged_attention_deterministic(q, k_cache, v_cache, meta, scale)
-    tile = cpu_native.row_tile(q, k_cache)
-    if tile:
+    plan = cpu_native.attention_plan(q, k_cache)
+    if plan is not None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        cpu_native.paged_attention(q, k_cache, v_cache, meta, scale, out, meta.num_seqs, tile)
+        cpu_native.paged_attention(q, k_cache, v_cache, meta, scale, out, meta.num_seqs, plan)
         return out
     return torch_attention.paged_attention_fast(q, k_cache, v_cache, meta, scale)
 

@@ -1,9 +1,15 @@
-"""Native CPU paged attention: a small C++ kernel built at first use and called through ``ctypes``.
+"""Native CPU kernels: a small C++ library built at first use and called through ``ctypes``.
 
-``kernels/csrc/cpu_attention.cpp`` attends every query row of a flat batch over its sequence's
-paged K/V *in place* (no gather into a padded copy, no mask tensor), with an online softmax, in
-parallel over (sequence, KV head, row tile) under OpenMP. It is the CPU fast path of the
-``torch`` attention backend for fp32 caches; everything else falls back to plain torch.
+``kernels/csrc/cpu_kernels.cpp`` holds the CPU fast path for fp32 (anything else falls back to
+plain torch):
+
+- ``paged_attention``: every query row of a flat batch over its sequence's paged K/V *in place*
+  (no gather into a padded copy, no mask tensor), with an online softmax, in parallel over
+  (sequence, KV head, row tile) under OpenMP; the ``torch`` attention backend's fast path.
+- ``rms_norm`` (optionally adding the previous block's output into the residual first),
+  ``silu_and_mul`` and ``rope_store`` (rotary embedding of q and k, then k and v into the
+  cache): one pass over the rows each, where torch runs several ops with temporaries; used by
+  the model's layers outside the deterministic mode.
 
 Build: the first call compiles the source with the system C++ compiler (``$CXX``, else ``g++``
 or ``c++``; ``-O3 -march=native -fopenmp``, about a second) into a cache directory
@@ -11,7 +17,7 @@ or ``c++``; ``-O3 -march=native -fopenmp``, about a second) into a cache directo
 that hashes the source, the compiler command and this CPU's feature flags, so machines of a Ray
 cluster that share a home directory never load each other's builds. Concurrent builders write
 to temporary files and rename atomically. No compiler, a failed build, or
-``TIERSERVE_NATIVE_ATTENTION=0`` in the environment: ``available()`` is False (the reason is in
+``TIERSERVE_NATIVE_KERNELS=0`` in the environment: ``available()`` is False (the reason is in
 ``unavailable_reason()`` and logged once) and the torch path runs instead.
 
 Threads: the library links ``libgomp.so.1``; loaded after torch, the dynamic loader reuses
@@ -30,6 +36,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -38,8 +45,8 @@ from kernels.metadata import AttentionMetadata
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "cpu_attention.cpp"
-ENV_SWITCH = "TIERSERVE_NATIVE_ATTENTION"
+SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
+ENV_SWITCH = "TIERSERVE_NATIVE_KERNELS"
 ENV_CACHE = "TIERSERVE_CACHE_DIR"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17")
 # Query rows per work item, at most: a prefill chunk's rows share each key run of the item.
@@ -55,8 +62,8 @@ _tried = False
 
 
 _ERRORS = {
-    -1: "head counts or head_dim outside the kernel's limits",
-    -2: "row tile too large for the query heads per KV head",
+    -1: "head counts, head_dim or the work split outside the kernel's limits",
+    -2: "row tile x query heads per item above the kernel's limit",
     -3: "a sequence's query length is not within 1 .. its context length",
     -4: "a sequence's context is longer than its block table",
     -5: "a block table names a block outside the cache",
@@ -100,7 +107,7 @@ def _build(cxx: str) -> Path:
     for part in (source, cxx.encode(), " ".join(FLAGS).encode(), _cpu_flags().encode()):
         key.update(part)
         key.update(b"\0")
-    name = f"cpu_attention-{key.hexdigest()[:16]}.so"
+    name = f"cpu_kernels-{key.hexdigest()[:16]}.so"
     errors = []
     for d in _cache_dirs():
         target = d / name
@@ -153,7 +160,7 @@ def _load() -> ctypes.CDLL | None:
             except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
                 _reason = f"building {SOURCE.name} failed: {exc}"
         if _lib is None:
-            log.warning("native CPU attention unavailable (%s); using plain torch", _reason)
+            log.warning("native CPU kernels unavailable (%s); using plain torch", _reason)
         return _lib
 
 
@@ -161,9 +168,36 @@ def _declare(lib: ctypes.CDLL) -> None:
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     fn = lib.ts_paged_attention_f32
     fn.restype = i32
-    fn.argtypes = [p, i64, p, p, p, i64, p, p, p, i64, i32, i32, i32, i32, i32, i32, f32, i32, i32]
+    fn.argtypes = [
+        p,
+        i64,
+        p,
+        p,
+        p,
+        i64,
+        p,
+        p,
+        p,
+        i64,
+        i32,
+        i32,
+        i32,
+        i32,
+        i32,
+        i32,
+        f32,
+        i32,
+        i32,
+        i32,
+    ]
     lib.ts_max_vecs.restype = i32
     lib.ts_max_head_dim.restype = i32
+    lib.ts_rms_norm_f32.restype = i32
+    lib.ts_rms_norm_f32.argtypes = [p, i64, p, i64, p, p, i64, i64, i32, f32, i32]
+    lib.ts_silu_mul_f32.restype = i32
+    lib.ts_silu_mul_f32.argtypes = [p, i64, p, i64, i32, i32]
+    lib.ts_rope_store_f32.restype = i32
+    lib.ts_rope_store_f32.argtypes = [p, i64, p, p, p, p, p, i64, i64, i32, i32, i32, i32]
 
 
 def available() -> bool:
@@ -176,24 +210,36 @@ def unavailable_reason() -> str | None:
     return _reason
 
 
-def row_tile(q: torch.Tensor, k_cache: torch.Tensor) -> int:
-    """Query rows per work item if the kernel takes these inputs (CPU, fp32 queries and caches,
-    head counts and size within its limits), else 0: then use the torch path."""
+@dataclass(frozen=True, slots=True)
+class AttentionPlan:
+    """How the kernel splits a batch into work items: ``row_tile`` query rows of one sequence and
+    ``heads_per_item`` consecutive KV heads (all of them when there are enough items to share
+    the threads: one item then reads each cache position's heads in one contiguous run)."""
+
+    row_tile: int
+    heads_per_item: int
+
+
+def attention_plan(q: torch.Tensor, k_cache: torch.Tensor) -> AttentionPlan | None:
+    """The work split for these inputs if the kernel takes them (CPU, fp32 queries and caches,
+    head counts and size within its limits), else None: then use the torch path."""
     if (
         not enabled
         or q.device.type != "cpu"
         or q.dtype != torch.float32
         or k_cache.dtype != torch.float32
     ):
-        return 0
+        return None
     lib = _load()
     if lib is None:
-        return 0
-    hq, d = q.shape[1], q.shape[2]
+        return None
+    t, hq, d = q.shape
     hkv = k_cache.shape[2]
-    if hq % hkv or d > lib.ts_max_head_dim():
-        return 0
-    return min(MAX_ROW_TILE, lib.ts_max_vecs() // (hq // hkv))
+    max_vecs = lib.ts_max_vecs()
+    if hq % hkv or d > lib.ts_max_head_dim() or hq // hkv > max_vecs:
+        return None
+    heads = hkv if hq <= max_vecs and t >= 2 * torch.get_num_threads() else 1
+    return AttentionPlan(min(MAX_ROW_TILE, max_vecs // (heads * (hq // hkv))), heads)
 
 
 def paged_attention(
@@ -204,16 +250,16 @@ def paged_attention(
     scale: float,
     out: torch.Tensor,
     num_seqs: int,
-    row_tile: int,
+    plan: AttentionPlan,
 ) -> None:
     """Attend the query rows of the first ``num_seqs`` sequences of ``meta`` into ``out``.
 
     ``q`` ``[T, hq, D]`` (rows may be strided, heads contiguous), ``out`` likewise; caches
-    contiguous ``[num_blocks, block_size, hkv, D]``. ``row_tile`` from ``row_tile()``.
+    contiguous ``[num_blocks, block_size, hkv, D]``; ``plan`` from ``attention_plan``.
     """
     lib = _load()
     if lib is None:
-        raise NativeKernelError(f"native CPU attention unavailable: {_reason}")
+        raise NativeKernelError(f"native CPU kernels unavailable: {_reason}")
     hq, d = q.shape[1], q.shape[2]
     _, bs, hkv, _ = k_cache.shape
     if out.shape != q.shape or q.shape[0] != meta.num_tokens or not 0 < num_seqs <= meta.num_seqs:
@@ -253,8 +299,144 @@ def paged_attention(
         bs,
         k_cache.shape[0],
         float(scale),
-        row_tile,
+        plan.row_tile,
+        plan.heads_per_item,
         torch.get_num_threads(),
     )
     if rc != 0:
         raise NativeKernelError(f"native attention refused its arguments: {_ERRORS.get(rc, rc)}")
+
+
+# ----------------------------------------------------------------------------- fused row-wise ops
+
+
+def fused_ok(x: torch.Tensor) -> bool:
+    """Whether the fused row-wise ops take ``x``: fp32 on CPU, kernels built and enabled."""
+    return enabled and x.device.type == "cpu" and x.dtype == torch.float32 and available()
+
+
+def _lib_or_raise() -> ctypes.CDLL:
+    lib = _load()
+    if lib is None:
+        raise NativeKernelError(f"native CPU kernels unavailable: {_reason}")
+    return lib
+
+
+def _check_rows(name: str, t: torch.Tensor, rows: int, width: int) -> None:
+    if t.dtype != torch.float32 or t.device.type != "cpu":
+        raise NativeKernelError(f"{name} must be fp32 on CPU, got {t.dtype} on {t.device}")
+    if (
+        t.dim() != 2
+        or t.shape[0] != rows
+        or t.shape[1] != width
+        or (width > 1 and t.stride(1) != 1)
+    ):
+        raise NativeKernelError(
+            f"{name} must be [{rows}, {width}] with contiguous rows, got {tuple(t.shape)} "
+            f"strides {t.stride()}"
+        )
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x / sqrt(mean(x^2) + eps) * weight`` per row of ``x`` ``[rows, hidden]``; with ``delta``,
+    ``x += delta`` in place first (the residual stream), and the norm is of the sum."""
+    lib = _lib_or_raise()
+    rows, hidden = x.shape
+    _check_rows("x", x, rows, hidden)
+    if delta is not None:
+        _check_rows("delta", delta, rows, hidden)
+    if weight.shape != (hidden,) or weight.dtype != torch.float32 or not weight.is_contiguous():
+        raise NativeKernelError(f"weight must be fp32 [{hidden}], got {tuple(weight.shape)}")
+    out = torch.empty((rows, hidden), dtype=torch.float32)
+    rc = lib.ts_rms_norm_f32(
+        x.data_ptr(),
+        x.stride(0),
+        None if delta is None else delta.data_ptr(),
+        0 if delta is None else delta.stride(0),
+        weight.data_ptr(),
+        out.data_ptr(),
+        out.stride(0),
+        rows,
+        hidden,
+        float(eps),
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise NativeKernelError(f"rms_norm refused its arguments (code {rc})")
+    return out
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate_up`` ``[rows, 2 * inter]`` laid out ``[gate | up]``."""
+    lib = _lib_or_raise()
+    rows, width = gate_up.shape
+    if width % 2:
+        raise NativeKernelError(f"gate_up must have an even width, got {width}")
+    _check_rows("gate_up", gate_up, rows, width)
+    out = torch.empty((rows, width // 2), dtype=torch.float32)
+    rc = lib.ts_silu_mul_f32(
+        gate_up.data_ptr(),
+        gate_up.stride(0),
+        out.data_ptr(),
+        rows,
+        width // 2,
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise NativeKernelError(f"silu_and_mul refused its arguments (code {rc})")
+    return out
+
+
+def rope_store(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    q_heads: int,
+) -> None:
+    """Rotate the q and k heads of ``qkv`` ``[T, q_heads + 2 * kv_heads, D]`` in place (``cos``,
+    ``sin`` ``[T, D // 2]``), then store its k and v heads at ``slot_mapping`` ``[T]`` (int64) in
+    the caches ``[num_blocks, block_size, kv_heads, D]``."""
+    lib = _lib_or_raise()
+    t, heads, d = qkv.shape
+    nb, bs, hkv, dc = k_cache.shape
+    if heads != q_heads + 2 * hkv or d != dc or d % 2:
+        raise NativeKernelError(
+            f"qkv {tuple(qkv.shape)} does not hold {q_heads} q heads and {hkv} k and v heads "
+            f"of the cache's head_dim {dc} (even)"
+        )
+    if qkv.dtype != torch.float32 or qkv.stride(2) != 1 or qkv.stride(1) != d:
+        raise NativeKernelError(f"qkv must be fp32 with contiguous heads, got {qkv.stride()}")
+    for name, tab in (("cos", cos), ("sin", sin)):
+        _check_rows(name, tab.reshape(t, d // 2), t, d // 2)
+        if not tab.is_contiguous():
+            raise NativeKernelError(f"{name} must be contiguous")
+    if slot_mapping.dtype != torch.int64 or slot_mapping.shape != (t,):
+        raise NativeKernelError(f"slot_mapping must be int64 [{t}]")
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if c.dtype != torch.float32 or not c.is_contiguous() or c.shape != k_cache.shape:
+            raise NativeKernelError(f"{name} must be a contiguous fp32 cache like k_cache")
+    slots = slot_mapping.contiguous()
+    rc = lib.ts_rope_store_f32(
+        qkv.data_ptr(),
+        qkv.stride(0),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        slots.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        nb * bs,
+        t,
+        q_heads,
+        hkv,
+        d,
+        torch.get_num_threads(),
+    )
+    if rc == -5:
+        raise NativeKernelError("a slot of slot_mapping is outside the cache")
+    if rc != 0:
+        raise NativeKernelError(f"rope_store refused its arguments (code {rc})")

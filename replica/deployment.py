@@ -83,7 +83,9 @@ class LLMServer:
         if queue_share < 1.0 and self.engine.stats()["waiting"] >= shed_at:
             self.engine.count_rejection("shed", tier)
             yield error_record(
-                429, "shed", f"the server is busy: this tier's share of the queue ({shed_at}) is full"
+                429,
+                "shed",
+                f"the server is busy: this tier's share of the queue ({shed_at}) is full",
             )
             return
         stream = self.engine.generate(prompt_ids, params, priority, tier)

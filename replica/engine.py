@@ -309,7 +309,11 @@ class Engine:
             stop = tok in live.stop_ids or live.detok.stopped is not None
             step_outputs.append(StepOutput(live.id, tok, stop))
             deltas[live.id] = RequestOutput(
-                live.id, text, [tok], prompt_tokens=live.prompt_len, completion_tokens=live.generated
+                live.id,
+                text,
+                [tok],
+                prompt_tokens=live.prompt_len,
+                completion_tokens=live.generated,
             )
         with self._lock:
             events = self.scheduler.on_step(step_outputs)

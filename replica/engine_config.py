@@ -60,11 +60,15 @@ class EngineConfig:
                 f"attention_backend must be 'auto', 'torch' or 'triton', got {self.attention_backend!r}"
             )
         if self.dtype != "auto" and self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+            raise ValueError(
+                f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}"
+            )
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
         if self.prefill_chunk_tokens is not None and self.prefill_chunk_tokens <= 0:
-            raise ValueError(f"prefill_chunk_tokens must be positive, got {self.prefill_chunk_tokens}")
+            raise ValueError(
+                f"prefill_chunk_tokens must be positive, got {self.prefill_chunk_tokens}"
+            )
         if self.num_threads is not None and self.num_threads <= 0:
             raise ValueError(f"num_threads must be positive, got {self.num_threads}")
 
@@ -74,7 +78,9 @@ class EngineConfig:
         known = set(cls.__dataclass_fields__)
         unknown = sorted(set(options) - known)
         if unknown:
-            raise TypeError(f"unknown engine option(s) {unknown}; known: {sorted(known - {'model'})}")
+            raise TypeError(
+                f"unknown engine option(s) {unknown}; known: {sorted(known - {'model'})}"
+            )
         return cls(model=model, **options)
 
     def resolve_device(self) -> torch.device:
@@ -110,7 +116,11 @@ def build_engine_parts(cfg: EngineConfig) -> EngineParts:
         attention_backend=backend, deterministic=cfg.deterministic, max_model_len=cfg.max_model_len
     )
     model, tokenizer, mcfg = load_model(
-        cfg.model, dtype=dtype, device=device, options=options, trust_remote_code=cfg.trust_remote_code
+        cfg.model,
+        dtype=dtype,
+        device=device,
+        options=options,
+        trust_remote_code=cfg.trust_remote_code,
     )
     max_len = cfg.max_model_len or min(mcfg.max_position_embeddings, 8192)
     mcfg.check_context(max_len)

@@ -118,7 +118,9 @@ class LLM:
             return self.engine.encode(p)
         if isinstance(p, Sequence) and all(isinstance(t, int) for t in p):
             return [int(t) for t in p]
-        raise ValueError(f"prompt {i} must be a string or a list of token ids, got {type(p).__name__}")
+        raise ValueError(
+            f"prompt {i} must be a string or a list of token ids, got {type(p).__name__}"
+        )
 
     def stats(self) -> dict[str, int | float]:
         """``free_blocks``, ``total_blocks``, ``num_preemptions``, ``running``, ``waiting``, ..."""

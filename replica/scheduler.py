@@ -98,7 +98,9 @@ class SchedulerConfig:
                 raise TypeError(f"SchedulerConfig.{name} must be an int, got {value!r}")
         for name in ("max_seqs", "max_batch_tokens", "max_waiting", "max_model_len"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"SchedulerConfig.{name} must be positive, got {getattr(self, name)}")
+                raise ValueError(
+                    f"SchedulerConfig.{name} must be positive, got {getattr(self, name)}"
+                )
         if self.max_model_len < 2:
             raise ValueError("SchedulerConfig.max_model_len must be at least 2")
         if self.aging_steps < 0:
@@ -240,7 +242,16 @@ class SchedStats:
 class _Seq:
     """Scheduler-side state of one request."""
 
-    __slots__ = ("computed", "handle", "id", "max_tokens", "priority", "prompt_len", "rank", "tokens")
+    __slots__ = (
+        "computed",
+        "handle",
+        "id",
+        "max_tokens",
+        "priority",
+        "prompt_len",
+        "rank",
+        "tokens",
+    )
 
     def __init__(self, id: RequestId, req: Request, rank: tuple[int, int]) -> None:
         self.id = id
@@ -268,7 +279,9 @@ class Scheduler:
     ) -> None:
         self.cfg = cfg
         self._blocks = blocks
-        self._policy: PrefillPolicy = prefill_policy if prefill_policy is not None else WholePrompt()
+        self._policy: PrefillPolicy = (
+            prefill_policy if prefill_policy is not None else WholePrompt()
+        )
         self._waiting: LazyHeap[_Seq] = LazyHeap()
         self._running: list[_Seq] = []  # sorted by rank, best first
         self._seqs: dict[RequestId, _Seq] = {}
@@ -492,7 +505,9 @@ class Scheduler:
         of its ``max_tokens`` (capped at the context): what the pool is promised."""
         b = self._blocks.block_tokens
         ctx = self.cfg.max_model_len
-        return sum(-(-min(seq.prompt_len + seq.max_tokens, ctx) // b) for seq in self._seqs.values())
+        return sum(
+            -(-min(seq.prompt_len + seq.max_tokens, ctx) // b) for seq in self._seqs.values()
+        )
 
     def is_waiting(self, id: RequestId) -> bool:
         seq = self._seqs.get(id)

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import cpu_native
 from replica.models.config import RopeScaling
 
 CPU_ROW_QUANTUM = 4
@@ -138,6 +139,8 @@ class RMSNorm(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.deterministic and cpu_native.fused_ok(x):
+            return cpu_native.rms_norm(x, self.weight, self.eps)
         xf = x.float()
         if self.deterministic and x.device.type != "cpu":
             mean_sq = by_row_tiles(_mean_square, xf, DEVICE_ROW_TILE)
@@ -147,6 +150,16 @@ class RMSNorm(nn.Module):
         if out.dtype != x.dtype:
             out = out.to(x.dtype)
         return out.mul_(self.weight)
+
+    def add_and_norm(self, residual: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
+        """``residual += delta`` in place (skipped when ``delta`` is None), then the norm of it;
+        one pass over the rows on the native CPU path."""
+        if delta is None:
+            return self(residual)
+        if not self.deterministic and cpu_native.fused_ok(residual):
+            return cpu_native.rms_norm(residual, self.weight, self.eps, delta)
+        residual.add_(delta)
+        return self(residual)
 
 
 def _mean_square(x: torch.Tensor) -> torch.Tensor:
@@ -227,6 +240,8 @@ def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None
 
 def silu_and_mul(gate_up: torch.Tensor, deterministic: bool = False) -> torch.Tensor:
     """``silu(gate) * up`` for ``gate_up`` ``[T, 2 * I]`` laid out ``[gate | up]`` -> ``[T, I]``."""
+    if not deterministic and gate_up.dim() == 2 and cpu_native.fused_ok(gate_up):
+        return cpu_native.silu_and_mul(gate_up)
     inter = gate_up.shape[-1] // 2
     gate = gate_up[..., :inter]
     up = gate_up[..., inter:]

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from kernels import cpu_native
 from kernels.attention import Backend, attention
 from kernels.metadata import AttentionMetadata
 from replica.models.config import ModelConfig
@@ -82,7 +83,13 @@ class LlamaAttention(nn.Module):
         t = x.shape[0]
         hq, hkv = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(t, hq + 2 * hkv, self.head_dim)
-        apply_rotary_(qkv[:, : hq + hkv], *rope)
+        stored = False
+        if self.backend == "torch" and not self.deterministic and cpu_native.fused_ok(qkv):
+            cos, sin = rope
+            cpu_native.rope_store(qkv, cos, sin, meta.slot_mapping, kv_cache[0], kv_cache[1], hq)
+            stored = True
+        else:
+            apply_rotary_(qkv[:, : hq + hkv], *rope)
         out = attention(
             qkv[:, :hq],
             qkv[:, hq : hq + hkv],
@@ -93,12 +100,17 @@ class LlamaAttention(nn.Module):
             self.scale,
             backend=self.backend,
             deterministic=self.deterministic,
+            kv_stored=stored,
         )
         return self.o_proj(out.reshape(t, hq * self.head_dim))
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm attention and MLP blocks that add into the residual stream in place."""
+    """Pre-norm attention and MLP blocks that add into the residual stream in place.
+
+    The MLP's output is returned, not added: the next layer (or the final norm) adds it as it
+    normalizes, one pass over the rows instead of two.
+    """
 
     def __init__(
         self,
@@ -117,15 +129,22 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, opts.deterministic, device, dtype)
 
     def forward(
-        self, residual: torch.Tensor, rope: Rope, kv_cache: KVCache, meta: AttentionMetadata
-    ) -> None:
-        h = self.self_attn(self.input_layernorm(residual), rope, kv_cache, meta)
-        residual.add_(h)
-        residual.add_(self.mlp(self.post_attention_layernorm(residual)))
+        self,
+        residual: torch.Tensor,
+        delta: torch.Tensor | None,
+        rope: Rope,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Add ``delta`` (the previous layer's MLP output, or None) into ``residual`` in place,
+        run the layer, and return this layer's MLP output (not yet added)."""
+        h = self.self_attn(self.input_layernorm.add_and_norm(residual, delta), rope, kv_cache, meta)
+        return self.mlp(self.post_attention_layernorm.add_and_norm(residual, h))
 
 
 class LlamaModel(nn.Module):
-    """Embedding and decoder layers; ``forward`` returns the residual stream before the final norm."""
+    """Embedding and decoder layers; ``forward`` returns the residual stream before the final
+    norm, as the stream and the last layer's MLP output still to be added to it."""
 
     def __init__(
         self,
@@ -152,12 +171,13 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,
         kv_caches: Sequence[KVCache],
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         residual = self.embed_tokens(input_ids)
         rope = self.rotary(positions)
+        delta: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            layer(residual, rope, kv_cache, meta)
-        return residual
+            delta = layer(residual, delta, rope, kv_cache, meta)
+        return residual, delta
 
 
 class LlamaForCausalLM(nn.Module):
@@ -214,6 +234,7 @@ class LlamaForCausalLM(nn.Module):
                 f"batch has {input_ids.shape[0]} ids and {positions.shape[0]} positions; "
                 f"metadata describes {meta.num_tokens} tokens"
             )
-        residual = self.model(input_ids, positions, kv_caches, meta)
+        residual, delta = self.model(input_ids, positions, kv_caches, meta)
         rows = residual.index_select(0, logits_indices)
-        return self.lm_head(self.model.norm(rows))
+        last = None if delta is None else delta.index_select(0, logits_indices)
+        return self.lm_head(self.model.norm.add_and_norm(rows, last))

@@ -31,16 +31,19 @@ def fresh_loader(monkeypatch: pytest.MonkeyPatch, tmp_path: object) -> Iterator[
     yield
 
 
-def _native(q, k, v, kc, vc, meta, scale, row_tile):  # type: ignore[no-untyped-def]
+def _native(q, k, v, kc, vc, meta, scale, row_tile, all_heads):  # type: ignore[no-untyped-def]
     from kernels import reference
 
     reference.store_kv(k, v, kc, vc, meta.slot_mapping)
     out = torch.empty_like(q)
-    cpu_native.paged_attention(q, kc, vc, meta, scale, out, meta.num_seqs, row_tile)
+    heads = kc.shape[2] if all_heads else 1
+    plan = cpu_native.AttentionPlan(row_tile, heads)
+    cpu_native.paged_attention(q, kc, vc, meta, scale, out, meta.num_seqs, plan)
     return out
 
 
 @needs_native
+@pytest.mark.parametrize("all_heads", [False, True], ids=["head-items", "seq-items"])
 @pytest.mark.parametrize("row_tile", [1, 3, 8])
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize(
@@ -48,16 +51,21 @@ def _native(q, k, v, kc, vc, meta, scale, row_tile):  # type: ignore[no-untyped-
     [Shape(2, 4, 32), Shape(3, 3, 64), Shape(1, 1, 128), Shape(2, 2, 20), Shape(1, 5, 72)],
     ids=["gqa4-d32", "gqa3-d64", "mha-d128", "d20-portable", "d72"],
 )
-def test_native_matches_reference(shape: Shape, block_size: int, row_tile: int) -> None:
-    """Decodes and chunks (with and without a cached prefix), AVX2 and portable head sizes."""
-    attend = functools.partial(_native, row_tile=row_tile)
+def test_native_matches_reference(
+    shape: Shape, block_size: int, row_tile: int, all_heads: bool
+) -> None:
+    """Decodes and chunks (with and without a cached prefix), AVX2 and portable head sizes,
+    work items of one KV head or of all of them."""
+    if all_heads and row_tile * shape.q_heads > 64:
+        row_tile = 64 // shape.q_heads
+    attend = functools.partial(_native, row_tile=row_tile, all_heads=all_heads)
     check_against_reference(attend, MIXED, shape, block_size, torch.float32, "cpu")
 
 
 @needs_native
 def test_native_long_contexts_and_prompts() -> None:
     """Contexts over many key runs (block edges not aligned with the kernel's runs)."""
-    attend = functools.partial(_native, row_tile=8)
+    attend = functools.partial(_native, row_tile=8, all_heads=True)
     check_against_reference(
         attend, [*LONG_DECODES, (0, 300), (250, 90)], Shape(2, 4, 32), 16, torch.float32, "cpu"
     )
@@ -78,7 +86,9 @@ def test_native_softmax_is_stable_with_large_scores(magnitude: float) -> None:
 
     want = reference.paged_attention(q, kc, vc, meta, 0.2)
     got = torch.empty_like(q)
-    cpu_native.paged_attention(q, kc, vc, meta, 0.2, got, meta.num_seqs, 4)
+    cpu_native.paged_attention(
+        q, kc, vc, meta, 0.2, got, meta.num_seqs, cpu_native.AttentionPlan(4, 2)
+    )
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
@@ -110,9 +120,9 @@ def test_no_compiler_falls_back_to_torch(
     monkeypatch.setenv("CXX", "false")  # a "compiler" that always fails
     assert not cpu_native.available()
     assert "failed" in (cpu_native.unavailable_reason() or "")
-    assert "native CPU attention unavailable" in caplog.text
+    assert "native CPU kernels unavailable" in caplog.text
     q = torch.randn(3, 4, 16)
-    assert cpu_native.row_tile(q, torch.zeros(4, 16, 2, 16)) == 0
+    assert cpu_native.attention_plan(q, torch.zeros(4, 16, 2, 16)) is None
     # The dispatch still answers, through torch.
     attend = functools.partial(attention, backend="torch")
     check_against_reference(attend, MIXED, Shape(2, 2, 16), 16, torch.float32, "cpu")
@@ -133,7 +143,7 @@ def test_environment_switch_disables_the_kernel(
             1.0,
             torch.zeros(1, 2, 8),
             1,
-            1,
+            cpu_native.AttentionPlan(1, 1),
         )
 
 
@@ -143,7 +153,7 @@ def test_build_goes_to_the_cache_and_is_reused(fresh_loader: None, tmp_path: obj
     assert cpu_native.available(), cpu_native.unavailable_reason()
     from pathlib import Path
 
-    built = sorted(Path(str(tmp_path)).glob("cpu_attention-*.so"))
+    built = sorted(Path(str(tmp_path)).glob("cpu_kernels-*.so"))
     assert len(built) == 1
     assert not list(Path(str(tmp_path)).glob("*.tmp"))  # no leftover of the atomic write
     mtime = built[0].stat().st_mtime_ns
@@ -176,7 +186,8 @@ def _case() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, object]:
         ("table_block", "a block table names a block outside the cache"),
         ("negative_block", "a block table names a block outside the cache"),
         ("short_table", "context is longer than its block table"),
-        ("row_tile", "row tile too large"),
+        ("row_tile", "too many query vectors|above the kernel's limit"),
+        ("heads_per_item", "outside the kernel's limits"),
         ("int64_tables", "must be int32"),
         ("out_shape", "must match the metadata"),
         ("num_seqs", "must match the metadata"),
@@ -188,7 +199,7 @@ def test_refusals_say_what_is_wrong(change: str, message: str) -> None:
     """Inconsistent inputs raise before any read out of bounds, and leave ``out`` untouched."""
     q, kc, vc, meta = _case()
     out = torch.full_like(q, 7.0)
-    num_seqs, tile = 2, 1
+    num_seqs, plan = 2, cpu_native.AttentionPlan(1, 1)
     if change == "table_block":
         meta.block_tables[1, 0] = 4  # the cache has blocks 0..3
     elif change == "negative_block":
@@ -196,7 +207,9 @@ def test_refusals_say_what_is_wrong(change: str, message: str) -> None:
     elif change == "short_table":
         meta.seq_lens[1] = 17  # 2 blocks, the table has 1 column
     elif change == "row_tile":
-        tile = 64
+        plan = cpu_native.AttentionPlan(64, 1)
+    elif change == "heads_per_item":
+        plan = cpu_native.AttentionPlan(1, 3)  # not a divisor of the 2 KV heads
     elif change == "int64_tables":
         meta.block_tables = meta.block_tables.long()
     elif change == "out_shape":
@@ -208,6 +221,21 @@ def test_refusals_say_what_is_wrong(change: str, message: str) -> None:
     elif change == "bf16":
         q = q.bfloat16()
     with pytest.raises(cpu_native.NativeKernelError, match=message):
-        cpu_native.paged_attention(q, kc, vc, meta, 1.0, out, num_seqs, tile)  # type: ignore[arg-type]
+        cpu_native.paged_attention(q, kc, vc, meta, 1.0, out, num_seqs, plan)  # type: ignore[arg-type]
     if out.shape == q.shape and change != "bf16":
         assert (out == 7.0).all()
+
+
+@needs_native
+def test_plan_takes_all_heads_when_there_is_work_for_every_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    kc = torch.zeros(4, 16, 2, 32)
+    assert cpu_native.attention_plan(torch.zeros(64, 8, 32), kc) == cpu_native.AttentionPlan(8, 2)
+    # A lone decode: one item per KV head, so both threads work.
+    assert cpu_native.attention_plan(torch.zeros(1, 8, 32), kc) == cpu_native.AttentionPlan(8, 1)
+    # 128 query heads never fit one item: per KV head (64 query heads each).
+    big = cpu_native.attention_plan(torch.zeros(64, 128, 32), kc)
+    assert big == cpu_native.AttentionPlan(1, 1)
+    assert cpu_native.attention_plan(torch.zeros(4, 8, 32).bfloat16(), kc) is None

@@ -1,17 +1,22 @@
-// tierserve: paged attention for CPU serving, fp32, built at first use by kernels/cpu_native.py.
+// tierserve: CPU kernels for serving in fp32, built at first use by kernels/cpu_native.py.
 //
-// One entry point, ts_paged_attention_f32, attends every query row of a flat batch (decodes and
+// ts_paged_attention_f32 attends every query row of a flat batch (decodes and
 // prefill chunks alike) causally over its sequence's paged K/V, reading the cache in place: no
 // gather into a padded copy, no mask tensor. The cache layout is [num_blocks, block_size,
 // kv_heads, head_dim] (kernels/reference.py); this step's K/V are already stored.
 //
-// Work item: one sequence, one KV head, a tile of up to row_tile consecutive query rows; items
+// Work item: one sequence, some KV heads, a tile of up to row_tile consecutive query rows; items
 // run in parallel under OpenMP (the libgomp torch loaded, so one thread pool). An item's query
 // vectors (its rows x the query heads sharing the KV head) walk the keys in runs of kKeyTile
 // with an online softmax. With AVX2 and FMA and a head_dim that is a multiple of 8, scores are
 // 8-key FMA partial sums reduced by horizontal adds, exp is a vector polynomial, and the value
 // sum keeps two accumulator sets to hide FMA latency; otherwise a portable loop does the same
 // math. The order of the sums differs from torch's SDPA: results agree to rounding, not bits.
+//
+// The fused row-wise ops around it (each one pass over its rows instead of several torch ops and
+// temporaries; rows in parallel): ts_rms_norm_f32 (optionally adding a delta into the residual
+// first), ts_silu_mul_f32 (SwiGLU's silu(gate) * up) and ts_rope_store_f32 (rotary embedding of
+// q and k in place, then k and v stored at their cache slots).
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -27,6 +32,11 @@ constexpr int kMaxVecs = 64;    // query vectors per item: row tile x query head
 constexpr int kMaxDim = 256;    // head_dim
 constexpr int kKeyTile = 32;    // keys per softmax run
 constexpr float kNegBig = -1e30f;
+// Below this many elements a row-wise op runs on the calling thread: waking a sleeping OpenMP
+// worker (OMP_WAIT_POLICY=PASSIVE) costs more than the work (torch's grain size is 32768).
+constexpr int64_t kParallelElems = 1 << 16;
+// Likewise for attention, in query-vector x key products.
+constexpr int64_t kParallelProducts = 1 << 17;
 
 // exp(x) for the softmax's x <= 0, to ~2 ulp (Cephes' expf); written without calls or branches
 // so that the compiler vectorizes the loops that use it. x below -87 is clamped (exp < 2e-38).
@@ -55,6 +65,7 @@ struct Item {
   float* out;            // same layout as q with out_row_stride
   int64_t out_row_stride;
   int rows;              // query rows in the tile
+  int heads;             // consecutive KV heads in the item (their query heads are consecutive)
   int first_visible;     // keys visible to the tile's first row (its position + 1)
   const int32_t* table;  // the sequence's block table
   const float* k_cache;  // at KV head h of block 0, position 0
@@ -65,7 +76,8 @@ template <int DT>
 void attend_generic(const Item& it, int group, int d_runtime, int block_size, int64_t pos_stride,
             float scale) {
   const int D = DT ? DT : d_runtime;
-  const int nvec = it.rows * group;
+  const int per_row = it.heads * group;  // query vectors per row: the item's query heads
+  const int nvec = it.rows * per_row;
   thread_local std::vector<float> scratch;
   if (scratch.size() < static_cast<size_t>(2 * nvec * D)) scratch.resize(2 * kMaxVecs * kMaxDim);
   float* qs = scratch.data();
@@ -73,9 +85,11 @@ void attend_generic(const Item& it, int group, int d_runtime, int block_size, in
   alignas(64) float s[kMaxVecs][kKeyTile];
   float m[kMaxVecs], l[kMaxVecs];
   int visible[kMaxVecs];
+  int koff[kMaxVecs];
   for (int r = 0; r < it.rows; ++r) {
-    for (int g = 0; g < group; ++g) {
-      const int v = r * group + g;
+    for (int g = 0; g < per_row; ++g) {
+      const int v = r * per_row + g;
+      koff[v] = (g / group) * D;  // the vector's KV head within the item
       const float* src = it.q + r * it.q_row_stride + static_cast<int64_t>(g) * D;
       for (int i = 0; i < D; ++i) qs[v * D + i] = src[i] * scale;
       m[v] = kNegBig;
@@ -93,8 +107,8 @@ void attend_generic(const Item& it, int group, int d_runtime, int block_size, in
     const float* kb = it.k_cache + base;
     const float* vb = it.v_cache + base;
     for (int j = 0; j < n; ++j) {
-      const float* kj = kb + j * pos_stride;
       for (int v = 0; v < nvec; ++v) {
+        const float* kj = kb + j * pos_stride + koff[v];
         const float* qv = qs + v * D;
         float t = 0.0f;
 #pragma omp simd reduction(+ : t)
@@ -123,9 +137,9 @@ void attend_generic(const Item& it, int group, int d_runtime, int block_size, in
       }
     }
     for (int j = 0; j < n; ++j) {
-      const float* vj = vb + j * pos_stride;
       for (int v = 0; v < nvec; ++v) {
         if (p0 >= visible[v]) continue;
+        const float* vj = vb + j * pos_stride + koff[v];
         const float pj = s[v][j];
         float* a = acc + v * D;
 #pragma omp simd
@@ -135,8 +149,8 @@ void attend_generic(const Item& it, int group, int d_runtime, int block_size, in
     p0 += n;
   }
   for (int r = 0; r < it.rows; ++r) {
-    for (int g = 0; g < group; ++g) {
-      const int v = r * group + g;
+    for (int g = 0; g < per_row; ++g) {
+      const int v = r * per_row + g;
       const float inv = 1.0f / l[v];
       float* dst = it.out + r * it.out_row_stride + static_cast<int64_t>(g) * D;
       for (int i = 0; i < D; ++i) dst[i] = acc[v * D + i] * inv;
@@ -181,7 +195,8 @@ void attend_avx2(const Item& it, int group, int d_runtime, int block_size, int64
             float scale) {
   const int D = DT ? DT : d_runtime;
   const int C = D / 8;
-  const int nvec = it.rows * group;
+  const int per_row = it.heads * group;  // query vectors per row: the item's query heads
+  const int nvec = it.rows * per_row;
   thread_local std::vector<float> scratch;
   if (scratch.size() < static_cast<size_t>(2 * nvec * D)) scratch.resize(2 * kMaxVecs * kMaxDim);
   float* qs = scratch.data();
@@ -191,9 +206,11 @@ void attend_avx2(const Item& it, int group, int d_runtime, int block_size, int64
   const float* vp[kKeyTile];
   float m[kMaxVecs], l[kMaxVecs];
   int visible[kMaxVecs];
+  int koff[kMaxVecs];
   for (int r = 0; r < it.rows; ++r) {
-    for (int g = 0; g < group; ++g) {
-      const int v = r * group + g;
+    for (int g = 0; g < per_row; ++g) {
+      const int v = r * per_row + g;
+      koff[v] = (g / group) * D;  // the vector's KV head within the item
       const float* src = it.q + r * it.q_row_stride + static_cast<int64_t>(g) * D;
       for (int i = 0; i < D; ++i) qs[v * D + i] = src[i] * scale;
       m[v] = kNegBig;
@@ -212,6 +229,20 @@ void attend_avx2(const Item& it, int group, int d_runtime, int block_size, int64
       kp[j] = it.k_cache + slot * pos_stride;
       vp[j] = it.v_cache + slot * pos_stride;
     }
+    // Prefetch the next run's keys and values: its blocks may be anywhere in the pool, so the
+    // hardware prefetcher cannot see them coming, and decode attention is bound by these reads.
+    const int next = std::min(kKeyTile, total - p0 - kKeyTile);
+    for (int j = 0; j < next; ++j) {
+      const int p = p0 + kKeyTile + j;
+      const int b = p / block_size;
+      const int64_t slot = static_cast<int64_t>(it.table[b]) * block_size + (p - b * block_size);
+      const char* kn = reinterpret_cast<const char*>(it.k_cache + slot * pos_stride);
+      const char* vn = reinterpret_cast<const char*>(it.v_cache + slot * pos_stride);
+      for (int o = 0; o < D * it.heads * 4; o += 64) {
+        __builtin_prefetch(kn + o);
+        __builtin_prefetch(vn + o);
+      }
+    }
     for (int v = 0; v < nvec; ++v) {
       const int lim = std::min(n, visible[v] - p0);  // keys of this run the vector sees
       if (lim <= 0) continue;
@@ -221,7 +252,7 @@ void attend_avx2(const Item& it, int group, int d_runtime, int block_size, int64
         for (int jj = 0; jj < 8; ++jj) {
           __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
           if (j0 + jj < lim) {
-            const float* kj = kp[j0 + jj];
+            const float* kj = kp[j0 + jj] + koff[v];
             int c = 0;
             for (; c + 1 < C; c += 2) {
               a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qv + 8 * c), _mm256_loadu_ps(kj + 8 * c), a0);
@@ -269,8 +300,8 @@ void attend_avx2(const Item& it, int group, int d_runtime, int block_size, int64
         for (; j + 1 < lim; j += 2) {
           const __m256 pa = _mm256_set1_ps(s[j]);
           const __m256 pb = _mm256_set1_ps(s[j + 1]);
-          const float* va = vp[j] + 8 * c0;
-          const float* vb2 = vp[j + 1] + 8 * c0;
+          const float* va = vp[j] + koff[v] + 8 * c0;
+          const float* vb2 = vp[j + 1] + koff[v] + 8 * c0;
           for (int c = 0; c < cn; ++c) {
             r0[c] = _mm256_fmadd_ps(pa, _mm256_loadu_ps(va + 8 * c), r0[c]);
             r1[c] = _mm256_fmadd_ps(pb, _mm256_loadu_ps(vb2 + 8 * c), r1[c]);
@@ -278,7 +309,7 @@ void attend_avx2(const Item& it, int group, int d_runtime, int block_size, int64
         }
         if (j < lim) {
           const __m256 pa = _mm256_set1_ps(s[j]);
-          const float* va = vp[j] + 8 * c0;
+          const float* va = vp[j] + koff[v] + 8 * c0;
           for (int c = 0; c < cn; ++c) r0[c] = _mm256_fmadd_ps(pa, _mm256_loadu_ps(va + 8 * c), r0[c]);
         }
         for (int c = 0; c < cn; ++c) _mm256_storeu_ps(a + 8 * (c0 + c), _mm256_add_ps(r0[c], r1[c]));
@@ -286,8 +317,8 @@ void attend_avx2(const Item& it, int group, int d_runtime, int block_size, int64
     }
   }
   for (int r = 0; r < it.rows; ++r) {
-    for (int g = 0; g < group; ++g) {
-      const int v = r * group + g;
+    for (int g = 0; g < per_row; ++g) {
+      const int v = r * per_row + g;
       const float inv = 1.0f / l[v];
       float* dst = it.out + r * it.out_row_stride + static_cast<int64_t>(g) * D;
       for (int i = 0; i < D; ++i) dst[i] = acc[v * D + i] * inv;
@@ -321,8 +352,9 @@ int ts_max_head_dim() { return kMaxDim; }
 // k_cache, v_cache: [num_blocks, block_size, hkv, D] contiguous. tables: [S, table_stride]
 // int32. seq_lens[s]: positions in the cache after this step; cu_q_lens: [S + 1] prefix sums of
 // query rows (sequence s owns rows cu_q_lens[s] .. cu_q_lens[s + 1] - 1, at positions
-// seq_lens[s] - q_len .. seq_lens[s] - 1). row_tile: query rows per work item. Returns 0, or
-// a negative code without touching out: -1 bad heads/sizes, -2 row tile too large, -3 a query
+// seq_lens[s] - q_len .. seq_lens[s] - 1). A work item is row_tile query rows of a sequence and
+// heads_per_item consecutive KV heads (a divisor of hkv). Returns 0, or a negative code without
+// touching out: -1 bad heads/sizes, -2 too many query vectors per item, -3 a query
 // length outside 1..seq_len, -4 a context longer than the block table, -5 a block id outside
 // 0..num_blocks - 1.
 int ts_paged_attention_f32(const float* q, int64_t q_row_stride, const float* k_cache,
@@ -330,14 +362,18 @@ int ts_paged_attention_f32(const float* q, int64_t q_row_stride, const float* k_
                            const int32_t* seq_lens, const int32_t* cu_q_lens, float* out,
                            int64_t out_row_stride, int num_seqs, int hq, int hkv, int head_dim,
                            int block_size, int num_blocks, float scale, int row_tile,
-                           int num_threads) {
-  if (hkv <= 0 || hq % hkv || head_dim > kMaxDim || block_size <= 0 || row_tile <= 0) return -1;
+                           int heads_per_item, int num_threads) {
+  if (hkv <= 0 || hq % hkv || head_dim > kMaxDim || block_size <= 0 || row_tile <= 0 ||
+      heads_per_item <= 0 || hkv % heads_per_item)
+    return -1;
   const int group = hq / hkv;
-  if (group * row_tile > kMaxVecs) return -2;
+  if (group * heads_per_item * row_tile > kMaxVecs) return -2;
   // Work items: (sequence, row tile, KV head), listed up front so OpenMP can balance them.
   int64_t items = 0;
+  int64_t products = 0;
   for (int s = 0; s < num_seqs; ++s) {
     const int n = cu_q_lens[s + 1] - cu_q_lens[s];
+    products += static_cast<int64_t>(n) * seq_lens[s] * hq;
     if (n <= 0 || n > seq_lens[s]) return -3;
     // Every block the sequence reads must be a block of the cache (never read out of bounds).
     const int64_t blocks = (static_cast<int64_t>(seq_lens[s]) + block_size - 1) / block_size;
@@ -346,7 +382,7 @@ int ts_paged_attention_f32(const float* q, int64_t q_row_stride, const float* k_
       const int32_t id = tables[s * table_stride + b];
       if (id < 0 || id >= num_blocks) return -5;
     }
-    items += static_cast<int64_t>((n + row_tile - 1) / row_tile) * hkv;
+    items += static_cast<int64_t>((n + row_tile - 1) / row_tile) * (hkv / heads_per_item);
   }
   int32_t* item_seq = new int32_t[items];
   int32_t* item_row = new int32_t[items];
@@ -354,7 +390,7 @@ int ts_paged_attention_f32(const float* q, int64_t q_row_stride, const float* k_
   int64_t k = 0;
   for (int s = 0; s < num_seqs; ++s) {
     for (int r = cu_q_lens[s]; r < cu_q_lens[s + 1]; r += row_tile) {
-      for (int h = 0; h < hkv; ++h) {
+      for (int h = 0; h < hkv; h += heads_per_item) {
         item_seq[k] = s;
         item_row[k] = r;
         item_head[k] = h;
@@ -363,7 +399,8 @@ int ts_paged_attention_f32(const float* q, int64_t q_row_stride, const float* k_
     }
   }
   const int64_t pos_stride = static_cast<int64_t>(hkv) * head_dim;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) \
+    if (items > 1 && products >= kParallelProducts)
   for (int64_t i = 0; i < items; ++i) {
     const int s = item_seq[i];
     const int r = item_row[i];
@@ -372,6 +409,7 @@ int ts_paged_attention_f32(const float* q, int64_t q_row_stride, const float* k_
     const int q_len = end - cu_q_lens[s];
     Item it;
     it.rows = std::min(row_tile, end - r);
+    it.heads = heads_per_item;
     it.first_visible = seq_lens[s] - q_len + (r - cu_q_lens[s]) + 1;
     it.q = q + r * q_row_stride + static_cast<int64_t>(h) * group * head_dim;
     it.q_row_stride = q_row_stride;
@@ -390,6 +428,92 @@ int ts_paged_attention_f32(const float* q, int64_t q_row_stride, const float* k_
   delete[] item_seq;
   delete[] item_row;
   delete[] item_head;
+  return 0;
+}
+
+// x: [rows, hidden] with row stride x_stride. With delta (row stride delta_stride), first
+// x += delta in place (the residual stream). Then out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w.
+int ts_rms_norm_f32(float* x, int64_t x_stride, const float* delta, int64_t delta_stride,
+                    const float* weight, float* out, int64_t out_stride, int64_t rows, int hidden,
+                    float eps, int num_threads) {
+  if (rows < 0 || hidden <= 0) return -1;
+#pragma omp parallel for schedule(static) num_threads(num_threads) \
+    if (rows > 1 && rows * hidden >= kParallelElems)
+  for (int64_t r = 0; r < rows; ++r) {
+    float* xr = x + r * x_stride;
+    if (delta != nullptr) {
+      const float* dr = delta + r * delta_stride;
+#pragma omp simd
+      for (int i = 0; i < hidden; ++i) xr[i] += dr[i];
+    }
+    float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+    for (int i = 0; i < hidden; ++i) ss += xr[i] * xr[i];
+    const float inv = 1.0f / __builtin_sqrtf(ss / static_cast<float>(hidden) + eps);
+    float* orow = out + r * out_stride;
+#pragma omp simd
+    for (int i = 0; i < hidden; ++i) orow[i] = xr[i] * inv * weight[i];
+  }
+  return 0;
+}
+
+// gate_up: [rows, 2 * inter] laid out [gate | up] with row stride gu_stride; out: [rows, inter]
+// contiguous. out = silu(gate) * up, silu(g) = g / (1 + exp(-g)).
+int ts_silu_mul_f32(const float* gate_up, int64_t gu_stride, float* out, int64_t rows, int inter,
+                    int num_threads) {
+  if (rows < 0 || inter <= 0) return -1;
+#pragma omp parallel for schedule(static) num_threads(num_threads) \
+    if (rows > 1 && rows * inter >= kParallelElems / 2)
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* g = gate_up + r * gu_stride;
+    const float* u = g + inter;
+    float* o = out + r * inter;
+    int i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m256 one = _mm256_set1_ps(1.0f);
+    for (; i + 8 <= inter; i += 8) {
+      const __m256 gv = _mm256_loadu_ps(g + i);
+      const __m256 den = _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv)));
+      _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(gv, den), _mm256_loadu_ps(u + i)));
+    }
+#endif
+    for (; i < inter; ++i) o[i] = g[i] / (1.0f + fast_exp(-g[i])) * u[i];
+  }
+  return 0;
+}
+
+// qkv: [rows, hq + 2 * hkv, head_dim] (row stride qkv_stride, heads contiguous): q heads, then
+// k heads, then v heads. cos, sin: [rows, head_dim / 2] contiguous (this step's positions).
+// Rotates q and k in place ("rotate half": x1 cos - x2 sin, x2 cos + x1 sin), then copies each
+// row's k and v heads to cache slot slots[r] of k_cache / v_cache ([slots, hkv, head_dim]).
+int ts_rope_store_f32(float* qkv, int64_t qkv_stride, const float* cos, const float* sin,
+                      const int64_t* slots, float* k_cache, float* v_cache, int64_t num_slots,
+                      int64_t rows, int hq, int hkv, int head_dim, int num_threads) {
+  if (rows < 0 || head_dim <= 0 || head_dim % 2 || hq <= 0 || hkv <= 0) return -1;
+  for (int64_t r = 0; r < rows; ++r)
+    if (slots[r] < 0 || slots[r] >= num_slots) return -5;
+  const int half = head_dim / 2;
+  const int64_t kv_width = static_cast<int64_t>(hkv) * head_dim;
+#pragma omp parallel for schedule(static) num_threads(num_threads) \
+    if (rows > 1 && rows * (hq + 2 * hkv) * head_dim >= kParallelElems)
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = qkv + r * qkv_stride;
+    const float* c = cos + r * half;
+    const float* s = sin + r * half;
+    for (int h = 0; h < hq + hkv; ++h) {
+      float* x1 = row + static_cast<int64_t>(h) * head_dim;
+      float* x2 = x1 + half;
+#pragma omp simd
+      for (int i = 0; i < half; ++i) {
+        const float a = x1[i], b = x2[i];
+        x1[i] = a * c[i] - b * s[i];
+        x2[i] = b * c[i] + a * s[i];
+      }
+    }
+    const float* k = row + static_cast<int64_t>(hq) * head_dim;
+    std::memcpy(k_cache + slots[r] * kv_width, k, sizeof(float) * kv_width);
+    std::memcpy(v_cache + slots[r] * kv_width, k + kv_width, sizeof(float) * kv_width);
+  }
   return 0;
 }
 
