@@ -239,3 +239,116 @@ def test_plan_takes_all_heads_when_there_is_work_for_every_thread(
     big = cpu_native.attention_plan(torch.zeros(64, 128, 32), kc)
     assert big == cpu_native.AttentionPlan(1, 1)
     assert cpu_native.attention_plan(torch.zeros(4, 8, 32).bfloat16(), kc) is None
+
+
+# ----------------------------------------------------------------------------- fused row-wise ops
+
+
+@needs_native
+@pytest.mark.parametrize("rows", [1, 7, 300])
+@pytest.mark.parametrize("hidden", [256, 37])
+def test_rms_norm_matches_torch(rows: int, hidden: int) -> None:
+    from replica.models.layers import RMSNorm
+
+    torch.manual_seed(0)
+    norm = RMSNorm(hidden, 1e-5)
+    norm.weight.data = torch.randn(hidden)
+    x = torch.randn(rows, hidden) * 3
+    delta = torch.randn(rows, hidden)
+    with torch.no_grad():
+        cpu_native.enabled = False
+        try:
+            want = norm(x + delta)
+        finally:
+            cpu_native.enabled = True
+        plain = cpu_native.rms_norm(x.clone(), norm.weight, 1e-5)
+        torch.testing.assert_close(plain, norm.__class__.forward(norm, x), atol=1e-5, rtol=1e-5)
+        resid = x.clone()
+        got = norm.add_and_norm(resid, delta)  # the native path: adds in place, then norms
+    torch.testing.assert_close(resid, x + delta)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@needs_native
+@pytest.mark.parametrize("rows", [1, 5, 200])
+@pytest.mark.parametrize("inter", [768, 13])
+def test_silu_and_mul_matches_torch(rows: int, inter: int) -> None:
+    torch.manual_seed(0)
+    gate_up = torch.randn(rows, 2 * inter) * 8  # far into both tails of the sigmoid
+    gate_up[0, 0], gate_up[0, 1] = -100.0, 100.0
+    want = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    torch.testing.assert_close(cpu_native.silu_and_mul(gate_up), want, atol=1e-5, rtol=1e-5)
+
+
+@needs_native
+@pytest.mark.parametrize("tokens", [1, 9, 150])
+def test_rope_store_matches_torch(tokens: int) -> None:
+    from kernels import reference
+    from replica.models.layers import RotaryEmbedding, apply_rotary_
+
+    torch.manual_seed(0)
+    hq, hkv, d, bs = 8, 2, 32, 16
+    rot = RotaryEmbedding(d, 512, 10000.0, None)
+    positions = torch.randint(0, 512, (tokens,))
+    cos, sin = rot(positions)
+    qkv = torch.randn(tokens, hq + 2 * hkv, d)
+    slots = torch.randperm(64 * bs)[:tokens]
+    kc, vc = torch.zeros(64, bs, hkv, d), torch.zeros(64, bs, hkv, d)
+    want = qkv.clone()
+    apply_rotary_(want[:, : hq + hkv], cos, sin)
+    want_k, want_v = kc.clone(), vc.clone()
+    reference.store_kv(want[:, hq : hq + hkv], want[:, hq + hkv :], want_k, want_v, slots)
+    cpu_native.rope_store(qkv, cos, sin, slots, kc, vc, hq)
+    torch.testing.assert_close(qkv, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kc, want_k, atol=1e-5, rtol=1e-5)
+    assert torch.equal(vc, want_v)  # values are copied, not computed
+
+
+@needs_native
+def test_fused_ops_refuse_bad_inputs() -> None:
+    w = torch.ones(8)
+    with pytest.raises(cpu_native.NativeKernelError, match=r"x must be \[4, 8\] with contiguous"):
+        cpu_native.rms_norm(torch.zeros(8, 4).t(), w, 1e-5)
+    with pytest.raises(cpu_native.NativeKernelError, match="weight must be fp32"):
+        cpu_native.rms_norm(torch.zeros(4, 8), torch.ones(7), 1e-5)
+    with pytest.raises(cpu_native.NativeKernelError, match="delta must be fp32"):
+        cpu_native.rms_norm(torch.zeros(4, 8), w, 1e-5, torch.zeros(4, 8).double())
+    with pytest.raises(cpu_native.NativeKernelError, match="even width"):
+        cpu_native.silu_and_mul(torch.zeros(2, 7))
+    kc = torch.zeros(4, 16, 2, 8)
+    cos = sin = torch.zeros(3, 4)
+    qkv = torch.zeros(3, 8, 8)
+    with pytest.raises(cpu_native.NativeKernelError, match="does not hold 3 q heads"):
+        cpu_native.rope_store(qkv, cos, sin, torch.zeros(3, dtype=torch.int64), kc, kc.clone(), 3)
+    with pytest.raises(cpu_native.NativeKernelError, match="slot_mapping must be int64"):
+        cpu_native.rope_store(qkv, cos, sin, torch.zeros(3, dtype=torch.int32), kc, kc.clone(), 4)
+    before = qkv.clone()
+    with pytest.raises(cpu_native.NativeKernelError, match="outside the cache"):
+        cpu_native.rope_store(qkv, cos, sin, torch.tensor([0, 64, 1]), kc, kc.clone(), 4)
+    assert torch.equal(qkv, before)  # refused before touching anything
+
+
+@needs_native
+def test_model_fast_path_matches_torch_path() -> None:
+    """The whole model: native fused ops and attention against plain torch ops, same logits."""
+    from replica.models.embedded import build_model
+    from replica.models.llama import ModelOptions
+
+    torch.manual_seed(0)
+    model = build_model(ModelOptions())
+    specs = [SeqSpec(0, 40, list(range(3))), SeqSpec(0, 9, [5])]
+    meta = build_metadata(specs, 16)
+    ids = torch.randint(0, 256, (meta.num_tokens,))
+    rows = torch.tensor([39, 48])
+
+    def run() -> torch.Tensor:
+        caches = [(torch.zeros(8, 16, 2, 32), torch.zeros(8, 16, 2, 32)) for _ in range(4)]
+        return model(ids, meta.positions, caches, meta, rows)
+
+    fast = run()
+    cpu_native.enabled = False
+    try:
+        plain = run()
+    finally:
+        cpu_native.enabled = True
+    torch.testing.assert_close(fast, plain, atol=1e-4, rtol=1e-4)
