@@ -81,6 +81,13 @@ class IncrementalDetokenizer:
         self._prefix, self._read = self._read, len(self._tokens)
         return self._append(new)
 
+    def feed(self, tokens: Sequence[int]) -> None:
+        """Take generated tokens without decoding them; ``finish()`` decodes them in one window.
+        Only for a request without stop strings (they are matched as text arrives)."""
+        if self._stops:
+            raise ValueError("feed() skips stop-string matching; use add() with stop strings")
+        self._tokens.extend(tokens)
+
     def _append(self, new: str, final: bool = False) -> str:
         start = len(self._text)
         self._text += new

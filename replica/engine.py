@@ -87,6 +87,9 @@ class _Live:
     stop_ids: frozenset[int]
     sink: Callable[[RequestOutput], None] | None
     tier: str = ""
+    # Generated tokens not yet detokenized: text is wanted only at the end (no streaming, no
+    # stop strings), so it is decoded once at the finish instead of twice per token.
+    held: list[int] | None = None
     arrival: float = field(default_factory=time.monotonic)
     admitted: float | None = None
     first_token: float | None = None
@@ -177,14 +180,20 @@ class Engine:
         priority: int = 0,
         sink: Callable[[RequestOutput], None] | None = None,
         tier: str = "",
+        stream_text: bool = True,
     ) -> RequestId:
-        """Queue a request; raises ``ValueError``/``AdmitError`` for bad input or a full queue."""
+        """Queue a request; raises ``ValueError``/``AdmitError`` for bad input or a full queue.
+
+        ``stream_text=False``: the caller wants the text only with the final output (each delta
+        still carries its token ids); without stop strings the text is then decoded once, at
+        the finish, instead of incrementally.
+        """
         params = params or SamplingParams()
         params.validate()
         ids = list(prompt_ids)
         try:
             self.validate(ids, params.max_tokens, priority)
-            return self._add(ids, params, priority, sink, tier)
+            return self._add(ids, params, priority, sink, tier, stream_text)
         except AdmitError as e:  # empty, too_long, never_fits, queue_full
             if self.observer is not None:
                 self.observer.rejected(e.reason, tier)
@@ -197,6 +206,7 @@ class Engine:
         priority: int,
         sink: Callable[[RequestOutput], None] | None,
         tier: str,
+        stream_text: bool = True,
     ) -> RequestId:
         stop_ids = frozenset(params.stop_token_ids or ())
         if not params.ignore_eos:
@@ -214,6 +224,7 @@ class Engine:
                 stop_ids=stop_ids,
                 sink=sink,
                 tier=tier,
+                held=None if stream_text or params.stop else [],
             )
             self._wake.notify()
         return rid
@@ -305,7 +316,11 @@ class Engine:
             live.generated += 1
             if live.first_token is None:
                 live.first_token = now
-            text = live.detok.add(tok)
+            if live.held is None:
+                text = live.detok.add(tok)
+            else:
+                live.held.append(tok)
+                text = ""
             stop = tok in live.stop_ids or live.detok.stopped is not None
             step_outputs.append(StepOutput(live.id, tok, stop))
             deltas[live.id] = RequestOutput(
@@ -323,6 +338,9 @@ class Engine:
                     out = deltas.get(e.id)
                     if live_done is None or out is None:
                         continue
+                    if live_done.held:
+                        live_done.detok.feed(live_done.held)
+                        live_done.held = []
                     out.text += live_done.detok.finish()
                     out.finished = True
                     out.finish_reason = e.reason.value

@@ -85,7 +85,10 @@ class LLM:
                 while pending < n:
                     try:
                         rid = self.engine.add_request(
-                            encoded[pending], params_list[pending], prios[pending]
+                            encoded[pending],
+                            params_list[pending],
+                            prios[pending],
+                            stream_text=False,
                         )
                     except QueueFull:
                         break

@@ -287,3 +287,29 @@ def test_a_failing_step_fails_every_request_and_marks_the_engine_dead() -> None:
             engine.add_request([5, 6], SamplingParams(max_tokens=2))
     finally:
         engine.shutdown()
+
+
+def test_text_decoded_at_the_finish_equals_the_streamed_text(roomy: LLM) -> None:
+    """``stream_text=False`` (what ``LLM.generate`` uses) defers decoding to the finish: the final
+    text is the one the streamed deltas add up to, multi-byte characters included."""
+    eng = roomy.engine
+    ps = prompts(6, seed=11)
+    ps.append([0xE2, 0x82])  # a prompt ending inside a UTF-8 character
+    params = SamplingParams(max_tokens=40, temperature=1.0, seed=3, ignore_eos=True)
+    texts: dict[bool, list[str]] = {}
+    for stream in (True, False):
+        rids = [eng.add_request(p, params, stream_text=stream) for p in ps]
+        seen = drain(eng)
+        if not stream:  # nothing but the final output carries text
+            assert all(o.text == "" for r in rids for o in seen[r][:-1])
+        texts[stream] = ["".join(o.text for o in seen[r]) for r in rids]
+        assert all(seen[r][-1].finished for r in rids)
+    assert texts[False] == texts[True]
+    assert any(t for t in texts[True])
+    # With stop strings, text must be matched as it arrives: no deferral (the stop-string tests
+    # above go through LLM.generate, i.e. stream_text=False).
+    with pytest.raises(ValueError, match="feed\\(\\) skips stop-string matching"):
+        from replica.detokenizer import IncrementalDetokenizer
+
+        IncrementalDetokenizer(eng.tokenizer, [1, 2], stop=["ab"]).feed([3])
+
