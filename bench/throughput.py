@@ -42,12 +42,14 @@ One run, one machine, one set of weights, one mix of requests for every system:
   ``hf-static`` batch sizes and ``hf-cb`` (requests, tokens) per step are swept in the first
   round (in order, stopping once one is clearly past the best); later rounds run the best.
 - Rounds: every system runs once per round, models and systems in a fixed order; the figures are
-  the medians over rounds. Torch runs 2 threads for every system, under
-  ``OMP_WAIT_POLICY=PASSIVE`` by default (the process re-executes itself to set it): on a shared
-  machine, spinning OpenMP threads lose their time slice and stall every op, which made
-  2-thread runs 2 to 10 times slower and erratic here. The machine (CPU, cores, versions, torch
-  threads, wait policy) and the load average before and after are recorded: the machine may be
-  shared, so compare figures of one run only.
+  the medians over rounds. Torch runs 2 threads for every system, under the OpenMP runtime's
+  default wait policy (``--omp-wait inherit``: libgomp spins briefly, then sleeps). Side by side
+  on this machine, ``OMP_WAIT_POLICY=PASSIVE`` (a sleeping worker to wake for every parallel
+  region, some 100 us on this VM) made every system slower: hf-static 570-690 tok/s against
+  740-830 by default, tierserve 1530-1980 against 2390-2550. ``--omp-wait passive|active``
+  re-executes the process under that policy. The machine (CPU, cores, versions, torch threads,
+  wait policy, whether tierserve's native CPU kernels were built) and the load average before
+  and after are recorded: the machine may be shared, so compare figures of one run only.
 """
 
 from __future__ import annotations
@@ -574,9 +576,16 @@ def machine() -> dict[str, Any]:
         "python": platform.python_version(),
         "torch_threads": torch.get_num_threads(),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(unset)"),
+        "native_kernels": _native_kernels(),
         "dtype": "float32",
         "load_avg_1m_before": os.getloadavg()[0],
     }
+
+
+def _native_kernels() -> str:
+    from kernels import cpu_native
+
+    return "built" if cpu_native.available() else f"unavailable: {cpu_native.unavailable_reason()}"
 
 
 @dataclass(slots=True)
@@ -878,9 +887,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--omp-wait",
         choices=["passive", "active", "inherit"],
-        default="passive",
-        help="OMP_WAIT_POLICY for every system (default passive: on a shared machine, spinning "
-        "OpenMP threads stall each op for a time slice; inherit: leave the environment as is)",
+        default="inherit",
+        help="OMP_WAIT_POLICY for every system (default inherit: the environment's, normally "
+        "unset, i.e. the runtime's spin-then-sleep; passive/active re-execute under that policy)",
     )
     args = ap.parse_args(argv)
     _set_omp_wait(args.omp_wait, argv)

@@ -80,7 +80,7 @@ class LLMServer:
             yield error_record(400, "invalid_sampling", str(e))
             return
         shed_at = max(1, int(queue_share * self.config.max_waiting))
-        if queue_share < 1.0 and self.engine.stats()["waiting"] >= shed_at:
+        if queue_share < 1.0 and self.engine.num_waiting() >= shed_at:
             self.engine.count_rejection("shed", tier)
             yield error_record(
                 429,

@@ -260,6 +260,11 @@ class Engine:
         with self._lock:
             return self.scheduler.has_unfinished()
 
+    def num_waiting(self) -> int:
+        """Requests in the waiting queue (cheap: no per-request sums, unlike ``stats``)."""
+        with self._lock:
+            return self.scheduler.num_waiting
+
     def stats(self) -> dict[str, int | float]:
         with self._lock:
             s = self.scheduler.stats()

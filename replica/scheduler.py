@@ -513,6 +513,10 @@ class Scheduler:
         seq = self._seqs.get(id)
         return seq is not None and seq.handle is not None
 
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
     def stats(self) -> SchedStats:
         return SchedStats(
             running=len(self._running),

@@ -190,6 +190,36 @@ inline __m256 exp8(__m256 x) {
   const __m256 y = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
   return _mm256_andnot_ps(_mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LE_OQ), y);
 }
+// acc[0 .. 8 CN) = alpha * acc + sum_j p[j] * value_j[off .. off + 8 CN): CN 8-lane chunks kept
+// in registers (a compile-time count, so the compiler does not spill them), two accumulator
+// sets over alternate keys to hide the FMA latency.
+template <int CN>
+inline void value_sum(float* a, const float* const* vp, int64_t off, const float* p, int n,
+                      __m256 alpha) {
+  __m256 r0[CN], r1[CN];
+  for (int c = 0; c < CN; ++c) {
+    r0[c] = _mm256_mul_ps(alpha, _mm256_loadu_ps(a + 8 * c));
+    r1[c] = _mm256_setzero_ps();
+  }
+  int j = 0;
+  for (; j + 1 < n; j += 2) {
+    const __m256 pa = _mm256_set1_ps(p[j]);
+    const __m256 pb = _mm256_set1_ps(p[j + 1]);
+    const float* va = vp[j] + off;
+    const float* vb = vp[j + 1] + off;
+    for (int c = 0; c < CN; ++c) {
+      r0[c] = _mm256_fmadd_ps(pa, _mm256_loadu_ps(va + 8 * c), r0[c]);
+      r1[c] = _mm256_fmadd_ps(pb, _mm256_loadu_ps(vb + 8 * c), r1[c]);
+    }
+  }
+  if (j < n) {
+    const __m256 pa = _mm256_set1_ps(p[j]);
+    const float* va = vp[j] + off;
+    for (int c = 0; c < CN; ++c) r0[c] = _mm256_fmadd_ps(pa, _mm256_loadu_ps(va + 8 * c), r0[c]);
+  }
+  for (int c = 0; c < CN; ++c) _mm256_storeu_ps(a + 8 * c, _mm256_add_ps(r0[c], r1[c]));
+}
+
 template <int DT>
 void attend_avx2(const Item& it, int group, int d_runtime, int block_size, int64_t pos_stride,
             float scale) {
@@ -289,30 +319,13 @@ void attend_avx2(const Item& it, int group, int d_runtime, int block_size, int64
       l[v] = l[v] * alpha + sum;
       float* a = acc + v * D;
       const __m256 al = _mm256_set1_ps(alpha);
-      for (int c0 = 0; c0 < C; c0 += 4) {
-        const int cn = std::min(4, C - c0);
-        __m256 r0[4], r1[4];
-        for (int c = 0; c < cn; ++c) {
-          r0[c] = _mm256_mul_ps(al, _mm256_loadu_ps(a + 8 * (c0 + c)));
-          r1[c] = _mm256_setzero_ps();
-        }
-        int j = 0;
-        for (; j + 1 < lim; j += 2) {
-          const __m256 pa = _mm256_set1_ps(s[j]);
-          const __m256 pb = _mm256_set1_ps(s[j + 1]);
-          const float* va = vp[j] + koff[v] + 8 * c0;
-          const float* vb2 = vp[j + 1] + koff[v] + 8 * c0;
-          for (int c = 0; c < cn; ++c) {
-            r0[c] = _mm256_fmadd_ps(pa, _mm256_loadu_ps(va + 8 * c), r0[c]);
-            r1[c] = _mm256_fmadd_ps(pb, _mm256_loadu_ps(vb2 + 8 * c), r1[c]);
-          }
-        }
-        if (j < lim) {
-          const __m256 pa = _mm256_set1_ps(s[j]);
-          const float* va = vp[j] + koff[v] + 8 * c0;
-          for (int c = 0; c < cn; ++c) r0[c] = _mm256_fmadd_ps(pa, _mm256_loadu_ps(va + 8 * c), r0[c]);
-        }
-        for (int c = 0; c < cn; ++c) _mm256_storeu_ps(a + 8 * (c0 + c), _mm256_add_ps(r0[c], r1[c]));
+      int c0 = 0;
+      for (; c0 + 4 <= C; c0 += 4) value_sum<4>(a + 8 * c0, vp, koff[v] + 8 * c0, s, lim, al);
+      switch (C - c0) {
+        case 3: value_sum<3>(a + 8 * c0, vp, koff[v] + 8 * c0, s, lim, al); break;
+        case 2: value_sum<2>(a + 8 * c0, vp, koff[v] + 8 * c0, s, lim, al); break;
+        case 1: value_sum<1>(a + 8 * c0, vp, koff[v] + 8 * c0, s, lim, al); break;
+        default: break;
       }
     }
   }

@@ -16,6 +16,7 @@ first and starts its own cluster.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
@@ -302,6 +303,15 @@ class LocalServe:
         apps[key] = app
         app.wait_ready()
         return app
+
+    @contextlib.contextmanager
+    def app(self, key: str, config: dict[str, Any]) -> Iterator[ServeApp]:
+        """``add`` for the duration of a ``with`` block (a module fixture's body), then ``remove``."""
+        app = self.add(key, config)
+        try:
+            yield app
+        finally:
+            self.remove(key)
 
     def remove(self, key: str) -> None:
         """Take an app that ``add`` deployed down again."""

@@ -44,12 +44,9 @@ TIERS = (("interactive", 0.1), ("standard", 0.3), ("batch", 0.6))
 
 @pytest.fixture(scope="module")
 def burst_app(local_serve: LocalServe) -> Iterator[ServeApp]:
-    app = local_serve.add("burst", app_config("burst", "/burst", ENGINE, ARGS,
-                                              {"LLMServer": {"num_replicas": 2}}))
-    try:
+    with local_serve.app("burst", app_config("burst", "/burst", ENGINE, ARGS,
+                                              {"LLMServer": {"num_replicas": 2}})) as app:
         yield app
-    finally:
-        local_serve.remove("burst")
 
 
 @dataclass

@@ -33,12 +33,9 @@ ARGS: dict[str, Any] = {"fault_injection": True, "max_tokens_limit": 512}
 
 @pytest.fixture(scope="module")
 def faults_app(local_serve: LocalServe) -> Iterator[ServeApp]:
-    app = local_serve.add("faults", app_config("faults", "/faults", ENGINE, ARGS,
-                                               {"LLMServer": {"num_replicas": 2}}))
-    try:
+    with local_serve.app("faults", app_config("faults", "/faults", ENGINE, ARGS,
+                                               {"LLMServer": {"num_replicas": 2}})) as app:
         yield app
-    finally:
-        local_serve.remove("faults")
 
 
 @dataclass

@@ -37,12 +37,9 @@ FUZZ_ARGS: dict[str, Any] = {"max_tokens_limit": 4, "max_request_bytes": 65536}
 
 @pytest.fixture(scope="module")
 def fuzz_app(local_serve: LocalServe) -> Iterator[ServeApp]:
-    app = local_serve.add("fuzz", app_config("fuzz", "/fuzz", FUZZ_ENGINE, FUZZ_ARGS,
-                                             {"LLMServer": {"num_replicas": 1}}))
-    try:
+    with local_serve.app("fuzz", app_config("fuzz", "/fuzz", FUZZ_ENGINE, FUZZ_ARGS,
+                                             {"LLMServer": {"num_replicas": 1}})) as app:
         yield app
-    finally:
-        local_serve.remove("fuzz")
 
 
 @pytest.fixture(scope="module")

@@ -28,12 +28,9 @@ ENGINE: dict[str, Any] = {"num_kv_blocks": 48, "kv_cache_bytes": None, "max_num_
 
 @pytest.fixture(scope="module")
 def soak_app(local_serve: LocalServe) -> Iterator[ServeApp]:
-    app = local_serve.add("soak", app_config("soak", "/soak", ENGINE, {"max_tokens_limit": 256},
-                                             {"LLMServer": {"num_replicas": 2}}))
-    try:
+    with local_serve.app("soak", app_config("soak", "/soak", ENGINE, {"max_tokens_limit": 256},
+                                             {"LLMServer": {"num_replicas": 2}})) as app:
         yield app
-    finally:
-        local_serve.remove("soak")
 
 
 def test_a_minute_of_mixed_load_loses_and_leaks_nothing(soak_app: ServeApp) -> None:
