@@ -12,6 +12,7 @@ from typing import Protocol
 
 import torch
 
+from kernels import cpu_native
 from kernels.metadata import AttentionMetadata, SeqSpec, build_metadata
 from replica.block_space import RequestId
 from replica.kv_pool import KVPool
@@ -54,6 +55,9 @@ class ModelRunner:
         self.model = model
         self.pool = pool
         self.device = torch.device(device)
+        if self.device.type == "cpu":
+            # Build (or load) the native CPU kernels now, not inside the first request's step.
+            cpu_native.available()
 
     def build_batch(self, plan: ScheduleOutput, scheduler: Scheduler) -> ForwardBatch:
         """The flat batch of ``plan``: decodes, then chunks; raises on an empty plan."""
