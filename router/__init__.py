@@ -39,9 +39,10 @@ The kwargs contract (ingress -> engine ``generate``)
 Saturation and priority
     A replica is saturated for a request when its estimated free blocks cannot hold it and its
     estimated queue (reported waiting plus requests sent since) is at least
-    ``saturation_waiting``. Saturated replicas rank after the others. The ingress can ask
-    ``router.registry.saturated(app, deployment, prompt_tokens)`` (any thread) and shed
-    its lowest tier when every replica is saturated. The router does not reorder or hold requests
+    ``saturation_waiting``. Saturated replicas rank after the others. Any code in the router's
+    process can ask ``router.registry.saturated(app, deployment, prompt_tokens)`` (any thread)
+    whether every replica is saturated; the ingress does not shed by it (it ignored the tiers'
+    queue shares), it bounds its requests in flight per tier instead. The router does not reorder or hold requests
     by ``priority``: it passes it on, and the replica's scheduler runs higher priorities first.
     (Holding a low-priority request in the router does not work with Serve 2.60: the FIFO
     hand-off gives the next free replica to the oldest pending request, held or not.)
