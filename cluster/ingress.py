@@ -53,6 +53,18 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_f
           503: "service_unavailable"}
 
 
+
+# Characters JSON leaves raw inside strings but common line splitters (Python's str.splitlines,
+# hence httpx's aiter_lines) treat as line ends: an SSE event carrying one would reach such a
+# client cut in two. Written as JSON escapes, the event is one line and decodes to the same text.
+_LINE_BREAKERS = {0x85: "\\u0085", 0x2028: "\\u2028", 0x2029: "\\u2029"}
+
+
+def sse_event(payload: str) -> str:
+    """One SSE ``data:`` event of a JSON ``payload`` that every line splitter keeps whole."""
+    return f"data: {payload.translate(_LINE_BREAKERS)}\n\n"
+
+
 class ApiError(Exception):
     def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None):
         super().__init__(message)
@@ -408,7 +420,7 @@ class Ingress:
             if chat:
                 head = ChatCompletionChunk(id=rid, created=created, model=model,
                                            choices=[ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))])
-                yield f"data: {head.model_dump_json()}\n\n"
+                yield sse_event(head.model_dump_json())
             while item is not None:
                 reason = item["finish_reason"] if item["finished"] else None
                 if reason == "error":
@@ -427,13 +439,13 @@ class Ingress:
                         chunk = CompletionResponse(
                             id=rid, created=created, model=model,
                             choices=[CompletionChoice(text=item["text"], finish_reason=reason)])
-                    yield f"data: {chunk.model_dump_json(exclude_none=False)}\n\n"
+                    yield sse_event(chunk.model_dump_json(exclude_none=False))
                 if item["finished"]:
                     if include_usage:
                         u = usage(item["prompt_tokens"], item["completion_tokens"])
                         tail: Any = (ChatCompletionChunk if chat else CompletionResponse)(
                             id=rid, created=created, model=model, choices=[], usage=u)
-                        yield f"data: {tail.model_dump_json()}\n\n"
+                        yield sse_event(tail.model_dump_json())
                     break
                 item = await self._next(stream)
             yield "data: [DONE]\n\n"

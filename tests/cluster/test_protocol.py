@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -70,3 +71,21 @@ def test_integers_are_json_schema_integers(value: object, ok: bool) -> None:
     else:
         with pytest.raises(ValidationError):
             CompletionRequest.model_validate(body)
+
+
+@pytest.mark.parametrize("text", ["a\u2028b", "\u0085", "x\u2029", "plain, é and 中", "\x1c\x0b"])
+def test_sse_events_stay_one_line_for_every_line_splitter(text: str) -> None:
+    """Generated text may hold U+0085/U+2028/U+2029, which JSON leaves raw but str.splitlines
+    (hence httpx's ``aiter_lines``, the load generator's reader) treats as line ends."""
+    from httpx._decoders import LineDecoder
+
+    from cluster.ingress import sse_event
+    from cluster.protocol import CompletionChoice, CompletionResponse
+
+    chunk = CompletionResponse(id="cmpl-1", created=0, model="m",
+                               choices=[CompletionChoice(text=text, finish_reason=None)])
+    event = sse_event(chunk.model_dump_json())
+    lines = LineDecoder().decode(event)
+    assert [line for line in lines if line] == [event.strip()]
+    assert event.endswith("\n\n") and event.startswith("data: ")
+    assert json.loads(lines[0][len("data: "):])["choices"][0]["text"] == text
