@@ -59,6 +59,8 @@ _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _reason: str | None = None  # why the library is unavailable; None until the first try
 _tried = False
+_MAX_VECS = 0  # query vectors per work item, from the library once loaded
+_MAX_HEAD_DIM = 0
 
 
 _ERRORS = {
@@ -142,26 +144,37 @@ def _build(cxx: str) -> Path:
 
 def _load() -> ctypes.CDLL | None:
     global _lib, _reason, _tried
+    if _tried:  # the step loop's path: no lock once the library is loaded (or refused)
+        return _lib
     with _lock:
         if _tried:
             return _lib
-        _tried = True
-        if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
-            _reason = f"disabled by {ENV_SWITCH}"
-            return None
-        cxx = _compiler()
-        if cxx is None:
-            _reason = "no C++ compiler found ($CXX, g++ or c++)"
-        else:
-            try:
-                lib = ctypes.CDLL(str(_build(cxx)))
-                _declare(lib)
-                _lib = lib
-            except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-                _reason = f"building {SOURCE.name} failed: {exc}"
-        if _lib is None:
-            log.warning("native CPU kernels unavailable (%s); using plain torch", _reason)
+        try:
+            _try_load()
+        finally:
+            _tried = True  # last: the lock-free check above must not see a half-done load
         return _lib
+
+
+def _try_load() -> None:
+    global _lib, _reason, _MAX_VECS, _MAX_HEAD_DIM
+    if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
+        _reason = f"disabled by {ENV_SWITCH}"
+        return
+    cxx = _compiler()
+    if cxx is None:
+        _reason = "no C++ compiler found ($CXX, g++ or c++)"
+    else:
+        try:
+            lib = ctypes.CDLL(str(_build(cxx)))
+            _declare(lib)
+            # The kernel's limits, read once (attention_plan runs per layer per step).
+            _MAX_VECS, _MAX_HEAD_DIM = lib.ts_max_vecs(), lib.ts_max_head_dim()
+            _lib = lib
+        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+            _reason = f"building {SOURCE.name} failed: {exc}"
+    if _lib is None:
+        log.warning("native CPU kernels unavailable (%s); using plain torch", _reason)
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -235,8 +248,8 @@ def attention_plan(q: torch.Tensor, k_cache: torch.Tensor) -> AttentionPlan | No
         return None
     t, hq, d = q.shape
     hkv = k_cache.shape[2]
-    max_vecs = lib.ts_max_vecs()
-    if hq % hkv or d > lib.ts_max_head_dim() or hq // hkv > max_vecs:
+    max_vecs = _MAX_VECS
+    if hq % hkv or d > _MAX_HEAD_DIM or hq // hkv > max_vecs:
         return None
     heads = hkv if hq <= max_vecs and t >= 2 * torch.get_num_threads() else 1
     return AttentionPlan(min(MAX_ROW_TILE, max_vecs // (heads * (hq // hkv))), heads)
