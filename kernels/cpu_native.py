@@ -211,6 +211,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ts_silu_mul_f32.argtypes = [p, i64, p, i64, i32, i32]
     lib.ts_rope_store_f32.restype = i32
     lib.ts_rope_store_f32.argtypes = [p, i64, p, p, p, p, p, i64, i64, i32, i32, i32, i32]
+    lib.ts_pack_linear_f32.restype = i32
+    lib.ts_pack_linear_f32.argtypes = [p, i64, i64, p, i32]
+    lib.ts_linear_f32.restype = i32
+    lib.ts_linear_f32.argtypes = [p, i64, i64, i64, p, i64, p, p, i64, i32]
 
 
 def available() -> bool:
@@ -453,3 +457,84 @@ def rope_store(
         raise NativeKernelError("a slot of slot_mapping is outside the cache")
     if rc != 0:
         raise NativeKernelError(f"rope_store refused its arguments (code {rc})")
+
+
+# ----------------------------------------------------------------------------- linear layers
+
+PANEL = 16  # output features per packed panel (the kernel's kPanel)
+
+
+def packed_shape(out_features: int, in_features: int) -> tuple[int, int, int]:
+    """The shape ``pack_linear`` gives a ``[out_features, in_features]`` weight."""
+    return (-(-out_features // PANEL), in_features, PANEL)
+
+
+def pack_linear(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` ``[out, in]`` (fp32, CPU) in the layout ``linear`` reads: panels of 16 output
+    features, ``packed[p, k, j] = weight[16 p + j, k]``, zeros past the last row (a new tensor)."""
+    lib = _lib_or_raise()
+    if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
+        raise NativeKernelError(
+            f"pack_linear takes an fp32 CPU [out, in] weight, got {weight.dtype} "
+            f"{tuple(weight.shape)} on {weight.device}"
+        )
+    n, k = weight.shape
+    if n == 0 or k == 0:
+        raise NativeKernelError(f"pack_linear got an empty weight {tuple(weight.shape)}")
+    w = weight.contiguous()
+    packed = torch.empty(packed_shape(n, k), dtype=torch.float32)
+    rc = lib.ts_pack_linear_f32(w.data_ptr(), n, k, packed.data_ptr(), torch.get_num_threads())
+    if rc != 0:
+        raise NativeKernelError(f"pack_linear refused its arguments (code {rc})")
+    return packed
+
+
+def unpack_linear(packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The ``[out_features, in]`` weight back from ``pack_linear``'s layout (a new tensor)."""
+    panels, k, width = packed.shape
+    if width != PANEL or panels != -(-out_features // PANEL):
+        raise NativeKernelError(
+            f"{tuple(packed.shape)} is not a packed weight of {out_features} outputs"
+        )
+    return packed.permute(0, 2, 1).reshape(panels * PANEL, k)[:out_features].contiguous()
+
+
+def linear(
+    x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` for ``x`` ``[M, in]`` (fp32, CPU) and ``W`` packed by ``pack_linear``."""
+    lib = _lib_or_raise()
+    if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu":
+        raise NativeKernelError(
+            f"linear takes fp32 CPU x [M, in], got {x.dtype} {tuple(x.shape)} on {x.device}"
+        )
+    m, k = x.shape
+    if packed.dtype != torch.float32 or packed.shape != packed_shape(out_features, k):
+        raise NativeKernelError(
+            f"the packed weight {tuple(packed.shape)} is not [{out_features} outputs, {k} inputs] "
+            f"(expected {packed_shape(out_features, k)})"
+        )
+    if not packed.is_contiguous():
+        raise NativeKernelError("the packed weight must be contiguous")
+    if bias is not None and (
+        bias.shape != (out_features,) or bias.dtype != torch.float32 or not bias.is_contiguous()
+    ):
+        raise NativeKernelError(f"bias must be fp32 [{out_features}], got {tuple(bias.shape)}")
+    if (k > 1 and x.stride(1) != 1) or (m > 1 and x.stride(0) < k):
+        x = x.contiguous()
+    y = torch.empty((m, out_features), dtype=torch.float32)
+    rc = lib.ts_linear_f32(
+        x.data_ptr(),
+        x.stride(0),
+        m,
+        k,
+        packed.data_ptr(),
+        out_features,
+        None if bias is None else bias.data_ptr(),
+        y.data_ptr(),
+        out_features,
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise NativeKernelError(f"linear refused its arguments (code {rc})")
+    return y

@@ -55,9 +55,12 @@ class ModelRunner:
         self.model = model
         self.pool = pool
         self.device = torch.device(device)
-        if self.device.type == "cpu":
-            # Build (or load) the native CPU kernels now, not inside the first request's step.
-            cpu_native.available()
+        if self.device.type == "cpu" and cpu_native.available():
+            # The native kernels are built (or loaded) now, not inside the first request's step;
+            # the linear layers move to their packed layout (weights are loaded by now).
+            pack = getattr(model, "pack_for_cpu", None)
+            if pack is not None:
+                pack()
 
     def build_batch(self, plan: ScheduleOutput, scheduler: Scheduler) -> ForwardBatch:
         """The flat batch of ``plan``: decodes, then chunks; raises on an empty plan."""

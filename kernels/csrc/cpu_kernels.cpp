@@ -22,6 +22,8 @@
 #include <cstring>
 #include <vector>
 
+#include <omp.h>
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
@@ -36,7 +38,7 @@ constexpr float kNegBig = -1e30f;
 // worker (OMP_WAIT_POLICY=PASSIVE) costs more than the work (torch's grain size is 32768).
 constexpr int64_t kParallelElems = 1 << 16;
 // Likewise for attention, in query-vector x key products.
-constexpr int64_t kParallelProducts = 1 << 17;
+constexpr int64_t kParallelProducts = 1 << 12;
 
 // exp(x) for the softmax's x <= 0, to ~2 ulp (Cephes' expf); written without calls or branches
 // so that the compiler vectorizes the loops that use it. x below -87 is clamped (exp < 2e-38).
@@ -353,6 +355,134 @@ void attend(const Item& it, int group, int d_runtime, int block_size, int64_t po
   attend_generic<DT>(it, group, d_runtime, block_size, pos_stride, scale);
 }
 
+// ----------------------------------------------------------------------------- linear layers
+//
+// y = x W^T (+ b) with W pre-packed in panels of kPanel output features: packed[p][k][j] =
+// W[p * kPanel + j][k] (zero rows pad the last panel). A micro-kernel keeps R rows x 16 (or 32)
+// outputs of y in registers and walks k: per k it loads the panel's 16 weights once and
+// broadcasts one x element per row, 2R FMAs for R + 2 loads, so a decode step's few rows run at
+// the FMA rate instead of a general GEMM's small-M path. Threads split the panels (each streams
+// its own contiguous part of the weights); rows go in blocks of kRowBlock so a block of x stays
+// in the L2 cache while the panels pass.
+constexpr int kPanel = 16;
+constexpr int64_t kRowBlock = 96;
+// Below this many multiply-adds a product runs on the calling thread (see kParallelElems).
+constexpr int64_t kParallelMacs = 1 << 17;
+
+struct LinearArgs {
+  const float* x;
+  int64_t x_stride;
+  int64_t k;
+  const float* packed;
+  int64_t n;
+  const float* bias;
+  float* y;
+  int64_t y_stride;
+};
+
+// Stores acc (R rows x NP panels, as 16 NP floats per row) into y's columns col .. col + ncols,
+// adding the bias. The portable and the AVX2 micro-kernels share it.
+template <int R, int NP>
+inline void store_tile(const LinearArgs& a, const float (&acc)[R][kPanel * NP], int64_t row,
+                       int64_t col) {
+  const int ncols = static_cast<int>(std::min<int64_t>(kPanel * NP, a.n - col));
+  for (int r = 0; r < R; ++r) {
+    float* dst = a.y + (row + r) * a.y_stride + col;
+    for (int c = 0; c < ncols; ++c) dst[c] = acc[r][c] + (a.bias ? a.bias[col + c] : 0.0f);
+  }
+}
+
+template <int R, int NP>
+inline void linear_tile(const LinearArgs& a, int64_t row, int64_t panel) {
+  const float* x = a.x + row * a.x_stride;
+  const float* w = a.packed + panel * a.k * kPanel;
+  const int64_t pstride = a.k * kPanel;
+  alignas(32) float acc[R][kPanel * NP];
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 v[R][2 * NP];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < 2 * NP; ++j) v[r][j] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < a.k; ++k) {
+    __m256 wv[2 * NP];
+#pragma GCC unroll 2
+    for (int q = 0; q < NP; ++q) {
+      wv[2 * q] = _mm256_loadu_ps(w + q * pstride + k * kPanel);
+      wv[2 * q + 1] = _mm256_loadu_ps(w + q * pstride + k * kPanel + 8);
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m256 xv = _mm256_broadcast_ss(x + r * a.x_stride + k);
+#pragma GCC unroll 4
+      for (int j = 0; j < 2 * NP; ++j) v[r][j] = _mm256_fmadd_ps(xv, wv[j], v[r][j]);
+    }
+  }
+  const int64_t col = panel * kPanel;
+  if (col + kPanel * NP <= a.n) {  // whole panels: straight to y
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int j = 0; j < 2 * NP; ++j) {
+        __m256 out = v[r][j];
+        if (a.bias) out = _mm256_add_ps(out, _mm256_loadu_ps(a.bias + col + 8 * j));
+        _mm256_storeu_ps(a.y + (row + r) * a.y_stride + col + 8 * j, out);
+      }
+    return;
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < 2 * NP; ++j) _mm256_store_ps(&acc[r][8 * j], v[r][j]);
+#else
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < kPanel * NP; ++c) acc[r][c] = 0.0f;
+  for (int64_t k = 0; k < a.k; ++k)
+    for (int r = 0; r < R; ++r) {
+      const float xv = x[r * a.x_stride + k];
+      for (int q = 0; q < NP; ++q) {
+        const float* wk = w + q * pstride + k * kPanel;
+#pragma omp simd
+        for (int j = 0; j < kPanel; ++j) acc[r][q * kPanel + j] += xv * wk[j];
+      }
+    }
+#endif
+  store_tile<R, NP>(a, acc, row, panel * kPanel);
+}
+
+// Rows row .. row + rows - 1 against panels p0 .. p1 - 1: blocks of 6 rows per panel (12
+// accumulators), a short remainder against two panels at once (more FMAs per broadcast).
+void linear_rows(const LinearArgs& a, int64_t row, int64_t rows, int64_t p0, int64_t p1) {
+  for (int64_t p = p0; p < p1; p += 2) {
+    const bool pair = p + 1 < p1;
+    int64_t m = row;
+    const int64_t end = row + rows;
+    for (int pp = 0; pp < (pair ? 2 : 1); ++pp)
+      for (m = row; m + 6 <= end; m += 6) linear_tile<6, 1>(a, m, p + pp);
+    switch (end - m) {
+      case 5:
+        linear_tile<5, 1>(a, m, p);
+        if (pair) linear_tile<5, 1>(a, m, p + 1);
+        break;
+      case 4:
+        linear_tile<4, 1>(a, m, p);
+        if (pair) linear_tile<4, 1>(a, m, p + 1);
+        break;
+      case 3:
+        if (pair) linear_tile<3, 2>(a, m, p); else linear_tile<3, 1>(a, m, p);
+        break;
+      case 2:
+        if (pair) linear_tile<2, 2>(a, m, p); else linear_tile<2, 1>(a, m, p);
+        break;
+      case 1:
+        if (pair) linear_tile<1, 2>(a, m, p); else linear_tile<1, 1>(a, m, p);
+        break;
+      default:
+        break;
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -526,6 +656,42 @@ int ts_rope_store_f32(float* qkv, int64_t qkv_stride, const float* cos, const fl
     const float* k = row + static_cast<int64_t>(hq) * head_dim;
     std::memcpy(k_cache + slots[r] * kv_width, k, sizeof(float) * kv_width);
     std::memcpy(v_cache + slots[r] * kv_width, k + kv_width, sizeof(float) * kv_width);
+  }
+  return 0;
+}
+
+// w: [n, k] row-major -> packed: [ceil(n / 16), k, 16], W[p * 16 + j][k] at packed[p][k][j],
+// zeros past row n - 1.
+int ts_pack_linear_f32(const float* w, int64_t n, int64_t k, float* packed, int num_threads) {
+  if (n <= 0 || k <= 0) return -1;
+  const int64_t panels = (n + kPanel - 1) / kPanel;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+  for (int64_t p = 0; p < panels; ++p)
+    for (int64_t kk = 0; kk < k; ++kk)
+      for (int j = 0; j < kPanel; ++j) {
+        const int64_t row = p * kPanel + j;
+        packed[(p * k + kk) * kPanel + j] = row < n ? w[row * k + kk] : 0.0f;
+      }
+  return 0;
+}
+
+// y[m, n] = x[m, k] W^T + bias, W packed by ts_pack_linear_f32; x and y rows strided (elements),
+// columns contiguous; bias [n] or null. Returns 0, or -1 on sizes or strides that do not fit.
+int ts_linear_f32(const float* x, int64_t x_stride, int64_t m, int64_t k, const float* packed,
+                  int64_t n, const float* bias, float* y, int64_t y_stride, int num_threads) {
+  if (m < 0 || k <= 0 || n <= 0 || (m > 1 && (x_stride < k || y_stride < n))) return -1;
+  if (m == 0) return 0;
+  const LinearArgs a{x, x_stride, k, packed, n, bias, y, y_stride};
+  const int64_t pairs = ((n + kPanel - 1) / kPanel + 1) / 2;
+  const int64_t panels = (n + kPanel - 1) / kPanel;
+#pragma omp parallel num_threads(num_threads) if (pairs > 1 && m * n * k >= kParallelMacs)
+  {
+    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+    // Each thread a contiguous run of panel pairs (its own stretch of the weights).
+    const int64_t p0 = std::min(panels, 2 * (pairs * t / nt));
+    const int64_t p1 = std::min(panels, 2 * (pairs * (t + 1) / nt));
+    for (int64_t row = 0; row < m; row += kRowBlock)
+      linear_rows(a, row, std::min(kRowBlock, m - row), p0, p1);
   }
   return 0;
 }

@@ -59,15 +59,49 @@ class Linear(nn.Module):
                 torch.empty(out_features, device=device, dtype=dtype), requires_grad=False
             )
 
+        # True once ``pack_for_cpu`` has replaced ``weight`` by the native kernel's layout.
+        self.packed = False
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            return cpu_native.linear(x, self.weight, self.out_features, self.bias)
         if not self.deterministic:
             return F.linear(x, self.weight, self.bias)
         return invariant_linear(x, self.weight, self.bias)
 
+    def pack_for_cpu(self) -> bool:
+        """Repack ``weight`` for the native CPU kernel (``cpu_native.linear``) when it takes this
+        layer (fp32 on CPU, not deterministic, kernels built); returns whether it did.
+
+        The packed weight replaces the original (``weight`` becomes ``[out / 16, in, 16]``; no
+        second copy is kept), so load weights first; ``dense_weight()`` gives the ``[out, in]``
+        matrix back. A weight shared with another module (tied embeddings) is copied: this
+        layer stops sharing it.
+        """
+        w = self.weight
+        if (
+            self.packed
+            or self.deterministic
+            or w.device.type != "cpu"
+            or w.dtype != torch.float32
+            or not cpu_native.fused_ok(w)
+        ):
+            return False
+        self.weight = nn.Parameter(cpu_native.pack_linear(w.data), requires_grad=False)
+        self.packed = True
+        return True
+
+    def dense_weight(self) -> torch.Tensor:
+        """The weight as ``[out_features, in_features]`` (a copy when packed)."""
+        if self.packed:
+            return cpu_native.unpack_linear(self.weight.data, self.out_features)
+        return self.weight.data
+
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"bias={self.bias is not None}, deterministic={self.deterministic}"
+            f"bias={self.bias is not None}, deterministic={self.deterministic}, "
+            f"packed={self.packed}"
         )
 
 

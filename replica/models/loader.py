@@ -174,8 +174,14 @@ def weight_files(path: Path) -> list[Path]:
 def load_weights(model: LlamaForCausalLM, path: Path) -> None:
     """Copy a checkpoint's tensors into ``model`` (casting to its dtype, moving to its device).
 
-    Raises ``ModelLoadError`` naming missing tensors or a tensor whose shape does not match.
+    Raises ``ModelLoadError`` naming missing tensors or a tensor whose shape does not match,
+    or when the model's layers are already packed for the CPU kernel (load before packing).
     """
+    if any(getattr(m, "packed", False) for m in model.modules()):
+        raise ModelLoadError(
+            "the model's linear layers are packed for the native CPU kernel (pack_for_cpu); "
+            "load weights into a model before packing it"
+        )
     targets = _targets(model)
     filled: set[str] = set()
     with torch.no_grad():

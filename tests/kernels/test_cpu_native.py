@@ -5,9 +5,11 @@ from __future__ import annotations
 import functools
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from kernels import cpu_native, torch_attention
 from kernels.attention import attention
@@ -352,3 +354,141 @@ def test_model_fast_path_matches_torch_path() -> None:
     finally:
         cpu_native.enabled = True
     torch.testing.assert_close(fast, plain, atol=1e-4, rtol=1e-4)
+
+
+# ----------------------------------------------------------------------------- linear layers
+
+
+def _packed_linear(n: int, k: int, bias: bool, seed: int = 0):  # type: ignore[no-untyped-def]
+    from replica.models.layers import Linear
+
+    gen = torch.Generator().manual_seed(seed)
+    lin = Linear(k, n, bias)
+    lin.weight.data.copy_(torch.randn(n, k, generator=gen))
+    if lin.bias is not None:
+        lin.bias.data.copy_(torch.randn(n, generator=gen))
+    dense = lin.weight.data.clone()
+    assert lin.pack_for_cpu()
+    return lin, dense
+
+
+@needs_native
+@pytest.mark.parametrize(
+    ("n", "k", "bias"),
+    [(40, 24, True), (17, 3, False), (576, 576, False), (960, 64, True), (16, 1, False)],
+)
+def test_linear_matches_torch(n: int, k: int, bias: bool) -> None:
+    """Every row-count remainder (micro-kernels of 1..6 rows, one and two panels), a partial last
+    panel, rows past one row block (96), a bias, strided rows."""
+    lin, dense = _packed_linear(n, k, bias)
+    assert lin.weight.shape == (-(-n // 16), k, 16)
+    assert torch.equal(lin.dense_weight(), dense)
+    gen = torch.Generator().manual_seed(1)
+    for m in (0, 1, 2, 3, 4, 5, 6, 7, 11, 12, 13, 97, 200):
+        x = torch.randn(m, k, generator=gen)
+        got = lin(x)
+        assert got.shape == (m, n)
+        torch.testing.assert_close(got, F.linear(x, dense, lin.bias), atol=1e-4, rtol=1e-4)
+    x = torch.randn(9, 2 * k, generator=gen)[:, ::2]  # rows with a column stride of 2
+    torch.testing.assert_close(lin(x), F.linear(x, dense, lin.bias), atol=1e-4, rtol=1e-4)
+
+
+@needs_native
+def test_linear_refuses_bad_inputs() -> None:
+    lin, _ = _packed_linear(40, 24, True)
+    w = lin.weight.data
+    with pytest.raises(cpu_native.NativeKernelError, match=r"is not \[40 outputs, 23 inputs\]"):
+        cpu_native.linear(torch.zeros(2, 23), w, 40)
+    with pytest.raises(cpu_native.NativeKernelError, match="linear takes fp32 CPU x"):
+        cpu_native.linear(torch.zeros(2, 24, dtype=torch.float64), w, 40)
+    with pytest.raises(cpu_native.NativeKernelError, match=r"bias must be fp32 \[40\]"):
+        cpu_native.linear(torch.zeros(2, 24), w, 40, torch.zeros(39))
+    with pytest.raises(cpu_native.NativeKernelError, match="is not a packed weight of 49"):
+        cpu_native.unpack_linear(w, 49)
+    with pytest.raises(cpu_native.NativeKernelError, match="pack_linear takes an fp32 CPU"):
+        cpu_native.pack_linear(torch.zeros(4, 4, dtype=torch.float16))
+    with pytest.raises(cpu_native.NativeKernelError, match="empty weight"):
+        cpu_native.pack_linear(torch.zeros(0, 4))
+
+
+def test_linear_packs_only_where_the_kernel_applies(monkeypatch: pytest.MonkeyPatch) -> None:
+    from replica.models.layers import Linear
+
+    assert not Linear(8, 8, deterministic=True).pack_for_cpu()
+    assert not Linear(8, 8, dtype=torch.float64).pack_for_cpu()
+    monkeypatch.setattr(cpu_native, "enabled", False)
+    plain = Linear(8, 8)
+    assert not plain.pack_for_cpu()
+    assert plain.weight.shape == (8, 8) and not plain.packed
+
+
+@needs_native
+def test_linear_portable_build_matches_torch(tmp_path: object) -> None:
+    """The kernel's portable loop (CPUs without AVX2/FMA): the source built for plain x86-64."""
+    import ctypes
+    import platform
+    import subprocess
+
+    cxx = cpu_native._compiler()
+    if cxx is None or platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("needs a C++ compiler on x86-64")
+    lib_path = Path(str(tmp_path)) / "portable.so"
+    flags = [f for f in cpu_native.FLAGS if f != "-march=native"] + ["-march=x86-64"]
+    subprocess.run([cxx, *flags, str(cpu_native.SOURCE), "-o", str(lib_path)], check=True)
+    lib = ctypes.CDLL(str(lib_path))
+    cpu_native._declare(lib)
+    gen = torch.Generator().manual_seed(2)
+    for n, k, m in ((40, 24, 13), (17, 5, 3), (64, 32, 100)):
+        w = torch.randn(n, k, generator=gen)
+        b = torch.randn(n, generator=gen)
+        x = torch.randn(m, k, generator=gen)
+        packed = torch.empty(cpu_native.packed_shape(n, k))
+        assert lib.ts_pack_linear_f32(w.data_ptr(), n, k, packed.data_ptr(), 2) == 0
+        assert torch.equal(packed, cpu_native.pack_linear(w))  # same layout as the AVX2 build
+        y = torch.empty(m, n)
+        rc = lib.ts_linear_f32(
+            x.data_ptr(), k, m, k, packed.data_ptr(), n, b.data_ptr(), y.data_ptr(), n, 2
+        )
+        assert rc == 0
+        torch.testing.assert_close(y, F.linear(x, w, b), atol=1e-4, rtol=1e-4)
+        assert lib.ts_linear_f32(x.data_ptr(), k - 1, m, k, packed.data_ptr(), n, None,
+                                 y.data_ptr(), n, 2) == -1  # rows overlapping: refused
+
+
+@needs_native
+def test_packed_model_matches_torch_path(tmp_path: object) -> None:
+    """``pack_for_cpu`` on a whole model with tied embeddings: every linear layer packed, the
+    LM head its own copy (the embedding keeps its rows), the same logits as plain torch, and a
+    packed model refuses to load weights."""
+    from replica.models.config import ModelLoadError
+    from replica.models.embedded import build_model
+    from replica.models.llama import ModelOptions
+    from replica.models.loader import load_weights
+
+    torch.manual_seed(0)
+    model = build_model(ModelOptions())
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    embed = model.model.embed_tokens.weight.data.clone()
+    specs = [SeqSpec(0, 40, list(range(3))), SeqSpec(0, 9, [5])]
+    meta = build_metadata(specs, 16)
+    ids = torch.randint(0, 256, (meta.num_tokens,))
+    rows = torch.tensor([39, 48])
+
+    def run() -> torch.Tensor:
+        caches = [(torch.zeros(8, 16, 2, 32), torch.zeros(8, 16, 2, 32)) for _ in range(4)]
+        return model(ids, meta.positions, caches, meta, rows)
+
+    cpu_native.enabled = False
+    try:
+        plain = run()
+    finally:
+        cpu_native.enabled = True
+    layers = len(model.model.layers)
+    assert model.pack_for_cpu() == 4 * layers + 1  # qkv, o, gate_up, down per layer; the head
+    assert model.pack_for_cpu() == 0  # already packed
+    assert model.lm_head.weight is not model.model.embed_tokens.weight
+    assert torch.equal(model.model.embed_tokens.weight.data, embed)
+    assert torch.equal(model.lm_head.dense_weight(), embed)
+    torch.testing.assert_close(run(), plain, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ModelLoadError, match="packed for the native CPU kernel"):
+        load_weights(model, Path(str(tmp_path)))
