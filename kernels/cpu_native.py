@@ -6,6 +6,9 @@ plain torch):
 - ``paged_attention``: every query row of a flat batch over its sequence's paged K/V *in place*
   (no gather into a padded copy, no mask tensor), with an online softmax, in parallel over
   (sequence, KV head, row tile) under OpenMP; the ``torch`` attention backend's fast path.
+- ``linear``: ``x @ W.T (+ b)`` with ``W`` repacked once by ``pack_linear`` into panels of 16
+  output features; a register-tiled micro-kernel (6 rows x 16 outputs in AVX2 registers), threads
+  splitting the panels. ``replica.models.layers.Linear.pack_for_cpu`` switches a layer to it.
 - ``rms_norm`` (optionally adding the previous block's output into the residual first),
   ``silu_and_mul`` and ``rope_store`` (rotary embedding of q and k, then k and v into the
   cache): one pass over the rows each, where torch runs several ops with temporaries; used by

@@ -16,7 +16,8 @@
 // The fused row-wise ops around it (each one pass over its rows instead of several torch ops and
 // temporaries; rows in parallel): ts_rms_norm_f32 (optionally adding a delta into the residual
 // first), ts_silu_mul_f32 (SwiGLU's silu(gate) * up) and ts_rope_store_f32 (rotary embedding of
-// q and k in place, then k and v stored at their cache slots).
+// q and k in place, then k and v stored at their cache slots). ts_linear_f32 multiplies rows by
+// a weight that ts_pack_linear_f32 laid out in panels of 16 output features (see below).
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
