@@ -264,19 +264,26 @@ void attend_avx2(const Item& it, int group, int d_runtime, int block_size, int64
     }
     // Prefetch the next run's keys and values: its blocks may be anywhere in the pool, so the
     // hardware prefetcher cannot see them coming, and decode attention is bound by these reads.
-    const int next = std::min(kKeyTile, total - p0 - kKeyTile);
+    const int next = std::max(0, std::min(kKeyTile, total - p0 - kKeyTile));
+    const char* kn[kKeyTile];
+    const char* vn[kKeyTile];
     for (int j = 0; j < next; ++j) {
       const int p = p0 + kKeyTile + j;
       const int b = p / block_size;
       const int64_t slot = static_cast<int64_t>(it.table[b]) * block_size + (p - b * block_size);
-      const char* kn = reinterpret_cast<const char*>(it.k_cache + slot * pos_stride);
-      const char* vn = reinterpret_cast<const char*>(it.v_cache + slot * pos_stride);
-      for (int o = 0; o < D * it.heads * 4; o += 64) {
-        __builtin_prefetch(kn + o);
-        __builtin_prefetch(vn + o);
-      }
+      kn[j] = reinterpret_cast<const char*>(it.k_cache + slot * pos_stride);
+      vn[j] = reinterpret_cast<const char*>(it.v_cache + slot * pos_stride);
     }
+    const int pos_bytes = D * it.heads * 4;  // one position of the item's heads
+    // Spread over the vectors (a few keys before each), not in one burst that stalls once the
+    // miss buffers are full.
+    int pf = 0;  // next-run keys prefetched so far
     for (int v = 0; v < nvec; ++v) {
+      for (const int upto = next * (v + 1) / nvec; pf < upto; ++pf)
+        for (int o = 0; o < pos_bytes; o += 64) {
+          __builtin_prefetch(kn[pf] + o);
+          __builtin_prefetch(vn[pf] + o);
+        }
       const int lim = std::min(n, visible[v] - p0);  // keys of this run the vector sees
       if (lim <= 0) continue;
       const float* qv = qs + v * D;
