@@ -12,9 +12,10 @@ One run, one machine, one set of weights, one mix of requests for every system:
   tokens each, greedy, ignoring EOS, so every system does the same work. Only the tokens each
   request asked for are counted: tokens/s = sum(max_tokens) / wall seconds. The lengths depend on
   the seed only, so a smaller mix is the first requests of the larger one. Default sizes: tiny 128
-  requests, 3 rounds; smollm2 32 requests, 1 round (a SmolLM2-shaped model at fp32 on 2 cores
-  makes some 40 tokens/s: the 128-request mix takes about half an hour per round for the three
-  systems; ``--model smollm2 --requests 128 --rounds 3`` runs it).
+  requests, 3 rounds; smollm2 32 requests, 1 round (on a SmolLM2-shaped model at fp32 on 2 cores
+  ``transformers`` makes some 20-35 tokens/s: the 128-request mix took 36 minutes for one round
+  of the three systems with two static batch sizes and one hf-cb setting;
+  ``--model smollm2 --requests 128 --rounds 3`` runs it).
 - The weights: ``tiny`` is the embedded ``tierserve-tiny`` written out as a Hugging Face
   ``LlamaForCausalLM`` checkpoint; ``smollm2`` is a SmolLM2-135M-shaped Llama (30 layers, hidden
   576, 9 heads, 3 KV heads, MLP 1536, vocabulary 49152, tied embeddings) with ``transformers``'
@@ -842,9 +843,9 @@ def _set_omp_wait(policy: str, argv: list[str] | None) -> None:
     os.execv(sys.executable, [sys.executable, "-m", "bench.throughput", *args])
 
 
-# Per model: (requests, rounds) of a default run and of --quick. SmolLM2's shape at fp32 on two
-# cores generates some 40 tokens/s, so its 128-request mix takes about half an hour per round
-# for the three systems; by default it runs the first 32 requests of the same seeded mix, once.
+# Per model: (requests, rounds) of a default run and of --quick. On SmolLM2's shape at fp32 on two
+# cores transformers generates some 20-35 tokens/s, so its 128-request mix takes over half an hour
+# per round for the three systems; by default it runs the first 32 requests of the mix, once.
 DEFAULT_SIZE = {"tiny": (128, 3), "smollm2": (32, 1)}
 QUICK_SIZE = {"tiny": (32, 1), "smollm2": (4, 1)}
 

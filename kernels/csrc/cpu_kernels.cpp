@@ -75,32 +75,67 @@ struct Item {
   const float* v_cache;
 };
 
+// The state both attention loops keep for an item's query vectors (rows x the query heads of
+// its KV heads): the queries pre-scaled, each vector's running max and sum, the keys it sees
+// (causal), its KV head's offset within a cache position, and its output accumulator.
+struct VecState {
+  int nvec;
+  int per_row;
+  int D;
+  float* qs;   // [nvec, D], in a per-thread scratch buffer
+  float* acc;  // [nvec, D]
+  float m[kMaxVecs];
+  float l[kMaxVecs];
+  int visible[kMaxVecs];
+  int koff[kMaxVecs];
+
+  VecState(const Item& it, int group, int d, float scale)
+      : nvec(it.rows * it.heads * group), per_row(it.heads * group), D(d) {
+    thread_local std::vector<float> scratch;
+    if (scratch.size() < static_cast<size_t>(2 * kMaxVecs * kMaxDim))
+      scratch.resize(2 * kMaxVecs * kMaxDim);
+    qs = scratch.data();
+    acc = qs + nvec * D;
+    for (int r = 0; r < it.rows; ++r) {
+      for (int g = 0; g < per_row; ++g) {
+        const int v = r * per_row + g;
+        koff[v] = (g / group) * D;  // the vector's KV head within the item
+        const float* src = it.q + r * it.q_row_stride + static_cast<int64_t>(g) * D;
+        for (int i = 0; i < D; ++i) qs[v * D + i] = src[i] * scale;
+        m[v] = kNegBig;
+        l[v] = 0.0f;
+        visible[v] = it.first_visible + r;
+      }
+    }
+    std::memset(acc, 0, sizeof(float) * nvec * D);
+  }
+
+  // out = acc / l for every vector, at its row and query head.
+  void write_out(const Item& it) const {
+    for (int r = 0; r < it.rows; ++r) {
+      for (int g = 0; g < per_row; ++g) {
+        const int v = r * per_row + g;
+        const float inv = 1.0f / l[v];
+        float* dst = it.out + r * it.out_row_stride + static_cast<int64_t>(g) * D;
+        for (int i = 0; i < D; ++i) dst[i] = acc[v * D + i] * inv;
+      }
+    }
+  }
+};
+
 template <int DT>
 void attend_generic(const Item& it, int group, int d_runtime, int block_size, int64_t pos_stride,
             float scale) {
   const int D = DT ? DT : d_runtime;
-  const int per_row = it.heads * group;  // query vectors per row: the item's query heads
-  const int nvec = it.rows * per_row;
-  thread_local std::vector<float> scratch;
-  if (scratch.size() < static_cast<size_t>(2 * nvec * D)) scratch.resize(2 * kMaxVecs * kMaxDim);
-  float* qs = scratch.data();
-  float* acc = qs + nvec * D;
+  VecState st(it, group, D, scale);
+  const int nvec = st.nvec;
+  float* const qs = st.qs;
+  float* const acc = st.acc;
+  float* const m = st.m;
+  float* const l = st.l;
+  const int* const visible = st.visible;
+  const int* const koff = st.koff;
   alignas(64) float s[kMaxVecs][kKeyTile];
-  float m[kMaxVecs], l[kMaxVecs];
-  int visible[kMaxVecs];
-  int koff[kMaxVecs];
-  for (int r = 0; r < it.rows; ++r) {
-    for (int g = 0; g < per_row; ++g) {
-      const int v = r * per_row + g;
-      koff[v] = (g / group) * D;  // the vector's KV head within the item
-      const float* src = it.q + r * it.q_row_stride + static_cast<int64_t>(g) * D;
-      for (int i = 0; i < D; ++i) qs[v * D + i] = src[i] * scale;
-      m[v] = kNegBig;
-      l[v] = 0.0f;
-      visible[v] = it.first_visible + r;
-    }
-  }
-  std::memset(acc, 0, sizeof(float) * nvec * D);
   const int total = it.first_visible + it.rows - 1;
   for (int p0 = 0; p0 < total;) {
     const int b = p0 / block_size;
@@ -151,14 +186,7 @@ void attend_generic(const Item& it, int group, int d_runtime, int block_size, in
     }
     p0 += n;
   }
-  for (int r = 0; r < it.rows; ++r) {
-    for (int g = 0; g < per_row; ++g) {
-      const int v = r * per_row + g;
-      const float inv = 1.0f / l[v];
-      float* dst = it.out + r * it.out_row_stride + static_cast<int64_t>(g) * D;
-      for (int i = 0; i < D; ++i) dst[i] = acc[v * D + i] * inv;
-    }
-  }
+  st.write_out(it);
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -228,30 +256,17 @@ void attend_avx2(const Item& it, int group, int d_runtime, int block_size, int64
             float scale) {
   const int D = DT ? DT : d_runtime;
   const int C = D / 8;
-  const int per_row = it.heads * group;  // query vectors per row: the item's query heads
-  const int nvec = it.rows * per_row;
-  thread_local std::vector<float> scratch;
-  if (scratch.size() < static_cast<size_t>(2 * nvec * D)) scratch.resize(2 * kMaxVecs * kMaxDim);
-  float* qs = scratch.data();
-  float* acc = qs + nvec * D;
+  VecState st(it, group, D, scale);
+  const int nvec = st.nvec;
+  float* const qs = st.qs;
+  float* const acc = st.acc;
+  float* const m = st.m;
+  float* const l = st.l;
+  const int* const visible = st.visible;
+  const int* const koff = st.koff;
   alignas(64) float s[kKeyTile];
   const float* kp[kKeyTile];
   const float* vp[kKeyTile];
-  float m[kMaxVecs], l[kMaxVecs];
-  int visible[kMaxVecs];
-  int koff[kMaxVecs];
-  for (int r = 0; r < it.rows; ++r) {
-    for (int g = 0; g < per_row; ++g) {
-      const int v = r * per_row + g;
-      koff[v] = (g / group) * D;  // the vector's KV head within the item
-      const float* src = it.q + r * it.q_row_stride + static_cast<int64_t>(g) * D;
-      for (int i = 0; i < D; ++i) qs[v * D + i] = src[i] * scale;
-      m[v] = kNegBig;
-      l[v] = 0.0f;
-      visible[v] = it.first_visible + r;
-    }
-  }
-  std::memset(acc, 0, sizeof(float) * nvec * D);
   const int total = it.first_visible + it.rows - 1;
   for (int p0 = 0; p0 < total; p0 += kKeyTile) {
     const int n = std::min(kKeyTile, total - p0);
@@ -339,14 +354,7 @@ void attend_avx2(const Item& it, int group, int d_runtime, int block_size, int64
       }
     }
   }
-  for (int r = 0; r < it.rows; ++r) {
-    for (int g = 0; g < per_row; ++g) {
-      const int v = r * per_row + g;
-      const float inv = 1.0f / l[v];
-      float* dst = it.out + r * it.out_row_stride + static_cast<int64_t>(g) * D;
-      for (int i = 0; i < D; ++i) dst[i] = acc[v * D + i] * inv;
-    }
-  }
+  st.write_out(it);
 }
 
 #endif  // AVX2 and FMA
