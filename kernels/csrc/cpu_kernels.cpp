@@ -128,13 +128,6 @@ void attend_generic(const Item& it, int group, int d_runtime, int block_size, in
             float scale) {
   const int D = DT ? DT : d_runtime;
   VecState st(it, group, D, scale);
-  const int nvec = st.nvec;
-  float* const qs = st.qs;
-  float* const acc = st.acc;
-  float* const m = st.m;
-  float* const l = st.l;
-  const int* const visible = st.visible;
-  const int* const koff = st.koff;
   alignas(64) float s[kMaxVecs][kKeyTile];
   const int total = it.first_visible + it.rows - 1;
   for (int p0 = 0; p0 < total;) {
@@ -145,21 +138,21 @@ void attend_generic(const Item& it, int group, int d_runtime, int block_size, in
     const float* kb = it.k_cache + base;
     const float* vb = it.v_cache + base;
     for (int j = 0; j < n; ++j) {
-      for (int v = 0; v < nvec; ++v) {
-        const float* kj = kb + j * pos_stride + koff[v];
-        const float* qv = qs + v * D;
+      for (int v = 0; v < st.nvec; ++v) {
+        const float* kj = kb + j * pos_stride + st.koff[v];
+        const float* qv = st.qs + v * D;
         float t = 0.0f;
 #pragma omp simd reduction(+ : t)
         for (int i = 0; i < D; ++i) t += qv[i] * kj[i];
-        s[v][j] = (p0 + j < visible[v]) ? t : kNegBig;
+        s[v][j] = (p0 + j < st.visible[v]) ? t : kNegBig;
       }
     }
-    for (int v = 0; v < nvec; ++v) {
-      if (p0 >= visible[v]) continue;
-      float mb = m[v];
+    for (int v = 0; v < st.nvec; ++v) {
+      if (p0 >= st.visible[v]) continue;
+      float mb = st.m[v];
       for (int j = 0; j < n; ++j) mb = std::max(mb, s[v][j]);
-      const float alpha = fast_exp(m[v] - mb);
-      m[v] = mb;
+      const float alpha = fast_exp(st.m[v] - mb);
+      st.m[v] = mb;
       float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
       for (int j = 0; j < n; ++j) {
@@ -167,19 +160,19 @@ void attend_generic(const Item& it, int group, int d_runtime, int block_size, in
         s[v][j] = e;
         sum += e;
       }
-      l[v] = l[v] * alpha + sum;
+      st.l[v] = st.l[v] * alpha + sum;
       if (alpha != 1.0f) {
-        float* a = acc + v * D;
+        float* a = st.acc + v * D;
 #pragma omp simd
         for (int i = 0; i < D; ++i) a[i] *= alpha;
       }
     }
     for (int j = 0; j < n; ++j) {
-      for (int v = 0; v < nvec; ++v) {
-        if (p0 >= visible[v]) continue;
-        const float* vj = vb + j * pos_stride + koff[v];
+      for (int v = 0; v < st.nvec; ++v) {
+        if (p0 >= st.visible[v]) continue;
+        const float* vj = vb + j * pos_stride + st.koff[v];
         const float pj = s[v][j];
-        float* a = acc + v * D;
+        float* a = st.acc + v * D;
 #pragma omp simd
         for (int i = 0; i < D; ++i) a[i] += pj * vj[i];
       }
@@ -257,13 +250,6 @@ void attend_avx2(const Item& it, int group, int d_runtime, int block_size, int64
   const int D = DT ? DT : d_runtime;
   const int C = D / 8;
   VecState st(it, group, D, scale);
-  const int nvec = st.nvec;
-  float* const qs = st.qs;
-  float* const acc = st.acc;
-  float* const m = st.m;
-  float* const l = st.l;
-  const int* const visible = st.visible;
-  const int* const koff = st.koff;
   alignas(64) float s[kKeyTile];
   const float* kp[kKeyTile];
   const float* vp[kKeyTile];
@@ -293,21 +279,21 @@ void attend_avx2(const Item& it, int group, int d_runtime, int block_size, int64
     // Spread over the vectors (a few keys before each), not in one burst that stalls once the
     // miss buffers are full.
     int pf = 0;  // next-run keys prefetched so far
-    for (int v = 0; v < nvec; ++v) {
-      for (const int upto = next * (v + 1) / nvec; pf < upto; ++pf)
+    for (int v = 0; v < st.nvec; ++v) {
+      for (const int upto = next * (v + 1) / st.nvec; pf < upto; ++pf)
         for (int o = 0; o < pos_bytes; o += 64) {
           __builtin_prefetch(kn[pf] + o);
           __builtin_prefetch(vn[pf] + o);
         }
-      const int lim = std::min(n, visible[v] - p0);  // keys of this run the vector sees
+      const int lim = std::min(n, st.visible[v] - p0);  // keys of this run the vector sees
       if (lim <= 0) continue;
-      const float* qv = qs + v * D;
+      const float* qv = st.qs + v * D;
       for (int j0 = 0; j0 < lim; j0 += 8) {
         __m256 p[8];
         for (int jj = 0; jj < 8; ++jj) {
           __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
           if (j0 + jj < lim) {
-            const float* kj = kp[j0 + jj] + koff[v];
+            const float* kj = kp[j0 + jj] + st.koff[v];
             int c = 0;
             for (; c + 1 < C; c += 2) {
               a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qv + 8 * c), _mm256_loadu_ps(kj + 8 * c), a0);
@@ -322,14 +308,14 @@ void attend_avx2(const Item& it, int group, int d_runtime, int block_size, int64
       }
       const int lim8 = (lim + 7) & ~7;
       for (int j = lim; j < lim8; ++j) s[j] = kNegBig;
-      __m256 mx = _mm256_set1_ps(m[v]);
+      __m256 mx = _mm256_set1_ps(st.m[v]);
       for (int j = 0; j < lim8; j += 8) mx = _mm256_max_ps(mx, _mm256_load_ps(s + j));
       __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
       h = _mm_max_ps(h, _mm_movehl_ps(h, h));
       h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
       const float mb = _mm_cvtss_f32(h);
-      const float alpha = fast_exp(m[v] - mb);
-      m[v] = mb;
+      const float alpha = fast_exp(st.m[v] - mb);
+      st.m[v] = mb;
       __m256 sm = _mm256_setzero_ps();
       const __m256 mbv = _mm256_set1_ps(mb);
       for (int j = 0; j < lim8; j += 8) {
@@ -341,15 +327,15 @@ void attend_avx2(const Item& it, int group, int d_runtime, int block_size, int64
       t = _mm_add_ps(t, _mm_movehl_ps(t, t));
       t = _mm_add_ss(t, _mm_shuffle_ps(t, t, 1));
       const float sum = _mm_cvtss_f32(t);
-      l[v] = l[v] * alpha + sum;
-      float* a = acc + v * D;
+      st.l[v] = st.l[v] * alpha + sum;
+      float* a = st.acc + v * D;
       const __m256 al = _mm256_set1_ps(alpha);
       int c0 = 0;
-      for (; c0 + 4 <= C; c0 += 4) value_sum<4>(a + 8 * c0, vp, koff[v] + 8 * c0, s, lim, al);
+      for (; c0 + 4 <= C; c0 += 4) value_sum<4>(a + 8 * c0, vp, st.koff[v] + 8 * c0, s, lim, al);
       switch (C - c0) {
-        case 3: value_sum<3>(a + 8 * c0, vp, koff[v] + 8 * c0, s, lim, al); break;
-        case 2: value_sum<2>(a + 8 * c0, vp, koff[v] + 8 * c0, s, lim, al); break;
-        case 1: value_sum<1>(a + 8 * c0, vp, koff[v] + 8 * c0, s, lim, al); break;
+        case 3: value_sum<3>(a + 8 * c0, vp, st.koff[v] + 8 * c0, s, lim, al); break;
+        case 2: value_sum<2>(a + 8 * c0, vp, st.koff[v] + 8 * c0, s, lim, al); break;
+        case 1: value_sum<1>(a + 8 * c0, vp, st.koff[v] + 8 * c0, s, lim, al); break;
         default: break;
       }
     }
@@ -471,10 +457,11 @@ inline void linear_tile(const LinearArgs& a, int64_t row, int64_t panel) {
 void linear_rows(const LinearArgs& a, int64_t row, int64_t rows, int64_t p0, int64_t p1) {
   for (int64_t p = p0; p < p1; p += 2) {
     const bool pair = p + 1 < p1;
-    int64_t m = row;
     const int64_t end = row + rows;
+    const int64_t tail = end - (rows % 6);  // the first row past the blocks of 6
     for (int pp = 0; pp < (pair ? 2 : 1); ++pp)
-      for (m = row; m + 6 <= end; m += 6) linear_tile<6, 1>(a, m, p + pp);
+      for (int64_t r = row; r < tail; r += 6) linear_tile<6, 1>(a, r, p + pp);
+    const int64_t m = tail;
     switch (end - m) {
       case 5:
         linear_tile<5, 1>(a, m, p);
@@ -698,8 +685,8 @@ int ts_linear_f32(const float* x, int64_t x_stride, int64_t m, int64_t k, const 
   if (m < 0 || k <= 0 || n <= 0 || (m > 1 && (x_stride < k || y_stride < n))) return -1;
   if (m == 0) return 0;
   const LinearArgs a{x, x_stride, k, packed, n, bias, y, y_stride};
-  const int64_t pairs = ((n + kPanel - 1) / kPanel + 1) / 2;
   const int64_t panels = (n + kPanel - 1) / kPanel;
+  const int64_t pairs = (panels + 1) / 2;
 #pragma omp parallel num_threads(num_threads) if (pairs > 1 && m * n * k >= kParallelMacs)
   {
     const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();

@@ -78,16 +78,10 @@ class Linear(nn.Module):
         matrix back. A weight shared with another module (tied embeddings) is copied: this
         layer stops sharing it.
         """
-        w = self.weight
-        if (
-            self.packed
-            or self.deterministic
-            or w.device.type != "cpu"
-            or w.dtype != torch.float32
-            or not cpu_native.fused_ok(w)
-        ):
+        # fused_ok: fp32 on CPU, kernels built and enabled.
+        if self.packed or self.deterministic or not cpu_native.fused_ok(self.weight):
             return False
-        self.weight = nn.Parameter(cpu_native.pack_linear(w.data), requires_grad=False)
+        self.weight = nn.Parameter(cpu_native.pack_linear(self.weight.data), requires_grad=False)
         self.packed = True
         return True
 

@@ -330,9 +330,9 @@ def test_fused_ops_refuse_bad_inputs() -> None:
     assert torch.equal(qkv, before)  # refused before touching anything
 
 
-@needs_native
-def test_model_fast_path_matches_torch_path() -> None:
-    """The whole model: native fused ops and attention against plain torch ops, same logits."""
+def _embedded_model_step():  # type: ignore[no-untyped-def]
+    """The embedded default model (seed 0) and a step of it on a fixed batch of two sequences
+    (fresh zero caches each call) that returns the two sampled rows' logits."""
     from replica.models.embedded import build_model
     from replica.models.llama import ModelOptions
 
@@ -347,12 +347,24 @@ def test_model_fast_path_matches_torch_path() -> None:
         caches = [(torch.zeros(8, 16, 2, 32), torch.zeros(8, 16, 2, 32)) for _ in range(4)]
         return model(ids, meta.positions, caches, meta, rows)
 
-    fast = run()
+    return model, run
+
+
+def _on_torch_path(run):  # type: ignore[no-untyped-def]
+    """``run()`` with the native kernels switched off (plain torch ops)."""
     cpu_native.enabled = False
     try:
-        plain = run()
+        return run()
     finally:
         cpu_native.enabled = True
+
+
+@needs_native
+def test_model_fast_path_matches_torch_path() -> None:
+    """The whole model: native fused ops and attention against plain torch ops, same logits."""
+    _, run = _embedded_model_step()
+    fast = run()
+    plain = _on_torch_path(run)
     torch.testing.assert_close(fast, plain, atol=1e-4, rtol=1e-4)
 
 
@@ -461,28 +473,12 @@ def test_packed_model_matches_torch_path(tmp_path: object) -> None:
     LM head its own copy (the embedding keeps its rows), the same logits as plain torch, and a
     packed model refuses to load weights."""
     from replica.models.config import ModelLoadError
-    from replica.models.embedded import build_model
-    from replica.models.llama import ModelOptions
     from replica.models.loader import load_weights
 
-    torch.manual_seed(0)
-    model = build_model(ModelOptions())
+    model, run = _embedded_model_step()
     assert model.lm_head.weight is model.model.embed_tokens.weight
     embed = model.model.embed_tokens.weight.data.clone()
-    specs = [SeqSpec(0, 40, list(range(3))), SeqSpec(0, 9, [5])]
-    meta = build_metadata(specs, 16)
-    ids = torch.randint(0, 256, (meta.num_tokens,))
-    rows = torch.tensor([39, 48])
-
-    def run() -> torch.Tensor:
-        caches = [(torch.zeros(8, 16, 2, 32), torch.zeros(8, 16, 2, 32)) for _ in range(4)]
-        return model(ids, meta.positions, caches, meta, rows)
-
-    cpu_native.enabled = False
-    try:
-        plain = run()
-    finally:
-        cpu_native.enabled = True
+    plain = _on_torch_path(run)
     layers = len(model.model.layers)
     assert model.pack_for_cpu() == 4 * layers + 1  # qkv, o, gate_up, down per layer; the head
     assert model.pack_for_cpu() == 0  # already packed
