@@ -16,11 +16,18 @@ tokens or more: one run, no warm-up), for
 
 Models: the embedded default ``tierserve-tiny`` and a SmolLM2-135M-shaped model with random
 weights (30 layers, hidden 576, 9 heads, 3 KV heads, head_dim 64, MLP 1536, vocabulary 49152,
-tied head). ``det/def`` is the deterministic mode's step time over the default mode's: what
-batch- and chunk-invariance costs; ``model-side det/def`` is the same ratio with the default
-attention kernel, i.e. the cost of the padded matmuls and composed SiLU alone. The header
-records the machine and threads; the footer the load average before and after (other processes
-on a shared machine slow every figure down; 2 threads on 2 busy cores suffer most).
+tied head). Three models of the same weights, timed side by side:
+
+- ``default``: the default mode as a replica runs it (linear weights packed for the native
+  kernel at start-up, as ``ModelRunner`` does);
+- ``det``: the deterministic mode (every layer on the native kernels, no library fallback);
+  ``det/def`` is what batch- and chunk-invariance costs;
+- ``torch-lin``: the default mode with the linear layers left to torch (``F.linear``, the BLAS
+  library's GEMM), for reference: ``torch-lin/def`` above 1 means the native linear wins.
+
+The header records the machine (CPU model, torch's CPU capability) and threads; the footer the
+load average before and after (other processes on a shared machine slow every figure down; 2
+threads on 2 busy cores suffer most).
 """
 
 from __future__ import annotations
@@ -39,22 +46,22 @@ import torch
 from kernels.metadata import AttentionMetadata, SeqSpec, build_metadata
 from replica.models.config import ModelConfig
 from replica.models.embedded import build_model, embedded_config
-from replica.models.llama import LlamaAttention, LlamaForCausalLM, ModelOptions
+from replica.models.llama import LlamaForCausalLM, ModelOptions
 
 BLOCK = 16
 
 
 @dataclass(frozen=True, slots=True)
 class Row:
-    """Step times in ms: default mode; deterministic; deterministic model side only (padded
-    matmuls and composed SiLU, with the default attention)."""
+    """Step times in ms: the default mode (packed native linears); the deterministic mode; the
+    default mode with torch's linears."""
 
     model: str
     case: str
     tokens: int
     default_ms: float
     det_ms: float
-    det_model_ms: float
+    torch_linear_ms: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,22 +149,19 @@ def step_seconds(
     return statistics.median(times)
 
 
-def set_deterministic_attention(model: LlamaForCausalLM, on: bool) -> None:
-    """Switch only the attention calls of a deterministic model (to split its cost)."""
-    for module in model.modules():
-        if isinstance(module, LlamaAttention):
-            module.deterministic = on
-
-
 def bench_model(
     name: str, cfg: ModelConfig, batches: list[int], ctx: int, prefill: int, repeats: int
 ) -> list[Row]:
     torch.manual_seed(0)
     if name == "tiny":
         fast, det = build_model(ModelOptions()), build_model(ModelOptions(deterministic=True))
+        plain = build_model(ModelOptions())
     else:
         fast = random_model(cfg, ModelOptions())
         det = random_model(cfg, ModelOptions(deterministic=True))
+        plain = random_model(cfg, ModelOptions())
+    fast.pack_for_cpu()
+    det.pack_for_cpu()
     per_seq = -(-(ctx + 1) // BLOCK)
     caches = kv_caches(cfg, max(max(batches) * per_seq, -(-prefill // BLOCK)))
     cases = [(f"decode x{b} (ctx {ctx})", decode_batch(b, ctx, cfg.vocab_size)) for b in batches]
@@ -167,10 +171,8 @@ def bench_model(
         # Long steps: one timed run, no warm-up (a warm-up matters for short steps only).
         reps, warm = (repeats, 1) if batch.tokens < 256 else (1, 0)
         a = step_seconds(fast, caches, batch, reps, warm)
-        set_deterministic_attention(det, False)
-        c = step_seconds(det, caches, batch, reps, warm)
-        set_deterministic_attention(det, True)
         b = step_seconds(det, caches, batch, reps, warm)
+        c = step_seconds(plain, caches, batch, reps, warm)
         rows.append(Row(name, label, batch.tokens, a * 1e3, b * 1e3, c * 1e3))
         print(_format(rows[-1]), flush=True)
     return rows
@@ -196,7 +198,7 @@ def machine() -> dict[str, object]:
 
 HEADER = (
     f"{'model':8s} {'case':22s} {'tokens':>6s} {'default ms':>10s} {'tok/s':>8s} "
-    f"{'det ms':>10s} {'tok/s':>8s} {'det/def':>7s} {'model-side det/def':>18s}"
+    f"{'det ms':>10s} {'tok/s':>8s} {'det/def':>7s} {'torch-lin ms':>12s} {'torch-lin/def':>13s}"
 )
 
 
@@ -205,7 +207,7 @@ def _format(r: Row) -> str:
         f"{r.model:8s} {r.case:22s} {r.tokens:6d} {r.default_ms:10.2f} "
         f"{r.tokens / r.default_ms * 1e3:8.0f} {r.det_ms:10.2f} "
         f"{r.tokens / r.det_ms * 1e3:8.0f} {r.det_ms / r.default_ms:7.2f} "
-        f"{r.det_model_ms / r.default_ms:18.2f}"
+        f"{r.torch_linear_ms:12.2f} {r.torch_linear_ms / r.default_ms:13.2f}"
     )
 
 

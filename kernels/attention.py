@@ -7,13 +7,13 @@ the batch, on how a prompt was cut into chunks, or on whether a token is a decod
 
 - torch:  on CPU with fp32 queries and caches, ``cpu_native.paged_attention`` (a C++ kernel built
   at first use that reads the paged cache in place); otherwise, or when it cannot be built,
-  ``torch_attention.paged_attention_fast`` (padded-gather SDPA for decodes, SDPA per chunk);
-  deterministic: ``torch_attention.paged_attention_deterministic``.
+  ``torch_attention.paged_attention_fast`` (padded-gather SDPA for decodes, SDPA per chunk).
+  Deterministic: the native kernel only (its every row is computed in an order fixed by the row
+  alone); where it cannot run, ``DeterministicModeUnavailable`` says why.
 - triton: ``triton_attention.paged_attention``: a decode launch (split-KV when the grid is small)
   plus a prefill launch, or, deterministic, one fixed-configuration launch for every row.
 
-The two deterministic paths are each invariant; they are not bit-equal to each other. The
-deterministic torch path runs on CPU only (``ValueError`` on CUDA); the GPU's is the Triton one.
+The two deterministic paths are each invariant; they are not bit-equal to each other.
 """
 
 from __future__ import annotations
@@ -61,9 +61,12 @@ def attention(
         )
     if not kv_stored:
         reference.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-    if deterministic:
-        return torch_attention.paged_attention_deterministic(q, k_cache, v_cache, meta, scale)
     plan = cpu_native.attention_plan(q, k_cache)
+    if plan is None and deterministic:
+        raise cpu_native.DeterministicModeUnavailable(
+            "deterministic attention on the torch backend runs on the native CPU kernel, which "
+            f"does not take these inputs: {cpu_native.why_not_attention(q, k_cache)}"
+        )
     if plan is not None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         cpu_native.paged_attention(q, k_cache, v_cache, meta, scale, out, meta.num_seqs, plan)

@@ -11,8 +11,11 @@ plain torch):
   splitting the panels. ``replica.models.layers.Linear.pack_for_cpu`` switches a layer to it.
 - ``rms_norm`` (optionally adding the previous block's output into the residual first),
   ``silu_and_mul`` and ``rope_store`` (rotary embedding of q and k, then k and v into the
-  cache): one pass over the rows each, where torch runs several ops with temporaries; used by
-  the model's layers outside the deterministic mode.
+  cache): one pass over the rows each, where torch runs several ops with temporaries.
+
+Every kernel computes each value of a row from that row alone, in an order fixed by the row's
+own sizes (see the source's header): the deterministic mode (docs/determinism.md) runs on these
+kernels only, and ``deterministic_unsupported`` says when it cannot.
 
 Build: the first call compiles the source with the system C++ compiler (``$CXX``, else ``g++``
 or ``c++``; ``-O3 -march=native -fopenmp``, about a second) into a cache directory
@@ -51,7 +54,15 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
 ENV_SWITCH = "TIERSERVE_NATIVE_KERNELS"
 ENV_CACHE = "TIERSERVE_CACHE_DIR"
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17")
+FLAGS = (
+    "-O3",
+    "-march=native",
+    "-ffp-contract=off",
+    "-fopenmp",
+    "-fPIC",
+    "-shared",
+    "-std=c++17",
+)
 # Query rows per work item, at most: a prefill chunk's rows share each key run of the item.
 MAX_ROW_TILE = 8
 
@@ -77,6 +88,68 @@ _ERRORS = {
 
 class NativeKernelError(RuntimeError):
     """The native kernel refused its arguments (a bug in the caller: they are checked first)."""
+
+
+class DeterministicModeUnavailable(ValueError):
+    """The deterministic mode cannot be honoured here (the message says why)."""
+
+
+def deterministic_unsupported(
+    device: torch.device | str, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int
+) -> str | None:
+    """Why the deterministic mode cannot run a model of these heads on ``device`` in ``dtype``
+    (None when it can). It runs on the native kernels only, whose every output for a row is
+    computed in an order fixed by that row alone; there is no fallback to a library path."""
+    dev = torch.device(device)
+    if dev.type != "cpu":
+        return (
+            f"it runs on CPU only (got device {dev}): its row-independent kernels are the native "
+            "CPU ones; run without deterministic on a GPU"
+        )
+    if dtype != torch.float32:
+        return f"it runs in float32 only (got {dtype}); set dtype to float32"
+    if not enabled:
+        return "the native CPU kernels are switched off (kernels.cpu_native.enabled)"
+    if _load() is None:
+        return f"the native CPU kernels are unavailable: {_reason}"
+    if num_kv_heads <= 0 or num_heads % num_kv_heads:
+        return f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads"
+    if head_dim > _MAX_HEAD_DIM or num_heads // num_kv_heads > _MAX_VECS:
+        return (
+            f"head_dim {head_dim} or {num_heads // num_kv_heads} query heads per KV head is "
+            f"beyond the native attention's limits ({_MAX_HEAD_DIM}, {_MAX_VECS})"
+        )
+    return None
+
+
+def why_not_fused(x: torch.Tensor) -> str | None:
+    """Why the native row-wise ops do not take ``x`` (None when ``fused_ok(x)``)."""
+    if x.device.type != "cpu" or x.dtype != torch.float32:
+        return f"they take float32 on CPU, got {x.dtype} on {x.device}"
+    if not enabled:
+        return "the native CPU kernels are switched off (kernels.cpu_native.enabled)"
+    if not available():
+        return f"the native CPU kernels are unavailable: {_reason}"
+    return None
+
+
+def why_not_attention(q: torch.Tensor, k_cache: torch.Tensor) -> str:
+    """Why ``attention_plan`` refuses these inputs (for error messages)."""
+    reason = why_not_fused(q) or why_not_fused(k_cache)
+    if reason is not None:
+        return reason
+    hq, d, hkv = q.shape[1], q.shape[2], k_cache.shape[2]
+    return (
+        f"{hq} query heads over {hkv} KV heads of head_dim {d}; the kernel takes a multiple of "
+        f"the KV heads, at most {_MAX_VECS} per KV head, and head_dim up to {_MAX_HEAD_DIM}"
+    )
+
+
+def require_fused(x: torch.Tensor, what: str) -> None:
+    """Raise ``DeterministicModeUnavailable`` unless the native ops take ``x`` (for ``what``)."""
+    reason = why_not_fused(x)
+    if reason is not None:
+        raise DeterministicModeUnavailable(f"deterministic {what} needs the native kernels: {reason}")
 
 
 def _compiler() -> str | None:

@@ -18,6 +18,24 @@ import pytest
 _status: list[int] = []
 
 
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    """The CPU the suite runs on (the deterministic mode's tests must pass on every one)."""
+    import platform
+
+    import torch
+
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return [
+        f"cpu: {model}; torch {torch.__version__}, CPU capability "
+        f"{torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads"
+    ]
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     _status.append(int(exitstatus))
 

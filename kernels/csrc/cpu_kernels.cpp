@@ -18,6 +18,16 @@
 // first), ts_silu_mul_f32 (SwiGLU's silu(gate) * up) and ts_rope_store_f32 (rotary embedding of
 // q and k in place, then k and v stored at their cache slots). ts_linear_f32 multiplies rows by
 // a weight that ts_pack_linear_f32 laid out in panels of 16 output features (see below).
+//
+// Row independence, by construction: every value a kernel writes for a row is computed from that
+// row's inputs (and, for attention, its sequence's cache) in an order fixed by the row's own
+// sizes and position: never by how many rows share the call, where the row sits in it, which
+// work item or thread takes it, or where its memory is aligned. Sums run in explicit lanes with
+// a fixed final tree (no `omp simd reduction`, which lets the compiler choose the order), key
+// runs start at fixed positions, a linear output is one chain of multiply-adds over k in order,
+// and the build passes -ffp-contract=off so that only the explicit fmadd()/intrinsics fuse. The
+// deterministic mode (docs/determinism.md) rests on this; tests/kernels check it on this CPU and
+// on a portable build.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -40,6 +50,32 @@ constexpr float kNegBig = -1e30f;
 constexpr int64_t kParallelElems = 1 << 16;
 // Likewise for attention, in query-vector x key products.
 constexpr int64_t kParallelProducts = 1 << 12;
+
+// a * b + c, fused where the CPU has FMA (the build fuses nothing else: -ffp-contract=off).
+inline float fmadd(float a, float b, float c) {
+#if defined(__FMA__)
+  return __builtin_fmaf(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+
+// Sums in kLanes explicit lanes (element i in lane i % kLanes), then a fixed pairwise tree: the
+// order depends only on n. The compiler may vectorize the lane loops; it may not reorder them.
+constexpr int kLanes = 16;
+inline float lane_tree(float (&part)[kLanes]) {
+  for (int w = kLanes / 2; w >= 1; w /= 2)
+    for (int l = 0; l < w; ++l) part[l] += part[l + w];
+  return part[0];
+}
+inline float dot_fixed(const float* a, const float* b, int n) {
+  float part[kLanes] = {};
+  int i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int l = 0; l < kLanes; ++l) part[l] = fmadd(a[i + l], b[i + l], part[l]);
+  for (int l = 0; i + l < n; ++l) part[l] = fmadd(a[i + l], b[i + l], part[l]);
+  return lane_tree(part);
+}
 
 // exp(x) for the softmax's x <= 0, to ~2 ulp (Cephes' expf); written without calls or branches
 // so that the compiler vectorizes the loops that use it. x below -87 is clamped (exp < 2e-38).
@@ -123,58 +159,45 @@ struct VecState {
   }
 };
 
+// The portable loop: one query vector at a time over runs of keys that start at fixed positions
+// (block and kKeyTile boundaries), each vector stopping at the keys it sees.
 template <int DT>
 void attend_generic(const Item& it, int group, int d_runtime, int block_size, int64_t pos_stride,
             float scale) {
   const int D = DT ? DT : d_runtime;
   VecState st(it, group, D, scale);
-  alignas(64) float s[kMaxVecs][kKeyTile];
+  alignas(64) float s[kKeyTile];
   const int total = it.first_visible + it.rows - 1;
   for (int p0 = 0; p0 < total;) {
     const int b = p0 / block_size;
     const int off = p0 - b * block_size;
-    const int n = std::min(std::min(block_size - off, kKeyTile), total - p0);
+    const int n = std::min(block_size - off, kKeyTile);
     const int64_t base = (static_cast<int64_t>(it.table[b]) * block_size + off) * pos_stride;
     const float* kb = it.k_cache + base;
     const float* vb = it.v_cache + base;
-    for (int j = 0; j < n; ++j) {
-      for (int v = 0; v < st.nvec; ++v) {
-        const float* kj = kb + j * pos_stride + st.koff[v];
-        const float* qv = st.qs + v * D;
-        float t = 0.0f;
-#pragma omp simd reduction(+ : t)
-        for (int i = 0; i < D; ++i) t += qv[i] * kj[i];
-        s[v][j] = (p0 + j < st.visible[v]) ? t : kNegBig;
-      }
-    }
     for (int v = 0; v < st.nvec; ++v) {
-      if (p0 >= st.visible[v]) continue;
+      const int lim = std::min(n, st.visible[v] - p0);  // keys of this run the vector sees
+      if (lim <= 0) continue;
+      const float* qv = st.qs + v * D;
       float mb = st.m[v];
-      for (int j = 0; j < n; ++j) mb = std::max(mb, s[v][j]);
+      for (int j = 0; j < lim; ++j) {
+        s[j] = dot_fixed(qv, kb + j * pos_stride + st.koff[v], D);
+        mb = std::max(mb, s[j]);
+      }
       const float alpha = fast_exp(st.m[v] - mb);
       st.m[v] = mb;
       float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-      for (int j = 0; j < n; ++j) {
-        const float e = fast_exp(s[v][j] - mb);
-        s[v][j] = e;
-        sum += e;
+      for (int j = 0; j < lim; ++j) {
+        s[j] = fast_exp(s[j] - mb);
+        sum += s[j];
       }
       st.l[v] = st.l[v] * alpha + sum;
-      if (alpha != 1.0f) {
-        float* a = st.acc + v * D;
-#pragma omp simd
-        for (int i = 0; i < D; ++i) a[i] *= alpha;
-      }
-    }
-    for (int j = 0; j < n; ++j) {
-      for (int v = 0; v < st.nvec; ++v) {
-        if (p0 >= st.visible[v]) continue;
+      float* a = st.acc + v * D;
+      for (int i = 0; i < D; ++i) a[i] *= alpha;
+      for (int j = 0; j < lim; ++j) {
         const float* vj = vb + j * pos_stride + st.koff[v];
-        const float pj = s[v][j];
-        float* a = st.acc + v * D;
-#pragma omp simd
-        for (int i = 0; i < D; ++i) a[i] += pj * vj[i];
+        const float pj = s[j];
+        for (int i = 0; i < D; ++i) a[i] = fmadd(pj, vj[i], a[i]);
       }
     }
     p0 += n;
@@ -445,7 +468,8 @@ inline void linear_tile(const LinearArgs& a, int64_t row, int64_t panel) {
       for (int q = 0; q < NP; ++q) {
         const float* wk = w + q * pstride + k * kPanel;
 #pragma omp simd
-        for (int j = 0; j < kPanel; ++j) acc[r][q * kPanel + j] += xv * wk[j];
+        for (int j = 0; j < kPanel; ++j)
+          acc[r][q * kPanel + j] = fmadd(xv, wk[j], acc[r][q * kPanel + j]);
       }
     }
 #endif
@@ -592,9 +616,7 @@ int ts_rms_norm_f32(float* x, int64_t x_stride, const float* delta, int64_t delt
 #pragma omp simd
       for (int i = 0; i < hidden; ++i) xr[i] += dr[i];
     }
-    float ss = 0.0f;
-#pragma omp simd reduction(+ : ss)
-    for (int i = 0; i < hidden; ++i) ss += xr[i] * xr[i];
+    const float ss = dot_fixed(xr, xr, hidden);
     const float inv = 1.0f / __builtin_sqrtf(ss / static_cast<float>(hidden) + eps);
     float* orow = out + r * out_stride;
 #pragma omp simd

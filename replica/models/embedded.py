@@ -15,7 +15,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 from transformers import PreTrainedTokenizerFast
 
 from replica.models.config import ModelConfig
-from replica.models.llama import LlamaForCausalLM, ModelOptions
+from replica.models.llama import LlamaForCausalLM, ModelOptions, check_deterministic
 
 EMBEDDED_MODEL = "tierserve-tiny"
 SEED = 0x7E5E
@@ -71,6 +71,9 @@ def build_model(
     dtype: torch.dtype = torch.float32,
 ) -> LlamaForCausalLM:
     """The embedded model, weights generated on CPU in fp32 then cast/moved."""
+    if options is not None:
+        # Refuse before generating weights (the model is built on CPU in fp32, then moved).
+        check_deterministic(options, embedded_config(), device, dtype)
     model = LlamaForCausalLM(embedded_config(), options, device="cpu", dtype=torch.float32)
     gen = torch.Generator(device="cpu").manual_seed(SEED)
     with torch.no_grad():
@@ -83,7 +86,10 @@ def build_model(
             a = 0.125 if "embed_tokens" in name else math.sqrt(3.0 / param.shape[1])
             torch.randint(-_INT_RANGE, _INT_RANGE, tuple(param.shape), generator=gen, out=param)
             param.mul_(a / _INT_RANGE)
-    return model.to(device=device, dtype=dtype).eval()
+    model = model.to(device=device, dtype=dtype).eval()
+    if model.options.deterministic:
+        model.pack_for_cpu()  # checks the mode can run here; its layers need the packed weights
+    return model
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:

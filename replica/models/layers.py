@@ -1,27 +1,20 @@
 """Building blocks of the Llama family: Linear, RMSNorm, rotary embeddings, SwiGLU.
 
 Every op works on one flat batch of rows ``[T, ...]`` and is row-wise: a row's result depends
-only on that row. In the deterministic mode each op also gives a row the same *bits* whatever
-else is in the batch and wherever the row sits in it:
+only on that row. On CPU in fp32 the linear layers, the norms and SiLU run on the native kernels
+(``kernels.cpu_native``) when they are built; elsewhere on plain torch.
 
-- ``Linear``: a CPU matmul picks its kernel by the number of rows (a 1-row product goes through
-  a matrix-vector path that sums in another order). Padding the rows with zeros to a multiple of
-  ``CPU_ROW_QUANTUM`` keeps every call on the same blocked GEMM path, whose per-element sum order
-  depends neither on M nor on the row's position (checked for M = 1..1024, many shapes, 1 and 2
-  threads, MKL on AVX2; ``linear_invariance_mismatches`` re-checks it on any machine).
-- SiLU: ``F.silu`` gives different bits in the scalar tail of a vectorised loop; the
-  deterministic path composes it from ``exp`` and IEEE arithmetic, which agree on both paths.
-- RMSNorm reduces each row on its own on CPU; rotary embeddings are element-wise products and
-  sums (no fused multiply-add): both are invariant as they are on CPU.
-- Other devices (unverified here: no GPU on the development machine): a GPU picks its GEMM and
-  reduction strategies from the tensor's size, so deterministic matmuls and RMSNorm reductions
-  run on fixed tiles of ``DEVICE_ROW_TILE`` zero-padded rows, every call of one shape.
+The deterministic mode (``deterministic=True``; docs/determinism.md) promises more: a row gets the
+same *bits* whatever else is in the batch and wherever it sits. It runs on the native kernels
+only, whose sums run in an order fixed by the row alone; it never falls back to a library GEMM or
+reduction (those pick their blocking from the batch's shape and the CPU). Where the native
+kernels cannot run, a deterministic layer raises ``DeterministicModeUnavailable`` instead of
+running without the guarantee. Rotary embeddings and the residual add are element-wise.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -29,9 +22,6 @@ from torch import nn
 
 from kernels import cpu_native
 from replica.models.config import RopeScaling
-
-CPU_ROW_QUANTUM = 4
-DEVICE_ROW_TILE = 64
 
 
 class Linear(nn.Module):
@@ -65,21 +55,28 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed:
             return cpu_native.linear(x, self.weight, self.out_features, self.bias)
-        if not self.deterministic:
-            return F.linear(x, self.weight, self.bias)
-        return invariant_linear(x, self.weight, self.bias)
+        if self.deterministic:
+            raise cpu_native.DeterministicModeUnavailable(
+                "a deterministic Linear runs on the native kernel's packed weights: call "
+                "pack_for_cpu() once its weights are loaded (the model loaders do)"
+            )
+        return F.linear(x, self.weight, self.bias)
 
     def pack_for_cpu(self) -> bool:
         """Repack ``weight`` for the native CPU kernel (``cpu_native.linear``) when it takes this
-        layer (fp32 on CPU, not deterministic, kernels built); returns whether it did.
+        layer (fp32 on CPU, kernels built); returns whether it did. A deterministic layer that
+        the kernel cannot take raises ``DeterministicModeUnavailable``.
 
         The packed weight replaces the original (``weight`` becomes ``[out / 16, in, 16]``; no
         second copy is kept), so load weights first; ``dense_weight()`` gives the ``[out, in]``
         matrix back. A weight shared with another module (tied embeddings) is copied: this
         layer stops sharing it.
         """
-        # fused_ok: fp32 on CPU, kernels built and enabled.
-        if self.packed or self.deterministic or not cpu_native.fused_ok(self.weight):
+        if self.packed:
+            return False
+        if self.deterministic:
+            cpu_native.require_fused(self.weight, "Linear")
+        elif not cpu_native.fused_ok(self.weight):  # fp32 on CPU, kernels built and enabled
             return False
         self.weight = nn.Parameter(cpu_native.pack_linear(self.weight.data), requires_grad=False)
         self.packed = True
@@ -97,55 +94,6 @@ class Linear(nn.Module):
             f"bias={self.bias is not None}, deterministic={self.deterministic}, "
             f"packed={self.packed}"
         )
-
-
-def invariant_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    """``F.linear`` on ``x`` ``[M, K]`` whose row bits do not depend on M or on the row's place."""
-    m = x.shape[0]
-    if x.device.type == "cpu":
-        rows = -(-max(m, 1) // CPU_ROW_QUANTUM) * CPU_ROW_QUANTUM
-        if rows != m:
-            x = F.pad(x, (0, 0, 0, rows - m))
-        out = F.linear(x, weight)[:m]
-    else:
-        out = by_row_tiles(lambda t: F.linear(t, weight), x, DEVICE_ROW_TILE)
-    if bias is not None:
-        out.add_(bias)
-    return out
-
-
-def by_row_tiles(
-    fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tile: int
-) -> torch.Tensor:
-    """``fn`` (row-wise) on ``x`` ``[M, ...]`` as consecutive tiles of exactly ``tile`` rows (the
-    last padded with zeros), so that every call has one shape; returns the first M rows."""
-    m = x.shape[0]
-    rows = -(-max(m, 1) // tile) * tile
-    if rows != m:
-        x = F.pad(x, (0,) * (2 * x.dim() - 1) + (rows - m,))
-    out = torch.cat([fn(x[lo : lo + tile]) for lo in range(0, rows, tile)])
-    return out[:m]
-
-
-def linear_invariance_mismatches(
-    weight: torch.Tensor,
-    sizes: tuple[int, ...] = (1, 2, 3, 5, 7, 8, 13, 31, 64, 100),
-    seed: int = 0,
-) -> list[str]:
-    """Check ``invariant_linear`` on this machine: each row of a batch against the same row computed
-    at another place in a larger batch. Returns the failing cases (empty when invariant)."""
-    gen = torch.Generator().manual_seed(seed)
-    total = max(sizes) + 37
-    x = torch.randn(total, weight.shape[1], generator=gen).to(weight.device, weight.dtype)
-    full = invariant_linear(x, weight)
-    bad = []
-    for m in sizes:
-        for off in {0, 1, total - m, (total - m) // 2}:
-            if not torch.equal(invariant_linear(x[off : off + m], weight), full[off : off + m]):
-                bad.append(f"{m} rows at offset {off}")
-    return bad
 
 
 class RMSNorm(nn.Module):
@@ -167,14 +115,12 @@ class RMSNorm(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.deterministic and cpu_native.fused_ok(x):
+        if self.deterministic:
+            cpu_native.require_fused(x, "RMSNorm")
+        if cpu_native.fused_ok(x):
             return cpu_native.rms_norm(x, self.weight, self.eps)
         xf = x.float()
-        if self.deterministic and x.device.type != "cpu":
-            mean_sq = by_row_tiles(_mean_square, xf, DEVICE_ROW_TILE)
-        else:
-            mean_sq = _mean_square(xf)
-        out = xf * mean_sq.add_(self.eps).rsqrt_()
+        out = xf * xf.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()
         if out.dtype != x.dtype:
             out = out.to(x.dtype)
         return out.mul_(self.weight)
@@ -184,14 +130,12 @@ class RMSNorm(nn.Module):
         one pass over the rows on the native CPU path."""
         if delta is None:
             return self(residual)
-        if not self.deterministic and cpu_native.fused_ok(residual):
+        if self.deterministic:
+            cpu_native.require_fused(residual, "RMSNorm")
+        if cpu_native.fused_ok(residual):
             return cpu_native.rms_norm(residual, self.weight, self.eps, delta)
         residual.add_(delta)
         return self(residual)
-
-
-def _mean_square(x: torch.Tensor) -> torch.Tensor:
-    return x.pow(2).mean(-1, keepdim=True)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -268,15 +212,12 @@ def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None
 
 def silu_and_mul(gate_up: torch.Tensor, deterministic: bool = False) -> torch.Tensor:
     """``silu(gate) * up`` for ``gate_up`` ``[T, 2 * I]`` laid out ``[gate | up]`` -> ``[T, I]``."""
-    if not deterministic and gate_up.dim() == 2 and cpu_native.fused_ok(gate_up):
+    if deterministic:
+        cpu_native.require_fused(gate_up, "SiLU")
+    if gate_up.dim() == 2 and cpu_native.fused_ok(gate_up):
         return cpu_native.silu_and_mul(gate_up)
     inter = gate_up.shape[-1] // 2
-    gate = gate_up[..., :inter]
-    up = gate_up[..., inter:]
-    if not deterministic:
-        return F.silu(gate).mul_(up)
-    denom = torch.neg(gate).exp_().add_(1.0)
-    return torch.div(gate, denom, out=denom).mul_(up)
+    return F.silu(gate_up[..., :inter]).mul_(gate_up[..., inter:])
 
 
 class SwiGLU(nn.Module):

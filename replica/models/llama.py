@@ -36,7 +36,8 @@ class ModelOptions:
 
     attention_backend: attention kernels, ``"torch"`` (CPU) or ``"triton"`` (GPU).
     deterministic: a row's bits depend neither on the rest of the batch nor on how its prompt
-        was cut into chunks (padded matmuls, composed SiLU, deterministic attention); slower.
+        was cut into chunks: every layer runs on the native CPU kernels, fp32 only, and the
+        model refuses to build or run where they cannot (docs/determinism.md).
     max_model_len: positions the rotary tables cover; None means the config's
         ``max_position_embeddings``.
     """
@@ -52,6 +53,24 @@ class ModelOptions:
             )
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+
+
+def check_deterministic(
+    options: ModelOptions, config: ModelConfig, device: torch.device | str, dtype: torch.dtype
+) -> None:
+    """Raise ``DeterministicModeUnavailable`` (saying why) when ``options`` ask for the
+    deterministic mode and a model of ``config`` on ``device`` in ``dtype`` cannot honour it."""
+    if not options.deterministic:
+        return
+    reason = cpu_native.deterministic_unsupported(
+        device, dtype, config.num_heads, config.num_kv_heads, config.head_dim
+    )
+    if reason is None and options.attention_backend != "torch":
+        reason = f"it runs the torch backend's native kernels, not {options.attention_backend!r}"
+    if reason is not None:
+        raise cpu_native.DeterministicModeUnavailable(
+            f"the deterministic mode cannot run here: {reason}"
+        )
 
 
 class LlamaAttention(nn.Module):
@@ -84,7 +103,9 @@ class LlamaAttention(nn.Module):
         hq, hkv = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(t, hq + 2 * hkv, self.head_dim)
         stored = False
-        if self.backend == "torch" and not self.deterministic and cpu_native.fused_ok(qkv):
+        if self.deterministic:
+            cpu_native.require_fused(qkv, "rotary embedding")
+        if self.backend == "torch" and cpu_native.fused_ok(qkv):
             cos, sin = rope
             cpu_native.rope_store(qkv, cos, sin, meta.slot_mapping, kv_cache[0], kv_cache[1], hq)
             stored = True
@@ -199,6 +220,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.options = options or ModelOptions()
+        check_deterministic(self.options, config, device or "cpu", dtype or torch.get_default_dtype())
         self.model = LlamaModel(config, self.options, device, dtype)
         self.lm_head = Linear(
             config.hidden_size, config.vocab_size, False, self.options.deterministic, device, dtype
@@ -208,9 +230,12 @@ class LlamaForCausalLM(nn.Module):
 
     def pack_for_cpu(self) -> int:
         """Repack every linear layer for the native CPU kernel where it applies (see
-        ``Linear.pack_for_cpu``); returns how many were packed. Call after loading weights.
-        With tied embeddings the LM head gets its own packed copy (the embedding keeps its
-        rows): ``vocab x hidden`` floats more."""
+        ``Linear.pack_for_cpu``); returns how many were packed. Call after loading weights (the
+        loaders do for a deterministic model, which needs it). With tied embeddings the LM head
+        gets its own packed copy (the embedding keeps its rows): ``vocab x hidden`` floats more.
+        A deterministic model that cannot run here raises ``DeterministicModeUnavailable``."""
+        p = self.model.embed_tokens.weight
+        check_deterministic(self.options, self.config, p.device, p.dtype)
         return sum(m.pack_for_cpu() for m in self.modules() if isinstance(m, Linear))
 
     @property

@@ -64,6 +64,8 @@ def load_model(
     cfg = read_config(path, trust_remote_code)
     net = LlamaForCausalLM(cfg, options, dev, dtype)
     load_weights(net, path)
+    if net.options.deterministic:
+        net.pack_for_cpu()  # its layers run on the native kernel's packed weights
     return net.eval(), _tokenizer_from(path, trust_remote_code), cfg
 
 

@@ -426,8 +426,10 @@ def test_linear_refuses_bad_inputs() -> None:
 def test_linear_packs_only_where_the_kernel_applies(monkeypatch: pytest.MonkeyPatch) -> None:
     from replica.models.layers import Linear
 
-    assert not Linear(8, 8, deterministic=True).pack_for_cpu()
+    assert Linear(8, 8, deterministic=True).pack_for_cpu()  # the deterministic mode needs it
     assert not Linear(8, 8, dtype=torch.float64).pack_for_cpu()
+    with pytest.raises(cpu_native.DeterministicModeUnavailable, match="float32 on CPU"):
+        Linear(8, 8, deterministic=True, dtype=torch.float64).pack_for_cpu()
     monkeypatch.setattr(cpu_native, "enabled", False)
     plain = Linear(8, 8)
     assert not plain.pack_for_cpu()

@@ -1,4 +1,5 @@
-"""Bit-exact invariances of the deterministic paths (torch on CPU, Triton in the interpreter/GPU).
+"""Bit-exact invariances of the deterministic paths (the torch backend's native kernel on CPU in
+fp32, Triton in the interpreter/GPU).
 
 A request's attention output must not change by one bit with what else shares its batch, where its
 blocks sit in the pool, how its prompt was cut into chunks, or whether a token ran as a decode row
@@ -13,7 +14,7 @@ import dataclasses
 import pytest
 import torch
 
-from kernels import reference
+from kernels import cpu_native, reference
 from kernels.attention import Backend, attention
 from tests.kernels.common import SCALE
 from tests.kernels.helpers import (
@@ -42,7 +43,19 @@ TRITON_MARKS = [
     pytest.mark.triton,
     pytest.mark.skipif(not _triton_available(), reason="needs CUDA or TRITON_INTERPRET=1"),
 ]
-BACKENDS = ["torch", pytest.param("triton", marks=TRITON_MARKS)]
+NATIVE_MARKS = [
+    pytest.mark.skipif(
+        not cpu_native.available(),
+        reason=f"native kernels unavailable: {cpu_native.unavailable_reason()}",
+    )
+]
+CPU = f"CPU capability {torch.backends.cpu.get_cpu_capability()}"
+# The deterministic torch backend is the native kernel: fp32 only.
+BACKEND_DTYPES = [
+    pytest.param("torch", torch.float32, marks=NATIVE_MARKS, id="torch-fp32"),
+    pytest.param("triton", torch.float32, marks=TRITON_MARKS, id="triton-fp32"),
+    pytest.param("triton", torch.bfloat16, marks=TRITON_MARKS, id="triton-bf16"),
+]
 NUM_BLOCKS = 4096
 SHAPE = Shape(kv_heads=2, group=3, head_dim=16)
 
@@ -79,8 +92,7 @@ def _moved(seq: Seq, block_size: int, gen: torch.Generator, taken: set[int]) -> 
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("backend", "dtype"), BACKEND_DTYPES)
 def test_alone_vs_in_a_batch_of_eight(backend: Backend, dtype: torch.dtype, device: str) -> None:
     block_size = 16
     gen = torch.Generator().manual_seed(7)
@@ -104,8 +116,8 @@ def test_alone_vs_in_a_batch_of_eight(backend: Backend, dtype: torch.dtype, devi
         (others[5], 35, 35),
     ]
     together = _run(backend, [batch], block_size, dtype, device)[0]
-    assert torch.equal(alone[0][0], together[2]), "decode row changed with its batch"
-    assert torch.equal(alone[1][0], together[5]), "chunk rows changed with their batch"
+    assert torch.equal(alone[0][0], together[2]), f"decode row changed with its batch ({CPU})"
+    assert torch.equal(alone[1][0], together[5]), f"chunk rows changed with their batch ({CPU})"
     # And they are right, not just stable.
     k_cache, v_cache = new_cache(NUM_BLOCKS, block_size, SHAPE, dtype, device)
     for s, start, n in batch:
@@ -139,13 +151,17 @@ def _chunked(seq: Seq, length: int, plan: str, companion: Seq) -> list[list[tupl
     ("backend", "block_size"),
     # The torch path's tile is the block, so both sizes; the Triton tile is fixed (32 keys), so
     # block 16 (a tile spanning two blocks) is its harder case under the slow interpreter.
-    [("torch", 16), ("torch", 32), pytest.param("triton", 16, marks=TRITON_MARKS)],
+    [
+        pytest.param("torch", 16, marks=NATIVE_MARKS),
+        pytest.param("torch", 32, marks=NATIVE_MARKS),
+        pytest.param("triton", 16, marks=TRITON_MARKS),
+    ],
 )
 def test_chunking_and_decode_rows_do_not_change_bits(
     backend: Backend, block_size: int, device: str
 ) -> None:
     """Whole prompt == chunks of 1 (decode rows), 7, 16 == a chunk then decodes, bit for bit."""
-    dtype = torch.bfloat16
+    dtype = torch.float32 if backend == "torch" else torch.bfloat16
     length = 45
     gen = torch.Generator().manual_seed(3)
     seq = new_seq(length, SHAPE, block_size, NUM_BLOCKS, dtype, device, gen)
@@ -166,9 +182,22 @@ def test_chunking_and_decode_rows_do_not_change_bits(
     for plan in ("chunks-1", "chunks-7", "chunks-16", "prefill-then-decode"):
         got = rows(plan)
         assert got.shape == whole.shape
-        assert torch.equal(got, whole), f"{plan}: rows differ from the whole-prompt prefill"
+        assert torch.equal(got, whole), f"{plan}: rows differ from the whole prefill ({CPU})"
     step = make_step([(seq, 0, length)], block_size, device)
     k_cache, v_cache = new_cache(NUM_BLOCKS, block_size, SHAPE, dtype, device)
     store_prefix(seq, length, k_cache, v_cache)
     want = reference.paged_attention(step.q, k_cache, v_cache, step.meta, SCALE)
     assert_close(whole, want, dtype, "whole prompt vs reference")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_deterministic_torch_backend_refuses_what_the_native_kernel_does_not_take(
+    dtype: torch.dtype,
+) -> None:
+    """No silent fallback to a library path: half-precision caches are refused, saying why."""
+    gen = torch.Generator().manual_seed(1)
+    seq = new_seq(9, SHAPE, 16, 64, dtype, "cpu", gen)
+    k_cache, v_cache = new_cache(64, 16, SHAPE, dtype, "cpu")
+    step = make_step([(seq, 0, 9)], 16, "cpu")
+    with pytest.raises(cpu_native.DeterministicModeUnavailable, match="float32 on CPU"):
+        attention(step.q, step.k, step.v, k_cache, v_cache, step.meta, SCALE, deterministic=True)

@@ -92,7 +92,7 @@ def test_torch_backend_stores_then_attends(deterministic: bool) -> None:
 def test_deterministic_torch_refuses_cuda() -> None:
     q, k, v, kc, vc = (x.cuda() for x in _inputs())
     meta = build_metadata([SeqSpec(0, 3, [5])], 16, "cuda")
-    with pytest.raises(ValueError, match="CPU only"):
+    with pytest.raises(ValueError, match="float32 on CPU"):
         attention(q, k, v, kc, vc, meta, 0.25, deterministic=True)
 
 

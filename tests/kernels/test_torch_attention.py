@@ -1,5 +1,6 @@
 """The CPU paths (native kernel, plain-torch fast, deterministic) against the reference, through
-the dispatch. ``native=False`` switches the native kernel off so the torch fast path runs too."""
+the dispatch. ``native=False`` switches the native kernel off so the torch fast path runs too;
+the deterministic mode runs the native kernel (fp32 only)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from tests.kernels.helpers import DEVICES, Shape
 @pytest.mark.parametrize("group", [1, 3, 4])
 @pytest.mark.parametrize(
     ("deterministic", "native"),
-    [(False, True), (False, False), (True, False)],
+    [(False, True), (False, False), (True, True)],
     ids=["fast-native", "fast-torch", "deterministic"],
 )
 def test_torch_paths_match_reference(
@@ -34,8 +35,8 @@ def test_torch_paths_match_reference(
     from kernels import cpu_native
 
     monkeypatch.setattr(cpu_native, "enabled", native)
-    if deterministic and device != "cpu":
-        pytest.skip("the deterministic torch path is CPU-only (the GPU's is the Triton kernel)")
+    if deterministic and (device != "cpu" or dtype != torch.float32 or not cpu_native.available()):
+        pytest.skip("the deterministic torch path is the native CPU kernel (fp32)")
     attend = functools.partial(attention, backend="torch", deterministic=deterministic)
     shape = Shape(kv_heads=2, group=group, head_dim=32)
     check_against_reference(attend, MIXED, shape, block_size, dtype, device)
@@ -43,7 +44,7 @@ def test_torch_paths_match_reference(
 
 @pytest.mark.parametrize(
     ("deterministic", "native"),
-    [(False, True), (False, False), (True, False)],
+    [(False, True), (False, False), (True, True)],
     ids=["fast-native", "fast-torch", "deterministic"],
 )
 @pytest.mark.parametrize("spec", [[(0, 1)], [(7, 1), (33, 1)], [(0, 5)], [(3, 29), (0, 64)]])
@@ -56,13 +57,7 @@ def test_torch_paths_decode_only_or_prefill_only(
     from kernels import cpu_native
 
     monkeypatch.setattr(cpu_native, "enabled", native)
+    if deterministic and not cpu_native.available():
+        pytest.skip("the deterministic torch path is the native CPU kernel")
     attend = functools.partial(attention, backend="torch", deterministic=deterministic)
     check_against_reference(attend, spec, Shape(1, 4, 16), 16, torch.float32, "cpu")
-
-
-def test_deterministic_bounds_memory_with_row_slabs(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kernels import torch_attention
-
-    monkeypatch.setattr(torch_attention, "_DET_MAX_PRODUCT", 1)  # one row per slab
-    attend = functools.partial(attention, backend="torch", deterministic=True)
-    check_against_reference(attend, MIXED, Shape(2, 3, 16), 16, torch.float32, "cpu")

@@ -3,7 +3,8 @@ Hugging Face checkpoints (``save_pretrained`` into a directory, with the embedde
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import random
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -193,3 +194,23 @@ def hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
         else:
             out[name] = t
     return out
+
+
+def row_mismatches(
+    fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, sizes: tuple[int, ...]
+) -> list[tuple[int, int]]:
+    """Cases (size, offset) where ``fn`` of a slice of ``x`` differs from the same rows of ``fn(x)``.
+
+    Each slice is copied into a fresh tensor too, so that a row's memory alignment differs."""
+    rng = random.Random(0)
+    full = fn(x)
+    bad = []
+    for m in sizes:
+        for off in {0, x.shape[0] - m, rng.randrange(x.shape[0] - m + 1)}:
+            rows = x[off : off + m]
+            shifted = torch.empty(m * x.shape[1] + 1)[1:].view(m, x.shape[1]).copy_(rows)
+            for t in (rows, shifted):
+                if not torch.equal(fn(t), full[off : off + m]):
+                    bad.append((m, off))
+                    break
+    return bad
