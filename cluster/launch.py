@@ -66,10 +66,10 @@ def main(argv: list[str] | None = None) -> int:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
         try:
-            rc = proc.wait(timeout=60)
+            proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             proc.kill()
-            rc = 130
+        rc = 130  # stopped by Ctrl-C, as asked (whatever `serve run` returns on its way out)
     finally:
         print("tierserve: stopping Ray", file=sys.stderr)
         ray.shutdown()

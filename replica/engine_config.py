@@ -9,7 +9,7 @@ from typing import Any, Literal
 import torch
 
 from replica.kv_pool import KVPool, KVShape, PoolSizing, choose_num_blocks
-from replica.models.embedded import EMBEDDED_MODEL
+from replica.models.catalog import DEFAULT_MODEL
 from replica.models.loader import ModelOptions, load_model
 from replica.prefill_policy import Chunked, PrefillPolicy, WholePrompt
 from replica.runner import ModelRunner
@@ -33,7 +33,7 @@ class EngineConfig:
     CPU), ``triton`` or ``torch``. num_threads: torch CPU threads for this engine.
     """
 
-    model: str = EMBEDDED_MODEL
+    model: str = DEFAULT_MODEL
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_bytes: int | None = 256 * 2**20

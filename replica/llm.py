@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 
 from replica.engine import Engine, RequestOutput
 from replica.engine_config import EngineConfig
-from replica.models.embedded import EMBEDDED_MODEL
+from replica.models.catalog import DEFAULT_MODEL
 from replica.sampler import SamplingParams
 from replica.scheduler import AdmitError, QueueFull
 
@@ -30,7 +30,7 @@ class CompletionOutput:
 class LLM:
     """One engine in this process. Options: see ``EngineConfig``."""
 
-    def __init__(self, model: str = EMBEDDED_MODEL, **options: Any) -> None:
+    def __init__(self, model: str = DEFAULT_MODEL, **options: Any) -> None:
         self.engine = Engine(EngineConfig.from_options(model, **options))
         self.tokenizer = self.engine.tokenizer
 

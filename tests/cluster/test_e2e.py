@@ -17,6 +17,7 @@ import openai
 import pytest
 
 from replica.llm import LLM
+from replica.models.embedded import EMBEDDED_MODEL
 from replica.sampler import SamplingParams
 from tests.cluster.helpers import KEYS, MAIN_ENGINE, MODEL, ServeApp, oa_headers
 
@@ -70,7 +71,7 @@ def prompt_ids(llm: LLM, spec: Spec) -> list[int]:
 
 def plan(specs: list[Spec]) -> None:
     """Choose each request's sampling and compute its answer with an in-process engine."""
-    llm = LLM(block_size=16, num_kv_blocks=512, max_model_len=2048, deterministic=True,
+    llm = LLM(EMBEDDED_MODEL, block_size=16, num_kv_blocks=512, max_model_len=2048, deterministic=True,
               attention_backend="torch")
     ids = [prompt_ids(llm, s) for s in specs]
     for s in specs:

@@ -11,6 +11,7 @@ import torch
 
 from replica.engine import Engine
 from replica.engine_config import EngineConfig
+from replica.models.embedded import EMBEDDED_MODEL
 from replica.runner import ForwardBatch, RunnerOutput
 from replica.sampler import SamplingParams
 
@@ -28,7 +29,7 @@ def prompts(n: int, seed: int) -> list[list[int]]:
 
 def run(ps: list[list[int]], **options: Any) -> tuple[list[list[torch.Tensor]], Engine]:
     """Every sampled row's logits per request (in order), from an engine with ``options``."""
-    engine = Engine(EngineConfig(deterministic=True, max_model_len=256, **options))
+    engine = Engine(EngineConfig(model=EMBEDDED_MODEL, deterministic=True, max_model_len=256, **options))
     seen: dict[int, list[torch.Tensor]] = {}
     forward = engine.runner.forward
 
@@ -67,8 +68,8 @@ def test_batch_chunking_and_preemption_do_not_change_a_single_bit() -> None:
 
 def test_batched_greedy_equals_alone_in_the_default_mode() -> None:
     ps = prompts(4, seed=12)
-    engine_alone = Engine(EngineConfig(max_model_len=256, num_kv_blocks=64))
-    engine_batch = Engine(EngineConfig(max_model_len=256, num_kv_blocks=64, max_num_seqs=8))
+    engine_alone = Engine(EngineConfig(model=EMBEDDED_MODEL, max_model_len=256, num_kv_blocks=64))
+    engine_batch = Engine(EngineConfig(model=EMBEDDED_MODEL, max_model_len=256, num_kv_blocks=64, max_num_seqs=8))
     a = [o.token_ids for o in _greedy(engine_alone, ps[:1])]
     b = [o.token_ids for o in _greedy(engine_batch, ps)][:1]
     assert a == b

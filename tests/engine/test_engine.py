@@ -11,6 +11,7 @@ import pytest
 from replica.engine import Engine, EngineDead, RequestOutput
 from replica.engine_config import EngineConfig
 from replica.llm import LLM
+from replica.models.embedded import EMBEDDED_MODEL
 from replica.sampler import SamplingParams
 from replica.scheduler import EmptyPrompt, NeverFits, QueueFull, TooLong
 
@@ -24,7 +25,7 @@ def prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 60) -> list[list[int]]
 
 @pytest.fixture(scope="module")
 def roomy() -> LLM:
-    return LLM(num_kv_blocks=512, block_size=16, max_num_seqs=64, max_model_len=512)
+    return LLM(EMBEDDED_MODEL, num_kv_blocks=512, block_size=16, max_num_seqs=64, max_model_len=512)
 
 
 def drain(engine: Engine) -> dict[int, list[RequestOutput]]:
@@ -55,7 +56,7 @@ def test_preemption_keeps_greedy_outputs(roomy: LLM) -> None:
     ps = prompts(12, seed=2, lo=20, hi=40)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     want = [o.token_ids for o in roomy.generate(ps, params, use_tqdm=False)]
-    tight = LLM(num_kv_blocks=14, block_size=16, max_num_seqs=12, max_model_len=512)
+    tight = LLM(EMBEDDED_MODEL, num_kv_blocks=14, block_size=16, max_num_seqs=12, max_model_len=512)
     got = tight.generate(ps, params, use_tqdm=False)
     assert [o.token_ids for o in got] == want
     assert tight.stats()["num_preemptions"] > 0
@@ -68,7 +69,7 @@ def test_seeded_sampling_alone_batched_and_across_preemption(roomy: LLM) -> None
                              ignore_eos=True) for i in range(8)]
     alone = [roomy.generate([p], [sp], use_tqdm=False)[0].token_ids for p, sp in zip(ps, params, strict=True)]
     batched = [o.token_ids for o in roomy.generate(ps, params, use_tqdm=False)]
-    tight = LLM(num_kv_blocks=12, block_size=16, max_num_seqs=8, max_model_len=512)
+    tight = LLM(EMBEDDED_MODEL, num_kv_blocks=12, block_size=16, max_num_seqs=8, max_model_len=512)
     preempted = [o.token_ids for o in tight.generate(ps, params, use_tqdm=False)]
     assert tight.stats()["num_preemptions"] > 0
     assert alone == batched == preempted
@@ -100,7 +101,7 @@ def test_stop_string_across_tokens(roomy: LLM) -> None:
 
 
 def test_eos_stops_and_ignore_eos_continues() -> None:
-    llm = LLM(num_kv_blocks=64, max_model_len=256)
+    llm = LLM(EMBEDDED_MODEL, num_kv_blocks=64, max_model_len=256)
     prompt = prompts(1, seed=4)[0]
     free = llm.generate([prompt], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
                         use_tqdm=False)[0]
@@ -119,7 +120,7 @@ def test_eos_stops_and_ignore_eos_continues() -> None:
 
 
 def test_max_tokens_and_the_context_limit() -> None:
-    llm = LLM(num_kv_blocks=64, max_model_len=64)
+    llm = LLM(EMBEDDED_MODEL, num_kv_blocks=64, max_model_len=64)
     out = llm.generate([list(range(3, 63))], SamplingParams(max_tokens=100, temperature=0.0,
                                                              ignore_eos=True), use_tqdm=False)[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 4
@@ -129,7 +130,7 @@ def test_max_tokens_and_the_context_limit() -> None:
 
 
 def test_priority_under_a_full_pool_runs_high_first() -> None:
-    engine = Engine(EngineConfig(num_kv_blocks=16, max_num_seqs=2, max_model_len=256,
+    engine = Engine(EngineConfig(model=EMBEDDED_MODEL, num_kv_blocks=16, max_num_seqs=2, max_model_len=256,
                                  policy="priority", aging_steps=0))
     ps = prompts(8, seed=5, lo=10, hi=20)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -143,7 +144,7 @@ def test_priority_under_a_full_pool_runs_high_first() -> None:
 
 
 def test_aging_lets_a_low_priority_request_through() -> None:
-    engine = Engine(EngineConfig(num_kv_blocks=32, max_num_seqs=1, max_model_len=256,
+    engine = Engine(EngineConfig(model=EMBEDDED_MODEL, num_kv_blocks=32, max_num_seqs=1, max_model_len=256,
                                  policy="priority", aging_steps=4))
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     low = engine.add_request([10, 11, 12], params, priority=0)
@@ -158,7 +159,7 @@ def test_aging_lets_a_low_priority_request_through() -> None:
 
 
 def test_abort_of_running_and_waiting_returns_every_block() -> None:
-    engine = Engine(EngineConfig(num_kv_blocks=40, max_num_seqs=2, max_model_len=256))
+    engine = Engine(EngineConfig(model=EMBEDDED_MODEL, num_kv_blocks=40, max_num_seqs=2, max_model_len=256))
     total = engine.stats()["total_blocks"]
     params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
     ids = [engine.add_request(p, params) for p in prompts(5, seed=6, lo=20, hi=40)]
@@ -185,7 +186,7 @@ def test_abort_of_running_and_waiting_returns_every_block() -> None:
 def test_bad_input_is_refused_and_the_engine_serves_the_rest(
     prompt: list[int], params: SamplingParams | None, error: type[Exception], match: str
 ) -> None:
-    llm = LLM(num_kv_blocks=4, block_size=16, max_model_len=128)
+    llm = LLM(EMBEDDED_MODEL, num_kv_blocks=4, block_size=16, max_model_len=128)
     with pytest.raises(error, match=match):
         if params is None:
             SamplingParams(max_tokens=-1)
@@ -196,7 +197,7 @@ def test_bad_input_is_refused_and_the_engine_serves_the_rest(
 
 
 def test_queue_full_is_refused_by_the_engine_but_llm_generate_feeds_progressively() -> None:
-    llm = LLM(num_kv_blocks=64, max_num_seqs=2, max_waiting=2, max_model_len=128)
+    llm = LLM(EMBEDDED_MODEL, num_kv_blocks=64, max_num_seqs=2, max_waiting=2, max_model_len=128)
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     outs = llm.generate(prompts(9, seed=7, hi=20), params, use_tqdm=False)
     assert all(len(o.token_ids) == 3 for o in outs)
@@ -209,11 +210,11 @@ def test_queue_full_is_refused_by_the_engine_but_llm_generate_feeds_progressivel
 
 def test_unknown_option_is_a_clear_error() -> None:
     with pytest.raises(TypeError, match="unknown engine option"):
-        LLM(num_kv_blokcs=4)
+        LLM(EMBEDDED_MODEL, num_kv_blokcs=4)
 
 
 def test_background_loop_streams_and_abort_from_another_thread() -> None:
-    engine = Engine(EngineConfig(num_kv_blocks=64, max_num_seqs=8, max_model_len=256))
+    engine = Engine(EngineConfig(model=EMBEDDED_MODEL, num_kv_blocks=64, max_num_seqs=8, max_model_len=256))
     engine.start()
     try:
         params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -264,7 +265,7 @@ def test_background_loop_streams_and_abort_from_another_thread() -> None:
 
 
 def test_a_failing_step_fails_every_request_and_marks_the_engine_dead() -> None:
-    engine = Engine(EngineConfig(num_kv_blocks=64, max_model_len=256))
+    engine = Engine(EngineConfig(model=EMBEDDED_MODEL, num_kv_blocks=64, max_model_len=256))
 
     def broken(*_: object, **__: object) -> None:
         raise RuntimeError("injected runner fault")

@@ -21,7 +21,7 @@ from kernels import cpu_native
 from kernels.metadata import SeqSpec, build_metadata
 from replica.engine import Engine
 from replica.engine_config import EngineConfig
-from replica.models.embedded import build_model, embedded_config
+from replica.models.embedded import EMBEDDED_MODEL, build_model, embedded_config
 from replica.models.layers import Linear
 from replica.models.llama import LlamaForCausalLM, ModelOptions
 from replica.models.loader import load_model
@@ -221,4 +221,4 @@ def test_engine_refuses_to_start_in_a_deterministic_mode_it_cannot_honour(
     options: dict[str, Any], message: str
 ) -> None:
     with pytest.raises(Unavailable, match=f"deterministic mode cannot run here: .*{message}"):
-        Engine(EngineConfig(deterministic=True, num_kv_blocks=16, **options))
+        Engine(EngineConfig(model=EMBEDDED_MODEL, deterministic=True, num_kv_blocks=16, **options))

