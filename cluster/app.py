@@ -32,7 +32,8 @@ def load_config(args: dict[str, Any] | None) -> ClusterConfig:
 def build_app(args: dict[str, Any] | None = None) -> Application:
     cfg = load_config(args)
     engine = cfg.engine.model_dump()
-    llm = LLMDeployment.bind(engine=engine, fault_injection=cfg.fault_injection)
+    llm = LLMDeployment.bind(engine=engine, fault_injection=cfg.fault_injection,
+                             tiers=[t.name for t in cfg.tiers])
     return cast(Deployment, Ingress).bind(llm, cfg.model_dump(mode="python", exclude={"tiers"}) | {
         "tiers": [t.model_dump() | {"api_keys": [k.get_secret_value() for k in t.api_keys]}
                   for t in cfg.tiers]

@@ -91,7 +91,8 @@ class ClusterConfig(_Strict):
     max_request_bytes: requests with a larger body get 413. max_tokens_limit: the largest
     ``max_tokens`` a request may ask for. max_stop_strings: the most ``stop`` strings per request.
     retry_after_s: the ``Retry-After`` of a 429. max_inflight_requests: requests in flight
-    through the ingress at most (a tier may use its ``queue_share`` of them); beyond, 429. replica_retries: how many times a request whose
+    through the ingress at most (a tier may use its ``queue_share`` of them); beyond, 429.
+    max_n: the most samples (``n``) one request may ask for. replica_retries: how many times a request whose
     replica failed before its first token is sent again (to another replica). fault_injection:
     lets ``LLMServer.inject_fault`` break a replica (for the fault tests only).
     """
@@ -106,6 +107,7 @@ class ClusterConfig(_Strict):
     retry_after_s: int = Field(default=1, ge=0)
     replica_retries: int = Field(default=2, ge=0, le=10)
     max_inflight_requests: int = Field(default=1024, gt=0)
+    max_n: int = Field(default=8, ge=1, le=128)
     fault_injection: bool = False
 
     @field_validator("tiers")
@@ -125,6 +127,11 @@ class ClusterConfig(_Strict):
             raise ValueError(
                 f"default_tier {self.default_tier!r} is not one of the tiers "
                 f"{[t.name for t in self.tiers]}"
+            )
+        if self.default_tier is None and not any(t.api_keys for t in self.tiers):
+            raise ValueError(
+                "default_tier is null (an API key is required) but no tier has api_keys: no "
+                "request could ever be served; add keys or name a default tier"
             )
         return self
 

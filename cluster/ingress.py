@@ -12,6 +12,7 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterable, AsyncIterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -22,6 +23,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.config import ClusterConfig
+from cluster.logprobs import TokenText, chat_logprobs, completion_logprobs
 from cluster.metrics import IngressMetrics
 from cluster.openapi import openapi_schema
 from cluster.protocol import (
@@ -37,6 +39,7 @@ from cluster.protocol import (
     CompletionResponse,
     ModelCard,
     ModelList,
+    Usage,
     dump,
     new_id,
     now,
@@ -89,11 +92,60 @@ def error_response(
 _UNION_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
 
 
+def validation_error(errors: Sequence[Any]) -> tuple[str, str | None]:
+    """The message and ``param`` of a pydantic validation failure: a validator's own complaint
+    first (in a union it says more than "Input should be a valid string"), else the first."""
+    first = next((e for e in errors if e.get("type") == "value_error"), errors[0] if errors else {})
+    extra = first.get("type") == "extra_forbidden"
+    param = error_param(first.get("loc", ()), extra)
+    msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+    if extra:
+        return f"unknown field {param!r}", param
+    return (f"{param}: {msg}" if param else msg), param
+
+
 def error_param(loc: Sequence[int | str], extra: bool = False) -> str | None:
     """The field path of an error; ``extra``: the location is an unknown field's name, as is."""
     parts = [str(p) for p in loc if p != "body" and (
         extra or isinstance(p, int) or (p not in _UNION_TAGS and "[" not in p))]
     return ".".join(parts) or None
+
+
+@dataclass(slots=True)
+class _Call:
+    """What the ingress needs to answer one request: its shape, not its sampling."""
+
+    chat: bool
+    n: int
+    ids: list[int]
+    echo: str | None = None  # completions: the prompt text to return before the completion
+    logprobs: bool = False
+    include_usage: bool = False
+    continuous_usage: bool = False
+
+
+@dataclass(slots=True)
+class _Choice:
+    """One of a request's ``n`` samples, as its deltas arrive."""
+
+    text: str = ""
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
+    finish_reason: str | None = None
+    completion_tokens: int = 0
+    error: str | None = None
+    started: bool = False
+
+    def add(self, item: dict[str, Any]) -> None:
+        self.started = True
+        self.text += item["text"]
+        self.logprobs.extend(item.get("logprobs") or ())
+        if item.get("prompt_logprobs") is not None:
+            self.prompt_logprobs = item["prompt_logprobs"]
+        self.completion_tokens = max(self.completion_tokens, int(item["completion_tokens"]))
+        if item["finished"]:
+            self.finish_reason = item["finish_reason"]
+            self.error = item.get("error")
 
 
 # FastAPI's own /openapi.json (and the docs pages built on it) is replaced by the Ingress's route
@@ -142,13 +194,14 @@ class Ingress:
         self.vocab_size = load_model_config(self.cfg.engine.model,
                                             self.cfg.engine.trust_remote_code).vocab_size
         self.special_ids = frozenset(self.tokenizer.all_special_ids)
-        self.metrics = IngressMetrics()
+        self.token_text = TokenText(self.tokenizer)
+        self.metrics = IngressMetrics([t.name for t in self.cfg.tiers])
         self.inflight = 0  # requests between admission and their last byte
         self.created = now()
         self.openapi_doc = openapi_schema(app, {
             "model": self.cfg.model_name, "max_tokens": self.cfg.max_tokens_limit,
             "vocab_size": self.vocab_size, "max_stop_strings": self.cfg.max_stop_strings,
-            "max_request_bytes": self.cfg.max_request_bytes})
+            "max_request_bytes": self.cfg.max_request_bytes, "max_n": self.cfg.max_n})
         app.state.retry_after = self.cfg.retry_after_s
         self._limits: dict[str, Any] | None = None
 
@@ -187,14 +240,20 @@ class Ingress:
             raise ApiError(400, "the prompt has only special tokens "
                                 f"({self.tokenizer.decode(ids[:8])!r}...): nothing to complete",
                            "only_special_tokens", "prompt")
-        return await self._serve(request, body, ids, caller, chat=False)
+        echo = None
+        if body.echo:
+            echo = body.prompt if isinstance(body.prompt, str) else self.tokenizer.decode(ids)
+        call = _Call(chat=False, n=body.n, ids=ids, echo=echo,
+                     logprobs=body.logprobs is not None,
+                     include_usage=body.include_usage, continuous_usage=body.continuous_usage)
+        return await self._serve(request, body, call, caller)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(self, request: Request) -> Response:
         body = await self._body(request, ChatCompletionRequest)
         assert isinstance(body, ChatCompletionRequest)
         caller = self._caller(request)
-        messages = [{"role": m.role, "content": m.content} for m in body.messages]
+        messages = [{"role": m.template_role(), "content": m.text()} for m in body.messages]
         try:
             ids = self.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=True, tokenize=True, return_dict=False
@@ -206,7 +265,9 @@ class Ingress:
             ids = ids["input_ids"]
         if body.max_completion_tokens is not None:
             body.max_tokens = body.max_completion_tokens
-        return await self._serve(request, body, list(ids), caller, chat=True)
+        call = _Call(chat=True, n=body.n, ids=list(ids), logprobs=body.logprobs,
+                     include_usage=body.include_usage, continuous_usage=body.continuous_usage)
+        return await self._serve(request, body, call, caller)
 
     # ------------------------------------------------------------------ helpers
 
@@ -239,13 +300,7 @@ class Ingress:
 
             if not isinstance(e, ValidationError):
                 raise
-            first = e.errors()[0]
-            param = error_param(first.get("loc", ()), first.get("type") == "extra_forbidden")
-            msg = first.get("msg", "invalid request")
-            if first.get("type") == "extra_forbidden":
-                msg = f"unknown field {param!r}"
-            else:
-                msg = f"{param}: {msg}" if param else msg
+            msg, param = validation_error(e.errors())
             raise ApiError(400, msg, "invalid_request", param) from None
 
     def _caller(self, request: Request) -> Caller:
@@ -275,20 +330,47 @@ class Ingress:
         if max_tokens > self.cfg.max_tokens_limit:
             raise ApiError(400, f"max_tokens {max_tokens} is above this server's limit "
                                 f"({self.cfg.max_tokens_limit})", "max_tokens_too_large", "max_tokens")
+        if body.n > self.cfg.max_n:
+            raise ApiError(400, f"n {body.n} is above this server's limit ({self.cfg.max_n})",
+                           "n_too_large", "n")
+        if body.min_tokens > max_tokens:
+            raise ApiError(400, f"min_tokens {body.min_tokens} is above max_tokens ({max_tokens})",
+                           "invalid_request", "min_tokens")
+        bias: dict[int, float] = {}
+        for key, value in (body.logit_bias or {}).items():
+            if not key.isdigit() or int(key) >= self.vocab_size:
+                raise ApiError(400, f"logit_bias key {key[:32]!r} is not a token id of this model "
+                                    f"(0 to {self.vocab_size - 1})", "invalid_token", "logit_bias")
+            bias[int(key)] = float(value)
+        if isinstance(body, CompletionRequest):
+            logprobs = body.logprobs
+            prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
+        else:
+            logprobs = (body.top_logprobs or 0) if body.logprobs else None
+            prompt_logprobs = None
         return {
             "max_tokens": max_tokens,
             "temperature": float(body.temperature),
             "top_p": float(body.top_p),
             "top_k": body.top_k,
+            "min_p": float(body.min_p),
             "seed": body.seed,
             "stop": stops or None,
             "stop_token_ids": body.stop_token_ids,
             "ignore_eos": body.ignore_eos,
+            "min_tokens": body.min_tokens,
+            "presence_penalty": float(body.presence_penalty),
+            "frequency_penalty": float(body.frequency_penalty),
+            "repetition_penalty": float(body.repetition_penalty),
+            "logit_bias": bias or None,
+            "logprobs": logprobs,
+            "prompt_logprobs": prompt_logprobs,
         }
 
     async def _serve(self, request: Request, body: CompletionRequest | ChatCompletionRequest,
-                     ids: list[int], caller: Caller, chat: bool) -> Response:
+                     call: _Call, caller: Caller) -> Response:
         sampling = self._sampling(body)
+        ids = call.ids
         if not ids:
             self.metrics.rejected("empty", caller.tier.name)
             raise ApiError(400, "prompt is empty", "empty", "prompt")
@@ -296,7 +378,7 @@ class Ingress:
         self.inflight += 1
         handed_off = False
         try:
-            response = await self._generate(body, ids, sampling, caller, chat)
+            response = await self._generate(body.stream, call, sampling, caller)
             if isinstance(response, StreamingResponse):  # in flight until its stream ends
                 response.body_iterator = self._release_after(response.body_iterator)
                 handed_off = True
@@ -325,56 +407,83 @@ class Ingress:
             if aclose is not None:
                 await aclose()
 
-    async def _generate(self, body: CompletionRequest | ChatCompletionRequest, ids: list[int],
-                        sampling: dict[str, Any], caller: Caller, chat: bool) -> Response:
-        stream, first = await self._start(ids, sampling, caller)
+    async def _generate(self, stream_out: bool, call: _Call, sampling: dict[str, Any],
+                        caller: Caller) -> Response:
+        stream, first = await self._start(call, sampling, caller)
         if first is None:
             raise ApiError(503, "the replica ended the request without an answer", "no_answer")
         if isinstance(first.get("error"), dict):  # an error record, not a delta
             err = first["error"]
             raise ApiError(err["status"], err["message"], err["code"], err.get("param"))
-        rid = new_id("chatcmpl" if chat else "cmpl")
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            gen = self._sse(stream, first, rid, chat, include_usage)
+        rid = new_id("chatcmpl" if call.chat else "cmpl")
+        if stream_out:
+            gen = self._sse(stream, first, rid, call)
             return StreamingResponse(gen, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
+        choices = [_Choice() for _ in range(call.n)]
         try:
-            text, last = first["text"], first
-            while not last["finished"]:
+            item: dict[str, Any] | None = first
+            while True:
+                assert item is not None
+                choices[item["index"]].add(item)
+                if all(c.finish_reason is not None for c in choices):
+                    break
                 item = await self._next(stream)
                 if item is None:
                     raise ApiError(503, "the replica stopped streaming", "replica_failed")
-                text += item["text"]
-                last = item
         except BaseException:
             stream.cancel()
             raise
-        if last["finish_reason"] == "error":
-            raise ApiError(503, last.get("error") or "the replica failed", "replica_failed")
-        u = usage(last["prompt_tokens"], last["completion_tokens"])
-        if chat:
-            out: Any = ChatCompletionResponse(
+        failed = next((c for c in choices if c.finish_reason == "error"), None)
+        if failed is not None:
+            raise ApiError(503, failed.error or "the replica failed", "replica_failed")
+        u = self._usage(call, choices)
+        out: Any
+        if call.chat:
+            out = ChatCompletionResponse(
                 id=rid, created=now(), model=self.cfg.model_name, usage=u,
-                choices=[ChatChoice(message=ChatMessageOut(content=text),
-                                    finish_reason=last["finish_reason"])])
+                choices=[ChatChoice(index=i, message=ChatMessageOut(content=c.text),
+                                    finish_reason=c.finish_reason,
+                                    logprobs=(chat_logprobs(c.logprobs, self.token_text)
+                                              if call.logprobs else None))
+                         for i, c in enumerate(choices)])
         else:
             out = CompletionResponse(
                 id=rid, created=now(), model=self.cfg.model_name, usage=u,
-                choices=[CompletionChoice(text=text, finish_reason=last["finish_reason"])])
+                choices=[CompletionChoice(index=i, text=(call.echo or "") + c.text,
+                                          finish_reason=c.finish_reason,
+                                          logprobs=self._completion_logprobs(call, c, 0, True))
+                         for i, c in enumerate(choices)])
         return JSONResponse(dump(out))
 
-    async def _start(self, ids: list[int], sampling: dict[str, Any], caller: Caller
+    @staticmethod
+    def _usage(call: _Call, choices: Sequence[_Choice]) -> Usage:
+        """The prompt once, every sample's tokens."""
+        return usage(len(call.ids), sum(c.completion_tokens for c in choices))
+
+    def _completion_logprobs(self, call: _Call, c: _Choice, offset: int, first: bool) -> Any:
+        """The legacy shape of ``c``'s new log-probabilities (with the echoed prompt's on the
+        choice's first chunk)."""
+        if not call.logprobs:
+            return None
+        entries: list[Any] = list(c.logprobs)
+        if call.echo is not None and first:
+            entries = list(c.prompt_logprobs or [None] * len(call.ids)) + entries
+        return completion_logprobs(entries, self.token_text, offset, call.ids if first else ())
+
+    async def _start(self, call: _Call, sampling: dict[str, Any], caller: Caller
                      ) -> tuple[Any, dict[str, Any] | None]:
         """Send the request and wait for its first item. A replica that fails before it (its
         actor died or is unreachable, or its engine has failed) has produced nothing for this
         request, so the request is sent again (the router drops a dead replica, and Serve an
         unhealthy one) up to ``replica_retries`` times."""
         for attempt in range(self.cfg.replica_retries + 1):
+            # The router sizes a request by its tokens: n samples hold n prompts' and outputs'
+            # worth of KV blocks.
             stream = self.llm.generate.remote(
-                ids, sampling, priority=caller.priority, prompt_tokens=len(ids),
-                max_tokens=sampling["max_tokens"], queue_share=caller.tier.queue_share,
-                tier=caller.tier.name,
+                call.ids, sampling, priority=caller.priority,
+                prompt_tokens=len(call.ids) * call.n, max_tokens=sampling["max_tokens"] * call.n,
+                queue_share=caller.tier.queue_share, tier=caller.tier.name, n=call.n,
             )
             try:
                 first = await self._next(stream)
@@ -411,40 +520,65 @@ class Ingress:
             raise ApiError(503, f"no replica could serve the request ({type(e).__name__})",
                            "replica_unavailable") from None
 
-    async def _sse(self, stream: Any, first: dict[str, Any], rid: str, chat: bool,
-                   include_usage: bool) -> AsyncIterator[str]:
+    async def _sse(self, stream: Any, first: dict[str, Any], rid: str,
+                   call: _Call) -> AsyncIterator[str]:
+        """One SSE event per delta, as each engine step makes it: the text and (when asked)
+        the log-probabilities of that step's tokens, per choice; usage in every chunk with
+        ``continuous_usage_stats``, in a last chunk with ``include_usage``."""
         created = now()
         model = self.cfg.model_name
+        choices = [_Choice() for _ in range(call.n)]
         item: dict[str, Any] | None = first
         try:
-            if chat:
-                head = ChatCompletionChunk(id=rid, created=created, model=model,
-                                           choices=[ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))])
-                yield sse_event(head.model_dump_json())
+            if call.chat:
+                for i in range(call.n):
+                    head = ChatCompletionChunk(
+                        id=rid, created=created, model=model,
+                        choices=[ChatChunkChoice(index=i,
+                                                 delta=ChatDelta(role="assistant", content=""))],
+                        usage=self._usage(call, choices) if call.continuous_usage else None)
+                    yield sse_event(head.model_dump_json())
             while item is not None:
-                reason = item["finish_reason"] if item["finished"] else None
+                index = item["index"]
+                c = choices[index]
+                first_of_choice = not c.started
+                offset = len(c.text) + (len(call.echo or "") if c.started else 0)
+                new_logprobs = len(c.logprobs)
+                c.add(item)
+                reason = c.finish_reason
                 if reason == "error":
-                    err = {"error": {"message": item.get("error") or "the replica failed",
+                    err = {"error": {"message": c.error or "the replica failed",
                                      "type": "service_unavailable", "code": "replica_failed",
                                      "param": None}}
                     yield f"data: {json.dumps(err)}\n\n"
                     break
-                if item["text"] or reason is not None:
-                    if chat:
-                        chunk: Any = ChatCompletionChunk(
-                            id=rid, created=created, model=model,
-                            choices=[ChatChunkChoice(delta=ChatDelta(content=item["text"] or None),
-                                                     finish_reason=reason)])
+                lps = c.logprobs[new_logprobs:]
+                echo = (call.echo or "") if first_of_choice and not call.chat else ""
+                if item["text"] or echo or reason is not None or (call.logprobs and lps):
+                    chunk: Any
+                    u = self._usage(call, choices) if call.continuous_usage else None
+                    if call.chat:
+                        chunk = ChatCompletionChunk(
+                            id=rid, created=created, model=model, usage=u,
+                            choices=[ChatChunkChoice(
+                                index=index, delta=ChatDelta(content=item["text"] or None),
+                                finish_reason=reason,
+                                logprobs=(chat_logprobs(lps, self.token_text)
+                                          if call.logprobs else None))])
                     else:
+                        part = _Choice(logprobs=lps, prompt_logprobs=c.prompt_logprobs)
                         chunk = CompletionResponse(
-                            id=rid, created=created, model=model,
-                            choices=[CompletionChoice(text=item["text"], finish_reason=reason)])
+                            id=rid, created=created, model=model, usage=u,
+                            choices=[CompletionChoice(
+                                index=index, text=echo + item["text"], finish_reason=reason,
+                                logprobs=self._completion_logprobs(
+                                    call, part, offset, first_of_choice))])
                     yield sse_event(chunk.model_dump_json(exclude_none=False))
-                if item["finished"]:
-                    if include_usage:
-                        u = usage(item["prompt_tokens"], item["completion_tokens"])
-                        tail: Any = (ChatCompletionChunk if chat else CompletionResponse)(
-                            id=rid, created=created, model=model, choices=[], usage=u)
+                if all(ch.finish_reason is not None for ch in choices):
+                    if call.include_usage:
+                        tail: Any = (ChatCompletionChunk if call.chat else CompletionResponse)(
+                            id=rid, created=created, model=model, choices=[],
+                            usage=self._usage(call, choices))
                         yield sse_event(tail.model_dump_json())
                     break
                 item = await self._next(stream)

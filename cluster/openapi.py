@@ -83,8 +83,12 @@ def _limit(schemas: dict[str, Any], limits: dict[str, Any]) -> None:
     max_tokens = limits.get("max_tokens")
     vocab = limits.get("vocab_size")
     stops = limits.get("max_stop_strings")
+    max_n = limits.get("max_n")
     for name in ("CompletionRequest", "ChatCompletionRequest"):
         props = schemas[name]["properties"]
+        if max_n is not None:
+            _set_in_any_of(props["n"], "integer", {"maximum": max_n})
+
         if model is not None:
             props["model"] = {"type": "string", "enum": [model], "title": "Model"}
         if max_tokens is not None:
@@ -135,7 +139,7 @@ def openapi_schema(app: FastAPI, limits: dict[str, Any] | None = None) -> dict[s
     """The complete document for ``app`` (the ingress's FastAPI app) under ``limits``.
 
     limits: ``model`` (the served name), ``max_tokens``, ``vocab_size``, ``max_stop_strings``,
-    ``max_request_bytes``; any may be missing.
+    ``max_request_bytes``, ``max_n``; any may be missing.
     """
     limits = limits or {}
     # get_openapi builds a fresh document on every call: editing it in place is safe.

@@ -17,6 +17,7 @@ from pydantic import (
     StrictInt,
     StrictStr,
     WithJsonSchema,
+    model_validator,
 )
 
 Number = StrictFloat | StrictInt
@@ -34,17 +35,18 @@ def _integral(value: Any) -> Any:
 Int = Annotated[StrictInt, BeforeValidator(_integral)]
 
 
-def _only_false(value: bool) -> bool:
-    if value:
-        raise ValueError("only false is supported")
+def _refuse(value: Any) -> Any:
+    if value is not None:
+        raise ValueError("is not supported by this server (it serves text generation only)")
     return value
 
 
-# A flag this server accepts for compatibility but does not implement: true is a clear 400.
+# An OpenAI field this server does not implement (tools, response formats, audio, ...): any value
+# but null is a clear 400 that names the field.
 Unsupported = Annotated[
-    StrictBool,
-    AfterValidator(_only_false),
-    WithJsonSchema({"type": "boolean", "enum": [False], "description": "only false is supported"}),
+    Any,
+    AfterValidator(_refuse),
+    WithJsonSchema({"description": "not supported: omit it (or send null)"}),
 ]
 
 
@@ -54,6 +56,11 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: StrictBool = False
+    # vLLM's extension (guidellm sends it): usage in every chunk, not only the last one.
+    continuous_usage_stats: StrictBool = False
+
+
+Bias = Annotated[Number, Field(ge=-100.0, le=100.0)]
 
 
 class _SamplingFields(_Body):
@@ -63,44 +70,116 @@ class _SamplingFields(_Body):
     top_p: Annotated[Number, Field(gt=0.0, le=1.0)] = 1.0
     # Bounded: the sampler builds an int64 tensor of the batch's k values.
     top_k: Annotated[Int, Field(ge=-1, le=2**31 - 1)] = 0
+    min_p: Annotated[Number, Field(ge=0.0, le=1.0)] = 0.0
     seed: Annotated[Int, Field(ge=0, le=2**63 - 1)] | None = None
     stop: StrictStr | list[StrictStr] | None = None
     stop_token_ids: list[Annotated[Int, Field(ge=0)]] | None = None
     ignore_eos: StrictBool = False
+    min_tokens: Annotated[Int, Field(ge=0)] = 0
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    n: Annotated[Int, Field(ge=1, le=1, description="only 1 is supported")] = 1
+    n: Annotated[Int, Field(ge=1)] = 1
     user: StrictStr | None = None
-    presence_penalty: Annotated[Number, Field(ge=0.0, le=0.0)] = 0.0
-    frequency_penalty: Annotated[Number, Field(ge=0.0, le=0.0)] = 0.0
+    presence_penalty: Annotated[Number, Field(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[Number, Field(ge=-2.0, le=2.0)] = 0.0
+    repetition_penalty: Annotated[Number, Field(gt=0.0, le=10.0)] = 1.0
+    # Token id (as a JSON object key) -> bias added to its logit.
+    logit_bias: dict[StrictStr, Bias] | None = Field(default=None, max_length=1024)
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+
+TopLogprobs = Annotated[Int, Field(ge=0, le=20)]
+
 
 class CompletionRequest(_SamplingFields):
-    """``POST /v1/completions``: ``prompt`` is a string or a list of token ids (one prompt)."""
+    """``POST /v1/completions``: ``prompt`` is a string or a list of token ids (one prompt).
+
+    ``echo``: the prompt's text is returned before the completion (with ``logprobs``, its
+    tokens' log-probabilities too: with ``max_tokens`` 0, that is how a prompt is scored).
+    ``logprobs``: per token, its log-probability and the ``logprobs`` most likely alternatives.
+    """
 
     prompt: StrictStr | list[Annotated[Int, Field(ge=0)]]
-    max_tokens: Annotated[Int, Field(ge=1)] | None = 16
-    echo: Unsupported = False
-    logprobs: None = Field(default=None, description="not supported")
+    max_tokens: Annotated[Int, Field(ge=0)] | None = 16
+    echo: StrictBool = False
+    logprobs: TopLogprobs | None = None
+    best_of: Annotated[Int, Field(ge=1, le=1, description="only 1 is supported")] | None = None
+    suffix: Unsupported = None
+
+
+class TextPart(BaseModel):
+    """A chat content part. Only ``{"type": "text", "text": ...}`` is supported."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: StrictStr
+    text: StrictStr | None = None
+
+    @model_validator(mode="after")
+    def _text_only(self) -> TextPart:
+        if self.type != "text":
+            raise ValueError(
+                f"content parts of type {self.type!r} are not supported: only text is "
+                "(type 'text')"
+            )
+        if self.text is None:
+            raise ValueError("a text content part needs its 'text'")
+        return self
 
 
 class ChatMessage(_Body):
-    role: Literal["system", "user", "assistant"]
-    content: StrictStr
+    # "developer" is what OpenAI's newer models call the system message.
+    role: Literal["system", "developer", "user", "assistant"]
+    content: StrictStr | list[TextPart]
     name: StrictStr | None = None
+
+    def text(self) -> str:
+        """The content as one string (text parts joined by newlines, as vLLM does)."""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(p.text or "" for p in self.content)
+
+    def template_role(self) -> str:
+        return "system" if self.role == "developer" else self.role
 
 
 class ChatCompletionRequest(_SamplingFields):
-    """``POST /v1/chat/completions``."""
+    """``POST /v1/chat/completions``. ``logprobs``: the log-probability of every generated
+    token, with the ``top_logprobs`` most likely alternatives."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Annotated[Int, Field(ge=1)] | None = None
-    logprobs: Unsupported = False
+    logprobs: StrictBool = False
+    top_logprobs: TopLogprobs | None = None
+    tools: Unsupported = None
+    tool_choice: Unsupported = None
+    functions: Unsupported = None
+    function_call: Unsupported = None
+    parallel_tool_calls: Unsupported = None
+    response_format: Unsupported = None
+    audio: Unsupported = None
+    modalities: Unsupported = None
+    prediction: Unsupported = None
+    reasoning_effort: Unsupported = None
+    web_search_options: Unsupported = None
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
 
 
 class Usage(BaseModel):
@@ -109,11 +188,20 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class CompletionLogprobs(BaseModel):
+    """The legacy completions shape: parallel lists, one entry per token of ``text``."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -130,11 +218,25 @@ class ChatMessageOut(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: ChatMessageOut
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -155,7 +257,7 @@ class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(BaseModel):

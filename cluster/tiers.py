@@ -1,5 +1,8 @@
 """Who is calling and how urgent it is: API key -> tier, ``X-TL-Priority`` -> priority in the tier.
 
+Without any API key in the config, an ``Authorization`` header is accepted and ignored (as vLLM
+does without ``--api-key``: the ``openai`` SDK always sends one) and every caller gets the default
+tier. With keys, a key must be one of them (else 401) and no key means the default tier.
 Keys are compared in constant time (``hmac.compare_digest`` against every configured key, no early
 exit) and never logged. A caller never gets above its tier: the header may choose any priority
 from the tier's ``base_priority`` to its ``max_priority``; a value outside that range is a 400.
@@ -55,6 +58,8 @@ class TierResolver:
         return Caller(tier, self._priority(tier, priority_header))
 
     def _tier(self, authorization: str | None) -> TierConfig:
+        if not self._keys and self._default is not None:
+            return self._default  # no keys configured: whatever the client sends is ignored
         if not authorization:
             if self._default is None:
                 raise AuthError("this server needs an API key: send 'Authorization: Bearer <key>'")

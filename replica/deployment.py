@@ -47,7 +47,12 @@ def _cpu_share() -> int | None:
 class LLMServer:
     """One replica: scheduler, KV pool and runner of one model."""
 
-    def __init__(self, engine: dict[str, Any] | None = None, fault_injection: bool = False) -> None:
+    def __init__(
+        self,
+        engine: dict[str, Any] | None = None,
+        fault_injection: bool = False,
+        tiers: list[str] | None = None,
+    ) -> None:
         self.fault_injection = fault_injection
         settings = dict(engine or {})
         if settings.get("num_threads") is None and "OMP_NUM_THREADS" not in os.environ:
@@ -55,7 +60,7 @@ class LLMServer:
         self.config = EngineConfig(**settings)
         from cluster.metrics import ReplicaMetrics
 
-        self.metrics = ReplicaMetrics()
+        self.metrics = ReplicaMetrics(tiers or [])
         self.engine = Engine(self.config, observer=self.metrics)
         self.engine.start()
         self.metrics.start(self.stats)
@@ -72,8 +77,10 @@ class LLMServer:
         max_tokens: int | None = None,
         queue_share: float = 1.0,
         tier: str = "",
+        n: int = 1,
     ) -> AsyncIterator[dict[str, Any]]:
-        """Stream one request's deltas (see the module docstring for the record shapes)."""
+        """Stream one request's deltas, of its ``n`` samples (see the module docstring for the
+        record shapes)."""
         try:
             params = SamplingParams(**sampling)
         except (TypeError, ValueError) as e:
@@ -88,7 +95,7 @@ class LLMServer:
                 f"the server is busy: this tier's share of the queue ({shed_at}) is full",
             )
             return
-        stream = self.engine.generate(prompt_ids, params, priority, tier)
+        stream = self.engine.generate(prompt_ids, params, priority, tier, n=n)
         try:
             async for out in stream:
                 yield asdict(out)

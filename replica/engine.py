@@ -15,14 +15,16 @@ import logging
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
+
+import torch
 
 from replica.block_space import RequestId
 from replica.detokenizer import IncrementalDetokenizer
 from replica.engine_config import EngineConfig, build_engine_parts
-from replica.runner import ForwardBatch, RunnerOutput
-from replica.sampler import SamplerState, SamplingParams, sample
+from replica.runner import ForwardBatch, PromptRows, RunnerOutput
+from replica.sampler import SamplerState, SamplingParams, TokenLogprob, sample, token_logprobs
 from replica.scheduler import (
     AdmitError,
     FinishedEvent,
@@ -40,7 +42,10 @@ class RequestOutput:
     """One delta of a request: the text and token ids made since the last delta.
 
     ``finished`` marks the last delta; then ``finish_reason`` is ``"stop"``, ``"length"``,
-    ``"abort"`` or ``"error"`` (with ``error`` saying what went wrong).
+    ``"abort"`` or ``"error"`` (with ``error`` saying what went wrong). ``index``: which of the
+    ``n`` samples of one prompt this is (``Engine.generate``). ``logprobs``: one per token of
+    ``token_ids`` when the request asked for them; ``prompt_logprobs``: with the request's first
+    delta, one per prompt token (None for the first, which has no context).
     """
 
     request_id: RequestId
@@ -51,6 +56,9 @@ class RequestOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None
+    index: int = 0
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +95,12 @@ class _Live:
     stop_ids: frozenset[int]
     sink: Callable[[RequestOutput], None] | None
     tier: str = ""
+    index: int = 0
+    # max_tokens 0: the one token the scheduler makes the request sample is dropped (the prompt
+    # alone was wanted, e.g. its log-probabilities).
+    discard: bool = False
+    # Prompt log-probabilities by position (of the token they score), until the first delta.
+    prompt_lp: dict[int, TokenLogprob] | None = None
     # Generated tokens not yet detokenized: text is wanted only at the end (no streaming, no
     # stop strings), so it is decoded once at the finish instead of twice per token.
     held: list[int] | None = None
@@ -160,6 +174,8 @@ class Engine:
         return list(self.tokenizer.encode(text, add_special_tokens=True))
 
     def validate(self, prompt_ids: Sequence[int], max_tokens: int, priority: int = 0) -> None:
+        # (max_tokens 0 runs the prompt and one sampled position: see _Live.discard)
+        max_tokens = max(max_tokens, 1)
         """Raise the error ``add_request`` would raise for this prompt (a full queue aside)."""
         bad = next(
             (t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size), None
@@ -181,6 +197,7 @@ class Engine:
         sink: Callable[[RequestOutput], None] | None = None,
         tier: str = "",
         stream_text: bool = True,
+        index: int = 0,
     ) -> RequestId:
         """Queue a request; raises ``ValueError``/``AdmitError`` for bad input or a full queue.
 
@@ -193,7 +210,7 @@ class Engine:
         ids = list(prompt_ids)
         try:
             self.validate(ids, params.max_tokens, priority)
-            return self._add(ids, params, priority, sink, tier, stream_text)
+            return self._add(ids, params, priority, sink, tier, stream_text, index)
         except AdmitError as e:  # empty, too_long, never_fits, queue_full
             if self.observer is not None:
                 self.observer.rejected(e.reason, tier)
@@ -207,6 +224,7 @@ class Engine:
         sink: Callable[[RequestOutput], None] | None,
         tier: str,
         stream_text: bool = True,
+        index: int = 0,
     ) -> RequestId:
         stop_ids = frozenset(params.stop_token_ids or ())
         if not params.ignore_eos:
@@ -214,16 +232,19 @@ class Engine:
         with self._lock:
             if self.error is not None:
                 raise EngineDead(f"the engine's step loop died: {self.error!r}")
-            rid = self.scheduler.add(Request(ids, params.max_tokens, priority))
+            rid = self.scheduler.add(Request(ids, max(params.max_tokens, 1), priority))
             self._live[rid] = _Live(
                 id=rid,
                 prompt_len=len(ids),
                 params=params,
-                sampler=SamplerState(params),
+                sampler=SamplerState(params, prompt=ids, stop_ids=stop_ids),
                 detok=IncrementalDetokenizer(self.tokenizer, ids, params.stop),
                 stop_ids=stop_ids,
                 sink=sink,
                 tier=tier,
+                index=index,
+                discard=params.max_tokens == 0,
+                prompt_lp={} if params.prompt_logprobs is not None else None,
                 held=None if stream_text or params.stop else [],
             )
             self._wake.notify()
@@ -291,7 +312,15 @@ class Engine:
             plan = self.scheduler.schedule()
             if plan.is_empty:
                 return []
-            batch = self.runner.build_batch(plan, self.scheduler)
+            scoring = [
+                c.id
+                for c in plan.prefill
+                if (live := self._live.get(c.id)) is not None and live.prompt_lp is not None
+            ]
+            batch = self.runner.build_batch(plan, self.scheduler, scoring)
+            prompt_targets = [
+                (rows, list(self.scheduler.tokens(rows.id) or ())) for rows in batch.prompt_rows
+            ]
             states = [self._live[rid] for rid in batch.sampled]
             now = time.monotonic()
             for c in plan.prefill:
@@ -302,7 +331,10 @@ class Engine:
         result = self.runner.forward(batch)
         t2 = time.perf_counter()
         tokens = sample(result.logits, [s.sampler for s in states])
-        outputs = self._finish_step(plan, states, tokens)
+        logprobs = self._logprobs(result.logits, states, tokens)
+        if result.prompt_logits is not None:
+            self._score_prompts(result.prompt_logits, prompt_targets)
+        outputs = self._finish_step(plan, states, tokens, logprobs)
         t3 = time.perf_counter()
         self.times.steps += 1
         self.times.forward_s += t2 - t1
@@ -311,30 +343,75 @@ class Engine:
             self.observer.step_done(t3 - t0, plan.num_tokens, len(plan.preempted))
         return outputs
 
+    @staticmethod
+    def _logprobs(
+        logits: torch.Tensor, states: list[_Live], tokens: list[int]
+    ) -> list[TokenLogprob | None]:
+        """The sampled tokens' log-probabilities, for the requests that asked for them."""
+        rows = [i for i, s in enumerate(states) if s.params.logprobs is not None and not s.discard]
+        out: list[TokenLogprob | None] = [None] * len(states)
+        if rows:
+            ks = [states[i].params.logprobs or 0 for i in rows]
+            lps = token_logprobs(logits[rows], [tokens[i] for i in rows], ks)
+            for i, lp in zip(rows, lps, strict=True):
+                out[i] = lp
+        return out
+
+    def _score_prompts(
+        self, logits: torch.Tensor, targets: list[tuple[PromptRows, list[int]]]
+    ) -> None:
+        """Record the prompt tokens' log-probabilities that this step's chunks computed."""
+        tokens: list[int] = []
+        ks: list[int] = []
+        for rows, seq in targets:
+            live = self._live.get(rows.id)
+            k = (live.params.prompt_logprobs or 0) if live is not None else 0
+            tokens.extend(seq[rows.first + 1 : rows.first + 1 + rows.count])
+            ks.extend([k] * rows.count)
+        lps = token_logprobs(logits, tokens, ks)
+        at = 0
+        for rows, _ in targets:
+            live = self._live.get(rows.id)
+            if live is not None and live.prompt_lp is not None:
+                for j in range(rows.count):
+                    live.prompt_lp[rows.first + 1 + j] = lps[at + j]
+            at += rows.count
+
     def _finish_step(
-        self, plan: ScheduleOutput, states: list[_Live], tokens: list[int]
+        self,
+        plan: ScheduleOutput,
+        states: list[_Live],
+        tokens: list[int],
+        logprobs: list[TokenLogprob | None],
     ) -> list[RequestOutput]:
         now = time.monotonic()
         step_outputs: list[StepOutput] = []
         deltas: dict[RequestId, RequestOutput] = {}
-        for live, tok in zip(states, tokens, strict=True):
-            live.generated += 1
+        for live, tok, lp in zip(states, tokens, logprobs, strict=True):
             if live.first_token is None:
                 live.first_token = now
+            delta = RequestOutput(live.id, "", [], prompt_tokens=live.prompt_len, index=live.index)
+            if live.prompt_lp is not None:
+                delta.prompt_logprobs = [
+                    None, *(live.prompt_lp.get(p) for p in range(1, live.prompt_len))
+                ]
+                live.prompt_lp = None
+            if live.discard:  # max_tokens 0: the scheduler ends it now, at its one-token limit
+                step_outputs.append(StepOutput(live.id, tok, False))
+                deltas[live.id] = delta
+                continue
+            live.generated += 1
             if live.held is None:
-                text = live.detok.add(tok)
+                delta.text = live.detok.add(tok)
             else:
                 live.held.append(tok)
-                text = ""
             stop = tok in live.stop_ids or live.detok.stopped is not None
             step_outputs.append(StepOutput(live.id, tok, stop))
-            deltas[live.id] = RequestOutput(
-                live.id,
-                text,
-                [tok],
-                prompt_tokens=live.prompt_len,
-                completion_tokens=live.generated,
-            )
+            delta.token_ids = [tok]
+            delta.completion_tokens = live.generated
+            if lp is not None:
+                delta.logprobs = [lp]
+            deltas[live.id] = delta
         with self._lock:
             events = self.scheduler.on_step(step_outputs)
             for e in events:
@@ -370,6 +447,7 @@ class Engine:
             prompt_tokens=live.prompt_len,
             completion_tokens=live.generated,
             error=error,
+            index=live.index,
         )
 
     # ------------------------------------------------------------------ background loop
@@ -433,23 +511,42 @@ class Engine:
         params: SamplingParams | None = None,
         priority: int = 0,
         tier: str = "",
+        n: int = 1,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Stream a request's deltas; leaving the iterator early aborts the request."""
+        """Stream the deltas of ``n`` samples of one prompt (``RequestOutput.index`` tells them
+        apart; with a seed, sample ``i`` draws from ``seed + i``); leaving the iterator early
+        aborts every unfinished one. Admission is all or nothing: if sample ``i`` is refused,
+        the ones before it are aborted and the error raised."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"n must be a positive integer, got {n!r}")
+        params = params or SamplingParams()
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
 
         def sink(out: RequestOutput) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, out)
 
-        rid = self.add_request(prompt_ids, params, priority, sink=sink, tier=tier)
-        finished = False
+        rids: list[RequestId] = []
         try:
-            while not finished:
+            for i in range(n):
+                seed = None if params.seed is None else params.seed + i
+                child = params if i == 0 else replace(params, seed=seed)
+                rids.append(
+                    self.add_request(prompt_ids, child, priority, sink=sink, tier=tier, index=i)
+                )
+        except BaseException:
+            for rid in rids:
+                self.abort(rid)
+            raise
+        unfinished = set(rids)
+        try:
+            while unfinished:
                 out = await queue.get()
-                finished = out.finished
+                if out.finished:
+                    unfinished.discard(out.request_id)
                 yield out
         finally:
-            if not finished:
+            for rid in unfinished:
                 self.abort(rid)
 
 

@@ -7,7 +7,8 @@ sampled (every decode, and the last token of every last chunk) reach the output 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Collection
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -30,22 +31,36 @@ class CausalLM(Protocol):
     ) -> torch.Tensor: ...
 
 
+@dataclass(frozen=True, slots=True)
+class PromptRows:
+    """``count`` rows of a request's prompt whose logits are wanted (prompt log-probabilities):
+    positions ``first .. first + count - 1``, each predicting the prompt token after it."""
+
+    id: RequestId
+    first: int
+    count: int
+
+
 @dataclass(slots=True)
 class ForwardBatch:
-    """One step's flat batch. ``sampled`` names the request of each row of ``logits_indices``."""
+    """One step's flat batch. The first ``len(sampled)`` rows of ``logits_indices`` are the
+    sampled rows (``sampled`` names each one's request); then the rows of ``prompt_rows``."""
 
     input_ids: torch.Tensor
     meta: AttentionMetadata
     logits_indices: torch.Tensor
     sampled: list[RequestId]
+    prompt_rows: list[PromptRows] = field(default_factory=list)
 
 
 @dataclass(slots=True)
 class RunnerOutput:
-    """``logits[i]`` (fp32) is the next-token distribution of request ``ids[i]``."""
+    """``logits[i]`` (fp32) is the next-token distribution of request ``ids[i]``;
+    ``prompt_logits`` (fp32) those of the batch's ``prompt_rows``, in order (None: none asked)."""
 
     ids: list[RequestId]
     logits: torch.Tensor
+    prompt_logits: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -62,8 +77,15 @@ class ModelRunner:
             if pack is not None:
                 pack()
 
-    def build_batch(self, plan: ScheduleOutput, scheduler: Scheduler) -> ForwardBatch:
-        """The flat batch of ``plan``: decodes, then chunks; raises on an empty plan."""
+    def build_batch(
+        self,
+        plan: ScheduleOutput,
+        scheduler: Scheduler,
+        prompt_logits_for: Collection[RequestId] = (),
+    ) -> ForwardBatch:
+        """The flat batch of ``plan``: decodes, then chunks; raises on an empty plan. For the
+        requests in ``prompt_logits_for``, the rows of their prompt tokens in this step's chunks
+        reach the output head too (each but the prompt's last, which is sampled)."""
         blocks = scheduler.blocks
         ids: list[int] = []
         specs: list[SeqSpec] = []
@@ -78,21 +100,33 @@ class ModelRunner:
             specs.append(SeqSpec(n - 1, 1, blocks.block_table(rid)))
             rows.append(len(ids) - 1)
             sampled.append(rid)
+        extra: list[int] = []
+        prompt_rows: list[PromptRows] = []
         for c in plan.prefill:
             toks = scheduler.tokens(c.id)
             if toks is None:
                 raise KeyError(f"request {c.id} is scheduled but unknown to the scheduler")
+            base = len(ids)
             ids.extend(toks[c.start : c.start + c.len])
             specs.append(SeqSpec(c.start, c.len, blocks.block_table(c.id)))
             if c.last:
                 rows.append(len(ids) - 1)
                 sampled.append(c.id)
+            if c.id in prompt_logits_for:
+                prompt_len = scheduler.prompt_len(c.id) or 0
+                count = min(c.start + c.len, prompt_len - 1) - c.start
+                if count > 0:
+                    extra.extend(range(base, base + count))
+                    prompt_rows.append(PromptRows(c.id, c.start, count))
         meta = build_metadata(specs, self.pool.block_tokens, self.device)
         return ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True),
             meta=meta,
-            logits_indices=torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True),
+            logits_indices=torch.tensor(rows + extra, dtype=torch.int64).to(
+                self.device, non_blocking=True
+            ),
             sampled=sampled,
+            prompt_rows=prompt_rows,
         )
 
     @torch.inference_mode()
@@ -103,8 +137,11 @@ class ModelRunner:
             self.pool.kv_caches,
             batch.meta,
             batch.logits_indices,
-        )
-        return RunnerOutput(batch.sampled, logits.float())
+        ).float()
+        n = len(batch.sampled)
+        if not batch.prompt_rows:
+            return RunnerOutput(batch.sampled, logits)
+        return RunnerOutput(batch.sampled, logits[:n], logits[n:])
 
     def execute(self, plan: ScheduleOutput, scheduler: Scheduler) -> RunnerOutput:
         """Build the batch of ``plan`` and run it; an empty plan gives no rows."""

@@ -1,39 +1,70 @@
-"""Sampling: greedy, temperature, top-k, top-p, and a random generator owned by each request.
+"""Sampling: logits processors, greedy, temperature, top-k, top-p, min-p, and a random generator
+owned by each request; the log-probabilities clients ask for.
+
+Per request, in this order (vLLM's): ``logit_bias`` added; the stop tokens masked until
+``min_tokens`` tokens have been generated; ``repetition_penalty`` (prompt and output tokens:
+a positive logit divided by it, a negative one multiplied), ``frequency_penalty`` (times each
+token's count in the output) and ``presence_penalty`` (once per token present) subtracted. Then
+greedy takes the argmax; otherwise the temperature divides, top-k, top-p and min-p filter, and
+the token is drawn.
 
 Every random draw comes from the request's own ``torch.Generator`` and consumes the same amount of
 randomness per token whatever else is in the batch, so a seeded request samples the same tokens
-alone, in any batch, and across a preemption (the generator stays with the request). Every
-operation is per row, so a row's result does not depend on the other rows.
+alone, in any batch, and across a preemption (the generator and the token counts stay with the
+request). Every operation is per row, so a row's result does not depend on the other rows.
+
+Log-probabilities (``logprobs``) are those of the model's own distribution, the log-softmax of
+the raw logits, before any processor or temperature (vLLM's default).
 """
 
 from __future__ import annotations
 
+import math
 import random
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 GREEDY_BELOW = 1e-5
+MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0
+
+
+def _number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 @dataclass(slots=True)
 class SamplingParams:
     """How to pick each next token and when to stop (close to vLLM's ``SamplingParams``).
 
-    temperature 0 is greedy. top_k 0 (or -1) and top_p 1.0 disable those filters. ``stop`` strings
-    are matched on the detokenized text and not returned; ``stop_token_ids`` end the request like
-    EOS; ``ignore_eos`` keeps generating past EOS.
+    temperature 0 is greedy. top_k 0 (or -1), top_p 1.0 and min_p 0 disable those filters.
+    ``stop`` strings are matched on the detokenized text and not returned; ``stop_token_ids`` end
+    the request like EOS; ``ignore_eos`` keeps generating past EOS. ``min_tokens``: EOS and the
+    stop token ids cannot be drawn before that many tokens. Penalties and ``logit_bias`` (token
+    id -> bias in [-100, 100]) as in the module docstring. ``logprobs``: with every generated
+    token, its log-probability and the ``logprobs`` most likely alternatives (0: the token's
+    alone); ``prompt_logprobs``: the same for every prompt token after the first. ``max_tokens``
+    0 generates nothing (with ``prompt_logprobs``: scoring a prompt).
     """
 
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
     stop: list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -42,14 +73,16 @@ class SamplingParams:
         """Raise ``ValueError`` naming the first field out of range."""
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
             raise ValueError(f"max_tokens must be an integer, got {self.max_tokens!r}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if not isinstance(self.temperature, (int, float)) or not 0.0 <= self.temperature <= 100.0:
+        if self.max_tokens < 0:
+            raise ValueError(f"max_tokens must be at least 0, got {self.max_tokens}")
+        if not _number(self.temperature) or not 0.0 <= self.temperature <= 100.0:
             raise ValueError(f"temperature must be in [0, 100], got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+        if not _number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
             raise ValueError(f"top_k must be an integer >= 0 (0 or -1: off), got {self.top_k!r}")
+        if not _number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.seed is not None and (
             isinstance(self.seed, bool) or not isinstance(self.seed, int)
         ):
@@ -63,53 +96,166 @@ class SamplingParams:
             isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids
         ):
             raise ValueError("stop_token_ids must be a list of non-negative integers")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int):
+            raise ValueError(f"min_tokens must be an integer, got {self.min_tokens!r}")
+        if not 0 <= self.min_tokens <= max(self.max_tokens, 0):
+            raise ValueError(
+                f"min_tokens must be in [0, max_tokens ({self.max_tokens})], got {self.min_tokens}"
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _number(value) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+        if not _number(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 10.0:
+            raise ValueError(
+                f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}"
+            )
+        if self.logit_bias is not None:
+            for tok, bias in self.logit_bias.items():
+                if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
+                    raise ValueError(f"logit_bias keys must be token ids >= 0, got {tok!r}")
+                if not _number(bias) or abs(bias) > MAX_LOGIT_BIAS:
+                    raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool)
+                or not isinstance(value, int)
+                or not 0 <= value <= MAX_LOGPROBS
+            ):
+                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
 
     @property
     def greedy(self) -> bool:
         """Temperatures below ``GREEDY_BELOW`` are greedy (dividing by them would overflow)."""
         return self.temperature < GREEDY_BELOW
 
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty applies (they need the request's token counts)."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
 
 @dataclass(slots=True)
 class SamplerState:
-    """A request's sampling parameters and its own generator (kept across preemption)."""
+    """A request's sampling parameters, its own generator and what its processors remember:
+    the tokens generated so far (counted per id for the penalties) and the prompt's ids. Kept
+    across preemption, so a resumed request samples as if it had never stopped.
+
+    ``stop_ids``: the ids ``min_tokens`` holds back (EOS and ``stop_token_ids``)."""
 
     params: SamplingParams
+    prompt: Sequence[int] = ()
+    stop_ids: Collection[int] = ()
     generator: torch.Generator = field(init=False)
+    generated: int = field(init=False, default=0)
+    # [vocab] per-id counts of generated tokens, and the ids of prompt and output (penalties
+    # only; created at the first step, when the vocabulary is known).
+    counts: torch.Tensor | None = field(init=False, default=None)
+    seen: torch.Tensor | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.generator = torch.Generator(device="cpu")
         seed = self.params.seed if self.params.seed is not None else random.getrandbits(63)
         self.generator.manual_seed(seed)
 
+    def record(self, token: int) -> None:
+        """Account for a generated token (``sample`` calls it)."""
+        self.generated += 1
+        if self.counts is not None and self.seen is not None:
+            self.counts[token] += 1
+            self.seen[token] = True
+
+    def _history(self, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.counts is None or self.seen is None:
+            self.counts = torch.zeros(vocab, dtype=torch.float32)
+            self.seen = torch.zeros(vocab, dtype=torch.bool)
+            ids = torch.tensor([t for t in self.prompt if 0 <= t < vocab], dtype=torch.int64)
+            self.seen[ids] = True
+        return self.counts, self.seen
+
+    @property
+    def processed(self) -> bool:
+        """Whether any logits processor applies at this step."""
+        p = self.params
+        return bool(
+            p.penalized
+            or p.logit_bias
+            or (self.generated < p.min_tokens and self.stop_ids)
+        )
+
 
 def sample(logits: torch.Tensor, states: Sequence[SamplerState]) -> list[int]:
-    """One token per row of ``logits`` ``[R, V]`` (fp32, on any device)."""
+    """One token per row of ``logits`` ``[R, V]`` (fp32, on any device; not modified); each
+    state records its token."""
     if logits.shape[0] != len(states):
         raise ValueError(f"{logits.shape[0]} rows of logits but {len(states)} sampler states")
     if not states:
         return []
     logits = logits.float()
+    processed = [i for i, s in enumerate(states) if s.processed]
+    if processed:
+        logits = logits.clone()
+        _process(logits, [states[i] for i in processed], processed)
     greedy = [s.params.greedy for s in states]
     if all(greedy):
-        return logits.argmax(dim=-1).tolist()
-    out = logits.argmax(dim=-1).tolist() if any(greedy) else [0] * len(states)
-    rows = [i for i, g in enumerate(greedy) if not g]
-    x = logits[rows] if len(rows) < len(states) else logits
-    temps = torch.tensor([states[i].params.temperature for i in rows], dtype=torch.float32)
+        out = logits.argmax(dim=-1).tolist()
+    else:
+        out = logits.argmax(dim=-1).tolist() if any(greedy) else [0] * len(states)
+        rows = [i for i, g in enumerate(greedy) if not g]
+        picked = _draw(logits[rows] if len(rows) < len(states) else logits, [states[i] for i in rows])
+        for j, i in enumerate(rows):
+            out[i] = picked[j]
+    for s, tok in zip(states, out, strict=True):
+        s.record(tok)
+    return out
+
+
+def _process(logits: torch.Tensor, states: Sequence[SamplerState], rows: Sequence[int]) -> None:
+    """Apply the logits processors of ``states`` to their ``rows`` of ``logits`` in place."""
+    vocab = logits.shape[1]
+    for s, r in zip(states, rows, strict=True):
+        p = s.params
+        row = logits[r]
+        if p.logit_bias:
+            ids = [t for t in p.logit_bias if t < vocab]
+            row[ids] += torch.tensor([p.logit_bias[t] for t in ids], dtype=row.dtype)
+        if s.generated < p.min_tokens and s.stop_ids:
+            row[[t for t in s.stop_ids if t < vocab]] = float("-inf")
+        if p.penalized:
+            counts, seen = s._history(vocab)
+            if p.repetition_penalty != 1.0:
+                rp = p.repetition_penalty
+                row.copy_(torch.where(seen, torch.where(row > 0, row / rp, row * rp), row))
+            if p.frequency_penalty:
+                row.sub_(counts * p.frequency_penalty)
+            if p.presence_penalty:
+                row.sub_((counts > 0).float() * p.presence_penalty)
+
+
+def _draw(x: torch.Tensor, states: Sequence[SamplerState]) -> list[int]:
+    """Sample one token per row of processed logits ``x`` (non-greedy rows)."""
+    params = [s.params for s in states]
+    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
     x = x / temps.to(x.device).unsqueeze(1)
-    x = _filter_top_k_top_p(x, [states[i].params for i in rows])
+    x = _filter_top_k_top_p(x, params)
     probs = x.softmax(dim=-1)
+    if any(p.min_p > 0.0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype, device=probs.device)
+        floor = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+        probs = probs.masked_fill(probs < floor, 0.0)  # the most likely token always stays
     # Exponential race (Gumbel-max in another form): argmax(p / E) with E ~ Exp(1) draws from p.
     # Each request draws V variates from its own generator, so its stream is batch-independent.
     vocab = probs.shape[1]
-    noise = torch.empty((len(rows), vocab), dtype=torch.float32)
-    for j, i in enumerate(rows):
-        noise[j].exponential_(generator=states[i].generator)
-    picked = (probs / noise.to(probs.device)).argmax(dim=-1).tolist()
-    for j, i in enumerate(rows):
-        out[i] = picked[j]
-    return out
+    noise = torch.empty((len(states), vocab), dtype=torch.float32)
+    for j, s in enumerate(states):
+        noise[j].exponential_(generator=s.generator)
+    picked: list[int] = (probs / noise.to(probs.device)).argmax(dim=-1).tolist()
+    return picked
 
 
 def _filter_top_k_top_p(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
@@ -133,3 +279,48 @@ def _filter_top_k_top_p(x: torch.Tensor, params: Sequence[SamplingParams]) -> to
         keep &= before < top_p  # the first token is always kept
     filtered = sorted_x.masked_fill(~keep, float("-inf"))
     return torch.empty_like(x).scatter_(1, order, filtered)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A token's log-probability and the ``top`` most likely tokens at its position (ids and
+    log-probabilities, most likely first)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprobs(
+    logits: torch.Tensor, tokens: Sequence[int], ks: Sequence[int]
+) -> list[TokenLogprob]:
+    """For each row of raw ``logits`` ``[R, V]``: the log-probability of ``tokens[r]`` and the
+    ``ks[r]`` most likely tokens (the model's own distribution)."""
+    if logits.shape[0] != len(tokens) or len(tokens) != len(ks):
+        raise ValueError(f"{logits.shape[0]} rows of logits for {len(tokens)} tokens")
+    if not tokens:
+        return []
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logp.gather(1, torch.tensor(tokens, device=logp.device).unsqueeze(1)).squeeze(1)
+    k = max(ks)
+    top_v, top_i = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
+    chosen_l, top_vl, top_il = chosen.tolist(), top_v.tolist(), top_i.tolist()
+    return [
+        TokenLogprob(tokens[r], chosen_l[r], tuple(zip(top_il[r][: ks[r]], top_vl[r][: ks[r]], strict=True)))
+        for r in range(len(tokens))
+    ]
+
+
+def logit_bias_from_json(bias: Mapping[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's ``logit_bias`` (token ids as JSON object keys) as ``SamplingParams`` takes it;
+    a key that is not an integer is a ``ValueError`` naming it."""
+    if not bias:
+        return None
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        try:
+            tok = int(key)
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
+        out[tok] = float(value)
+    return out

@@ -14,6 +14,7 @@ import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
+from replica.models.byte_level import byte_chars
 from replica.models.config import ModelConfig
 from replica.models.llama import LlamaForCausalLM, ModelOptions, check_deterministic
 
@@ -117,13 +118,5 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def _byte_chars() -> dict[int, str]:
-    """A printable stand-in character for every byte (the byte-level pre-tokenizer's alphabet):
-    visible Latin-1 bytes stand for themselves, the rest map to code points from 256 up."""
-    visible = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    chars = {b: chr(b) for b in visible}
-    extra = 256
-    for b in range(256):
-        if b not in chars:
-            chars[b] = chr(extra)
-            extra += 1
-    return chars
+    """A printable stand-in character for every byte (the byte-level pre-tokenizer's alphabet)."""
+    return byte_chars()

@@ -58,12 +58,19 @@ def test_the_document_lists_every_field_and_error(fuzz_app: ServeApp) -> None:
         assert set(op["responses"]["200"]["content"]) == {"application/json", "text/event-stream"}
         props = doc["components"]["schemas"][model]["properties"]
         # Every field the server accepts, with the config's limits written in.
-        for field in ("model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-                      "stop_token_ids", "ignore_eos", "stream", "stream_options", "n"):
+        for field in ("model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
+                      "stop", "stop_token_ids", "ignore_eos", "min_tokens", "stream",
+                      "stream_options", "n", "user", "presence_penalty", "frequency_penalty",
+                      "repetition_penalty", "logit_bias", "logprobs"):
             assert field in props, (model, field)
+        extra = ("prompt", "echo", "suffix") if model == "CompletionRequest" else (
+            "messages", "top_logprobs", "max_completion_tokens", "tools", "response_format")
+        assert set(extra) <= set(props), model
         assert props["model"]["enum"] == [MODEL]
-        assert {"type": "integer", "minimum": 1, "maximum": 4}.items() <= next(
+        least = 0 if model == "CompletionRequest" else 1  # completions may score a prompt only
+        assert {"type": "integer", "minimum": least, "maximum": 4}.items() <= next(
             o for o in props["max_tokens"]["anyOf"] if o.get("type") == "integer").items()
+        assert props["n"]["maximum"] == 8
         assert doc["components"]["schemas"][model].get("additionalProperties") is False
     assert "422" not in str(doc["paths"])
 

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from cluster.ingress import error_param
+from cluster.ingress import error_param, validation_error
 from cluster.protocol import ChatCompletionRequest, CompletionRequest
 
 COMPLETION = {"model": "m", "prompt": "p"}
@@ -21,13 +21,37 @@ def first_error(model: Any, body: dict[str, Any]) -> dict[str, Any]:
     return dict(e.value.errors()[0])
 
 
-@pytest.mark.parametrize(("model", "body"), [(CompletionRequest, COMPLETION | {"echo": True}),
-                                             (ChatCompletionRequest, CHAT | {"logprobs": True})])
-def test_unsupported_flags_are_refused_when_true(model: Any, body: dict[str, Any]) -> None:
+@pytest.mark.parametrize(
+    ("model", "body", "field"),
+    [
+        (ChatCompletionRequest, CHAT | {"tools": [{"type": "function"}]}, "tools"),
+        (ChatCompletionRequest, CHAT | {"response_format": {"type": "json_object"}}, "response_format"),
+        (ChatCompletionRequest, CHAT | {"audio": {"voice": "x"}}, "audio"),
+        (CompletionRequest, COMPLETION | {"suffix": "!"}, "suffix"),
+    ],
+)
+def test_unsupported_fields_are_refused_by_name(model: Any, body: dict[str, Any], field: str) -> None:
     err = first_error(model, body)
-    assert "only false is supported" in err["msg"]
-    flag = "echo" if "echo" in body else "logprobs"
-    assert model.model_validate(body | {flag: False})
+    assert err["loc"] == (field,) and "not supported" in err["msg"]
+    assert model.model_validate(body | {field: None})
+
+
+def test_chat_content_may_be_text_parts_and_nothing_else() -> None:
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]
+    body = ChatCompletionRequest.model_validate(CHAT | {"messages": [{"role": "user", "content": parts}]})
+    assert body.messages[0].text() == "Hello\nthere"
+    image = [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]
+    with pytest.raises(ValidationError) as e:
+        ChatCompletionRequest.model_validate(CHAT | {"messages": [{"role": "user", "content": image}]})
+    msg, param = validation_error(e.value.errors())
+    assert param == "messages.0.content.0"
+    assert "'image_url' are not supported: only text is" in msg
+
+
+def test_top_logprobs_needs_logprobs() -> None:
+    err = first_error(ChatCompletionRequest, CHAT | {"top_logprobs": 3})
+    assert "top_logprobs needs logprobs: true" in err["msg"]
+    assert ChatCompletionRequest.model_validate(CHAT | {"top_logprobs": 3, "logprobs": True})
 
 
 @pytest.mark.parametrize("top_k", [2**31, 2**63, 10**30])

@@ -126,3 +126,24 @@ def test_two_references_to_one_key_are_refused(monkeypatch: Any) -> None:
     ], default_tier=None)
     with pytest.raises(ValueError, match="more than once"):
         TierResolver(cfg)
+
+
+@pytest.mark.parametrize("auth", [None, "Bearer unused-without-keys", "Bearer sk-123", "Basic x",
+                                  "garbage"])
+def test_without_any_key_configured_every_authorization_is_ignored(auth: str | None) -> None:
+    """The ``openai`` SDK always sends a key: on a server with no keys it must not matter."""
+    open_server = TierResolver(ClusterConfig())
+    c = open_server.resolve(auth, "7")
+    assert (c.tier.name, c.priority) == ("standard", 7)
+    with pytest.raises(PriorityError):
+        open_server.resolve(auth, "12")  # the priority header still has the tier's bounds
+
+
+def test_keys_configured_an_unknown_key_is_still_401() -> None:
+    with pytest.raises(AuthError, match="not valid"):
+        resolver().resolve("Bearer unused-without-keys", None)
+
+
+def test_a_mandatory_key_with_no_keys_anywhere_is_a_config_error() -> None:
+    with pytest.raises(ValueError, match="no tier has api_keys"):
+        ClusterConfig(default_tier=None)

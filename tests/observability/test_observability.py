@@ -44,6 +44,7 @@ from tests.cluster.helpers import (
     start_serve,
 )
 from tests.observability import promql
+from tests.tools import Prometheus
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -177,7 +178,20 @@ async def _burst(url: str, n: int, max_tokens: int, waiting: Callable[[], int]
 
 
 @pytest.fixture(scope="module")
-def provoked(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Provoked:
+def prometheus(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prometheus]:
+    """A real Prometheus server (Debian's, installed when missing) scraping the cluster's
+    metrics endpoint every second, from before the load starts."""
+    target = cluster.metrics_url.removeprefix("http://").removesuffix("/metrics")
+    server = Prometheus.start([target], tmp_path_factory.mktemp("prometheus"))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def provoked(cluster: Cluster, prometheus: Prometheus,
+             tmp_path_factory: pytest.TempPathFactory) -> Provoked:
     """The load generator's smoke run, then requests that provoke every metric for certain."""
     out = tmp_path_factory.mktemp("load")
     rc = loadgen.main([
@@ -210,6 +224,40 @@ def provoked(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Prov
 # ------------------------------------------------------------------ (a) the scrape
 
 
+def test_counters_are_exported_at_zero_before_anything_happens(cluster: Cluster,
+                                                               prometheus: Prometheus) -> None:
+    """Before any request (this test runs before the load): every counter, for every tier and
+    reason it can count, is in the scrape at 0, so a dashboard shows 0 rather than "No data"."""
+    from cluster.metrics import FINISH_REASONS, INGRESS_REJECTIONS, REJECTION_REASONS
+
+    tiers = {"interactive", "standard", "batch", "none"}
+
+    def complete(ss: list[Sample]) -> bool:
+        rej = {(x.labels.get("deployment"), x.labels["reason"], x.labels["tier"])
+               for x in ours(ss, "ray_tierserve_rejections_total")}
+        fin = {(x.labels["reason"], x.labels["tier"])
+               for x in ours(ss, "ray_tierserve_requests_finished_total")}
+        return (
+            {("LLMServer", r, t) for r in REJECTION_REASONS for t in tiers} <= rej
+            and {("Ingress", r, t) for r in INGRESS_REJECTIONS for t in tiers} <= rej
+            and {(r, t) for r in FINISH_REASONS for t in tiers} <= fin
+            and {x.labels["tier"] for x in ours(ss, "ray_tierserve_aborts_total")} >= tiers
+            and bool(ours(ss, "ray_tierserve_preemptions_total"))
+        )
+
+    samples = cluster.wait_scrape("every counter's label sets at 0", complete)
+    for name in ("rejections", "requests_finished", "aborts", "preemptions", "prompt_tokens",
+                 "generation_tokens"):
+        series = ours(samples, f"ray_tierserve_{name}_total")
+        assert series and all(x.value == 0 for x in series), name
+    # ... and the real Prometheus reads them: a rate of 0, not an empty answer.
+    rate = "sum(rate(ray_tierserve_aborts_total[1m]))"  # needs two scrapes
+    deadline = time.monotonic() + 30
+    while not prometheus.query(rate) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert [float(r["value"][1]) for r in prometheus.query(rate)] == [0.0]  # type: ignore[index]
+
+
 def test_a_scrape_holds_every_exported_metric(cluster: Cluster, provoked: Provoked) -> None:
     samples = cluster.wait_scrape(
         "every name of cluster.metrics.EXPORTED in the scrape",
@@ -240,12 +288,18 @@ def test_preemptions_aborts_and_finishes_are_counted(cluster: Cluster, provoked:
         assert total(samples, f"ray_tierserve_{h}_count") > 0, h
 
 
+def counted_reasons(samples: list[Sample]) -> set[str]:
+    """Rejection reasons counted at least once (every reason's series exists from the start)."""
+    return {r for r, v in by_label(samples, "ray_tierserve_rejections_total", "reason").items()
+            if v > 0}
+
+
 def test_rejections_by_reason(cluster: Cluster, provoked: Provoked) -> None:
     assert (429, "queue_full") in provoked.statuses["burst"], provoked.statuses["burst"]
     assert (429, "shed") in provoked.statuses["shed"], provoked.statuses["shed"]
     samples = cluster.wait_scrape(
         "rejections for queue_full and shed",
-        lambda ss: {"queue_full", "shed"} <= set(by_label(ss, "ray_tierserve_rejections_total", "reason")))
+        lambda ss: {"queue_full", "shed"} <= counted_reasons(ss))
     by_tier = by_label(samples, "ray_tierserve_rejections_total", "tier")
     assert by_tier.get("batch", 0) > 0
     assert provoked.report["rejections"]["total"] > 0
@@ -257,7 +311,7 @@ def test_requests_that_can_never_run_are_counted_by_reason(cluster: Cluster,
     assert provoked.statuses["too_long"] == [(400, "too_long")]
     cluster.wait_scrape(
         "rejections for never_fits and too_long",
-        lambda ss: {"never_fits", "too_long"} <= set(by_label(ss, "ray_tierserve_rejections_total", "reason")),
+        lambda ss: {"never_fits", "too_long"} <= counted_reasons(ss),
         timeout_s=4 * REPORT_INTERVAL_MS / 1000)
 
 
@@ -295,6 +349,29 @@ def test_every_metric_the_dashboard_queries_is_scraped(cluster: Cluster, provoke
             if f"by ({label}" in expr:
                 for name in promql.metric_names(expr):
                     assert all(label in s.labels for s in ours(samples, name)), (title, name, label)
+
+
+def test_a_real_prometheus_answers_every_panel_query(prometheus: Prometheus,
+                                                    provoked: Provoked) -> None:
+    """Every query of every panel, with Grafana's variables as the dashboard's "All" sets them,
+    evaluated by Prometheus over the scrapes it took during the load: each returns data."""
+    dash = promql.load(DASHBOARD)
+    queries = promql.dashboard_queries(dash)
+    subst = {"$__rate_interval": "5m", "$job": ".*", "$application": ".*", "$tier": ".*"}
+    empty: list[str] = []
+    for title, expr in queries:
+        q = expr
+        for var, value in subst.items():
+            q = q.replace(var, value)
+        assert "$" not in q, (title, q)
+        deadline = time.monotonic() + 30
+        result = prometheus.query(q)
+        while not result and time.monotonic() < deadline:
+            time.sleep(1)
+            result = prometheus.query(q)
+        if not result:
+            empty.append(f"{title}: {q}")
+    assert empty == [], "queries that returned no data:\n" + "\n".join(empty)
 
 
 # ------------------------------------------------------------------ (c) the load generator
@@ -409,10 +486,11 @@ def test_refusals_at_the_ingress_are_counted_too(cluster: Cluster, provoked: Pro
                    headers={"Authorization": f"Bearer {KEYS['batch']}"},
                    json={"model": MODEL, "prompt": "", "max_tokens": 4})
     assert r.status_code == 400 and r.json()["error"]["code"] == "empty", r.text
-    samples = cluster.wait_scrape(
-        "a rejection for reason empty, counted by the ingress",
-        lambda ss: "empty" in by_label(ss, "ray_tierserve_rejections_total", "reason"))
-    empty = [s for s in ours(samples, "ray_tierserve_rejections_total")
-             if s.labels.get("reason") == "empty"]
+    def counted(ss: list[Sample]) -> list[Sample]:  # every series is exported, most at 0
+        return [s for s in ours(ss, "ray_tierserve_rejections_total")
+                if s.labels.get("reason") == "empty" and s.value > 0]
+
+    empty = counted(cluster.wait_scrape("a rejection for reason empty, counted by the ingress",
+                                        lambda ss: bool(counted(ss))))
     assert {s.labels.get("deployment") for s in empty} == {"Ingress"}
     assert {s.labels.get("tier") for s in empty} == {"batch"}
