@@ -39,11 +39,11 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from replica.block_space import FreeListBlocks
+from replica.config import EngineConfig
 from replica.scheduler import (
     Request,
     ScheduleOutput,
     Scheduler,
-    SchedulerConfig,
     StepOutput,
 )
 
@@ -90,11 +90,13 @@ def steady_scheduler(running: int, horizon: int) -> Scheduler:
 
     The pool is roomy: every request can grow for ``horizon`` steps without a preemption.
     """
-    cfg = SchedulerConfig(
-        max_seqs=running + 1,
-        max_batch_tokens=running + 1,
+    cfg = EngineConfig(
+        max_num_seqs=running + 1,
+        max_num_batched_tokens=running + 1,
         max_waiting=max(WAITING) + 1,
         max_model_len=CONTEXT,
+        scheduling_policy="fcfs",
+        prefill_chunk_tokens=None,
     )
     blocks = running * (horizon // BLOCK_TOKENS + 2) + CONTEXT // BLOCK_TOKENS
     s = Scheduler(cfg, FreeListBlocks(BLOCK_TOKENS, range(blocks)))

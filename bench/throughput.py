@@ -298,7 +298,7 @@ class EngineOptions:
     """The engine options this benchmark runs tierserve with (all are ``EngineConfig`` fields)."""
 
     max_num_seqs: int = 128
-    max_batch_tokens: int = 1024
+    max_num_batched_tokens: int = 1024
     prefill_chunk_tokens: int | None = 512
     block_size: int = BLOCK
     num_threads: int = THREADS
@@ -453,7 +453,7 @@ def run_tierserve(ckpt: Checkpoint, mix: Sequence[Req], rnd: int, opts: EngineOp
 
 
 def _fmt_options(options: dict[str, Any]) -> str:
-    keys = ("max_num_seqs", "max_batch_tokens", "prefill_chunk_tokens", "num_kv_blocks")
+    keys = ("max_num_seqs", "max_num_batched_tokens", "prefill_chunk_tokens", "num_kv_blocks")
     return " ".join(f"{k}={options[k]}" for k in keys)
 
 

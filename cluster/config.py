@@ -8,42 +8,14 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
-from replica.engine_config import EngineConfig
-from replica.models.catalog import DEFAULT_MODEL
+from replica.config import EngineConfig
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class EngineSettings(_Strict):
-    """One replica's engine (``replica.engine_config.EngineConfig``), as written in the config."""
-
-    model: str = DEFAULT_MODEL
-    block_size: Literal[8, 16, 32, 64, 128] = 16
-    num_kv_blocks: int | None = Field(default=None, gt=0)
-    kv_cache_bytes: int | None = Field(default=256 * 2**20, gt=0)
-    gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0)
-    max_num_seqs: int = Field(default=64, gt=0)
-    max_batch_tokens: int = Field(default=2048, gt=0)
-    max_model_len: int | None = Field(default=None, ge=2)
-    max_waiting: int = Field(default=256, gt=0)
-    policy: Literal["fcfs", "priority"] = "priority"
-    aging_steps: int = Field(default=100, ge=0)
-    prefill_chunk_tokens: int | None = Field(default=256, gt=0)
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    device: str = "auto"
-    deterministic: bool = False
-    attention_backend: Literal["auto", "torch", "triton"] = "auto"
-    trust_remote_code: bool = False
-    num_threads: int | None = Field(default=None, gt=0)
-
-    def to_engine_config(self) -> EngineConfig:
-        return EngineConfig(**self.model_dump())
 
 
 class TierConfig(_Strict):
@@ -97,7 +69,7 @@ class ClusterConfig(_Strict):
     lets ``LLMServer.inject_fault`` break a replica (for the fault tests only).
     """
 
-    engine: EngineSettings = Field(default_factory=EngineSettings)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
     served_model_name: str | None = None
     tiers: list[TierConfig] = Field(default_factory=_default_tiers, min_length=1)
     default_tier: str | None = "standard"

@@ -20,8 +20,8 @@ from typing import Any
 from ray import serve
 from ray.serve import Deployment
 
+from replica.config import EngineConfig
 from replica.engine import Engine, EngineDead
-from replica.engine_config import EngineConfig
 from replica.sampler import SamplingParams
 from replica.scheduler import AdmitError, QueueFull
 

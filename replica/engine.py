@@ -21,8 +21,9 @@ from typing import Protocol
 import torch
 
 from replica.block_space import RequestId
+from replica.config import EngineConfig
 from replica.detokenizer import IncrementalDetokenizer
-from replica.engine_config import EngineConfig, build_engine_parts
+from replica.engine_config import build_engine_parts
 from replica.runner import ForwardBatch, PromptRows, RunnerOutput
 from replica.sampler import SamplerState, SamplingParams, TokenLogprob, sample, token_logprobs
 from replica.scheduler import (

@@ -49,20 +49,20 @@ class KVShape:
 class PoolSizing:
     """How the pool's size is chosen; the first that is set wins.
 
-    num_kv_blocks: exactly this many blocks. kv_cache_bytes: a byte budget (the CPU default).
+    num_kv_blocks: exactly this many blocks. kv_cache_memory_bytes: a byte budget (the CPU default).
     gpu_memory_utilization: on CUDA, the fraction of the GPU's total memory the process may use in
     all; the pool gets what is left of it after the weights and the profiled activation peak.
     """
 
     num_kv_blocks: int | None = None
-    kv_cache_bytes: int | None = 256 * 2**20
+    kv_cache_memory_bytes: int | None = 256 * 2**20
     gpu_memory_utilization: float = 0.9
 
     def __post_init__(self) -> None:
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
-        if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
-            raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
@@ -87,9 +87,9 @@ def choose_num_blocks(
             "activation peak"
         )
     else:
-        budget = sizing.kv_cache_bytes or 0
+        budget = sizing.kv_cache_memory_bytes or 0
         n = shape.blocks_for_budget(budget)
-        how = f"kv_cache_bytes={budget}"
+        how = f"kv_cache_memory_bytes={budget}"
     if n < 1:
         raise ValueError(
             f"the KV pool has room for no block ({how}; one block is {shape.block_bytes} bytes): "

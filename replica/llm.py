@@ -8,8 +8,8 @@ from typing import Any, cast
 
 from tqdm.auto import tqdm
 
+from replica.config import EngineConfig
 from replica.engine import Engine, RequestOutput
-from replica.engine_config import EngineConfig
 from replica.models.catalog import DEFAULT_MODEL
 from replica.sampler import SamplingParams
 from replica.scheduler import AdmitError, QueueFull

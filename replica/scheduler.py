@@ -29,6 +29,7 @@ from replica.block_space import (
     NoCapacity,
     RequestId,
 )
+from replica.config import EngineConfig
 from replica.lazy_heap import Handle, LazyHeap
 from replica.prefill_policy import Chunked, PrefillPolicy, WholePrompt
 
@@ -53,7 +54,6 @@ __all__ = [
     "SchedStats",
     "ScheduleOutput",
     "Scheduler",
-    "SchedulerConfig",
     "StepOutput",
     "TokenEvent",
     "TooLong",
@@ -64,47 +64,6 @@ __all__ = [
 class SchedPolicy(enum.Enum):
     FCFS = "fcfs"
     PRIORITY = "priority"
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerConfig:
-    """Caps of one replica's scheduler.
-
-    max_seqs: running sequences at most. max_batch_tokens: tokens per step at most (a decode costs
-    one, a prefill chunk its length). max_waiting: waiting requests at most (beyond: ``QueueFull``).
-    aging_steps: steps per level of aging (0: strict priority). max_model_len: the context, in
-    tokens (prompt plus generated).
-    """
-
-    max_seqs: int = 256
-    max_batch_tokens: int = 2048
-    max_waiting: int = 1024
-    policy: SchedPolicy = SchedPolicy.FCFS
-    aging_steps: int = 100
-    max_model_len: int = 2048
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.policy, SchedPolicy):
-            try:
-                object.__setattr__(self, "policy", SchedPolicy(self.policy))
-            except ValueError:
-                raise ValueError(
-                    f"SchedulerConfig.policy must be one of {[p.value for p in SchedPolicy]}, "
-                    f"got {self.policy!r}"
-                ) from None
-        for name in ("max_seqs", "max_batch_tokens", "max_waiting", "max_model_len", "aging_steps"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"SchedulerConfig.{name} must be an int, got {value!r}")
-        for name in ("max_seqs", "max_batch_tokens", "max_waiting", "max_model_len"):
-            if getattr(self, name) <= 0:
-                raise ValueError(
-                    f"SchedulerConfig.{name} must be positive, got {getattr(self, name)}"
-                )
-        if self.max_model_len < 2:
-            raise ValueError("SchedulerConfig.max_model_len must be at least 2")
-        if self.aging_steps < 0:
-            raise ValueError(f"SchedulerConfig.aging_steps must be >= 0, got {self.aging_steps}")
 
 
 @dataclass(slots=True)
@@ -273,15 +232,29 @@ class Scheduler:
 
     def __init__(
         self,
-        cfg: SchedulerConfig,
+        cfg: EngineConfig,
         blocks: BlockSpace,
         prefill_policy: PrefillPolicy | None = None,
+        max_model_len: int | None = None,
     ) -> None:
+        """Caps from ``cfg`` (``max_num_seqs``, ``max_num_batched_tokens``, ``max_waiting``,
+        ``scheduling_policy``, ``aging_steps``); the context is ``max_model_len`` (the engine
+        resolves it from the model) or else ``cfg.max_model_len``; the prefill policy is
+        ``prefill_policy`` or else chunks of ``cfg.prefill_chunk_tokens`` (whole prompts when
+        None)."""
+        context = max_model_len if max_model_len is not None else cfg.max_model_len
+        if context is None or context < 2:
+            raise ValueError(
+                f"the scheduler needs a context of at least 2 tokens (max_model_len), got {context}"
+            )
         self.cfg = cfg
+        self.max_model_len = context
+        self.policy = SchedPolicy(cfg.scheduling_policy)
         self._blocks = blocks
-        self._policy: PrefillPolicy = (
-            prefill_policy if prefill_policy is not None else WholePrompt()
-        )
+        if prefill_policy is None:
+            chunk = cfg.prefill_chunk_tokens
+            prefill_policy = Chunked(chunk) if chunk else WholePrompt()
+        self._policy: PrefillPolicy = prefill_policy
         self._waiting: LazyHeap[_Seq] = LazyHeap()
         self._running: list[_Seq] = []  # sorted by rank, best first
         self._seqs: dict[RequestId, _Seq] = {}
@@ -306,7 +279,7 @@ class Scheduler:
             raise
         rid = self._next_id
         self._next_id += 1
-        if self.cfg.policy is SchedPolicy.FCFS:
+        if self.policy is SchedPolicy.FCFS:
             key = 0
         elif self.cfg.aging_steps == 0:
             key = -req.priority
@@ -321,7 +294,7 @@ class Scheduler:
         n = len(req.prompt)
         if n == 0:
             raise EmptyPrompt()
-        ctx = self.cfg.max_model_len
+        ctx = self.max_model_len
         if n >= ctx:
             raise TooLong(n, ctx)
         longest = min(n + req.max_tokens, ctx)
@@ -357,7 +330,7 @@ class Scheduler:
         blocks = self._blocks
         out = ScheduleOutput()
         fed: list[tuple[_Seq, int]] = []
-        budget = cfg.max_batch_tokens
+        budget = cfg.max_num_batched_tokens
         running = self._running
 
         # Phase 1: decodes, highest rank first. Requests after index i are not yet scheduled.
@@ -394,7 +367,7 @@ class Scheduler:
 
         # Phase 3: admissions in rank order, all or nothing, no skipping ahead.
         waiting = self._waiting
-        while waiting and len(running) < cfg.max_seqs and budget > 0:
+        while waiting and len(running) < cfg.max_num_seqs and budget > 0:
             head = waiting.peek()
             assert head is not None
             remaining = len(head.tokens)
@@ -446,7 +419,7 @@ class Scheduler:
             seq.computed += n
         self._last = []
         events: list[RequestEvent] = []
-        ctx = self.cfg.max_model_len
+        ctx = self.max_model_len
         finished: list[_Seq] = []
         seqs = self._seqs
         for o in outputs:
@@ -504,7 +477,7 @@ class Scheduler:
         """Blocks every unfinished request (running or waiting) holds once it has generated all
         of its ``max_tokens`` (capped at the context): what the pool is promised."""
         b = self._blocks.block_tokens
-        ctx = self.cfg.max_model_len
+        ctx = self.max_model_len
         return sum(
             -(-min(seq.prompt_len + seq.max_tokens, ctx) // b) for seq in self._seqs.values()
         )

@@ -33,7 +33,7 @@ from tests.cluster.helpers import KEYS, MODEL, LocalServe, ServeApp, app_config,
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 MAX_WAITING = 24
-ENGINE: dict[str, Any] = {"num_kv_blocks": 96, "kv_cache_bytes": None, "max_num_seqs": 8,
+ENGINE: dict[str, Any] = {"num_kv_blocks": 96, "kv_cache_memory_bytes": None, "max_num_seqs": 8,
                           "max_waiting": MAX_WAITING}
 # The ingress lets at most 96 requests be in flight (batch 48, standard 76): a little more than
 # the two replicas run and queue (2 x (8 + 24)), so the HTTP layer holds no long backlog of its

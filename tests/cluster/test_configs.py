@@ -50,3 +50,37 @@ def test_gpu_config_puts_one_replica_per_gpu() -> None:
     llm = next(d for d in raw["applications"][0]["deployments"] if d["name"] == "LLMServer")
     assert llm["ray_actor_options"]["num_gpus"] == 1
     assert raw["applications"][0]["args"]["engine"]["attention_backend"] == "triton"
+
+
+def _readme_rows() -> dict[str, str]:
+    """``args`` field -> its default cell, from the README's configuration table."""
+    text = (ROOT.parent / "README.md").read_text()
+    table = text[text.index("| `args` field | default | meaning |"):]
+    rows: dict[str, str] = {}
+    for line in table.splitlines()[2:]:
+        if not line.startswith("| `"):
+            break
+        field, default = (c.strip() for c in line.strip("|").split("|")[:2])
+        rows[field.strip("`")] = default
+    return rows
+
+
+def _cell(value: object) -> str:
+    if value is None:
+        return "`null`"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return f"`{value}`"
+    return str(value)
+
+
+def test_the_readme_lists_exactly_the_engine_configs_fields_and_defaults() -> None:
+    from replica.config import EngineConfig
+
+    rows = {k.removeprefix("engine."): v for k, v in _readme_rows().items()
+            if k.startswith("engine.")}
+    fields = EngineConfig.model_fields
+    assert list(rows) == list(fields), "the README's engine rows, in the config's order"
+    for name, info in fields.items():
+        assert rows[name] == _cell(info.default), name

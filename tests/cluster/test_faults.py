@@ -26,7 +26,7 @@ from tests.cluster.helpers import MODEL, LocalServe, ServeApp, app_config, sse_e
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
-ENGINE: dict[str, Any] = {"num_kv_blocks": 128, "kv_cache_bytes": None, "max_num_seqs": 3,
+ENGINE: dict[str, Any] = {"num_kv_blocks": 128, "kv_cache_memory_bytes": None, "max_num_seqs": 3,
                           "max_waiting": 64}
 ARGS: dict[str, Any] = {"fault_injection": True, "max_tokens_limit": 512}
 

@@ -30,7 +30,7 @@ from tests.cluster.helpers import MODEL, LocalServe, ServeApp, app_config
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
-FUZZ_ENGINE: dict[str, Any] = {"num_kv_blocks": 64, "kv_cache_bytes": None, "max_num_seqs": 8,
+FUZZ_ENGINE: dict[str, Any] = {"num_kv_blocks": 64, "kv_cache_memory_bytes": None, "max_num_seqs": 8,
                                "max_waiting": 64, "max_model_len": 256}
 FUZZ_ARGS: dict[str, Any] = {"max_tokens_limit": 4, "max_request_bytes": 65536}
 

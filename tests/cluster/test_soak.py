@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 # 48 blocks of 16 (768 tokens): a long prompt (500-600 tokens) and its output (up to 160)
 # take most of a pool, and a few short requests that grow fill it.
-ENGINE: dict[str, Any] = {"num_kv_blocks": 48, "kv_cache_bytes": None, "max_num_seqs": 16,
+ENGINE: dict[str, Any] = {"num_kv_blocks": 48, "kv_cache_memory_bytes": None, "max_num_seqs": 16,
                           "max_waiting": 64}
 
 

@@ -78,7 +78,7 @@ def test_keys_are_not_in_the_config_repr() -> None:
         ({"tiers": [{"name": "a", "base_priority": 0, "max_priority": 1},
                     {"name": "a", "base_priority": 0, "max_priority": 1}], "default_tier": "a"}, "unique"),
         ({"engine": {"block_size": 7}}, "block_size"),
-        ({"engine": {"policy": "lifo"}}, "policy"),
+        ({"engine": {"scheduling_policy": "lifo"}}, "scheduling_policy"),
         ({"surprise": 1}, "surprise"),
     ],
 )

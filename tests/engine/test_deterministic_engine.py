@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import torch
 
+from replica.config import EngineConfig
 from replica.engine import Engine
-from replica.engine_config import EngineConfig
 from replica.models.embedded import EMBEDDED_MODEL
 from replica.runner import ForwardBatch, RunnerOutput
 from replica.sampler import SamplingParams

@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
+from replica.config import EngineConfig
 from replica.engine import Engine, EngineDead, RequestOutput
-from replica.engine_config import EngineConfig
 from replica.llm import LLM
 from replica.models.embedded import EMBEDDED_MODEL
 from replica.sampler import SamplingParams
@@ -131,7 +131,7 @@ def test_max_tokens_and_the_context_limit() -> None:
 
 def test_priority_under_a_full_pool_runs_high_first() -> None:
     engine = Engine(EngineConfig(model=EMBEDDED_MODEL, num_kv_blocks=16, max_num_seqs=2, max_model_len=256,
-                                 policy="priority", aging_steps=0))
+                                 scheduling_policy="priority", aging_steps=0))
     ps = prompts(8, seed=5, lo=10, hi=20)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     low = [engine.add_request(p, params, priority=0) for p in ps[:4]]
@@ -145,7 +145,7 @@ def test_priority_under_a_full_pool_runs_high_first() -> None:
 
 def test_aging_lets_a_low_priority_request_through() -> None:
     engine = Engine(EngineConfig(model=EMBEDDED_MODEL, num_kv_blocks=32, max_num_seqs=1, max_model_len=256,
-                                 policy="priority", aging_steps=4))
+                                 scheduling_policy="priority", aging_steps=4))
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     low = engine.add_request([10, 11, 12], params, priority=0)
     done_at = None

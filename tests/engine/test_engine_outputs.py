@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
+from replica.config import EngineConfig
 from replica.engine import Engine, RequestOutput
-from replica.engine_config import EngineConfig
 from replica.models.embedded import EMBEDDED_MODEL
 from replica.sampler import SamplingParams
 from replica.scheduler import QueueFull

@@ -19,8 +19,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from kernels import cpu_native
 from kernels.metadata import SeqSpec, build_metadata
+from replica.config import EngineConfig
 from replica.engine import Engine
-from replica.engine_config import EngineConfig
 from replica.models.embedded import EMBEDDED_MODEL, build_model, embedded_config
 from replica.models.layers import Linear
 from replica.models.llama import LlamaForCausalLM, ModelOptions

@@ -53,7 +53,7 @@ DASHBOARD = ROOT / "configs" / "grafana" / "tierserve.json"
 APP = "tierserve"
 MODEL = "tierserve-tiny"
 BLOCKS, BLOCK_TOKENS, MAX_MODEL_LEN = 16, 16, 2048
-ENGINE: dict[str, Any] = {"num_kv_blocks": BLOCKS, "kv_cache_bytes": None, "max_num_seqs": 4,
+ENGINE: dict[str, Any] = {"num_kv_blocks": BLOCKS, "kv_cache_memory_bytes": None, "max_num_seqs": 4,
                           "max_waiting": 4, "block_size": BLOCK_TOKENS,
                           "max_model_len": MAX_MODEL_LEN}
 REPORT_INTERVAL_MS = 2000

@@ -12,6 +12,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from replica.block_space import FreeListBlocks
+from replica.config import EngineConfig
 from replica.prefill_policy import PrefillPolicy, WholePrompt
 from replica.scheduler import (
     FinishedEvent,
@@ -21,10 +22,31 @@ from replica.scheduler import (
     SchedPolicy,
     ScheduleOutput,
     Scheduler,
-    SchedulerConfig,
     TokenEvent,
 )
 from tests.fake_model import FakeModel, expected_output
+
+
+def caps(
+    max_seqs: int = 256,
+    max_batch_tokens: int = 2048,
+    max_waiting: int = 1024,
+    policy: SchedPolicy | str = SchedPolicy.FCFS,
+    aging_steps: int = 100,
+    max_model_len: int = 2048,
+) -> EngineConfig:
+    """The scheduler's caps for a test, in the vocabulary of docs/scheduler.md (``max_seqs`` is
+    the config's ``max_num_seqs``, ``max_batch_tokens`` its ``max_num_batched_tokens``), with
+    whole-prompt prefill unless the test hands the scheduler a prefill policy."""
+    return EngineConfig(
+        max_num_seqs=max_seqs,
+        max_num_batched_tokens=max_batch_tokens,
+        max_waiting=max_waiting,
+        scheduling_policy=policy.value if isinstance(policy, SchedPolicy) else policy,
+        aging_steps=aging_steps,
+        max_model_len=max_model_len,
+        prefill_chunk_tokens=None,
+    )
 
 
 def blocks_for(tokens: int, block_tokens: int) -> int:
@@ -56,7 +78,7 @@ class Meta:
 class Sim:
     """A scheduler, a fake model, and the shadow state the invariants are checked against."""
 
-    cfg: SchedulerConfig
+    cfg: EngineConfig
     total_blocks: int
     block_tokens: int
     policy: PrefillPolicy = field(default_factory=WholePrompt)
@@ -106,7 +128,7 @@ class Sim:
 
     def rank(self, rid: RequestId) -> tuple[int, int]:
         m = self.meta[rid]
-        return rank_key(self.cfg.policy, self.cfg.aging_steps, m.priority, m.arrival, rid)
+        return rank_key(SchedPolicy(self.cfg.scheduling_policy), self.cfg.aging_steps, m.priority, m.arrival, rid)
 
     def live(self) -> list[RequestId]:
         return [r for r in self.meta if r not in self.reasons and r not in self.aborted]
@@ -174,14 +196,14 @@ class Sim:
             self.computed[rid] = 0
 
         # Caps (seed 2.1).
-        assert len(scheduled) <= cfg.max_seqs, (
-            f"{len(scheduled)} sequences > max_seqs {cfg.max_seqs}"
+        assert len(scheduled) <= cfg.max_num_seqs, (
+            f"{len(scheduled)} sequences > max_seqs {cfg.max_num_seqs}"
         )
-        assert len(self.running) <= cfg.max_seqs
+        assert len(self.running) <= cfg.max_num_seqs
         assert s.stats().running == len(self.running)
         assert plan.num_tokens == len(decode) + sum(c.len for c in chunks)
-        assert plan.num_tokens <= cfg.max_batch_tokens, (
-            f"plan has {plan.num_tokens} tokens > max_batch_tokens {cfg.max_batch_tokens}"
+        assert plan.num_tokens <= cfg.max_num_batched_tokens, (
+            f"plan has {plan.num_tokens} tokens > max_batch_tokens {cfg.max_num_batched_tokens}"
         )
 
         # Positions: decodes feed position n - 1, chunks start at the computed positions.
@@ -217,11 +239,11 @@ class Sim:
             )
 
         # Nothing left undone that the phases would have done (the plan is maximal).
-        budget_left = cfg.max_batch_tokens - plan.num_tokens
+        budget_left = cfg.max_num_batched_tokens - plan.num_tokens
         idle = [r for r in self.running if r not in scheduled]
         if idle:
             assert budget_left <= 0, f"running {idle} not scheduled with {budget_left} tokens left"
-        if still_waiting and len(self.running) < cfg.max_seqs and budget_left > 0:
+        if still_waiting and len(self.running) < cfg.max_num_seqs and budget_left > 0:
             head = min(still_waiting, key=self.rank)
             n = len(s.tokens(head) or ())
             take = self.policy.chunk_len(n, budget_left, plan.is_empty)

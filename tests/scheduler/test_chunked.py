@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from replica.prefill_policy import Chunked, PrefillPolicy, WholePrompt
-from replica.scheduler import Chunk, Request, SchedulerConfig
+from replica.scheduler import Chunk, Request
 from tests.fake_model import expected_output, request
-from tests.scheduler.harness import Sim
+from tests.scheduler.harness import Sim, caps
 
 CTX = 128
 
@@ -20,7 +20,7 @@ def sim(
     max_seqs: int = 8,
     max_batch_tokens: int = 64,
 ) -> Sim:
-    cfg = SchedulerConfig(
+    cfg = caps(
         max_seqs=max_seqs, max_batch_tokens=max_batch_tokens, max_waiting=64, max_model_len=CTX
     )
     return Sim(cfg, total, block_tokens, policy)

@@ -5,11 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
 from replica.block_space import FreeListBlocks
+from replica.config import EngineConfig
 from replica.prefill_policy import Chunked, WholePrompt
-from replica.scheduler import Request, SchedPolicy, Scheduler, SchedulerConfig
+from replica.scheduler import Request, SchedPolicy, Scheduler
 from tests.fake_model import FakeModel, request
+from tests.scheduler.harness import caps
 
 
 @pytest.mark.parametrize("bad", [0, -1])
@@ -25,59 +28,48 @@ def test_request_max_tokens_must_be_an_int(bad: Any) -> None:
 
 
 @pytest.mark.parametrize(
-    "field,value,message",
+    ("field", "value", "message"),
     [
-        ("max_seqs", 0, "SchedulerConfig.max_seqs must be positive, got 0"),
-        ("max_batch_tokens", -1, "SchedulerConfig.max_batch_tokens must be positive, got -1"),
-        ("max_waiting", 0, "SchedulerConfig.max_waiting must be positive, got 0"),
-        ("max_model_len", 0, "SchedulerConfig.max_model_len must be positive, got 0"),
-        ("max_model_len", 1, "max_model_len must be at least 2"),
-        ("aging_steps", -1, "SchedulerConfig.aging_steps must be >= 0, got -1"),
+        ("max_num_seqs", 0, "max_num_seqs\n  Input should be greater than 0"),
+        ("max_num_batched_tokens", -1, "max_num_batched_tokens\n  Input should be greater than 0"),
+        ("max_waiting", 0, "max_waiting\n  Input should be greater than 0"),
+        ("max_model_len", 1, "max_model_len\n  Input should be greater than or equal to 2"),
+        ("aging_steps", -1, "aging_steps\n  Input should be greater than or equal to 0"),
+        ("max_num_seqs", 2.5, "max_num_seqs\n  Input should be a valid integer"),
+        ("scheduling_policy", "lifo", "scheduling_policy\n  Input should be 'fcfs' or 'priority'"),
+        ("scheduling_policy", "FCFS", "scheduling_policy\n  Input should be 'fcfs' or 'priority'"),
     ],
 )
-def test_config_rejects_bad_values(field: str, value: int, message: str) -> None:
-    kwargs: dict[str, Any] = {field: value}
-    with pytest.raises(ValueError) as e:
-        SchedulerConfig(**kwargs)
+def test_the_config_refuses_bad_caps_naming_the_field(field: str, value: Any, message: str) -> None:
+    """The scheduler's caps are validated once, by the engine's config."""
+    with pytest.raises(ValidationError) as e:
+        EngineConfig(**{field: value})
     assert message in str(e.value)
 
 
-@pytest.mark.parametrize(
-    "field,value",
-    [("max_seqs", 2.5), ("max_batch_tokens", "64"), ("aging_steps", 1.5), ("policy", "lifo")],
-)
-def test_config_rejects_values_of_the_wrong_type(field: str, value: Any) -> None:
-    kwargs: dict[str, Any] = {field: value}
-    with pytest.raises((TypeError, ValueError)) as e:
-        SchedulerConfig(**kwargs)
-    assert f"SchedulerConfig.{field}" in str(e.value), "the message names the field"
+def test_the_scheduler_needs_a_context() -> None:
+    with pytest.raises(ValueError, match="needs a context of at least 2 tokens"):
+        Scheduler(EngineConfig(), FreeListBlocks(4, range(8)))  # max_model_len unset
 
 
-@pytest.mark.parametrize("name", ["fcfs", "FCFS"])
-def test_a_policy_given_as_a_string_is_not_silently_priority(name: str) -> None:
-    """``policy="fcfs"`` used to pass and rank by priority (``is SchedPolicy.FCFS`` is false).
-
-    Either refuse it with a message naming the field, or take it as the SchedPolicy it names.
-    """
-    kwargs: dict[str, Any] = {"policy": name, "max_seqs": 1}
-    try:
-        cfg = SchedulerConfig(**kwargs)
-    except (TypeError, ValueError) as e:
-        assert "SchedulerConfig.policy" in str(e)
-        return
-    s = Scheduler(cfg, FreeListBlocks(4, range(16)))
+def test_fcfs_by_name_ranks_by_arrival() -> None:
+    s = Scheduler(caps(policy="fcfs", max_seqs=1), FreeListBlocks(4, range(16)))
     first = s.add(request(2, 1, priority=0, seed=1))
     s.add(request(2, 1, priority=9, seed=2))
     assert [c.id for c in s.schedule().prefill] == [first], "FCFS: arrival order"
+    assert s.policy is SchedPolicy.FCFS
 
 
-def test_config_defaults_are_valid() -> None:
-    cfg = SchedulerConfig()
-    assert cfg.policy is SchedPolicy.FCFS and cfg.max_seqs > 0
+def test_the_config_chooses_the_prefill_policy() -> None:
+    chunked = Scheduler(EngineConfig(max_model_len=64, prefill_chunk_tokens=8),
+                        FreeListBlocks(4, range(8)))
+    assert isinstance(chunked.prefill_policy, Chunked) and chunked.prefill_policy.chunk_tokens == 8
+    whole = Scheduler(caps(), FreeListBlocks(4, range(8)))
+    assert isinstance(whole.prefill_policy, WholePrompt)
 
 
 def test_abort_of_an_unknown_or_finished_id_returns_false() -> None:
-    s = Scheduler(SchedulerConfig(), FreeListBlocks(4, range(8)))
+    s = Scheduler(caps(), FreeListBlocks(4, range(8)))
     assert s.abort(0) is False
     assert s.abort(-1) is False
     rid = s.add(request(2, 1))

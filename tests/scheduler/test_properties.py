@@ -17,15 +17,16 @@ from dataclasses import dataclass
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from replica.config import EngineConfig
 from replica.prefill_policy import Chunked, PrefillPolicy, WholePrompt
-from replica.scheduler import FinishReason, QueueFull, Request, SchedPolicy, SchedulerConfig
+from replica.scheduler import FinishReason, QueueFull, Request, SchedPolicy
 from tests.fake_model import expected_output, request
-from tests.scheduler.harness import Sim, blocks_for
+from tests.scheduler.harness import Sim, blocks_for, caps
 
 
 @dataclass
 class Workload:
-    cfg: SchedulerConfig
+    cfg: EngineConfig
     block_tokens: int
     total_blocks: int
     policy: PrefillPolicy
@@ -71,7 +72,7 @@ def workloads(draw: st.DrawFn) -> Workload:
         r = requests[i][1]
         out, _ = expected_output(r.prompt, r.max_tokens, ctx)
         stop_token = out[draw(st.integers(0, len(out) - 1))]
-    cfg = SchedulerConfig(
+    cfg = caps(
         max_seqs=draw(st.integers(2 if pressure else 1, 8)),
         max_batch_tokens=mbt,
         max_waiting=draw(st.one_of(st.just(100), st.integers(1, 6))),
@@ -127,7 +128,7 @@ def test_random_traffic_keeps_every_invariant(w: Workload) -> None:
     sim = play(w)
     sim.check_done()
     event(f"preempted: {sim.preemptions > 0}")
-    event(f"policy: {type(w.policy).__name__}, {w.cfg.policy.name}, aging {w.cfg.aging_steps > 0}")
+    event(f"policy: {type(w.policy).__name__}, {w.cfg.scheduling_policy}, aging {w.cfg.aging_steps > 0}")
     for kind in set(sim.abort_kinds):
         event(f"aborted a {kind} request")
     event(f"stopped: {FinishReason.STOP in sim.reasons.values()}")

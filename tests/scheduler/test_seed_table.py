@@ -24,12 +24,11 @@ from replica.scheduler import (
     Request,
     SchedPolicy,
     Scheduler,
-    SchedulerConfig,
     TokenEvent,
     TooLong,
 )
 from tests.fake_model import FakeModel, drive, expected_output, request
-from tests.scheduler.harness import Sim, blocks_for
+from tests.scheduler.harness import Sim, blocks_for, caps
 
 PROPERTY = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -47,7 +46,7 @@ def make(
     stop_token: int | None = None,
 ) -> tuple[Scheduler, FakeModel]:
     """A scheduler over a free list of ``total_blocks`` blocks, and the fake model that runs it."""
-    cfg = SchedulerConfig(
+    cfg = caps(
         max_seqs=max_seqs,
         max_batch_tokens=max_batch_tokens,
         max_waiting=max_waiting,
@@ -177,7 +176,7 @@ def seed_workloads(draw: st.DrawFn) -> dict[str, Any]:
 @PROPERTY
 @given(seed_workloads())
 def test_every_request_finishes_and_no_block_leaks(w: dict[str, Any]) -> None:
-    cfg = SchedulerConfig(
+    cfg = caps(
         max_seqs=w["max_seqs"],
         max_batch_tokens=w["mbt"],
         max_waiting=100,
@@ -271,7 +270,7 @@ def test_preemption_recomputes_and_keeps_outputs() -> None:
     reqs = [request(8, 14, seed=i) for i in range(4)]  # each grows to 22 positions: 6 blocks
 
     def run(total: int) -> tuple[dict[int, list[int]], Sim]:
-        cfg = SchedulerConfig(max_seqs=4, max_batch_tokens=64, max_waiting=8, max_model_len=64)
+        cfg = caps(max_seqs=4, max_batch_tokens=64, max_waiting=8, max_model_len=64)
         sim = Sim(cfg, total, 4)
         ids = [sim.add(r) for r in reqs]
         sim.run()

@@ -17,10 +17,10 @@ from replica.scheduler import (
     RequestEvent,
     ScheduleOutput,
     Scheduler,
-    SchedulerConfig,
     TokenEvent,
 )
 from tests.fake_model import FakeModel, expected_output, request
+from tests.scheduler.harness import caps
 
 CTX = 64
 
@@ -36,7 +36,7 @@ class Example:
 
 
 def example(max_seqs: int = 2) -> Example:
-    cfg = SchedulerConfig(max_seqs=max_seqs, max_batch_tokens=8, max_waiting=8, max_model_len=CTX)
+    cfg = caps(max_seqs=max_seqs, max_batch_tokens=8, max_waiting=8, max_model_len=CTX)
     s = Scheduler(cfg, FreeListBlocks(4, range(6)))
     reqs = [request(5, 3, seed=1), request(3, 2, seed=2), request(2, 1, seed=3)]
     a, b, c = (s.add(r) for r in reqs)
@@ -126,7 +126,7 @@ def test_with_three_seqs_c_runs_at_step_2() -> None:
 
 def test_head_that_does_not_fit_the_pool_stops_admission() -> None:
     """No skipping ahead: a small request behind a head that does not fit waits too (seed 2.2)."""
-    cfg = SchedulerConfig(max_seqs=8, max_batch_tokens=64, max_waiting=8, max_model_len=CTX)
+    cfg = caps(max_seqs=8, max_batch_tokens=64, max_waiting=8, max_model_len=CTX)
     s = Scheduler(cfg, FreeListBlocks(4, range(6)))
     m = FakeModel(s)
     x = s.add(request(12, 3, seed=1))  # 3 blocks, then a 4th for positions 13..
@@ -143,7 +143,7 @@ def test_head_that_does_not_fit_the_pool_stops_admission() -> None:
 
 
 def test_head_that_does_not_fit_the_budget_stops_admission() -> None:
-    cfg = SchedulerConfig(max_seqs=8, max_batch_tokens=8, max_waiting=8, max_model_len=CTX)
+    cfg = caps(max_seqs=8, max_batch_tokens=8, max_waiting=8, max_model_len=CTX)
     s = Scheduler(cfg, FreeListBlocks(4, range(32)))
     m = FakeModel(s)
     for i in range(3):
@@ -158,7 +158,7 @@ def test_head_that_does_not_fit_the_budget_stops_admission() -> None:
 
 def test_whole_prompt_alone_may_exceed_the_budget() -> None:
     """WholePrompt's exception: a prompt longer than the budget runs when the step is empty."""
-    cfg = SchedulerConfig(max_seqs=4, max_batch_tokens=4, max_waiting=8, max_model_len=CTX)
+    cfg = caps(max_seqs=4, max_batch_tokens=4, max_waiting=8, max_model_len=CTX)
     s = Scheduler(cfg, FreeListBlocks(4, range(32)))
     m = FakeModel(s)
     first = s.add(request(3, 2, seed=1))

@@ -1,0 +1,99 @@
+"""The engine's one configuration: every option of one replica, its default and its validation.
+
+The same model serves the YAML's ``args.engine`` (``cluster.config.ClusterConfig.engine``),
+``LLM(model, **options)`` and the Serve replica; the scheduler reads its caps from it. Names are
+vLLM's where vLLM has the option (``max_num_seqs``, ``max_num_batched_tokens``,
+``scheduling_policy``, ``kv_cache_memory_bytes``, ``gpu_memory_utilization``,
+``max_model_len``, ``block_size``, ``dtype``, ``trust_remote_code``). Torch-free and Ray-free:
+the scheduler and the ingress import it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from replica.models.catalog import DEFAULT_MODEL
+
+SchedulingPolicy = Literal["fcfs", "priority"]
+BlockSize = Literal[8, 16, 32, 64, 128]
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+Backend = Literal["auto", "torch", "triton"]
+CONTEXT_CAP = 8192  # max_model_len's default: the model's, at most this
+
+
+class EngineConfig(BaseModel):
+    """One replica's engine. Every field, its default and its meaning (the README's
+    configuration table lists exactly these):
+
+    - ``model``: a packaged model, a ``.gguf`` file (or a folder holding one), a checkpoint
+      directory, a hub id, or ``tierserve-tiny``.
+    - ``block_size``: positions per KV block.
+    - ``num_kv_blocks``: exactly this many KV blocks (overrides the two below).
+    - ``kv_cache_memory_bytes``: the KV pool's budget on CPU.
+    - ``gpu_memory_utilization``: on GPU, the fraction of memory the replica may use; the pool
+      gets what the weights and activations leave.
+    - ``max_num_seqs``: running sequences at most.
+    - ``max_num_batched_tokens``: tokens per step at most (a decode costs 1, a prefill chunk its
+      length).
+    - ``max_model_len``: the context (prompt plus generated); None: the model's, at most 8192.
+    - ``max_waiting``: waiting requests at most; beyond, 429 (``QueueFull``).
+    - ``scheduling_policy``: ``priority`` (higher first, with aging) or ``fcfs``.
+    - ``aging_steps``: steps per level of aging; 0: strict priority.
+    - ``prefill_chunk_tokens``: a prompt's chunk per step at most (chunked prefill; vLLM's
+      ``long_prefill_token_threshold``); None: whole prompts.
+    - ``dtype``: ``auto`` (fp32 on CPU, bf16 on GPU) or a dtype name.
+    - ``device``: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``.
+    - ``deterministic``: bit-exact batch and chunk invariance (CPU, fp32; docs/determinism.md).
+    - ``attention_backend``: ``triton`` (GPU), ``torch`` (CPU), ``auto`` by device.
+    - ``trust_remote_code``: let ``transformers`` run code shipped with a checkpoint.
+    - ``num_threads``: torch CPU threads; None: the replica's CPU share.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = DEFAULT_MODEL
+    block_size: BlockSize = 16
+    num_kv_blocks: int | None = Field(default=None, gt=0)
+    kv_cache_memory_bytes: int | None = Field(default=256 * 2**20, gt=0)
+    gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0)
+    max_num_seqs: int = Field(default=64, gt=0)
+    max_num_batched_tokens: int = Field(default=2048, gt=0)
+    max_model_len: int | None = Field(default=None, ge=2)
+    max_waiting: int = Field(default=256, gt=0)
+    scheduling_policy: SchedulingPolicy = "priority"
+    aging_steps: int = Field(default=100, ge=0)
+    prefill_chunk_tokens: int | None = Field(default=256, gt=0)
+    dtype: DType = "auto"
+    device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$")
+    deterministic: bool = False
+    attention_backend: Backend = "auto"
+    trust_remote_code: bool = False
+    num_threads: int | None = Field(default=None, gt=0)
+
+    @classmethod
+    def from_options(cls, model: str, **options: Any) -> EngineConfig:
+        """``LLM(model, **options)``'s config: an unknown option is a ``TypeError`` that lists
+        the known ones, a bad value a ``ValueError`` naming the field."""
+        known = set(cls.model_fields)
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise TypeError(
+                f"unknown engine option(s) {unknown}; known: {sorted(known - {'model'})}"
+            )
+        try:
+            return cls(model=model, **options)
+        except ValidationError as e:
+            raise ValueError(describe(e)) from None
+
+    def with_options(self, **changes: Any) -> EngineConfig:
+        """A copy with ``changes`` (validated like the constructor)."""
+        return type(self)(**(self.model_dump() | changes))
+
+
+def describe(e: ValidationError) -> str:
+    """A pydantic error as one line per field: ``engine.max_num_seqs: ...``."""
+    return "; ".join(
+        f"{'.'.join(str(p) for p in err['loc']) or '(config)'}: {err['msg']}" for err in e.errors()
+    )
