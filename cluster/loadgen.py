@@ -64,7 +64,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-# Scraped names this tool reads (the unit tests check they are in ``cluster.metrics.EXPORTED``;
+# Scraped names this tool reads (the unit tests check they are in ``replica.metrics.EXPORTED``;
 # importing that module here would pull in torch).
 WAITING = "ray_tierserve_requests_waiting"
 RUNNING = "ray_tierserve_requests_running"

@@ -58,7 +58,7 @@ class LLMServer:
         if settings.get("num_threads") is None and "OMP_NUM_THREADS" not in os.environ:
             settings["num_threads"] = _cpu_share()
         self.config = EngineConfig(**settings)
-        from cluster.metrics import ReplicaMetrics
+        from replica.metrics import ReplicaMetrics
 
         self.metrics = ReplicaMetrics(tiers or [])
         self.engine = Engine(self.config, observer=self.metrics)
@@ -137,7 +137,7 @@ class LLMServer:
 
     def stats(self) -> dict[str, int | float]:
         """The engine's stats and this process's resident memory (``rss_bytes``)."""
-        from cluster.metrics import resident_bytes
+        from replica.metrics import resident_bytes
 
         return self.engine.stats() | {"rss_bytes": resident_bytes()}
 

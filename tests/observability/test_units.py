@@ -11,7 +11,7 @@ import yaml
 
 from cluster import loadgen
 from cluster.loadgen import LengthDist, Result, Scrape, TrafficClass, Workload
-from cluster.metrics import COUNTERS, EXPORTED, GAUGES, HISTOGRAMS
+from replica.metrics import COUNTERS, EXPORTED, GAUGES, HISTOGRAMS
 from tests.observability import promql
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -188,7 +188,7 @@ def test_the_dashboard_covers_every_metric_and_is_importable() -> None:
     queried = set().union(*(promql.metric_names(e) for _, e in promql.dashboard_queries(dash)))
     assert queried <= EXPORTED, sorted(queried - EXPORTED)
     assert promql.variable_metrics(dash) <= EXPORTED
-    # every metric of cluster/metrics.py is on some panel (histograms through their buckets)
+    # every metric of replica/metrics.py is on some panel (histograms through their buckets)
     wanted = {f"ray_{g}" for g in GAUGES} | {f"ray_{c}_total" for c in COUNTERS}
     wanted |= {f"ray_{h}_bucket" for h in HISTOGRAMS}
     assert wanted <= queried, sorted(wanted - queried)

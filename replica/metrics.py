@@ -1,0 +1,184 @@
+"""Every tierserve metric, defined in one place (Prometheus conventions), and the replica's own.
+
+The metrics go through Ray's metrics pipeline (``ray.serve.metrics``): every node's metrics agent
+exports its own replicas' metrics, and Serve adds the ``deployment``, ``replica`` and
+``application`` labels. Exported names get Ray's ``ray_`` prefix, and counters a ``_total`` suffix:
+``tierserve_preemptions`` below is scraped as ``ray_tierserve_preemptions_total``.
+``EXPORTED`` lists the scraped names (the dashboard test checks the Grafana JSON against them).
+
+``ReplicaMetrics`` is the replica's (an ``EngineObserver``); the ingress's counter of what it
+refuses is ``cluster.metrics.IngressMetrics``, on the same definitions.
+
+Gauges are refreshed every ``GAUGE_PERIOD_S`` by a thread in each replica, so they never expire
+between scrapes (Ray drops a gauge that is not set for about 20 s).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # importing the engine pulls in torch; the metrics module must stay light
+    from replica.engine import RequestTimes
+
+GAUGE_PERIOD_S = 1.0
+
+LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160]
+# Six buckets per doubling, 1 ms to 2.5 s: a quantile read from the buckets (histogram_quantile
+# interpolates within one) is within about 6% of the true one, close enough to compare the
+# server's time per output token with a client's inter-token latency.
+TPOT_BUCKETS = [float(f"{0.001 * 2 ** (i / 6):.4g}") for i in range(68)]
+STEP_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12]
+TOKEN_BUCKETS: list[float] = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
+
+GAUGES = {
+    "tierserve_requests_running": "Requests running (decoding or prefilling) on the replica.",
+    "tierserve_requests_waiting": "Requests in the replica's waiting queue (queue depth).",
+    "tierserve_kv_blocks_free": "Free KV blocks of the replica's pool.",
+    "tierserve_kv_blocks_total": "KV blocks of the replica's pool.",
+    "tierserve_replica_resident_memory_bytes": "Resident memory of the replica's process.",
+}
+COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "tierserve_preemptions": ("Requests preempted (blocks freed, recomputed later).", ()),
+    "tierserve_rejections": ("Requests refused at admission, by reason.", ("reason", "tier")),
+    "tierserve_requests_finished": ("Requests finished, by reason and tier.", ("reason", "tier")),
+    "tierserve_aborts": ("Requests aborted (client gone).", ("tier",)),
+    "tierserve_prompt_tokens": ("Prompt tokens of finished requests.", ("tier",)),
+    "tierserve_generation_tokens": ("Generated tokens of finished requests.", ("tier",)),
+}
+HISTOGRAMS: dict[str, tuple[str, list[float], tuple[str, ...]]] = {
+    "tierserve_time_to_first_token_seconds": ("Time to first token.", LATENCY_BUCKETS, ("tier",)),
+    "tierserve_time_per_output_token_seconds": ("Time per output token after the first.", TPOT_BUCKETS, ("tier",)),
+    "tierserve_e2e_request_latency_seconds": ("End-to-end request latency in the replica.", LATENCY_BUCKETS, ("tier",)),
+    "tierserve_queue_time_seconds": ("Time from arrival to admission.", LATENCY_BUCKETS, ("tier",)),
+    "tierserve_step_duration_seconds": ("Duration of one engine step.", STEP_BUCKETS, ()),
+    "tierserve_step_tokens": ("Tokens processed in one engine step.", TOKEN_BUCKETS, ()),
+}
+
+REJECTION_REASONS = ("queue_full", "empty", "too_long", "never_fits", "shed")
+FINISH_REASONS = ("stop", "length", "abort", "error")
+# What the ingress itself refuses (the rest is refused by the replicas).
+INGRESS_REJECTIONS = ("empty", "shed", "queue_full")
+NO_TIER = "none"  # the tier label of a request that came without one (direct handle calls)
+
+
+def _zero(counter: Any, tags: dict[str, str]) -> None:
+    """Export ``counter``'s series for ``tags`` at 0 before anything increments it: Prometheus
+    then has a series to rate from the start (a dashboard shows 0, not "No data"), and the
+    first increment is not lost to a missing baseline. Ray's ``Counter.inc`` refuses 0, so the
+    point is recorded underneath it (its ``_record``, what ``inc`` calls)."""
+    record = getattr(counter, "_record", None)
+    if record is not None:
+        record(0, tags=tags)
+
+
+def zero_counters(counters: dict[str, Any], tiers: Sequence[str],
+                  rejections: Sequence[str] = REJECTION_REASONS) -> None:
+    """Every counter of ``counters`` at 0 for every known label set (``tiers`` x reasons)."""
+    tiers = [*tiers, NO_TIER]
+    for name, counter in counters.items():
+        _, keys = COUNTERS[name]
+        if not keys:
+            _zero(counter, {})
+        elif keys == ("tier",):
+            for t in tiers:
+                _zero(counter, {"tier": t})
+        else:
+            reasons = rejections if name == "tierserve_rejections" else FINISH_REASONS
+            for t in tiers:
+                for r in reasons:
+                    _zero(counter, {"reason": r, "tier": t})
+
+
+def resident_bytes() -> int:
+    """This process's resident memory (``/proc/self/statm``; 0 where there is no ``/proc``)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def exported_names() -> set[str]:
+    """The names a Prometheus scrape shows (``ray_`` prefix, ``_total``, histogram series)."""
+    names = {f"ray_{g}" for g in GAUGES}
+    names |= {f"ray_{c}_total" for c in COUNTERS}
+    for h in HISTOGRAMS:
+        names |= {f"ray_{h}_bucket", f"ray_{h}_sum", f"ray_{h}_count"}
+    return names
+
+
+EXPORTED = exported_names()
+
+
+class ReplicaMetrics:
+    """The metrics of one replica; an ``EngineObserver`` plus a gauge refresher."""
+
+    def __init__(self, tiers: Sequence[str] = ()) -> None:
+        from ray.serve.metrics import Counter, Gauge, Histogram
+
+        self.gauges = {name: Gauge(name, description=doc) for name, doc in GAUGES.items()}
+        self.counters = {
+            name: Counter(name, description=doc, tag_keys=tags)  # type: ignore[arg-type]
+            for name, (doc, tags) in COUNTERS.items()
+        }
+        self.histograms = {
+            name: Histogram(name, description=doc, boundaries=b, tag_keys=tags)  # type: ignore[arg-type]
+            for name, (doc, b, tags) in HISTOGRAMS.items()
+        }
+        zero_counters(self.counters, tiers)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # EngineObserver
+    def request_done(self, t: RequestTimes) -> None:
+        tier = {"tier": t.tier or NO_TIER}
+        c, h = self.counters, self.histograms
+        if t.reason == "abort":
+            c["tierserve_aborts"].inc(1, tags=tier)
+        c["tierserve_requests_finished"].inc(1, tags={"reason": t.reason, **tier})
+        c["tierserve_prompt_tokens"].inc(t.prompt_tokens, tags=tier)
+        if t.generated_tokens:
+            c["tierserve_generation_tokens"].inc(t.generated_tokens, tags=tier)
+        h["tierserve_e2e_request_latency_seconds"].observe(t.e2e_s, tags=tier)
+        if t.queue_s is not None:
+            h["tierserve_queue_time_seconds"].observe(t.queue_s, tags=tier)
+        if t.ttft_s is not None:
+            h["tierserve_time_to_first_token_seconds"].observe(t.ttft_s, tags=tier)
+        if t.tpot_s is not None:
+            h["tierserve_time_per_output_token_seconds"].observe(t.tpot_s, tags=tier)
+
+    def step_done(self, duration_s: float, tokens: int, preempted: int) -> None:
+        self.histograms["tierserve_step_duration_seconds"].observe(duration_s)
+        self.histograms["tierserve_step_tokens"].observe(tokens)
+        if preempted:
+            self.counters["tierserve_preemptions"].inc(preempted)
+
+    def rejected(self, reason: str, tier: str) -> None:
+        self.counters["tierserve_rejections"].inc(1, tags={"reason": reason, "tier": tier or NO_TIER})
+
+    # gauges
+    def start(self, read: Callable[[], dict[str, int | float]]) -> None:
+        """Refresh the gauges from ``read()`` (the engine's stats) every ``GAUGE_PERIOD_S``."""
+
+        def loop() -> None:
+            while not self._stop.is_set():
+                self.refresh(read())
+                self._stop.wait(GAUGE_PERIOD_S)
+
+        self._thread = threading.Thread(target=loop, name="tierserve-metrics", daemon=True)
+        self._thread.start()
+
+    def refresh(self, s: dict[str, int | float]) -> None:
+        g = self.gauges
+        g["tierserve_requests_running"].set(s["running"])
+        g["tierserve_requests_waiting"].set(s["waiting"])
+        g["tierserve_kv_blocks_free"].set(s["free_blocks"])
+        g["tierserve_kv_blocks_total"].set(s["total_blocks"])
+        if "rss_bytes" in s:
+            g["tierserve_replica_resident_memory_bytes"].set(s["rss_bytes"])
+
+    def stop(self) -> None:
+        self._stop.set()
