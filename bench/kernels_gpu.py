@@ -20,6 +20,8 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
+from bench.common import machine
+
 # HBM peak in bytes/s by device-name fragment (first match wins); --peak-tbps overrides.
 PEAK_BANDWIDTH = [
     ("H200", 4.8e12),
@@ -158,7 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     name = torch.cuda.get_device_name()
     peak = args.peak_tbps * 1e12 if args.peak_tbps else peak_bandwidth(name)
     dtype = getattr(torch, args.dtype)
+    info = machine(gpu=name, triton=triton.__version__, cuda=torch.version.cuda)
     print(f"GPU: {name}   torch {torch.__version__}   triton {triton.__version__}")
+    print(f"host: {info['cpu']} x{info['cores_usable']}, Python {info['python']}")
     print(
         f"decode: q_heads={args.q_heads} kv_heads={args.kv_heads} head_dim={args.head_dim} "
         f"block_size={args.block_size} dtype={args.dtype}   peak "
@@ -199,7 +203,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
-                {"gpu": name, "peak_bytes_per_s": peak, "rows": [asdict(r) for r in rows]},
+                {
+                    "gpu": name,
+                    "machine": info,
+                    "peak_bytes_per_s": peak,
+                    "rows": [asdict(r) for r in rows],
+                },
                 f,
                 indent=2,
             )

@@ -14,17 +14,21 @@ The cluster, per replica count N (one Serve app in a local Ray of this process's
 - Three ``router.sim.SimEngine`` deployments of N replicas each, identical but for the router:
   ``free-blocks`` (``router.free_blocks_router:FreeKVBlocksRouter``, stats every second),
   ``pow2`` (no router config: Serve's default ``PowerOfTwoChoicesRequestRouter``) and
-  ``round-robin`` (``RoundRobinRouter`` below). Each replica is a ``SimCore`` (a KV pool counted
-  in blocks, priority admission, preemption by recompute) whose steps take
-  ``base + per_token * tokens`` seconds of real time (``asyncio.sleep``), so a replica saturates
-  like an engine without using a CPU: a 3000-token prefill takes about as long as 16 decode steps.
+  ``round-robin`` (``RoundRobinRouter`` below). Each replica is a ``SimCore``: the replicas' own
+  scheduler (``replica.scheduler.Scheduler`` over ``FreeListBlocks``: admission by free blocks,
+  priority with aging, chunked prefill, preemption by recompute) with the caps of ``Engine``
+  below, whose steps take ``base + per_token * tokens`` seconds of real time (``asyncio.sleep``)
+  instead of a forward pass, so a replica saturates like an engine without using a CPU: a prompt
+  is prefilled 256 tokens per step (a 3000-token one over 12 steps), and a step with 256 prompt
+  tokens takes about twice as long as one of 16 decodes.
 - One ``BenchDriver`` replica with a handle to each engine deployment. It replays the request list
   at its arrival times, streaming every request, so the router runs where it runs in production:
   in the handle owner. TTFT is the time from the handle call to the first streamed item, e2e to
   the last; the engine streams only the first and last token (``stream_every``) to keep Ray's
   per-item cost out of the figures.
-- Preemptions and rejections are the replicas' own counters (``SimCore.preemptions``,
-  ``SimCore.rejections``), read from every replica actor before and after a run.
+- Preemptions and rejections are the replicas' own counters (the scheduler's, through
+  ``SimCore.preemptions`` and ``SimCore.rejections``), read from every replica actor before and
+  after a run.
 
 The workload, per replica count and round (a fixed seed; the same list for every router):
 
@@ -45,12 +49,13 @@ rounds where neither run was starved, and on the engine side only (replica arriv
 token, which the driver's CPU does not delay).
 
 The offline model (``--offline``): the same request lists and ``SimCore`` replicas in virtual
-time, without Ray: free-blocks is ``router.policy.rank_replicas`` with the router's ledger
-(tentative charge, confirmation, completion) and reports every second (+-10%) seen 0.1 s late;
-pow2 picks the less busy of two random replicas by this router's count of ongoing requests (what
-Serve's queue-length cache holds with one router); round-robin takes turns. Deterministic and
-noise-free, so 10 rounds take seconds: use it to tell a policy's effect from the machine's noise,
-and the Serve run to check that the real router behaves as the model says.
+time, without Ray: free-blocks is ``router.policy.rank_replicas`` with the router's own ledger
+(``router.ledger.InFlightLedger``: tentative charge, confirmation, completion) and reports every
+second (+-10%) seen 0.1 s late; pow2 picks the less busy of two random replicas by this router's
+count of ongoing requests (what Serve's queue-length cache holds with one router); round-robin
+takes turns. Deterministic and noise-free, so 10 rounds take seconds: use it to tell a policy's
+effect from the machine's noise, and the Serve run to check that the real router behaves as the
+model says.
 """
 
 from __future__ import annotations
@@ -63,7 +68,6 @@ import json
 import logging
 import math
 import os
-import platform
 import random
 import sys
 import time
@@ -79,8 +83,12 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
-from router.policy import Charge, ReplicaLoad, RequestShape, rank_replicas
-from router.sim import ROUTER_CLASS, SimCore, SimEngine, StepModel
+from bench.common import load_avg_1m, machine, percentile, pyplot
+from replica.scheduler import AdmitError
+from router.free_blocks_router import RouterSettings
+from router.ledger import InFlightLedger
+from router.policy import RequestShape, rank_replicas
+from router.sim import ROUTER_CLASS, SimCore, SimEngine, StepModel, sim_config
 from router.stats import RoutingStats
 
 # ----------------------------------------------------------------------------- the baseline router
@@ -151,15 +159,30 @@ class Workload:
 
 @dataclass(frozen=True, slots=True)
 class Engine:
-    """``SimEngine`` arguments (the same for every router)."""
+    """``SimEngine`` arguments (the same for every router): the pool, the scheduler's caps as
+    ``EngineConfig`` fields (its defaults but for the batch and the queue), the step model."""
 
     pool_blocks: int = 256  # 4096 tokens: one long prompt takes 40-75% of it
-    block_tokens: int = 16
-    max_seqs: int = 16
+    block_size: int = 16
+    max_num_seqs: int = 16
     max_waiting: int = 64  # beyond this a replica rejects
+    max_num_batched_tokens: int = 2048
+    prefill_chunk_tokens: int | None = 256
+    scheduling_policy: str = "priority"
+    aging_steps: int = 100
     step_base_s: float = 0.010
     step_per_token_s: float = 0.00005
     stream_every: int = 1_000_000  # first and last token only
+
+    def core(self) -> SimCore:
+        """One replica's engine, as ``SimEngine`` builds it, for the offline model."""
+        fields = asdict(self)
+        for key in ("pool_blocks", "step_base_s", "step_per_token_s", "stream_every"):
+            del fields[key]
+        return SimCore(
+            sim_config(self.pool_blocks, **fields),
+            StepModel(self.step_base_s, self.step_per_token_s),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -300,11 +323,6 @@ def replica_counters(app: str, deployment: str) -> dict[str, dict[str, Any]]:
     return stats
 
 
-def pct(xs: Sequence[float], q: float) -> float:
-    finite = [x for x in xs if not math.isnan(x)]
-    return float(np.percentile(finite, q)) if finite else math.nan
-
-
 @dataclass(slots=True)
 class RunResult:
     """One router, one round."""
@@ -322,7 +340,7 @@ class RunResult:
 
     @property
     def send_lag_p99(self) -> float:
-        return pct([r.lag for r in self.records], 99)
+        return percentile([r.lag for r in self.records], 99)
 
     @property
     def starved(self) -> bool:
@@ -359,16 +377,16 @@ def summarize(
                     engine.append(rec.engine_ttft)
             rows[tier] = {
                 "n": len(ttft),
-                "ttft_p50": pct(ttft, 50),
-                "ttft_p90": pct(ttft, 90),
-                "ttft_p99": pct(ttft, 99),
-                "e2e_p50": pct(e2e, 50),
-                "e2e_p99": pct(e2e, 99),
+                "ttft_p50": percentile(ttft, 50),
+                "ttft_p90": percentile(ttft, 90),
+                "ttft_p99": percentile(ttft, 99),
+                "e2e_p50": percentile(e2e, 50),
+                "e2e_p99": percentile(e2e, 99),
                 # TTFT = route (to the replica) + engine (queue and prefill) + delivery
-                "route_p50": pct(route, 50),
-                "route_p99": pct(route, 99),
-                "engine_ttft_p50": pct(engine, 50),
-                "engine_ttft_p99": pct(engine, 99),
+                "route_p50": percentile(route, 50),
+                "route_p99": percentile(route, 99),
+                "engine_ttft_p50": percentile(engine, 50),
+                "engine_ttft_p99": percentile(engine, 99),
                 "failed": errors,
                 "rejected": rejected,
             }
@@ -391,8 +409,8 @@ def summarize(
             per_round.append(
                 {
                     "round": run.round,
-                    "top_tier_ttft_p99": pct([r.ttft for r in served], 99),
-                    "top_tier_engine_ttft_p99": pct([r.engine_ttft for r in served], 99),
+                    "top_tier_ttft_p99": percentile([r.ttft for r in served], 99),
+                    "top_tier_engine_ttft_p99": percentile([r.engine_ttft for r in served], 99),
                     "preemptions": run.preemptions,
                     "send_lag_p99_s": run.send_lag_p99,
                     "starved": run.starved,
@@ -408,7 +426,7 @@ def summarize(
             "rejections": sum(r.rejections for r in runs),
             "requests_per_replica": sorted(per_replica.values()),
             "long_prompts_per_replica": sorted(long_per_replica.values()),
-            "send_lag_p99_s": pct(lags, 99),
+            "send_lag_p99_s": percentile(lags, 99),
             "seconds": [round(r.seconds, 1) for r in runs],
             "errors": sorted({rec.error[-160:] for r in runs for rec in r.records if rec.error})[
                 :5
@@ -453,7 +471,7 @@ def summarize(
         out["target"]["clean_rounds"] = clean
 
         def top_p99(name: str, ks: list[int], attr: str) -> float:
-            return pct(
+            return percentile(
                 [
                     getattr(rec, attr)
                     for k in ks
@@ -474,8 +492,13 @@ def summarize(
     return out
 
 
+# The replica scheduler's refusals (replica.scheduler.AdmitError), by name: a call the replica
+# refused comes back as an error that names its class, through Serve as well.
+REFUSALS = ("QueueFull", "NeverFits", "TooLong", "EmptyPrompt")
+
+
 def _is_rejection(error: str) -> bool:
-    return "queue is full" in error or "this pool has" in error
+    return any(name in error for name in REFUSALS)
 
 
 TIER_RANK = {"interactive": 0, "batch": 1}
@@ -575,47 +598,46 @@ class OfflinePow2(_NoHooks):
 
 
 class OfflineFreeBlocks:
-    """``FreeKVBlocksRouter``'s ledger around the real ``router.policy.rank_replicas``.
+    """``FreeKVBlocksRouter``'s ledger (``router.ledger.InFlightLedger``) around the real
+    ``router.policy.rank_replicas``.
 
-    A tentative charge at ``choose``, confirmed with the confirmation time when the replica took
-    the request, dropped on completion (or rejection); reports as the controller delivers them.
+    The router's sequence, in virtual time: tentative charges past the router's time to live
+    expire, the request is ranked and charged tentatively at ``choose``, confirmed (dated then)
+    when the replica took it, dropped on completion or rejection; reports arrive as the
+    controller delivers them.
     """
 
-    def __init__(self, n: int, rng: random.Random, saturation_waiting: int = 8) -> None:
+    def __init__(self, n: int, rng: random.Random, settings: RouterSettings | None = None) -> None:
         self.rng = rng
-        self.saturation_waiting = saturation_waiting
+        self.settings = settings or RouterSettings()
         self.reports: list[RoutingStats | None] = [None] * n
-        self.confirmed: list[dict[int, Charge]] = [{} for _ in range(n)]
-        self.tentative: dict[int, tuple[int, Charge]] = {}
+        self.ledger: InFlightLedger[int] = InFlightLedger()
 
     def shape(self, q: Request) -> RequestShape:
         return RequestShape(q.prompt, q.max_tokens, q.priority)
 
-    def loads(self) -> list[ReplicaLoad[int]]:
-        return [
-            ReplicaLoad(
-                k,
-                stats,
-                [*self.confirmed[k].values(), *(c for kk, c in self.tentative.values() if kk == k)],
-            )
-            for k, stats in enumerate(self.reports)
-        ]
-
     def choose(self, now: float, i: int, q: Request, ongoing: Sequence[int]) -> int:
+        s = self.settings
+        self.ledger.expire(now, s.tentative_ttl_s)
         ranked = rank_replicas(
-            self.loads(), self.shape(q), self.rng, saturation_waiting=self.saturation_waiting
+            self.ledger.loads(enumerate(self.reports), skip=i),
+            self.shape(q),
+            self.rng,
+            saturation_waiting=s.saturation_waiting,
+            default_block_tokens=s.default_block_tokens,
+            latency_priority=s.latency_priority,
         )
-        best = ranked[0]
-        self.tentative[i] = (best.key, Charge(best.need, now, best.full))
-        return best.key
+        self.ledger.charge_tentatively(i, ranked[0], i, now)
+        return ranked[0].key
 
     def on_routed(self, now: float, i: int, k: int) -> None:
-        _, charge = self.tentative.pop(i)
-        self.confirmed[k][i] = Charge(charge.blocks, now, charge.full)
+        def unexpected() -> tuple[int, int]:
+            raise AssertionError(f"request {i} reached replica {k}, not the one it was charged to")
+
+        self.ledger.confirm(i, k, i, now, unexpected)
 
     def on_completed(self, now: float, i: int, k: int) -> None:
-        self.tentative.pop(i, None)
-        self.confirmed[k].pop(i, None)
+        self.ledger.complete(k, i)
 
     def on_report(self, now: float, k: int, stats: RoutingStats) -> None:
         self.reports[k] = stats
@@ -654,11 +676,7 @@ def simulate(
     that arrive during a step are admitted at the next one. Deterministic for a seed.
     """
     rng = random.Random(seed)
-    model = StepModel(engine.step_base_s, engine.step_per_token_s)
-    cores = [
-        SimCore(engine.pool_blocks, engine.block_tokens, engine.max_seqs, engine.max_waiting, model)
-        for _ in range(n)
-    ]
+    cores = [engine.core() for _ in range(n)]
     ongoing = [0] * n  # routed and not finished (what Serve's queue-length cache counts)
     busy = [False] * n
     owner: list[dict[int, int]] = [{} for _ in range(n)]  # SimCore id -> request index
@@ -703,8 +721,8 @@ def simulate(
             reached[i] = t
             try:
                 sid = cores[k].add(q.prompt, q.max_tokens, q.priority)
-            except ValueError as e:
-                error[i] = f"ValueError: {e}"
+            except AdmitError as e:
+                error[i] = f"{type(e).__name__}: {e}"
                 ongoing[k] -= 1
                 left -= 1
                 policy.on_completed(t, i, k)
@@ -779,21 +797,6 @@ def bench_offline(
 
 
 # ----------------------------------------------------------------------------- running
-
-
-def machine() -> dict[str, Any]:
-    cpu = platform.processor() or "unknown"
-    with contextlib.suppress(OSError, StopIteration), open("/proc/cpuinfo") as f:
-        cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
-        "python": platform.python_version(),
-        "ray": ray.__version__,
-        "platform": platform.platform(),
-        "load_avg_1m_before": os.getloadavg()[0],
-    }
 
 
 def deploy(
@@ -906,7 +909,7 @@ def bench_replicas(
             hi = [rec.ttft for q, rec in zip(reqs, res.records, strict=True) if q.priority > 0]
             print(
                 f"  [{replicas} replicas] round {k} {name:>11}: {len(reqs)} requests in "
-                f"{res.seconds:.0f} s, interactive p99 TTFT {pct(hi, 99):.3f} s, "
+                f"{res.seconds:.0f} s, interactive p99 TTFT {percentile(hi, 99):.3f} s, "
                 f"preemptions {res.preemptions}, rejections {res.rejections}, "
                 f"load {res.load_avg_before:.1f}->{res.load_avg_after:.1f}, CPU busy "
                 f"{res.machine_busy_cores:.1f} cores (this benchmark {res.bench_cores:.1f}), "
@@ -1001,10 +1004,7 @@ def plot(
     path: str,
     info: dict[str, Any],
 ) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     from matplotlib.ticker import NullFormatter
 
     cols = len(summaries)
@@ -1132,7 +1132,7 @@ def main(argv: list[str] | None = None) -> int:
         configs[name] = json.loads(raw)
     if args.offline and args.router:
         ap.error("--router needs Serve: the offline model runs only " + ", ".join(OFFLINE_POLICIES))
-    info = machine()
+    info = machine(ray=ray.__version__)
     print(f"machine: {json.dumps(info)}")
     print(f"workload: {json.dumps(asdict(w))}")
     print(f"engine: {json.dumps(asdict(engine))}")
@@ -1204,7 +1204,7 @@ def _finish(
     all_lists: dict[int, list[list[Request]]],
 ) -> None:
     """The summary lines, the JSON and the plot."""
-    info["load_avg_1m_after"] = os.getloadavg()[0]
+    info["load_avg_1m_after"] = load_avg_1m()
     info["run_seconds"] = round(time.perf_counter() - t_start, 1)
     print(
         f"\nrun took {info['run_seconds']:.0f} s; load average {info['load_avg_1m_before']:.2f} "

@@ -34,8 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -43,6 +41,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from bench.common import load_avg_1m, machine
 from kernels.metadata import AttentionMetadata, SeqSpec, build_metadata
 from replica.models.config import ModelConfig
 from replica.models.embedded import build_model, embedded_config
@@ -178,24 +177,6 @@ def bench_model(
     return rows
 
 
-def machine() -> dict[str, object]:
-    cpu = platform.processor() or "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "capability": torch.backends.cpu.get_cpu_capability(),
-        "python": platform.python_version(),
-        "load_avg_1m": os.getloadavg()[0],
-    }
-
-
 HEADER = (
     f"{'model':8s} {'case':22s} {'tokens':>6s} {'default ms':>10s} {'tok/s':>8s} "
     f"{'det ms':>10s} {'tok/s':>8s} {'det/def':>7s} {'torch-lin ms':>12s} {'torch-lin/def':>13s}"
@@ -223,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     repeats = 3 if args.quick else 7
-    info = machine()
+    info = machine()  # after --threads: the record says how many threads ran
     print("machine: " + ", ".join(f"{k}={v}" for k, v in info.items()))
     print(HEADER)
     configs = {"tiny": embedded_config(), "smollm2": smollm2_shaped_config()}
@@ -236,9 +217,10 @@ def main(argv: list[str] | None = None) -> int:
             batches = [1, 8] if quick_big else [1, 8, 32, 64]
             prefill = min(args.prefill, 128) if quick_big else args.prefill
             rows += bench_model(name, configs[name], batches, args.ctx, prefill, repeats)
-    info["load_avg_1m_after"] = os.getloadavg()[0]
+    info["load_avg_1m_after"] = load_avg_1m()
     print(
-        f"load average (1 min) before {info['load_avg_1m']:.2f}, after {info['load_avg_1m_after']:.2f}"
+        f"load average (1 min) before {info['load_avg_1m_before']:.2f}, "
+        f"after {info['load_avg_1m_after']:.2f}"
     )
     if args.json:
         with open(args.json, "w") as f:

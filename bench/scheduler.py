@@ -28,8 +28,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import json
-import os
-import platform
 import pstats
 import random
 import statistics
@@ -38,6 +36,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
+from bench.common import machine, percentile
 from replica.block_space import FreeListBlocks
 from replica.config import EngineConfig
 from replica.scheduler import (
@@ -53,25 +52,6 @@ BLOCK_TOKENS = 16
 CONTEXT = 1 << 16
 TOKEN = 7  # what the minimal fake always emits
 TARGET_US_PER_REQUEST = 5.0
-
-
-def machine() -> dict[str, str]:
-    model = "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {
-        "cpu": model,
-        "cores": str(cores),
-        "python": f"{platform.python_implementation()} {platform.python_version()}",
-        "platform": platform.platform(),
-    }
 
 
 def fake_outputs(plan: ScheduleOutput) -> list[StepOutput]:
@@ -165,7 +145,6 @@ def measure(running: int, reps: int) -> list[Case]:
         assert st.running == running and st.waiting == waiting and st.preemptions == 0, st
         totals = [a + b for a, b in times[waiting]]
         med = statistics.median(totals)
-        deciles = statistics.quantiles(totals, n=10)
         cases.append(
             Case(
                 running=running,
@@ -175,7 +154,7 @@ def measure(running: int, reps: int) -> list[Case]:
                 best_us_per_step=min(totals),
                 schedule_us=statistics.median(a for a, _ in times[waiting]),
                 on_step_us=statistics.median(b for _, b in times[waiting]),
-                spread=(deciles[-1] - deciles[0]) / med,
+                spread=(percentile(totals, 90) - percentile(totals, 10)) / med,
             )
         )
     return cases
@@ -214,7 +193,7 @@ def measure_abort(waiting: int) -> AbortCost:
     return AbortCost(
         waiting=waiting,
         single_median_us=statistics.median(single),
-        single_p99_us=statistics.quantiles(single, n=100)[-1],
+        single_p99_us=percentile(single, 99),
         mean_over_most_us=mean_most,
         add_us=add_us,
     )
@@ -237,8 +216,8 @@ def profile(running: int, waiting: int, steps: int = 200) -> None:
 def run(reps: int, log: Callable[[str], None] = print) -> dict:
     m = machine()
     log("Scheduler step cost: schedule() + on_step(), minimal fake model, median of repetitions")
-    log(f"machine: {m['cpu']}, {m['cores']} cores, {m['python']}, {m['platform']}")
-    log(f"load average before: {os.getloadavg()[0]:.2f} (other work on the machine adds noise)")
+    log(f"machine: {m['cpu']}, {m['cores_usable']} cores, Python {m['python']}, {m['platform']}")
+    log(f"load average before: {m['load_avg_1m_before']:.2f} (other work on the machine adds noise)")
     header = (
         f"{'running':>8} {'waiting':>8} {'us/step':>9} {'us/request':>11} {'best':>9} "
         f"{'schedule':>9} {'on_step':>9} {'spread':>7}"

@@ -36,7 +36,6 @@ import asyncio
 import contextlib
 import json
 import random
-import statistics
 import sys
 import time
 from collections import Counter
@@ -46,7 +45,8 @@ from typing import Any
 
 import httpx
 
-from cluster.loadgen import Scrape, TrafficClass, parse_metrics
+from bench.common import machine, percentile
+from bench.load import DEFAULT_CLASSES, PREEMPTIONS, Scrape, TrafficClass, parse_metrics
 
 KINDS = ("stream", "non_stream", "mid_stream", "early")
 RSS_SLACK = 64 * 2**20
@@ -217,8 +217,8 @@ async def _preemptions(url: str | None) -> float | None:
     try:
         async with httpx.AsyncClient(timeout=10) as client:
             r = await client.get(url)
-        return Scrape(0.0, parse_metrics(r.text)).total("ray_tierserve_preemptions_total")
-    except httpx.HTTPError:
+        return Scrape(0.0, parse_metrics(r.text)).total(PREEMPTIONS)
+    except (httpx.HTTPError, ValueError):
         return None
 
 
@@ -320,8 +320,8 @@ async def soak(base_url: str, model: str, classes: Sequence[TrafficClass], cfg: 
         after_warmup = [v for t_, v in points if t_ >= warm]
         if len(after_warmup) < 2:
             continue
-        base = statistics.median(after_warmup[: max(1, len(after_warmup) // 5)])
-        end = statistics.median(after_warmup[-max(1, len(after_warmup) // 5):])
+        base = percentile(after_warmup[: max(1, len(after_warmup) // 5)], 50)
+        end = percentile(after_warmup[-max(1, len(after_warmup) // 5):], 50)
         report.rss_mib[name] = {"after_warmup": round(base / 2**20, 1),
                                 "end": round(end / 2**20, 1),
                                 "max": round(max(after_warmup) / 2**20, 1)}
@@ -362,9 +362,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     classes = [TrafficClass.parse(f"{k.partition('=')[0]},key={k.partition('=')[2]}")
-               for k in args.key] or [TrafficClass.parse(c) for c in
-                                      ("high=1,priority=9", "normal=2,priority=7",
-                                       "low=1,priority=5")]
+               for k in args.key] or [TrafficClass.parse(c) for c in DEFAULT_CLASSES]
     cfg = SoakConfig(duration_s=args.duration, rate=args.rate, seed=args.seed,
                      max_rss_growth=args.max_rss_growth, settle_timeout_s=args.settle_timeout,
                      request_timeout_s=args.request_timeout)
@@ -373,7 +371,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print_report(report)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(asdict(report), f, indent=1)
+            json.dump({"machine": machine(torch_info=False), **asdict(report)}, f, indent=1)
     return 0 if report.passed else 1
 
 

@@ -60,12 +60,10 @@ One run, one machine, one set of weights, one mix of requests for every system:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import json
 import logging
 import os
-import platform
 import random
 import statistics
 import sys
@@ -78,6 +76,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from bench.common import load_avg_1m, machine, pyplot
 
 THREADS = 2
 BLOCK = 16
@@ -446,7 +446,7 @@ def run_tierserve(ckpt: Checkpoint, mix: Sequence[Req], rnd: int, opts: EngineOp
         "busy": StepProbe.shares(probe.busy),
         "rest_steps": probe.rest_steps,
         "rest": StepProbe.shares(probe.rest),
-        "preemptions": stats["num_preemptions"],
+        "preemptions": stats.preemptions,
         "first_tokens": [o.token_ids[:8] for o in outs[:2]],
     }
     return Run("tierserve", ckpt.name, rnd, wall, sum(got), _fmt_options(options), info)
@@ -586,26 +586,16 @@ def run_hf_cb(
 # ----------------------------------------------------------------------------- the run
 
 
-def machine() -> dict[str, Any]:
+def machine_record() -> dict[str, Any]:
+    """The common machine record (``bench.common``) with what this comparison depends on."""
     import transformers
 
-    cpu = platform.processor() or "unknown"
-    with contextlib.suppress(OSError, StopIteration), open("/proc/cpuinfo") as f:
-        cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
-        "capability": torch.backends.cpu.get_cpu_capability(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-        "torch_threads": torch.get_num_threads(),
-        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(unset)"),
-        "native_kernels": _native_kernels(),
-        "dtype": "float32",
-        "load_avg_1m_before": os.getloadavg()[0],
-    }
+    return machine(
+        transformers=transformers.__version__,
+        omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "(unset)"),
+        native_kernels=_native_kernels(),
+        dtype="float32",
+    )
 
 
 def _native_kernels() -> str:
@@ -827,10 +817,7 @@ def print_summary(summary: dict[str, Any], plan: Plan) -> None:
 
 
 def plot(summary: dict[str, Any], path: str, machine_info: dict[str, Any], plan: Plan) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     models = list(summary)
     fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 4.5), squeeze=False)
@@ -947,7 +934,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(THREADS)
     logging.getLogger("transformers").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
-    info = machine()
+    info = machine_record()
     print("machine: " + ", ".join(f"{k}={v}" for k, v in info.items()), flush=True)
     info["mix"] = {}
     for m in models:
@@ -966,7 +953,7 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="tierserve-throughput-") as tmp:
         runs, chosen = run_all(plan, Path(tmp), lambda s: print(s, flush=True))
-    info["load_avg_1m_after"] = os.getloadavg()[0]
+    info["load_avg_1m_after"] = load_avg_1m()
     info["run_seconds"] = round(time.perf_counter() - t_start, 1)
     summary = summarize(runs, plan, chosen)
     print(

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
@@ -46,7 +45,15 @@ from cluster.protocol import (
     usage,
 )
 from cluster.tiers import AuthError, Caller, PriorityError, TierResolver
-from replica.models.loader import load_model_config, load_tokenizer
+from replica.api import (
+    ErrorRecord,
+    GenerateRequest,
+    RequestOutput,
+    SamplingParams,
+    TokenLogprob,
+    share_of,
+)
+from replica.models.meta import load_model_config, load_tokenizer
 
 log = logging.getLogger("tierserve.ingress")
 
@@ -129,23 +136,23 @@ class _Choice:
     """One of a request's ``n`` samples, as its deltas arrive."""
 
     text: str = ""
-    logprobs: list[dict[str, Any]] = field(default_factory=list)
-    prompt_logprobs: list[dict[str, Any] | None] | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     finish_reason: str | None = None
     completion_tokens: int = 0
-    error: str | None = None
+    failure: str | None = None
     started: bool = False
 
-    def add(self, item: dict[str, Any]) -> None:
+    def add(self, item: RequestOutput) -> None:
         self.started = True
-        self.text += item["text"]
-        self.logprobs.extend(item.get("logprobs") or ())
-        if item.get("prompt_logprobs") is not None:
-            self.prompt_logprobs = item["prompt_logprobs"]
-        self.completion_tokens = max(self.completion_tokens, int(item["completion_tokens"]))
-        if item["finished"]:
-            self.finish_reason = item["finish_reason"]
-            self.error = item.get("error")
+        self.text += item.text
+        self.logprobs.extend(item.logprobs or ())
+        if item.prompt_logprobs is not None:
+            self.prompt_logprobs = item.prompt_logprobs
+        self.completion_tokens = max(self.completion_tokens, item.completion_tokens)
+        if item.finished:
+            self.finish_reason = item.finish_reason
+            self.failure = item.failure
 
 
 # FastAPI's own /openapi.json (and the docs pages built on it) is replaced by the Ingress's route
@@ -153,21 +160,6 @@ class _Choice:
 # would not be the one served.
 app = FastAPI(title="tierserve", version="0.1.0", openapi_url=None, docs_url=None,
               redoc_url=None, description="OpenAI-compatible LLM serving with priority tiers.")
-
-
-@app.exception_handler(RequestValidationError)
-async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    errors = exc.errors()
-    first = errors[0] if errors else {}
-    param = error_param(first.get("loc", ()), first.get("type") == "extra_forbidden")
-    msg = first.get("msg", "invalid request body")
-    if first.get("type") == "json_invalid":
-        msg, param = "the request body is not valid JSON", None
-    elif first.get("type") == "extra_forbidden":
-        msg = f"unknown field {param!r}"
-    elif param:
-        msg = f"{param}: {msg}"
-    return error_response(400, msg, code="invalid_request", param=param)
 
 
 @app.exception_handler(StarletteHTTPException)
@@ -225,17 +217,13 @@ class Ingress:
         body = await self._body(request, CompletionRequest)
         assert isinstance(body, CompletionRequest)
         caller = self._caller(request)
+        # An empty prompt and ids outside the vocabulary are the replica's to refuse (its
+        # scheduler and engine own those limits); a prompt of special tokens only is ours (it
+        # takes the tokenizer to know).
         if isinstance(body.prompt, str):
-            if not body.prompt:
-                self.metrics.rejected("empty", caller.tier.name)
-                raise ApiError(400, "prompt is empty", "empty", "prompt")
-            ids = list(self.tokenizer.encode(body.prompt, add_special_tokens=True))
+            ids = list(self.tokenizer.encode(body.prompt, add_special_tokens=True)) if body.prompt else []
         else:
             ids = list(body.prompt)
-            bad = next((t for t in ids if t >= self.vocab_size), None)
-            if bad is not None:
-                raise ApiError(400, f"token id {bad} is out of range for this model's vocab "
-                                    f"({self.vocab_size})", "invalid_token", "prompt")
         if ids and all(t in self.special_ids for t in ids):
             raise ApiError(400, "the prompt has only special tokens "
                                 f"({self.tokenizer.decode(ids[:8])!r}...): nothing to complete",
@@ -312,7 +300,7 @@ class Ingress:
         except PriorityError as e:
             raise ApiError(400, str(e), "invalid_priority", "X-TL-Priority") from None
 
-    def _sampling(self, body: CompletionRequest | ChatCompletionRequest) -> dict[str, Any]:
+    def _sampling(self, body: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
         if body.model != self.cfg.model_name:
             raise ApiError(400, f"unknown model {body.model!r}; this server serves "
                                 f"{self.cfg.model_name!r}", "model_not_found", "model")
@@ -322,10 +310,6 @@ class Ingress:
                                 f"{self.cfg.max_stop_strings} are allowed", "too_many_stops", "stop")
         if any(not s for s in stops):
             raise ApiError(400, "stop strings must not be empty", "invalid_request", "stop")
-        bad = next((t for t in body.stop_token_ids or () if t >= self.vocab_size), None)
-        if bad is not None:
-            raise ApiError(400, f"stop token id {bad} is out of range for this model's vocab "
-                                f"({self.vocab_size})", "invalid_token", "stop_token_ids")
         max_tokens = body.max_tokens if body.max_tokens is not None else self.cfg.max_tokens_limit
         if max_tokens > self.cfg.max_tokens_limit:
             raise ApiError(400, f"max_tokens {max_tokens} is above this server's limit "
@@ -338,9 +322,9 @@ class Ingress:
                            "invalid_request", "min_tokens")
         bias: dict[int, float] = {}
         for key, value in (body.logit_bias or {}).items():
-            if not key.isdigit() or int(key) >= self.vocab_size:
-                raise ApiError(400, f"logit_bias key {key[:32]!r} is not a token id of this model "
-                                    f"(0 to {self.vocab_size - 1})", "invalid_token", "logit_bias")
+            if not key.isdigit():  # its range is the replica's to check, like every token id
+                raise ApiError(400, f"logit_bias key {key[:32]!r} is not a token id",
+                               "invalid_token", "logit_bias")
             bias[int(key)] = float(value)
         if isinstance(body, CompletionRequest):
             logprobs = body.logprobs
@@ -348,32 +332,31 @@ class Ingress:
         else:
             logprobs = (body.top_logprobs or 0) if body.logprobs else None
             prompt_logprobs = None
-        return {
-            "max_tokens": max_tokens,
-            "temperature": float(body.temperature),
-            "top_p": float(body.top_p),
-            "top_k": body.top_k,
-            "min_p": float(body.min_p),
-            "seed": body.seed,
-            "stop": stops or None,
-            "stop_token_ids": body.stop_token_ids,
-            "ignore_eos": body.ignore_eos,
-            "min_tokens": body.min_tokens,
-            "presence_penalty": float(body.presence_penalty),
-            "frequency_penalty": float(body.frequency_penalty),
-            "repetition_penalty": float(body.repetition_penalty),
-            "logit_bias": bias or None,
-            "logprobs": logprobs,
-            "prompt_logprobs": prompt_logprobs,
-        }
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=float(body.temperature),
+                top_p=float(body.top_p),
+                top_k=body.top_k,
+                min_p=float(body.min_p),
+                seed=body.seed,
+                stop=stops or None,
+                stop_token_ids=body.stop_token_ids,
+                ignore_eos=body.ignore_eos,
+                min_tokens=body.min_tokens,
+                presence_penalty=float(body.presence_penalty),
+                frequency_penalty=float(body.frequency_penalty),
+                repetition_penalty=float(body.repetition_penalty),
+                logit_bias=bias or None,
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+            )
+        except ValueError as e:  # the request models bound every field; a last guard
+            raise ApiError(400, str(e), "invalid_sampling") from None
 
     async def _serve(self, request: Request, body: CompletionRequest | ChatCompletionRequest,
                      call: _Call, caller: Caller) -> Response:
         sampling = self._sampling(body)
-        ids = call.ids
-        if not ids:
-            self.metrics.rejected("empty", caller.tier.name)
-            raise ApiError(400, "prompt is empty", "empty", "prompt")
         self._admit(caller)
         self.inflight += 1
         handed_off = False
@@ -390,12 +373,13 @@ class Ingress:
     def _admit(self, caller: Caller) -> None:
         """Bound the requests in flight through this ingress (``max_inflight_requests``; a tier
         may use its ``queue_share`` of it): beyond, 429 at once, before any replica is asked."""
-        limit = max(1, int(caller.tier.queue_share * self.cfg.max_inflight_requests))
-        if self.inflight >= limit:
+        tier_inflight_limit = share_of(self.cfg.max_inflight_requests, caller.tier.queue_share)
+        if self.inflight >= tier_inflight_limit:
             reason = "shed" if caller.tier.queue_share < 1.0 else "queue_full"
             self.metrics.rejected(reason, caller.tier.name)
             raise ApiError(429, f"the server is busy: {self.inflight} requests in flight; tier "
-                                f"{caller.tier.name!r} may have at most {limit}", reason)
+                                f"{caller.tier.name!r} may have at most {tier_inflight_limit}",
+                           reason)
 
     async def _release_after(self, body: AsyncIterable[Any]) -> AsyncIterator[Any]:
         try:
@@ -407,14 +391,13 @@ class Ingress:
             if aclose is not None:
                 await aclose()
 
-    async def _generate(self, stream_out: bool, call: _Call, sampling: dict[str, Any],
+    async def _generate(self, stream_out: bool, call: _Call, sampling: SamplingParams,
                         caller: Caller) -> Response:
         stream, first = await self._start(call, sampling, caller)
         if first is None:
             raise ApiError(503, "the replica ended the request without an answer", "no_answer")
-        if isinstance(first.get("error"), dict):  # an error record, not a delta
-            err = first["error"]
-            raise ApiError(err["status"], err["message"], err["code"], err.get("param"))
+        if isinstance(first, ErrorRecord):
+            raise ApiError(first.status, first.message, first.code, first.param)
         rid = new_id("chatcmpl" if call.chat else "cmpl")
         if stream_out:
             gen = self._sse(stream, first, rid, call)
@@ -422,10 +405,11 @@ class Ingress:
                                      headers={"Cache-Control": "no-cache"})
         choices = [_Choice() for _ in range(call.n)]
         try:
-            item: dict[str, Any] | None = first
+            item: RequestOutput | ErrorRecord | None = first
             while True:
-                assert item is not None
-                choices[item["index"]].add(item)
+                if not isinstance(item, RequestOutput):
+                    raise ApiError(503, "the replica sent a malformed stream", "replica_failed")
+                choices[item.index].add(item)
                 if all(c.finish_reason is not None for c in choices):
                     break
                 item = await self._next(stream)
@@ -436,7 +420,7 @@ class Ingress:
             raise
         failed = next((c for c in choices if c.finish_reason == "error"), None)
         if failed is not None:
-            raise ApiError(503, failed.error or "the replica failed", "replica_failed")
+            raise ApiError(503, failed.failure or "the replica failed", "replica_failed")
         u = self._usage(call, choices)
         out: Any
         if call.chat:
@@ -471,28 +455,24 @@ class Ingress:
             entries = list(c.prompt_logprobs or [None] * len(call.ids)) + entries
         return completion_logprobs(entries, self.token_text, offset, call.ids if first else ())
 
-    async def _start(self, call: _Call, sampling: dict[str, Any], caller: Caller
-                     ) -> tuple[Any, dict[str, Any] | None]:
+    async def _start(self, call: _Call, sampling: SamplingParams, caller: Caller
+                     ) -> tuple[Any, RequestOutput | ErrorRecord | None]:
         """Send the request and wait for its first item. A replica that fails before it (its
         actor died or is unreachable, or its engine has failed) has produced nothing for this
         request, so the request is sent again (the router drops a dead replica, and Serve an
         unhealthy one) up to ``replica_retries`` times."""
         for attempt in range(self.cfg.replica_retries + 1):
-            # The router sizes a request by its tokens: n samples hold n prompts' and outputs'
-            # worth of KV blocks.
-            stream = self.llm.generate.remote(
-                call.ids, sampling, priority=caller.priority,
-                prompt_tokens=len(call.ids) * call.n, max_tokens=sampling["max_tokens"] * call.n,
-                queue_share=caller.tier.queue_share, tier=caller.tier.name, n=call.n,
-            )
+            stream = self.llm.generate.remote(GenerateRequest(
+                prompt_ids=tuple(call.ids), sampling=sampling, priority=caller.priority,
+                tier=caller.tier.name, queue_share=caller.tier.queue_share, n=call.n,
+                latency=caller.latency))
             try:
                 first = await self._next(stream)
-                err = first.get("error") if first is not None else None
-                if isinstance(err, dict) and err.get("code") == "replica_unavailable":
-                    raise ApiError(503, err["message"], "replica_unavailable")
-                if (first is not None and first.get("finish_reason") == "error"
-                        and not first.get("completion_tokens")):  # failed before its first token
-                    raise ApiError(503, str(first.get("error")), "replica_unavailable")
+                if isinstance(first, ErrorRecord) and first.code == "replica_unavailable":
+                    raise ApiError(503, first.message, "replica_unavailable")
+                if (isinstance(first, RequestOutput) and first.finish_reason == "error"
+                        and not first.completion_tokens):  # failed before its first token
+                    raise ApiError(503, str(first.failure), "replica_unavailable")
                 return stream, first
             except ApiError as e:
                 stream.cancel()
@@ -507,9 +487,9 @@ class Ingress:
                 raise
         raise AssertionError("unreachable")
 
-    async def _next(self, stream: Any) -> dict[str, Any] | None:
+    async def _next(self, stream: Any) -> RequestOutput | ErrorRecord | None:
         try:
-            item: dict[str, Any] = await stream.__anext__()
+            item: RequestOutput | ErrorRecord = await stream.__anext__()
             return item
         except StopAsyncIteration:
             return None
@@ -520,7 +500,7 @@ class Ingress:
             raise ApiError(503, f"no replica could serve the request ({type(e).__name__})",
                            "replica_unavailable") from None
 
-    async def _sse(self, stream: Any, first: dict[str, Any], rid: str,
+    async def _sse(self, stream: Any, first: RequestOutput, rid: str,
                    call: _Call) -> AsyncIterator[str]:
         """One SSE event per delta, as each engine step makes it: the text and (when asked)
         the log-probabilities of that step's tokens, per choice; usage in every chunk with
@@ -528,7 +508,7 @@ class Ingress:
         created = now()
         model = self.cfg.model_name
         choices = [_Choice() for _ in range(call.n)]
-        item: dict[str, Any] | None = first
+        item: RequestOutput | ErrorRecord | None = first
         try:
             if call.chat:
                 for i in range(call.n):
@@ -539,7 +519,9 @@ class Ingress:
                         usage=self._usage(call, choices) if call.continuous_usage else None)
                     yield sse_event(head.model_dump_json())
             while item is not None:
-                index = item["index"]
+                if not isinstance(item, RequestOutput):
+                    raise ApiError(503, "the replica sent a malformed stream", "replica_failed")
+                index = item.index
                 c = choices[index]
                 first_of_choice = not c.started
                 offset = len(c.text) + (len(call.echo or "") if c.started else 0)
@@ -547,21 +529,21 @@ class Ingress:
                 c.add(item)
                 reason = c.finish_reason
                 if reason == "error":
-                    err = {"error": {"message": c.error or "the replica failed",
+                    err = {"error": {"message": c.failure or "the replica failed",
                                      "type": "service_unavailable", "code": "replica_failed",
                                      "param": None}}
                     yield f"data: {json.dumps(err)}\n\n"
                     break
                 lps = c.logprobs[new_logprobs:]
                 echo = (call.echo or "") if first_of_choice and not call.chat else ""
-                if item["text"] or echo or reason is not None or (call.logprobs and lps):
+                if item.text or echo or reason is not None or (call.logprobs and lps):
                     chunk: Any
                     u = self._usage(call, choices) if call.continuous_usage else None
                     if call.chat:
                         chunk = ChatCompletionChunk(
                             id=rid, created=created, model=model, usage=u,
                             choices=[ChatChunkChoice(
-                                index=index, delta=ChatDelta(content=item["text"] or None),
+                                index=index, delta=ChatDelta(content=item.text or None),
                                 finish_reason=reason,
                                 logprobs=(chat_logprobs(lps, self.token_text)
                                           if call.logprobs else None))])
@@ -570,7 +552,7 @@ class Ingress:
                         chunk = CompletionResponse(
                             id=rid, created=created, model=model, usage=u,
                             choices=[CompletionChoice(
-                                index=index, text=echo + item["text"], finish_reason=reason,
+                                index=index, text=echo + item.text, finish_reason=reason,
                                 logprobs=self._completion_logprobs(
                                     call, part, offset, first_of_choice))])
                     yield sse_event(chunk.model_dump_json(exclude_none=False))

@@ -1,7 +1,7 @@
 """Token log-probabilities in OpenAI's shapes, from the ids and numbers a replica streams.
 
-A replica sends, per token, ``{"token": id, "logprob": x, "top": [[id, x], ...]}`` (see
-``replica.sampler.TokenLogprob``); this module turns ids into what clients expect:
+A replica sends, per token, a ``replica.api.TokenLogprob`` (the id, its log-probability, the top
+alternatives' ids and log-probabilities); this module turns ids into what clients expect:
 
 - a token's exact bytes: for byte-level BPE vocabularies (GPT-2 style, SmolLM2, Llama 3, Qwen2)
   the token string mapped back through the byte-level alphabet; for SentencePiece ones ``▁``
@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from cluster.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
+from replica.api import TokenLogprob
 from replica.models.byte_level import char_bytes
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
@@ -58,14 +59,10 @@ class TokenText:
             return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
 
-def _entry(e: Mapping[str, Any]) -> tuple[int, float, list[tuple[int, float]]]:
-    return int(e["token"]), float(e["logprob"]), [(int(i), float(x)) for i, x in e["top"]]
-
-
-def chat_logprobs(entries: Sequence[Mapping[str, Any]], text: TokenText) -> ChatLogprobs:
+def chat_logprobs(entries: Sequence[TokenLogprob], text: TokenText) -> ChatLogprobs:
     content = []
     for e in entries:
-        tok, lp, top = _entry(e)
+        tok, lp, top = e.token, e.logprob, e.top
         content.append(
             ChatTokenLogprob(
                 token=text.text(tok),
@@ -81,7 +78,7 @@ def chat_logprobs(entries: Sequence[Mapping[str, Any]], text: TokenText) -> Chat
 
 
 def completion_logprobs(
-    entries: Sequence[Mapping[str, Any] | None],
+    entries: Sequence[TokenLogprob | None],
     text: TokenText,
     offset: int = 0,
     prompt_ids: Sequence[int] = (),
@@ -96,7 +93,7 @@ def completion_logprobs(
             out.token_logprobs.append(None)
             out.top_logprobs.append(None)
         else:
-            tok, lp, top = _entry(e)
+            tok, lp, top = e.token, e.logprob, e.top
             tok_text = text.text(tok)
             out.tokens.append(tok_text)
             out.token_logprobs.append(lp)

@@ -28,8 +28,12 @@ class PriorityError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class Caller:
+    """A resolved caller. ``latency``: its requests are routed for their first token: its
+    priority reaches the top tier's ``base_priority`` (the interactive tier by default)."""
+
     tier: TierConfig
     priority: int
+    latency: bool = False
 
 
 # What X-TL-Priority may hold (also the pattern in the OpenAPI document).
@@ -49,13 +53,13 @@ class TierResolver:
                       for t in config.tiers for k in t.api_keys]
         if len({d for d, _ in self._keys}) != len(self._keys):
             raise ValueError("an API key is listed more than once (after resolving env:/file:)")
-        # Tiers ranked lowest first: under overload the first ones are shed first.
-        self.lowest_first = sorted(config.tiers, key=lambda t: (t.base_priority, t.max_priority))
+        self.latency_floor = max(t.base_priority for t in config.tiers)
 
     def resolve(self, authorization: str | None, priority_header: str | None) -> Caller:
         """The caller's tier and priority; raises ``AuthError`` or ``PriorityError``."""
         tier = self._tier(authorization)
-        return Caller(tier, self._priority(tier, priority_header))
+        priority = self._priority(tier, priority_header)
+        return Caller(tier, priority, priority >= self.latency_floor)
 
     def _tier(self, authorization: str | None) -> TierConfig:
         if not self._keys and self._default is not None:

@@ -7,8 +7,10 @@ plain torch):
   (no gather into a padded copy, no mask tensor), with an online softmax, in parallel over
   (sequence, KV head, row tile) under OpenMP; the ``torch`` attention backend's fast path.
 - ``linear``: ``x @ W.T (+ b)`` with ``W`` repacked once by ``pack_linear`` into panels of 16
-  output features; a register-tiled micro-kernel (6 rows x 16 outputs in AVX2 registers), threads
-  splitting the panels. ``replica.models.layers.Linear.pack_for_cpu`` switches a layer to it.
+  output features; a register-tiled micro-kernel (12 rows x 32 outputs in AVX-512 registers, 6 x
+  16 in AVX2 ones, a portable loop otherwise), threads splitting the panels.
+  ``replica.models.layers.Linear.pack_for_cpu`` switches a layer to it; in the default mode only
+  where it is the faster path on this CPU (``library_rows``: timed per layer shape at pack time).
 - ``rms_norm`` (optionally adding the previous block's output into the residual first),
   ``silu_and_mul`` and ``rope_store`` (rotary embedding of q and k, then k and v into the
   cache): one pass over the rows each, where torch runs several ops with temporaries.
@@ -17,8 +19,13 @@ Every kernel computes each value of a row from that row alone, in an order fixed
 own sizes (see the source's header): the deterministic mode (docs/determinism.md) runs on these
 kernels only, and ``deterministic_unsupported`` says when it cannot.
 
+Boundary: the library exports a table of its functions' argument kinds generated from their C++
+types (``ts_signatures``); loading compares it with ``PROTOTYPES`` and refuses on any difference
+(``NativeSignatureMismatch``, raised by every later use), and each call checks its tensors against
+their kinds (dtype, CPU, layout) before passing addresses (see "the boundary" below).
+
 Build: the first call compiles the source with the system C++ compiler (``$CXX``, else ``g++``
-or ``c++``; ``-O3 -march=native -fopenmp``, about a second) into a cache directory
+or ``c++``; ``-O3 -march=native -fopenmp``, two to three seconds) into a cache directory
 (``$TIERSERVE_CACHE_DIR``, else ``~/.cache/tierserve``, else a temporary directory), under a name
 that hashes the source, the compiler command and this CPU's feature flags, so machines of a Ray
 cluster that share a home directory never load each other's builds. Concurrent builders write
@@ -38,14 +45,20 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
+import statistics
 import subprocess
 import tempfile
 import threading
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from kernels.metadata import AttentionMetadata
 
@@ -70,8 +83,10 @@ MAX_ROW_TILE = 8
 enabled = True
 
 _lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
+_lib: NativeLib | None = None
 _reason: str | None = None  # why the library is unavailable; None until the first try
+# Set when the library and this module's prototypes disagree: raised by every later use too.
+_mismatch: NativeSignatureMismatch | None = None
 _tried = False
 _MAX_VECS = 0  # query vectors per work item, from the library once loaded
 _MAX_HEAD_DIM = 0
@@ -218,22 +233,25 @@ def _build(cxx: str) -> Path:
     raise RuntimeError("no writable cache directory: " + "; ".join(errors))
 
 
-def _load() -> ctypes.CDLL | None:
+def _load() -> NativeLib | None:
     global _lib, _reason, _tried
     if _tried:  # the step loop's path: no lock once the library is loaded (or refused)
+        if _mismatch is not None:
+            raise _mismatch
         return _lib
     with _lock:
-        if _tried:
-            return _lib
-        try:
-            _try_load()
-        finally:
-            _tried = True  # last: the lock-free check above must not see a half-done load
+        if not _tried:
+            try:
+                _try_load()
+            finally:
+                _tried = True  # last: the lock-free check above must not see a half-done load
+        if _mismatch is not None:
+            raise _mismatch
         return _lib
 
 
 def _try_load() -> None:
-    global _lib, _reason, _MAX_VECS, _MAX_HEAD_DIM
+    global _lib, _reason, _mismatch, _MAX_VECS, _MAX_HEAD_DIM
     if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
         _reason = f"disabled by {ENV_SWITCH}"
         return
@@ -242,55 +260,253 @@ def _try_load() -> None:
         _reason = "no C++ compiler found ($CXX, g++ or c++)"
     else:
         try:
-            lib = ctypes.CDLL(str(_build(cxx)))
-            _declare(lib)
+            lib = _declare(ctypes.CDLL(str(_build(cxx))))
             # The kernel's limits, read once (attention_plan runs per layer per step).
             _MAX_VECS, _MAX_HEAD_DIM = lib.ts_max_vecs(), lib.ts_max_head_dim()
             _lib = lib
+        except NativeSignatureMismatch as exc:
+            # Not a machine without a compiler: the repository contradicts itself. Falling back
+            # to torch would hide it, so every use of the kernels raises this from now on.
+            _reason = str(exc)
+            _mismatch = exc
+            log.error("native CPU kernels refused: %s", exc)
+            return
         except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
             _reason = f"building {SOURCE.name} failed: {exc}"
     if _lib is None:
         log.warning("native CPU kernels unavailable (%s); using plain torch", _reason)
 
 
-def _declare(lib: ctypes.CDLL) -> None:
-    p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    fn = lib.ts_paged_attention_f32
-    fn.restype = i32
-    fn.argtypes = [
-        p,
-        i64,
-        p,
-        p,
-        p,
-        i64,
-        p,
-        p,
-        p,
-        i64,
-        i32,
-        i32,
-        i32,
-        i32,
-        i32,
-        i32,
-        f32,
-        i32,
-        i32,
-        i32,
-    ]
-    lib.ts_max_vecs.restype = i32
-    lib.ts_max_head_dim.restype = i32
-    lib.ts_rms_norm_f32.restype = i32
-    lib.ts_rms_norm_f32.argtypes = [p, i64, p, i64, p, p, i64, i64, i32, f32, i32]
-    lib.ts_silu_mul_f32.restype = i32
-    lib.ts_silu_mul_f32.argtypes = [p, i64, p, i64, i32, i32]
-    lib.ts_rope_store_f32.restype = i32
-    lib.ts_rope_store_f32.argtypes = [p, i64, p, p, p, p, p, i64, i64, i32, i32, i32, i32]
-    lib.ts_pack_linear_f32.restype = i32
-    lib.ts_pack_linear_f32.argtypes = [p, i64, i64, p, i32]
-    lib.ts_linear_f32.restype = i32
-    lib.ts_linear_f32.argtypes = [p, i64, i64, i64, p, i64, p, p, i64, i32]
+# ----------------------------------------------------------------------------- the boundary
+#
+# ctypes calls a C function with whatever it is told the function takes: an argument added,
+# dropped or retyped on one side only shifts the arguments after it, and a kernel writes through
+# the wrong pointer without a word. So the library exports a table of its functions' argument
+# kinds, generated from their C++ types (``ts_signatures``), and the loader compares it with the
+# prototypes below, refusing to load on any difference. Each call then goes through a
+# checked function (``_checked``), which takes tensors for the pointer arguments and checks each against its
+# kind (dtype, CPU, a contiguous last dimension) before passing its address, and the count.
+
+# The library's exports as this module calls them. A pointer kind takes a contiguous CPU tensor
+# of its dtype; "strided" before it, rows at any stride whose elements are contiguous (the row
+# stride is the next argument); "?" after it, None too (a null pointer). Keep in step with the
+# C++ (checked at load: the kinds, not these names or marks, which the C++ types cannot carry).
+PROTOTYPES: tuple[str, ...] = (
+    "i32 ts_max_vecs()",
+    "i32 ts_max_head_dim()",
+    "i32 ts_paged_attention_f32(strided const f32* q, i64 q_row_stride, const f32* k_cache, "
+    "const f32* v_cache, const i32* tables, i64 table_stride, const i32* seq_lens, "
+    "const i32* cu_q_lens, strided f32* out, i64 out_row_stride, i32 num_seqs, i32 hq, i32 hkv, "
+    "i32 head_dim, i32 block_size, i32 num_blocks, f32 scale, i32 row_tile, "
+    "i32 heads_per_item, i32 num_threads)",
+    "i32 ts_rms_norm_f32(strided f32* x, i64 x_stride, strided const f32*? delta, "
+    "i64 delta_stride, const f32* weight, strided f32* out, i64 out_stride, i64 rows, "
+    "i32 hidden, f32 eps, i32 num_threads)",
+    "i32 ts_silu_mul_f32(strided const f32* gate_up, i64 gu_stride, f32* out, i64 rows, "
+    "i32 inter, i32 num_threads)",
+    "i32 ts_rope_store_f32(strided f32* qkv, i64 qkv_stride, const f32* cos, const f32* sin, "
+    "const i64* slots, f32* k_cache, f32* v_cache, i64 num_slots, i64 rows, i32 hq, i32 hkv, "
+    "i32 head_dim, i32 num_threads)",
+    "i32 ts_pack_linear_f32(const f32* w, i64 n, i64 k, f32* packed, i32 num_threads)",
+    "i32 ts_linear_f32(strided const f32* x, i64 x_stride, i64 m, i64 k, const f32* packed, "
+    "i64 n, const f32*? bias, strided f32* y, i64 y_stride, i32 num_threads)",
+)
+
+# kind -> (the ctypes type of the argument, the dtype of the tensor a pointer kind takes)
+_KINDS: dict[str, tuple[type, torch.dtype | None]] = {
+    "i32": (ctypes.c_int32, None),
+    "i64": (ctypes.c_int64, None),
+    "f32": (ctypes.c_float, None),
+    "f32*": (ctypes.c_void_p, torch.float32),
+    "const f32*": (ctypes.c_void_p, torch.float32),
+    "const i32*": (ctypes.c_void_p, torch.int32),
+    "const i64*": (ctypes.c_void_p, torch.int64),
+}
+_PROTOTYPE = re.compile(r"(?P<ret>\w+) (?P<name>\w+)\((?P<args>[^()]*)\)")
+
+
+class NativeSignatureMismatch(RuntimeError):
+    """The built library's functions do not take what this module declares: a bug in the
+    repository (one side changed without the other), never a condition of the machine."""
+
+
+@dataclass(frozen=True, slots=True)
+class Prototype:
+    """One declared function: its name, its return kind, and its arguments' kinds and names."""
+
+    name: str
+    ret: str
+    kinds: tuple[str, ...]
+    names: tuple[str, ...]
+    nullable: tuple[bool, ...]
+    strided: tuple[bool, ...]
+
+    @classmethod
+    def parse(cls, text: str) -> Prototype:
+        m = _PROTOTYPE.fullmatch(" ".join(text.split()))
+        if m is None:
+            raise ValueError(f"not a prototype: {text!r}")
+        kinds, names, nullable, strided = [], [], [], []
+        for arg in filter(None, (a.strip() for a in m["args"].split(","))):
+            kind, _, name = arg.rpartition(" ")
+            strided.append(kind.startswith("strided "))
+            kinds.append(kind.removeprefix("strided ").removesuffix("?"))
+            names.append(name)
+            nullable.append(kind.endswith("?"))
+        for kind in (m["ret"], *kinds):
+            if kind not in _KINDS:
+                raise ValueError(f"{m['name']}: unknown kind {kind!r} (known: {sorted(_KINDS)})")
+        return cls(
+            m["name"], m["ret"], tuple(kinds), tuple(names), tuple(nullable), tuple(strided)
+        )
+
+    @property
+    def signature(self) -> str:
+        """The form the library's table uses: ``ret(kind, kind, ...)``."""
+        return f"{self.ret}({', '.join(self.kinds)})"
+
+
+def _refusal(p: Prototype, i: int, t: object) -> str:
+    layout = "rows of contiguous elements" if p.strided[i] else "contiguous"
+    want = f"a {_KINDS[p.kinds[i]][1]} CPU tensor, {layout}"
+    if p.nullable[i]:
+        want += ", or None"
+    got = (
+        f"{t.dtype} on {t.device}, shape {tuple(t.shape)}, strides {t.stride()}"
+        if isinstance(t, torch.Tensor)
+        else type(t).__name__
+    )
+    return f"{p.name}: argument {i} ({p.kinds[i]} {p.names[i]}) takes {want}; got {got}"
+
+
+def _checked(fn: Any, p: Prototype) -> Callable[..., int]:
+    """``fn`` (a ctypes function declared by ``p``) taking tensors for its pointer arguments:
+    each is checked against its kind before its address is passed, and the count must match
+    exactly (ctypes itself passes extra arguments on). A plain closure, not an object with
+    ``__call__``: this runs per layer per step, and that indirection alone costs half again."""
+    nargs = len(p.kinds)
+    # (position, dtype, may be None, rows may be strided) of each pointer argument
+    pointers = tuple(
+        (i, dtype, p.nullable[i], p.strided[i])
+        for i, kind in enumerate(p.kinds)
+        if (dtype := _KINDS[kind][1]) is not None
+    )
+
+    def call(*args: Any) -> int:
+        if len(args) != nargs:
+            raise NativeKernelError(f"{p.name} takes {nargs} arguments, got {len(args)}")
+        a = list(args)
+        i = -1
+        try:
+            for i, dtype, nullable, strided in pointers:
+                t = a[i]
+                if t is None:
+                    if nullable:
+                        continue
+                    raise AttributeError
+                if (
+                    t.dtype is not dtype
+                    or not t.is_cpu
+                    or not (t.is_contiguous() or (strided and 1 in (t.stride()[-1], t.shape[-1])))
+                ):
+                    raise AttributeError
+                a[i] = t.data_ptr()
+        except AttributeError:  # not a tensor, or not the kind: say which argument
+            raise NativeKernelError(_refusal(p, i, a[i])) from None
+        return int(fn(*a))
+
+    call.__name__ = call.__qualname__ = p.name
+    return call
+
+
+class NativeLib:
+    """The loaded library: every export a checked function attribute (``lib.ts_linear_f32``),
+    its declaration in ``prototypes``."""
+
+    def __init__(
+        self,
+        cdll: ctypes.CDLL,
+        functions: dict[str, Callable[..., int]],
+        prototypes: dict[str, Prototype],
+    ) -> None:
+        self.cdll = cdll
+        self.prototypes = prototypes
+        self.__dict__.update(functions)
+
+    def __getattr__(self, name: str) -> Callable[..., int]:  # reached only for unknown names
+        raise AttributeError(f"the native library declares no function {name}")
+
+
+def exported_signatures(lib: ctypes.CDLL) -> dict[str, str]:
+    """The library's own table of its exports: name -> ``ret(kind, ...)`` from the C++ types."""
+    try:
+        table = lib.ts_signatures
+    except AttributeError:
+        raise NativeSignatureMismatch(
+            f"{lib._name} exports no signature table (ts_signatures): not built from this "
+            f"version of {SOURCE.name}"
+        ) from None
+    table.restype = ctypes.c_char_p
+    table.argtypes = []
+    raw = table()
+    out = {}
+    for line in (raw or b"").decode().splitlines():
+        name, _, sig = line.partition(" ")
+        out[name] = sig
+    return out
+
+
+def _declare(lib: ctypes.CDLL, prototypes: Sequence[str] = PROTOTYPES) -> NativeLib:
+    """Check ``prototypes`` against the library's table and wrap each function; raises
+    ``NativeSignatureMismatch`` naming every function that differs, with both signatures."""
+    declared = {p.name: p for p in map(Prototype.parse, prototypes)}
+    exported = exported_signatures(lib)
+    problems = []
+    for name in sorted(declared.keys() | exported.keys()):
+        if name not in declared:
+            problems.append(f"{name}: the library exports {exported[name]}; not declared here")
+        elif name not in exported:
+            problems.append(
+                f"{name}: declared here as {declared[name].signature}; not in the library"
+            )
+        elif declared[name].signature != exported[name]:
+            problems.append(
+                f"{name}: declared here as {declared[name].signature}, "
+                f"but the library's is {exported[name]}"
+            )
+    if problems:
+        raise NativeSignatureMismatch(
+            f"{lib._name} does not match kernels/cpu_native.py's prototypes; refusing to load "
+            "it:\n  " + "\n  ".join(problems)
+        )
+    functions = {}
+    for name, proto in declared.items():
+        fn = getattr(lib, name)
+        fn.restype = _KINDS[proto.ret][0]
+        fn.argtypes = [_KINDS[k][0] for k in proto.kinds]
+        functions[name] = _checked(fn, proto)
+    return NativeLib(lib, functions, declared)
+
+
+def load_variant(
+    directory: Path, add: Sequence[str] = (), drop: Sequence[str] = ()
+) -> NativeLib:
+    """The source built with ``FLAGS`` less ``drop`` plus ``add`` (e.g. ``-march=x86-64`` for the
+    portable loops, ``-mno-avx512f`` for the AVX2 path of an AVX-512 CPU) into ``directory``,
+    loaded and checked like the process's own build; for tests and benchmarks of the paths other
+    CPUs take. Raises ``RuntimeError`` when there is no compiler or the build fails."""
+    cxx = _compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found ($CXX, g++ or c++)")
+    flags = [f for f in FLAGS if f not in drop] + list(add)
+    tag = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:12]
+    target = Path(directory) / f"cpu_kernels-variant-{tag}.so"
+    proc = subprocess.run(
+        [cxx, *flags, str(SOURCE), "-o", str(target)], capture_output=True, text=True, check=False
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"{cxx} failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
+    return _declare(ctypes.CDLL(str(target)))
 
 
 def available() -> bool:
@@ -318,7 +534,7 @@ def attention_plan(q: torch.Tensor, k_cache: torch.Tensor) -> AttentionPlan | No
     head counts and size within its limits), else None: then use the torch path."""
     if (
         not enabled
-        or q.device.type != "cpu"
+        or not q.is_cpu
         or q.dtype != torch.float32
         or k_cache.dtype != torch.float32
     ):
@@ -375,15 +591,15 @@ def paged_attention(
     if not tables.is_contiguous():
         tables = tables.contiguous()
     rc = lib.ts_paged_attention_f32(
-        q.data_ptr(),
+        q,
         q.stride(0),
-        k_cache.data_ptr(),
-        v_cache.data_ptr(),
-        tables.data_ptr(),
+        k_cache,
+        v_cache,
+        tables,
         tables.stride(0),
-        seq_lens.data_ptr(),
-        cu.data_ptr(),
-        out.data_ptr(),
+        seq_lens,
+        cu,
+        out,
         out.stride(0),
         num_seqs,
         hq,
@@ -405,10 +621,10 @@ def paged_attention(
 
 def fused_ok(x: torch.Tensor) -> bool:
     """Whether the fused row-wise ops take ``x``: fp32 on CPU, kernels built and enabled."""
-    return enabled and x.device.type == "cpu" and x.dtype == torch.float32 and available()
+    return enabled and x.is_cpu and x.dtype is torch.float32 and available()
 
 
-def _lib_or_raise() -> ctypes.CDLL:
+def _lib_or_raise() -> NativeLib:
     lib = _load()
     if lib is None:
         raise NativeKernelError(f"native CPU kernels unavailable: {_reason}")
@@ -416,7 +632,7 @@ def _lib_or_raise() -> ctypes.CDLL:
 
 
 def _check_rows(name: str, t: torch.Tensor, rows: int, width: int) -> None:
-    if t.dtype != torch.float32 or t.device.type != "cpu":
+    if t.dtype is not torch.float32 or not t.is_cpu:
         raise NativeKernelError(f"{name} must be fp32 on CPU, got {t.dtype} on {t.device}")
     if (
         t.dim() != 2
@@ -444,12 +660,12 @@ def rms_norm(
         raise NativeKernelError(f"weight must be fp32 [{hidden}], got {tuple(weight.shape)}")
     out = torch.empty((rows, hidden), dtype=torch.float32)
     rc = lib.ts_rms_norm_f32(
-        x.data_ptr(),
+        x,
         x.stride(0),
-        None if delta is None else delta.data_ptr(),
+        delta,
         0 if delta is None else delta.stride(0),
-        weight.data_ptr(),
-        out.data_ptr(),
+        weight,
+        out,
         out.stride(0),
         rows,
         hidden,
@@ -470,9 +686,9 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     _check_rows("gate_up", gate_up, rows, width)
     out = torch.empty((rows, width // 2), dtype=torch.float32)
     rc = lib.ts_silu_mul_f32(
-        gate_up.data_ptr(),
+        gate_up,
         gate_up.stride(0),
-        out.data_ptr(),
+        out,
         rows,
         width // 2,
         torch.get_num_threads(),
@@ -515,13 +731,13 @@ def rope_store(
             raise NativeKernelError(f"{name} must be a contiguous fp32 cache like k_cache")
     slots = slot_mapping.contiguous()
     rc = lib.ts_rope_store_f32(
-        qkv.data_ptr(),
+        qkv,
         qkv.stride(0),
-        cos.data_ptr(),
-        sin.data_ptr(),
-        slots.data_ptr(),
-        k_cache.data_ptr(),
-        v_cache.data_ptr(),
+        cos,
+        sin,
+        slots,
+        k_cache,
+        v_cache,
         nb * bs,
         t,
         q_heads,
@@ -559,7 +775,7 @@ def pack_linear(weight: torch.Tensor) -> torch.Tensor:
         raise NativeKernelError(f"pack_linear got an empty weight {tuple(weight.shape)}")
     w = weight.contiguous()
     packed = torch.empty(packed_shape(n, k), dtype=torch.float32)
-    rc = lib.ts_pack_linear_f32(w.data_ptr(), n, k, packed.data_ptr(), torch.get_num_threads())
+    rc = lib.ts_pack_linear_f32(w, n, k, packed, torch.get_num_threads())
     if rc != 0:
         raise NativeKernelError(f"pack_linear refused its arguments (code {rc})")
     return packed
@@ -580,37 +796,136 @@ def linear(
 ) -> torch.Tensor:
     """``x @ W.T (+ bias)`` for ``x`` ``[M, in]`` (fp32, CPU) and ``W`` packed by ``pack_linear``."""
     lib = _lib_or_raise()
-    if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu":
+    # Shapes here; dtypes, device and layout of every tensor at the boundary (``_checked``).
+    if x.dim() != 2 or x.dtype is not torch.float32 or not x.is_cpu:
         raise NativeKernelError(
             f"linear takes fp32 CPU x [M, in], got {x.dtype} {tuple(x.shape)} on {x.device}"
         )
     m, k = x.shape
-    if packed.dtype != torch.float32 or packed.shape != packed_shape(out_features, k):
+    if packed.shape != packed_shape(out_features, k):
         raise NativeKernelError(
             f"the packed weight {tuple(packed.shape)} is not [{out_features} outputs, {k} inputs] "
             f"(expected {packed_shape(out_features, k)})"
         )
-    if not packed.is_contiguous():
-        raise NativeKernelError("the packed weight must be contiguous")
-    if bias is not None and (
-        bias.shape != (out_features,) or bias.dtype != torch.float32 or not bias.is_contiguous()
-    ):
+    if bias is not None and bias.shape != (out_features,):
         raise NativeKernelError(f"bias must be fp32 [{out_features}], got {tuple(bias.shape)}")
     if (k > 1 and x.stride(1) != 1) or (m > 1 and x.stride(0) < k):
         x = x.contiguous()
     y = torch.empty((m, out_features), dtype=torch.float32)
     rc = lib.ts_linear_f32(
-        x.data_ptr(),
+        x,
         x.stride(0),
         m,
         k,
-        packed.data_ptr(),
+        packed,
         out_features,
-        None if bias is None else bias.data_ptr(),
-        y.data_ptr(),
+        bias,
+        y,
         out_features,
         torch.get_num_threads(),
     )
     if rc != 0:
         raise NativeKernelError(f"linear refused its arguments (code {rc})")
     return y
+
+
+
+# ----------------------------------------------------------------------------- native or library
+#
+# Which is faster, the native kernel or the library's GEMM (``F.linear``: MKL, or whatever BLAS
+# torch was built with), depends on the CPU and the row count: measured on SmolLM2-135M shapes,
+# the native kernel is faster up to 256 rows on an AVX-512 Xeon and within 3% of it at 512;
+# limited to AVX2, the library is 4-9% faster from 256 rows; on an AMD EPYC (AVX2) the native
+# kernel measured about 2x at 1-32 rows; and the portable loops of a CPU without AVX2 are far
+# slower than any BLAS. So the default mode decides per layer shape, at pack time, by timing
+# both on this CPU (``library_rows``); the deterministic mode never asks (native kernel only).
+
+ENV_LIBRARY_ROWS = "TIERSERVE_LINEAR_LIBRARY_ROWS"
+# Row counts timed; the library takes over from one of them, for it and every larger count.
+# Not fewer rows: timed on one weight, which sits in the cache, a product of a few rows measures
+# the call's overhead, while in a real step the weights stream from memory and both ways wait
+# on it (measured on SmolLM2-135M shapes, cached: the library up to 1.7x faster at 1 row on
+# 256-wide layers; streaming: the native kernel 1.0-1.7x faster at 1-16 rows).
+CALIBRATION_ROWS = (16, 64, 256)
+# How much faster the library must be: below this, keeping the [out, in] weight beside the
+# panels (memory) and giving up batch invariance is not worth it, and timing noise on a shared
+# machine would flip the choice from one start to the next.
+CLEAR_WIN = 1.15
+_CALIBRATION_MACS = 1 << 23  # multiply-adds per timed sample (repeats small products) ...
+_CALIBRATION_REPEATS = 32  # ... at most this many times (a tiny layer is all call overhead)
+_library_rows: dict[tuple[int, int, bool, int], int | None] = {}
+
+
+def library_rows(
+    weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
+) -> int | None:
+    """From how many rows the library GEMM (``F.linear`` on ``weight`` ``[out, in]``) is clearly
+    faster than the native kernel (on ``packed``, from ``pack_linear(weight)``) for this shape
+    on this CPU, or None if never. Timed once per shape, bias and thread count in a process (a
+    second for SmolLM2-135M's five shapes, most of it its output head);
+    ``TIERSERVE_LINEAR_LIBRARY_ROWS`` overrides it: ``never``, a row count, or ``auto`` (the
+    default)."""
+    setting = os.environ.get(ENV_LIBRARY_ROWS, "auto").strip().lower()
+    if setting == "never":
+        return None
+    if setting not in ("", "auto"):
+        try:
+            rows = int(setting)
+        except ValueError:
+            rows = 0
+        if rows < 1:
+            raise ValueError(
+                f"{ENV_LIBRARY_ROWS} must be auto, never or a row count >= 1, got {setting!r}"
+            )
+        return rows
+    n, k = weight.shape
+    key = (n, k, bias is not None, torch.get_num_threads())
+    if key not in _library_rows:
+        _library_rows[key] = _calibrate(weight, packed, bias)
+    return _library_rows[key]
+
+
+def threshold_from(ratios: Sequence[float]) -> int | None:
+    """The smallest of ``CALIBRATION_ROWS`` from which the library clearly wins (native time /
+    library time at least ``CLEAR_WIN``) at it and every larger count, or None."""
+    threshold = None
+    for rows, ratio in reversed(list(zip(CALIBRATION_ROWS, ratios, strict=True))):
+        if ratio < CLEAR_WIN:
+            break
+        threshold = rows
+    return threshold
+
+
+def _calibrate(weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> int | None:
+    n, k = weight.shape
+    gen = torch.Generator().manual_seed(0)
+    ratios = []
+    for rows in CALIBRATION_ROWS:
+        x = torch.randn(rows, k, generator=gen)
+        reps = max(1, min(_CALIBRATION_REPEATS, _CALIBRATION_MACS // (rows * n * k)))
+
+        def native(x: torch.Tensor = x) -> object:
+            return linear(x, packed, n, bias)
+
+        def library(x: torch.Tensor = x) -> object:
+            return F.linear(x, weight, bias)
+
+        times: dict[Callable[[], object], list[float]] = {native: [], library: []}
+        for r in range(5):  # alternating, the first round a warm-up
+            for fn in (native, library) if r % 2 else (library, native):
+                t = time.perf_counter()
+                for _ in range(reps):
+                    fn()
+                if r:
+                    times[fn].append(time.perf_counter() - t)
+        ratios.append(statistics.median(times[native]) / statistics.median(times[library]))
+    threshold = threshold_from(ratios)
+    log.info(
+        "linear %dx%d: native time / library time %s at %s rows: %s",
+        n,
+        k,
+        " ".join(f"{r:.2f}" for r in ratios),
+        ",".join(map(str, CALIBRATION_ROWS)),
+        "native kernel throughout" if threshold is None else f"library from {threshold} rows",
+    )
+    return threshold

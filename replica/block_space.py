@@ -1,4 +1,4 @@
-"""The scheduler's only view of KV memory: block ids, never bytes (seed 2.6)."""
+"""The scheduler's only view of KV memory: block ids, never bytes (docs/scheduler.md §6)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,10 @@
 """The Serve replica: one engine, its step loop in a background thread, a streaming ``generate``.
 
-The ingress calls ``generate(prompt_ids, sampling, priority=..., prompt_tokens=..., max_tokens=...,
-queue_share=...)`` through a streaming handle; the router reads the keyword arguments. The first
-item of the stream is either a token delta or one error record (``{"error": {...}}``) with the HTTP
-status the ingress should answer; every later item is a delta dict, the last one ``finished``.
-When the caller goes away, the stream is cancelled and the request is aborted, so its blocks
-return at once.
+The ingress calls ``generate(request)`` with one ``replica.api.GenerateRequest`` through a
+streaming handle (its router reads the same record). The stream yields either one
+``ErrorRecord`` (the HTTP status the ingress should answer) or ``RequestOutput`` deltas, the last
+of each sample ``finished``. When the caller goes away, the stream is cancelled and the request
+aborted, so its blocks return at once.
 """
 
 from __future__ import annotations
@@ -14,22 +13,25 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator
-from dataclasses import asdict
+from dataclasses import replace
 from typing import Any
 
 from ray import serve
 from ray.serve import Deployment
 
+from replica.api import (
+    EngineStats,
+    ErrorRecord,
+    GenerateRequest,
+    InvalidToken,
+    StreamItem,
+    share_of,
+)
 from replica.config import EngineConfig
 from replica.engine import Engine, EngineDead
-from replica.sampler import SamplingParams
-from replica.scheduler import AdmitError, QueueFull
+from replica.scheduler import AdmitError, EmptyPrompt, QueueFull
 
 log = logging.getLogger("tierserve.replica")
-
-
-def error_record(status: int, code: str, message: str, param: str | None = None) -> dict[str, Any]:
-    return {"error": {"status": status, "code": code, "message": message, "param": param}}
 
 
 def _cpu_share() -> int | None:
@@ -67,79 +69,58 @@ class LLMServer:
         self.started = time.time()
         log.info("replica ready: %s", self.engine.stats())
 
-    async def generate(
-        self,
-        prompt_ids: list[int],
-        sampling: dict[str, Any],
-        *,
-        priority: int = 0,
-        prompt_tokens: int | None = None,
-        max_tokens: int | None = None,
-        queue_share: float = 1.0,
-        tier: str = "",
-        n: int = 1,
-    ) -> AsyncIterator[dict[str, Any]]:
-        """Stream one request's deltas, of its ``n`` samples (see the module docstring for the
-        record shapes)."""
-        try:
-            params = SamplingParams(**sampling)
-        except (TypeError, ValueError) as e:
-            yield error_record(400, "invalid_sampling", str(e))
-            return
-        shed_at = max(1, int(queue_share * self.config.max_waiting))
-        if queue_share < 1.0 and self.engine.num_waiting() >= shed_at:
-            self.engine.count_rejection("shed", tier)
-            yield error_record(
-                429,
-                "shed",
-                f"the server is busy: this tier's share of the queue ({shed_at}) is full",
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[StreamItem]:
+        """Stream one request's deltas, of its ``n`` samples (see the module docstring)."""
+        if not isinstance(request, GenerateRequest):
+            yield ErrorRecord(
+                400, "invalid_request", f"expected a GenerateRequest, got {type(request).__name__}"
             )
             return
-        stream = self.engine.generate(prompt_ids, params, priority, tier, n=n)
+        tier_queue_limit = share_of(self.config.max_waiting, request.queue_share)
+        if request.queue_share < 1.0 and self.engine.num_waiting() >= tier_queue_limit:
+            self.engine.count_rejection("shed", request.tier)
+            yield ErrorRecord(
+                429,
+                "shed",
+                f"the server is busy: this tier's share of the queue ({tier_queue_limit}) is full",
+            )
+            return
+        stream = self.engine.generate(
+            list(request.prompt_ids), request.sampling, request.priority, request.tier, n=request.n
+        )
         try:
             async for out in stream:
-                yield asdict(out)
+                yield out
         except QueueFull as e:
-            yield error_record(429, e.reason, str(e))
+            yield ErrorRecord(429, e.reason, str(e))
         except AdmitError as e:
-            yield error_record(400, e.reason, str(e))
+            yield ErrorRecord(400, e.reason, str(e), "prompt" if isinstance(e, EmptyPrompt) else None)
+        except InvalidToken as e:
+            yield ErrorRecord(400, "invalid_token", str(e), e.param)
         except EngineDead as e:
-            yield error_record(503, "replica_unavailable", str(e))
+            yield ErrorRecord(503, "replica_unavailable", str(e))
         except ValueError as e:
-            yield error_record(400, "invalid_request", str(e))
+            yield ErrorRecord(400, "invalid_request", str(e))
         finally:
             await stream.aclose()
 
     def record_routing_stats(self) -> dict[str, Any]:
-        """What the router ranks replicas by (``router.stats.RoutingStats``)."""
+        """What the router ranks replicas by (``router.stats.RoutingStats``, as Serve wants it:
+        a dict)."""
         from router.stats import RoutingStats
 
-        s = self.stats()
-        return RoutingStats(
-            free_blocks=int(s["free_blocks"]),
-            total_blocks=int(s["total_blocks"]),
-            block_tokens=self.config.block_size,
-            waiting=int(s["waiting"]),
-            running=int(s["running"]),
-            preemptions=int(s["num_preemptions"]),
-            waiting_blocks=int(s["waiting_blocks"]),
-            committed_blocks=int(s["committed_blocks"]),
-            report_time=time.time(),
-            alive=int(self.engine.alive),
-            steps=int(s["steps"]),
-            rss_bytes=int(s["rss_bytes"]),
-        ).to_dict()
+        return RoutingStats.from_engine(self.stats(), time.time(), self.engine.alive).to_dict()
 
     def check_health(self) -> None:
         """Serve calls this periodically; raising marks the replica unhealthy (it is replaced)."""
         if not self.engine.alive:
             raise RuntimeError(f"the engine's step loop is not running: {self.engine.error!r}")
 
-    def stats(self) -> dict[str, int | float]:
+    def stats(self) -> EngineStats:
         """The engine's stats and this process's resident memory (``rss_bytes``)."""
         from replica.metrics import resident_bytes
 
-        return self.engine.stats() | {"rss_bytes": resident_bytes()}
+        return replace(self.engine.stats(), rss_bytes=resident_bytes())
 
     def inject_fault(self, message: str = "injected fault") -> str:
         """Make the next forward pass raise, as a broken GPU or kernel would (for fault tests).
@@ -160,15 +141,6 @@ class LLMServer:
             return str(ray.get_runtime_context().get_actor_name())
         except Exception:
             return ""
-
-    def info(self) -> dict[str, Any]:
-        """What the ingress needs about the model (served limits)."""
-        return {
-            "max_model_len": self.engine.max_model_len,
-            "vocab_size": self.engine.vocab_size,
-            "block_size": self.config.block_size,
-            "total_blocks": int(self.engine.stats()["total_blocks"]),
-        }
 
     def __del__(self) -> None:
         engine = getattr(self, "engine", None)

@@ -14,12 +14,13 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
 
+from replica.api import EngineStats, InvalidToken, RequestOutput
 from replica.block_space import RequestId
 from replica.config import EngineConfig
 from replica.detokenizer import IncrementalDetokenizer
@@ -36,30 +37,6 @@ from replica.scheduler import (
 )
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    """One delta of a request: the text and token ids made since the last delta.
-
-    ``finished`` marks the last delta; then ``finish_reason`` is ``"stop"``, ``"length"``,
-    ``"abort"`` or ``"error"`` (with ``error`` saying what went wrong). ``index``: which of the
-    ``n`` samples of one prompt this is (``Engine.generate``). ``logprobs``: one per token of
-    ``token_ids`` when the request asked for them; ``prompt_logprobs``: with the request's first
-    delta, one per prompt token (None for the first, which has no context).
-    """
-
-    request_id: RequestId
-    text: str
-    token_ids: list[int]
-    finished: bool = False
-    finish_reason: str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    error: str | None = None
-    index: int = 0
-    logprobs: list[TokenLogprob] | None = None
-    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,7 +138,6 @@ class Engine:
         self.vocab_size = parts.model_config.vocab_size
         self.eos_ids = frozenset(parts.model_config.eos_token_ids)
         self.times = StepTimes()
-        self._refused: dict[str, int] = {}  # refusals decided outside the scheduler (e.g. shed)
         self._live: dict[RequestId, _Live] = {}
         self._lock = threading.RLock()
         self._wake = threading.Condition(self._lock)
@@ -174,21 +150,34 @@ class Engine:
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=True))
 
-    def validate(self, prompt_ids: Sequence[int], max_tokens: int, priority: int = 0) -> None:
-        # (max_tokens 0 runs the prompt and one sampled position: see _Live.discard)
-        max_tokens = max(max_tokens, 1)
-        """Raise the error ``add_request`` would raise for this prompt (a full queue aside)."""
-        bad = next(
-            (t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size), None
-        )
-        if bad is not None:
-            raise ValueError(
-                f"token id {bad!r} is out of range for this model's vocab ({self.vocab_size})"
-            )
+    def validate(
+        self,
+        prompt_ids: Sequence[int],
+        max_tokens: int,
+        priority: int = 0,
+        params: SamplingParams | None = None,
+    ) -> None:
+        """Raise the error ``add_request`` would raise for this prompt (a full queue aside):
+        ``InvalidToken`` for an id outside the vocabulary (this engine owns the check: it knows
+        its model), ``AdmitError`` for what the scheduler can never run."""
+        self._check_ids("prompt", prompt_ids)
+        if params is not None:
+            self._check_ids("stop_token_ids", params.stop_token_ids or ())
+            self._check_ids("logit_bias", params.logit_bias or ())
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
+        # max_tokens 0 runs the prompt and one sampled position (see _Live.discard).
         with self._lock:
-            self.scheduler.check(Request(list(prompt_ids), max_tokens, priority))
+            self.scheduler.check(Request(list(prompt_ids), max(max_tokens, 1), priority))
+
+    def _check_ids(self, field: str, ids: Iterable[int]) -> None:
+        bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidToken(
+                f"{field}: token id {bad!r} is out of range for this model's vocab "
+                f"({self.vocab_size})",
+                field,
+            )
 
     def add_request(
         self,
@@ -210,7 +199,7 @@ class Engine:
         params.validate()
         ids = list(prompt_ids)
         try:
-            self.validate(ids, params.max_tokens, priority)
+            self.validate(ids, params.max_tokens, priority, params)
             return self._add(ids, params, priority, sink, tier, stream_text, index)
         except AdmitError as e:  # empty, too_long, never_fits, queue_full
             if self.observer is not None:
@@ -264,19 +253,9 @@ class Engine:
         return found
 
     def count_rejection(self, reason: str, tier: str = "") -> None:
-        """Count a request refused before it reached the scheduler (e.g. ``shed``)."""
-        with self._lock:
-            self._refused[reason] = self._refused.get(reason, 0) + 1
+        """Report a request refused before it reached the scheduler (e.g. ``shed``)."""
         if self.observer is not None:
             self.observer.rejected(reason, tier)
-
-    def rejections(self) -> dict[str, int]:
-        """Refused requests by reason: the scheduler's and the engine's own."""
-        with self._lock:
-            out = dict(self.scheduler.stats().rejected)
-            for k, v in self._refused.items():
-                out[k] = out.get(k, 0) + v
-        return out
 
     def has_unfinished(self) -> bool:
         with self._lock:
@@ -287,22 +266,23 @@ class Engine:
         with self._lock:
             return self.scheduler.num_waiting
 
-    def stats(self) -> dict[str, int | float]:
+    def stats(self) -> EngineStats:
         with self._lock:
             s = self.scheduler.stats()
             waiting_blocks = self.scheduler.waiting_blocks() if s.waiting else 0
             committed = self.scheduler.committed_blocks() if s.waiting or s.running else 0
-        return {
-            "waiting_blocks": waiting_blocks,
-            "committed_blocks": committed,
-            "running": s.running,
-            "waiting": s.waiting,
-            "free_blocks": s.free_blocks,
-            "total_blocks": s.total_blocks,
-            "num_preemptions": s.preemptions,
-            "steps": s.step,
-            "overhead": self.times.overhead,
-        }
+        return EngineStats(
+            running=s.running,
+            waiting=s.waiting,
+            free_blocks=s.free_blocks,
+            total_blocks=s.total_blocks,
+            block_tokens=self.scheduler.blocks.block_tokens,
+            waiting_blocks=waiting_blocks,
+            committed_blocks=committed,
+            preemptions=s.preemptions,
+            steps=s.step,
+            overhead=self.times.overhead,
+        )
 
     # ------------------------------------------------------------------ the step
 
@@ -447,7 +427,7 @@ class Engine:
             finish_reason=reason,
             prompt_tokens=live.prompt_len,
             completion_tokens=live.generated,
-            error=error,
+            failure=error,
             index=live.index,
         )
 
@@ -551,4 +531,4 @@ class Engine:
                 self.abort(rid)
 
 
-__all__ = ["Engine", "EngineDead", "FinishReason", "RequestOutput", "StepTimes"]
+__all__ = ["Engine", "EngineDead", "EngineStats", "FinishReason", "RequestOutput", "StepTimes"]

@@ -1,7 +1,7 @@
 """The paged KV pool: per-layer K and V tensors addressed by block id and offset.
 
 One block holds ``block_tokens`` positions of K and V for every layer and KV head:
-``2 * layers * kv_heads * block_tokens * head_dim * dtype_bytes`` bytes (seed 2.3). The number of
+``2 * layers * kv_heads * block_tokens * head_dim * dtype_bytes`` bytes (docs/scheduler.md §3). The number of
 blocks comes from ``num_kv_blocks`` outright, from a byte budget (CPU), or from a fraction of the
 GPU's memory minus what the weights and a profiled forward already hold (like vLLM's
 ``gpu_memory_utilization``). The pool builds the scheduler's ``FreeListBlocks`` over exactly its

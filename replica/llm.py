@@ -8,10 +8,10 @@ from typing import Any, cast
 
 from tqdm.auto import tqdm
 
+from replica.api import EngineStats, RequestOutput, SamplingParams
 from replica.config import EngineConfig
-from replica.engine import Engine, RequestOutput
+from replica.engine import Engine
 from replica.models.catalog import DEFAULT_MODEL
-from replica.sampler import SamplingParams
 from replica.scheduler import AdmitError, QueueFull
 
 Prompt = str | Sequence[int]
@@ -125,6 +125,6 @@ class LLM:
             f"prompt {i} must be a string or a list of token ids, got {type(p).__name__}"
         )
 
-    def stats(self) -> dict[str, int | float]:
-        """``free_blocks``, ``total_blocks``, ``num_preemptions``, ``running``, ``waiting``, ..."""
+    def stats(self) -> EngineStats:
+        """The engine's blocks, requests, preemptions and steps (``replica.api.EngineStats``)."""
         return self.engine.stats()

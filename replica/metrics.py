@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # importing the engine pulls in torch; the metrics module must stay light
+    from replica.api import EngineStats
     from replica.engine import RequestTimes
 
 GAUGE_PERIOD_S = 1.0
@@ -59,8 +60,8 @@ HISTOGRAMS: dict[str, tuple[str, list[float], tuple[str, ...]]] = {
 
 REJECTION_REASONS = ("queue_full", "empty", "too_long", "never_fits", "shed")
 FINISH_REASONS = ("stop", "length", "abort", "error")
-# What the ingress itself refuses (the rest is refused by the replicas).
-INGRESS_REJECTIONS = ("empty", "shed", "queue_full")
+# What the ingress itself refuses, at its in-flight bound (the rest is refused by the replicas).
+INGRESS_REJECTIONS = ("shed", "queue_full")
 NO_TIER = "none"  # the tier label of a request that came without one (direct handle calls)
 
 
@@ -160,7 +161,7 @@ class ReplicaMetrics:
         self.counters["tierserve_rejections"].inc(1, tags={"reason": reason, "tier": tier or NO_TIER})
 
     # gauges
-    def start(self, read: Callable[[], dict[str, int | float]]) -> None:
+    def start(self, read: Callable[[], EngineStats]) -> None:
         """Refresh the gauges from ``read()`` (the engine's stats) every ``GAUGE_PERIOD_S``."""
 
         def loop() -> None:
@@ -171,14 +172,14 @@ class ReplicaMetrics:
         self._thread = threading.Thread(target=loop, name="tierserve-metrics", daemon=True)
         self._thread.start()
 
-    def refresh(self, s: dict[str, int | float]) -> None:
+    def refresh(self, s: EngineStats) -> None:
         g = self.gauges
-        g["tierserve_requests_running"].set(s["running"])
-        g["tierserve_requests_waiting"].set(s["waiting"])
-        g["tierserve_kv_blocks_free"].set(s["free_blocks"])
-        g["tierserve_kv_blocks_total"].set(s["total_blocks"])
-        if "rss_bytes" in s:
-            g["tierserve_replica_resident_memory_bytes"].set(s["rss_bytes"])
+        g["tierserve_requests_running"].set(s.running)
+        g["tierserve_requests_waiting"].set(s.waiting)
+        g["tierserve_kv_blocks_free"].set(s.free_blocks)
+        g["tierserve_kv_blocks_total"].set(s.total_blocks)
+        if s.rss_bytes:
+            g["tierserve_replica_resident_memory_bytes"].set(s.rss_bytes)
 
     def stop(self) -> None:
         self._stop.set()

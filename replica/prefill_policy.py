@@ -1,4 +1,4 @@
-"""How a prompt is cut into per-step chunks: the scheduler's second seam (seed 2.6)."""
+"""How a prompt is cut into per-step chunks: the scheduler's second seam (docs/scheduler.md §6)."""
 
 from __future__ import annotations
 

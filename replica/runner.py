@@ -142,9 +142,3 @@ class ModelRunner:
         if not batch.prompt_rows:
             return RunnerOutput(batch.sampled, logits)
         return RunnerOutput(batch.sampled, logits[:n], logits[n:])
-
-    def execute(self, plan: ScheduleOutput, scheduler: Scheduler) -> RunnerOutput:
-        """Build the batch of ``plan`` and run it; an empty plan gives no rows."""
-        if plan.is_empty:
-            return RunnerOutput([], torch.empty(0))
-        return self.forward(self.build_batch(plan, scheduler))

@@ -1,4 +1,4 @@
-"""The continuous-batching scheduler of seed sections 2 to 4, in Python.
+"""The continuous-batching scheduler (its specification: docs/scheduler.md).
 
 Every step ``schedule()`` re-forms the batch in three phases: (1) running decodes, highest rank
 first, each growing its block table by ``append_slot`` and preempting the lowest-ranked running
@@ -8,7 +8,7 @@ nothing, stopping at the first request that does not fit. ``on_step`` then advan
 positions, appends the sampled tokens and finishes requests.
 
 Rank: higher priority runs first. Under ``SchedPolicy.PRIORITY`` the waiting queue is a heap on the
-fixed key ``priority * aging_steps - arrival`` (seed 2.4; ``aging_steps == 0`` means strict
+fixed key ``priority * aging_steps - arrival`` (docs/scheduler.md §4; ``aging_steps == 0`` means strict
 priority without aging), equal keys by arrival; under ``FCFS`` by arrival only. Running requests
 are ranked by the same key; the victim of a preemption is the lowest-ranked, the newest among
 equals. Note: vLLM's ``priority`` runs lower values first; ours runs higher values first.
@@ -325,7 +325,7 @@ class Scheduler:
     # ------------------------------------------------------------------ the step
 
     def schedule(self) -> ScheduleOutput:
-        """Plan one step: decodes, prefills in progress, admissions (seed 2.2)."""
+        """Plan one step: decodes, prefills in progress, admissions (docs/scheduler.md §2)."""
         cfg = self.cfg
         blocks = self._blocks
         out = ScheduleOutput()
@@ -405,7 +405,7 @@ class Scheduler:
                     return False
 
     def _preempt(self, victim: _Seq, out: ScheduleOutput) -> None:
-        """Preemption by recompute (seed 2.5): free the blocks now, requeue with the same rank."""
+        """Preemption by recompute (docs/scheduler.md §5): free the blocks now, requeue with the same rank."""
         self._running.remove(victim)
         self._blocks.release(victim.id, victim.tokens[: victim.computed])
         victim.computed = 0

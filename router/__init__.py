@@ -23,26 +23,28 @@ The replica's side (``router.stats``)
     ``async def record_routing_stats(self) -> dict`` returns ``RoutingStats(...).to_dict()``:
     ``free_blocks``, ``total_blocks``, ``block_tokens``, ``waiting``, ``running``,
     ``preemptions``, ``report_time`` (``time.time()`` when the snapshot was taken) and
-    ``waiting_blocks`` (what the waiting queue needs at admission; 0 if unknown). Requests that
+    ``waiting_blocks`` (what the waiting queue needs at admission; 0 if unknown), built from the
+    engine's ``EngineStats`` by ``RoutingStats.from_engine``. Requests that
     were waiting at the replica are not in ``free_blocks``: without ``waiting_blocks`` the router
     overestimates a replica with a queue.
 
-The kwargs contract (ingress -> engine ``generate``)
-    ``generate(prompt_ids, sampling, priority=<int>, prompt_tokens=<int>, max_tokens=<int>)``,
-    all three keyword arguments, not positional: the router reads them from
-    ``pending_request.kwargs``. ``prompt_tokens`` is ``len(prompt_ids)``; ``max_tokens`` the
-    request's generation limit (the same as in ``sampling``); ``priority`` the resolved tier
-    priority, higher first. The engine's ``generate`` must accept them. A request is charged
-    ``ceil((prompt_tokens + 1) / block_tokens)`` blocks (its prompt and first token). Missing
-    values never fail routing: ``prompt_tokens`` falls back to ``len(prompt_ids)``.
+The request (ingress -> engine ``generate``)
+    ``generate(request)`` with one ``replica.api.GenerateRequest``: the router reads its size
+    (``prompt_tokens`` and ``max_new_tokens``, all ``n`` samples) and whether to route it for its
+    first token (``latency``, set by the ingress for the top tier) through
+    ``RequestShape.from_request``. A request is charged ``ceil((prompt_tokens + 1) /
+    block_tokens)`` blocks (its prompt and first token). Simulated replicas may send loose
+    ``priority``/``prompt_tokens``/``max_tokens`` keyword arguments instead; anything else never
+    fails routing (it is ranked as an empty request).
 
 Saturation and priority
     A replica is saturated for a request when its estimated free blocks cannot hold it and its
     estimated queue (reported waiting plus requests sent since) is at least
     ``saturation_waiting``. Saturated replicas rank after the others. Any code in the router's
-    process can ask ``router.registry.saturated(app, deployment, prompt_tokens)`` (any thread)
-    whether every replica is saturated; the ingress does not shed by it (it ignored the tiers'
-    queue shares), it bounds its requests in flight per tier instead. The router does not reorder or hold requests
+    process can find the router with ``router.registry.routers(app, deployment)`` and ask its
+    ``saturated(RequestShape(prompt_tokens))`` (any thread) whether every replica is saturated; the ingress does not shed by it (it ignored the tiers'
+    queue shares), it bounds its requests in flight per tier instead. The router does not reorder
+    or hold requests
     by ``priority``: it passes it on, and the replica's scheduler runs higher priorities first.
     (Holding a low-priority request in the router does not work with Serve 2.60: the FIFO
     hand-off gives the next free replica to the oldest pending request, held or not.)

@@ -18,10 +18,11 @@ unless ``RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0``):
 Between ``choose_replicas`` and ``on_request_routed`` lies a round trip to the replica, and a
 burst is routed concurrently in that window. So ``choose_replicas`` charges the request at once,
 tentatively, to the replica it ranked first; ``on_request_routed`` moves the charge to the
-replica that really took it. ``internal_request_id`` is not unique per call: a handle call made
-while serving a request inherits that request's id. Charges are therefore kept as a list per
-(replica, id), and the router mixes in ``FIFOMixin``: with Serve's default exact-id matching,
-concurrent calls that share an id never get a replica (they hang).
+replica that really took it (the charges live in ``router.ledger.InFlightLedger``).
+``internal_request_id`` is not unique per call: a handle call made while serving a request
+inherits that request's id. Charges are therefore kept as a list per (replica, id), and the
+router mixes in ``FIFOMixin``: with Serve's default exact-id matching, concurrent calls that
+share an id never get a replica (they hang).
 
 Serve pickles this module by value (see ``router.registry``): keep process-wide state out of it.
 """
@@ -32,7 +33,7 @@ import logging
 import random
 import threading
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 from ray.serve.request_router import (
@@ -45,11 +46,10 @@ from ray.serve.request_router import (
 )
 
 from router import registry
+from router.ledger import InFlightLedger
 from router.policy import (
     LATENCY_PRIORITY,
-    Charge,
     Ranked,
-    ReplicaLoad,
     RequestShape,
     all_saturated,
     charge_blocks,
@@ -98,37 +98,6 @@ class RouterSettings:
         return settings
 
 
-@dataclass(slots=True)
-class _Tentative:
-    request: PendingRequest  # held so that id(request) stays unique while the entry lives
-    replica_id: ReplicaID
-    internal_request_id: str
-    charge: Charge
-
-
-@dataclass(slots=True)
-class _Ledger:
-    """This router's outstanding charges."""
-
-    # replica -> internal request id -> charges (usually one), oldest first
-    confirmed: dict[ReplicaID, dict[str, list[Charge]]] = field(default_factory=dict)
-    # id(PendingRequest) -> its charge while it is being routed
-    tentative: dict[int, _Tentative] = field(default_factory=dict)
-
-    def charges(self, replica_id: ReplicaID, skip: int | None = None) -> list[Charge]:
-        out = [c for lst in self.confirmed.get(replica_id, {}).values() for c in lst]
-        out.extend(
-            t.charge for k, t in self.tentative.items() if t.replica_id == replica_id and k != skip
-        )
-        return out
-
-    def forget_replicas(self, keep: set[ReplicaID]) -> None:
-        for rid in [r for r in self.confirmed if r not in keep]:
-            del self.confirmed[rid]
-        for key in [k for k, t in self.tentative.items() if t.replica_id not in keep]:
-            del self.tentative[key]
-
-
 class FreeKVBlocksRouter(FIFOMixin, RequestRouter):
     """Ranks replicas by their KV pools (``router.policy``): latency-tier requests to the replica
     that can start them soonest, the others where their whole length fits with the least load."""
@@ -137,7 +106,7 @@ class FreeKVBlocksRouter(FIFOMixin, RequestRouter):
         super().__init__(*args, **kwargs)
         # Guards our state and Serve's replica set against readers on other threads (saturated()).
         self._lock = threading.RLock()
-        self._ledger = _Ledger()
+        self._ledger: InFlightLedger[ReplicaID] = InFlightLedger()
         self._bad_reports: set[ReplicaID] = set()
         self._configure(RouterSettings())
         registry.register(self)
@@ -166,10 +135,7 @@ class FreeKVBlocksRouter(FIFOMixin, RequestRouter):
     ) -> list[Ranked[ReplicaID]]:
         """The policy's ranking of ``candidates`` given this router's outstanding charges."""
         with self._lock:
-            loads = [
-                ReplicaLoad(r.replica_id, self._stats(r), self._ledger.charges(r.replica_id, skip))
-                for r in candidates
-            ]
+            loads = self._ledger.loads(((r.replica_id, self._stats(r)) for r in candidates), skip)
             return rank_replicas(
                 loads,
                 request,
@@ -197,20 +163,17 @@ class FreeKVBlocksRouter(FIFOMixin, RequestRouter):
             self._expire_tentative(now)
             ranked = self.rank(candidate_replicas, request, skip=key)
             if ranked:
-                best = ranked[0]
-                self._ledger.tentative[key] = _Tentative(
-                    pending_request,
-                    best.key,
+                self._ledger.charge_tentatively(
+                    key,
+                    ranked[0],
                     pending_request.metadata.internal_request_id,
-                    Charge(best.need, now, best.full),
+                    now,
+                    holder=pending_request,
                 )
         return [[by_id[r.key]] for r in ranked]
 
     def _expire_tentative(self, now: float) -> None:
-        ttl = self.settings.tentative_ttl_s
-        tentative = self._ledger.tentative
-        for key in [k for k, t in tentative.items() if now - t.charge.routed_at > ttl]:
-            del tentative[key]
+        self._ledger.expire(now, self.settings.tentative_ttl_s)
 
     def saturated(self, request: RequestShape) -> bool:
         """True when every replica that could ever hold ``request`` is saturated (any thread)."""
@@ -220,7 +183,7 @@ class FreeKVBlocksRouter(FIFOMixin, RequestRouter):
     def outstanding(self) -> dict[ReplicaID, int]:
         """Blocks charged per replica, confirmed and tentative (for tests and tools)."""
         with self._lock:
-            return {r: sum(c.blocks for c in self._ledger.charges(r)) for r in self._replicas}
+            return {r: self._ledger.outstanding_blocks(r) for r in self._replicas}
 
     # ------------------------------------------------------------------ lifecycle hooks
 
@@ -230,38 +193,34 @@ class FreeKVBlocksRouter(FIFOMixin, RequestRouter):
         replica_id: ReplicaID,
         result: ReplicaResult,
     ) -> None:
+        key = id(pending_request)
         with self._lock:
-            t = self._ledger.tentative.pop(id(pending_request), None)
             replica = self._replicas.get(replica_id)
             if replica is None:
+                self._ledger.drop_tentative(key)
                 return  # removed meanwhile: nothing to track
-            if t is not None and t.request is pending_request and t.replica_id == replica_id:
-                blocks, full = t.charge.blocks, t.charge.full
-            else:
+
+            def recharge() -> tuple[int, int]:
                 stats = self._stats(replica)
                 bt = stats.block_tokens if stats else self.settings.default_block_tokens
                 shape = RequestShape.from_call(pending_request.args, pending_request.kwargs)
-                blocks = charge_blocks(shape.prompt_tokens, bt)
-                full = full_blocks(shape.prompt_tokens, shape.max_tokens, bt)
-            rid = pending_request.metadata.internal_request_id
-            per_id = self._ledger.confirmed.setdefault(replica_id, {})
-            per_id.setdefault(rid, []).append(Charge(blocks, time.time(), full))
+                return (
+                    charge_blocks(shape.prompt_tokens, bt),
+                    full_blocks(shape.prompt_tokens, shape.max_tokens, bt),
+                )
+
+            self._ledger.confirm(
+                key,
+                replica_id,
+                pending_request.metadata.internal_request_id,
+                time.time(),
+                recharge,
+                holder=pending_request,
+            )
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         with self._lock:
-            per_id = self._ledger.confirmed.get(replica_id)
-            charges = per_id.get(internal_request_id) if per_id else None
-            if per_id is not None and charges:
-                charges.pop(0)
-                if not charges:
-                    del per_id[internal_request_id]
-                return
-            # A send the replica rejected (or one never confirmed): drop its tentative charge.
-            tentative = self._ledger.tentative
-            for key, t in tentative.items():
-                if t.replica_id == replica_id and t.internal_request_id == internal_request_id:
-                    del tentative[key]
-                    break
+            self._ledger.complete(replica_id, internal_request_id)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         with self._lock:

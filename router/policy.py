@@ -5,9 +5,11 @@ sent it after that moment are not in the snapshot, so they are added to it ("uns
 requests sent before it are already counted by the replica (running ones in ``free_blocks`` and
 ``committed_blocks``, waiting ones in ``waiting_blocks``) and are not counted twice.
 
-Two rankings, by the request's priority:
+Two rankings, by the request's kind:
 
-- Latency (``priority >= latency_priority``, the interactive tier by default): the replica where
+- Latency (``RequestShape.latency``: the ingress marks the top tier's requests, its priority
+  reaching that tier's base priority; for a caller that does not say,
+  ``priority >= latency_priority``): the replica where
   the first token comes soonest. First those whose free blocks (less what was sent since the
   report) hold the prompt now; then the least prefill work queued ahead (the waiting queue's
   blocks plus the unseen charges: a long prompt admitted in the same step delays everyone's
@@ -33,6 +35,7 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+from replica.api import GenerateRequest
 from router.stats import RoutingStats
 
 K = TypeVar("K", bound=Hashable)
@@ -63,19 +66,37 @@ def _int_or(value: Any, default: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class RequestShape:
-    """What the router knows about one request, from the handle call's arguments."""
+    """What the router knows about one request, from the handle call's arguments.
+
+    ``latency``: route it for its first token; None (a caller that does not say, e.g. a
+    simulation) means ``priority >= latency_priority``."""
 
     prompt_tokens: int
     max_tokens: int = 0
     priority: int = 0
+    latency: bool | None = None
+
+    @classmethod
+    def from_request(cls, request: GenerateRequest) -> RequestShape:
+        """The shape of the ingress's typed request (all its ``n`` samples)."""
+        return cls(
+            prompt_tokens=request.prompt_tokens,
+            max_tokens=request.max_new_tokens,
+            priority=request.priority,
+            latency=request.latency,
+        )
 
     @classmethod
     def from_call(cls, args: Sequence[Any], kwargs: Mapping[Any, Any]) -> RequestShape:
-        """Read ``priority``, ``prompt_tokens`` and ``max_tokens`` from the kwargs.
+        """The shape of a handle call: its ``GenerateRequest`` (the first argument), or, for
+        callers that send loose values (simulated replicas), ``priority``, ``prompt_tokens``
+        and ``max_tokens`` keyword arguments.
 
         Missing or ill-typed values never fail routing (the replica validates its input):
         ``prompt_tokens`` falls back to ``len(args[0])`` (the prompt ids), the others to 0.
         """
+        if args and isinstance(args[0], GenerateRequest):
+            return cls.from_request(args[0])
         prompt = _int_or(kwargs.get(PROMPT_TOKENS), -1)
         if prompt < 0:
             first = args[0] if args else None
@@ -138,14 +159,6 @@ def charged_since_report(stats: RoutingStats | None, charges: Sequence[Charge]) 
     return [c for c in charges if c.routed_at >= stats.report_time]
 
 
-def estimate_free(stats: RoutingStats | None, charges: Sequence[Charge], assumed_total: int) -> int:
-    """Reported free blocks, less the waiting queue's needs, less what was sent since."""
-    unseen = sum(c.blocks for c in charged_since_report(stats, charges))
-    if stats is None:
-        return assumed_total - unseen
-    return stats.free_blocks - stats.waiting_blocks - unseen
-
-
 def rank_replicas(
     loads: Sequence[ReplicaLoad[K]],
     request: RequestShape,
@@ -166,7 +179,9 @@ def rank_replicas(
     reported = [load.stats for load in loads if load.stats is not None]
     assumed_total = max((s.total_blocks for s in reported), default=0)
     fallback_block_tokens = reported[0].block_tokens if reported else default_block_tokens
-    latency = request.priority >= latency_priority
+    latency = request.latency if request.latency is not None else (
+        request.priority >= latency_priority
+    )
 
     ranked: list[tuple[tuple[Any, ...], Ranked[K]]] = []
     for load in loads:

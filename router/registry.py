@@ -1,4 +1,5 @@
-"""The routers alive in this process, so that the ingress can ask them about saturation.
+"""The routers alive in this process, so that code in it (the ingress, tests, tools) can ask
+them what they see: saturation, the blocks they have charged each replica.
 
 Serve pickles the router's module by value (``RequestRouterConfig`` registers it with
 ``cloudpickle.register_pickle_by_value``): the handle owner runs a copy of
@@ -37,14 +38,3 @@ def routers(app_name: str, deployment_name: str) -> list[RouterView]:
     """The live routers of this process for one deployment (usually one per handle)."""
     with _lock:
         return [r for r in _routers if r.serves(app_name, deployment_name)]
-
-
-def saturated(app_name: str, deployment_name: str, prompt_tokens: int, max_tokens: int = 0) -> bool:
-    """Whether a router of this process sees every replica of the deployment saturated.
-
-    For the ingress, whose handle's router lives in its process: shed the lowest tier when this
-    is True. False while no router for the deployment exists (before the first call). Each
-    router knows only its own in-flight requests, so the most loaded view decides. Any thread.
-    """
-    request = RequestShape(prompt_tokens=prompt_tokens, max_tokens=max_tokens)
-    return any(r.saturated(request) for r in routers(app_name, deployment_name))

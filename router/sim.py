@@ -1,9 +1,14 @@
-"""A simulated replica for router tests and benchmarks: block accounting and a step-time model.
+"""A simulated replica for router tests and benchmarks: the real scheduler, a step-time model.
 
-``SimCore`` is the engine without a model (Ray-free): a KV pool counted in blocks, admission by
-free blocks, a waiting queue ordered by priority then arrival, decodes that grow by a block when
-they need one and preempt (by recompute) the lowest-ranked running request when the pool is out,
-and one token per running request per step. A step of ``t`` tokens takes ``base_s + per_token_s * t``.
+``SimCore`` is a replica's engine without a model (Ray-free): the replica's own
+``replica.scheduler.Scheduler`` over a ``replica.block_space.FreeListBlocks`` pool, configured by
+an ``replica.config.EngineConfig`` as a real replica is (``num_kv_blocks``, ``block_size``,
+``max_num_seqs``, ``max_num_batched_tokens``, ``max_waiting``, ``scheduling_policy``,
+``aging_steps``, ``prefill_chunk_tokens``, ``max_model_len``). So admission by free blocks,
+priority with aging, chunked prefill, preemption by recompute and the refusals
+(``replica.scheduler.AdmitError``) are the ones the replicas run. In place of the forward pass a
+step of ``t`` tokens takes ``base_s + per_token_s * t`` (``StepModel``); every sampled row gets
+the same token, and a request ends at its ``max_tokens``.
 
 ``SimEngine`` is the Serve deployment around it, with the same ``generate`` and
 ``record_routing_stats`` as the real replica. ``pool_blocks`` may be a list: replica ``rank``
@@ -15,7 +20,6 @@ also carries ``rejections`` (requests ``SimCore.add`` refused; the router ignore
 from __future__ import annotations
 
 import asyncio
-import heapq
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -25,10 +29,28 @@ from ray import serve
 from ray.serve.exceptions import RayServeException
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from router.policy import blocks_for
+from replica.block_space import FreeListBlocks
+from replica.config import CONTEXT_CAP, EngineConfig
+from replica.scheduler import (
+    FinishedEvent,
+    Request,
+    ScheduleOutput,
+    Scheduler,
+    StepOutput,
+    TokenEvent,
+)
 from router.stats import RoutingStats
 
 ROUTER_CLASS = "router.free_blocks_router:FreeKVBlocksRouter"
+
+# The token of every prompt position and every sampled row: the pool has no prefix cache, so
+# which ids a request holds changes nothing but the memory the lists take.
+TOKEN = 1
+
+# SimEngine's replica unless told otherwise: a small pool and batch (EngineConfig's defaults
+# for the rest).
+SIM_POOL_BLOCKS = 256
+SIM_MAX_NUM_SEQS = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,157 +64,100 @@ class StepModel:
         return self.base_s + self.per_token_s * tokens
 
 
-@dataclass(slots=True)
-class _Seq:
-    id: int
-    prompt: int
-    max_tokens: int
-    priority: int
-    generated: int = 0
-    blocks: int = 0
-    running: bool = False
+def sim_config(total_blocks: int, **fields: Any) -> EngineConfig:
+    """The engine config of a simulated replica with ``total_blocks`` KV blocks; ``fields`` are
+    any other ``EngineConfig`` fields (validated as in a real replica's config)."""
+    return EngineConfig(num_kv_blocks=total_blocks, **fields)
 
-    @property
-    def rank(self) -> tuple[int, int]:
-        return (-self.priority, self.id)  # higher priority first, then older
+
+def sampled(plan: ScheduleOutput) -> list[StepOutput]:
+    """What the model would hand back for ``plan``: a token per decode and per last chunk."""
+    outs = [StepOutput(rid, TOKEN) for rid in plan.decode]
+    outs += [StepOutput(c.id, TOKEN) for c in plan.prefill if c.last]
+    return outs
 
 
 class SimCore:
-    """The scheduler of a replica, without a model. Not thread-safe: use from one loop."""
+    """The scheduler of a replica with a step-time model. Not thread-safe: use from one loop."""
 
     def __init__(
         self,
-        total_blocks: int,
-        block_tokens: int = 16,
-        max_seqs: int = 16,
-        max_waiting: int = 256,
+        cfg: EngineConfig,
         model: StepModel | None = None,
+        max_model_len: int | None = None,
     ) -> None:
-        if total_blocks <= 0 or block_tokens <= 0 or max_seqs <= 0:
-            raise ValueError("total_blocks, block_tokens and max_seqs must be positive")
-        self.total_blocks = total_blocks
-        self.block_tokens = block_tokens
-        self.max_seqs = max_seqs
-        self.max_waiting = max_waiting
+        """A pool of ``cfg.num_kv_blocks`` blocks (required: there is no memory to size it
+        from); the context is ``max_model_len``, else ``cfg.max_model_len``, else the cap a
+        real replica puts on a model's (``CONTEXT_CAP``)."""
+        if cfg.num_kv_blocks is None:
+            raise ValueError("a simulated replica needs num_kv_blocks in its config")
+        self.cfg = cfg
         self.model = model or StepModel()
-        self.free_blocks = total_blocks
-        self.preemptions = 0
-        self.rejections = 0  # requests add() refused (never fits, queue full)
-        self._next_id = 0
-        self._seqs: dict[int, _Seq] = {}
-        self._waiting: list[tuple[tuple[int, int], int]] = []  # heap of (rank, id); lazy deletion
-        self._running: list[_Seq] = []  # best rank first
+        self.blocks = FreeListBlocks(cfg.block_size, range(cfg.num_kv_blocks))
+        context = max_model_len or cfg.max_model_len or CONTEXT_CAP
+        self.scheduler = Scheduler(cfg, self.blocks, max_model_len=context)
 
     @property
     def has_work(self) -> bool:
-        return bool(self._seqs)
+        return self.scheduler.has_unfinished()
 
-    def add(self, prompt_tokens: int, max_tokens: int, priority: int = 0) -> int:
-        """Queue a request; ``ValueError`` if it can never fit or the queue is full."""
-        if prompt_tokens <= 0 or max_tokens <= 0:
-            raise ValueError(
-                f"prompt_tokens and max_tokens must be positive, got {prompt_tokens}, {max_tokens}"
-            )
-        need = blocks_for(prompt_tokens + max_tokens, self.block_tokens)
-        if need > self.total_blocks:
-            self.rejections += 1
-            raise ValueError(f"request needs {need} blocks; this pool has {self.total_blocks}")
-        if self.waiting >= self.max_waiting:
-            self.rejections += 1
-            raise ValueError(f"waiting queue is full ({self.max_waiting})")
-        seq = _Seq(self._next_id, prompt_tokens, max_tokens, priority)
-        self._next_id += 1
-        self._seqs[seq.id] = seq
-        heapq.heappush(self._waiting, (seq.rank, seq.id))
-        return seq.id
+    @property
+    def block_tokens(self) -> int:
+        return self.blocks.block_tokens
 
-    def abort(self, id: int) -> None:
-        seq = self._seqs.pop(id, None)
-        if seq is not None and seq.running:
-            self._running.remove(seq)
-            self._release(seq)
+    @property
+    def total_blocks(self) -> int:
+        return self.blocks.total_blocks
+
+    @property
+    def free_blocks(self) -> int:
+        return self.blocks.free_blocks
 
     @property
     def waiting(self) -> int:
-        return len(self._seqs) - len(self._running)
+        return self.scheduler.num_waiting
 
-    def _release(self, seq: _Seq) -> None:
-        self.free_blocks += seq.blocks
-        seq.blocks = 0
-        seq.running = False
+    @property
+    def preemptions(self) -> int:
+        return self.scheduler.stats().preemptions
 
-    def _preempt(self, victim: _Seq) -> None:
-        self._running.remove(victim)
-        self._release(victim)
-        heapq.heappush(self._waiting, (victim.rank, victim.id))
-        self.preemptions += 1
+    @property
+    def rejections(self) -> int:
+        """Requests ``add`` refused (every reason)."""
+        return sum(self.scheduler.stats().rejected.values())
 
-    def _need(self, seq: _Seq) -> int:
-        """Blocks for every token the request has plus the one it makes next."""
-        return blocks_for(seq.prompt + seq.generated + 1, self.block_tokens)
+    def add(self, prompt_tokens: int, max_tokens: int, priority: int = 0) -> int:
+        """Queue a request; the scheduler's ``AdmitError`` (``NeverFits``, ``QueueFull``, ...)
+        when it refuses it, ``ValueError`` for ``max_tokens < 1``."""
+        return self.scheduler.add(Request([TOKEN] * max(prompt_tokens, 0), max_tokens, priority))
+
+    def abort(self, id: int) -> None:
+        self.scheduler.abort(id)
 
     def step(self) -> tuple[float, list[tuple[int, int, bool]]]:
         """One step: ``(seconds it takes, [(request id, token, finished)])``."""
-        tokens = 0
-        fed: list[_Seq] = []
-        # Decodes, best rank first; out of blocks: preempt from the bottom (recompute later).
-        i = 0
-        while i < len(self._running):
-            seq = self._running[i]
-            grow = self._need(seq) - seq.blocks
-            while grow > self.free_blocks and self._running[-1] is not seq:
-                self._preempt(self._running[-1])
-            if grow > self.free_blocks:
-                self._preempt(seq)
-                break
-            self.free_blocks -= grow
-            seq.blocks += grow
-            fed.append(seq)
-            tokens += 1
-            i += 1
-        # Admissions in rank order, all or nothing, no skipping ahead.
-        while self._waiting and len(self._running) < self.max_seqs:
-            _, id = self._waiting[0]
-            head = self._seqs.get(id)
-            if head is None or head.running:
-                heapq.heappop(self._waiting)  # aborted or stale
-                continue
-            need = self._need(head)
-            if need > self.free_blocks:
-                break
-            heapq.heappop(self._waiting)
-            self.free_blocks -= need
-            head.blocks = need
-            head.running = True
-            self._running.append(head)
-            self._running.sort(key=lambda s: s.rank)
-            fed.append(head)
-            tokens += head.prompt + head.generated  # prefill (or recompute)
-        events: list[tuple[int, int, bool]] = []
-        for seq in fed:
-            seq.generated += 1
-            done = seq.generated >= seq.max_tokens
-            events.append((seq.id, seq.generated % 256, done))
-            if done:
-                self._running.remove(seq)
-                self._release(seq)
-                del self._seqs[seq.id]
-        return self.model.step_time(tokens), events
+        plan = self.scheduler.schedule()
+        if plan.is_empty:  # time still passes, so a caller's loop cannot spin
+            return self.model.step_time(0), []
+        events = self.scheduler.on_step(sampled(plan))
+        done = {e.id for e in events if isinstance(e, FinishedEvent)}
+        out = [(e.id, e.token, e.id in done) for e in events if isinstance(e, TokenEvent)]
+        return self.model.step_time(plan.num_tokens), out
 
     def stats(self, now: float) -> RoutingStats:
-        waiting = [s for s in self._seqs.values() if not s.running]
+        """The report a real replica makes of the same scheduler state (``Engine.stats``)."""
+        s = self.scheduler.stats()
         return RoutingStats(
-            free_blocks=self.free_blocks,
-            total_blocks=self.total_blocks,
-            block_tokens=self.block_tokens,
-            waiting=len(waiting),
-            running=len(self._running),
-            preemptions=self.preemptions,
+            free_blocks=s.free_blocks,
+            total_blocks=s.total_blocks,
+            block_tokens=self.blocks.block_tokens,
+            waiting=s.waiting,
+            running=s.running,
+            preemptions=s.preemptions,
             report_time=now,
-            waiting_blocks=sum(self._need(s) for s in waiting),
-            committed_blocks=sum(
-                blocks_for(s.prompt + s.max_tokens, self.block_tokens) for s in self._seqs.values()
-            ),
+            waiting_blocks=self.scheduler.waiting_blocks() if s.waiting else 0,
+            committed_blocks=self.scheduler.committed_blocks() if s.waiting or s.running else 0,
+            steps=s.step,
         )
 
 
@@ -218,14 +183,14 @@ class SimEngine:
 
     def __init__(
         self,
-        pool_blocks: int | Sequence[int] = 256,
-        block_tokens: int = 16,
-        max_seqs: int = 16,
-        max_waiting: int = 256,
+        pool_blocks: int | Sequence[int] = SIM_POOL_BLOCKS,
         step_base_s: float = 0.004,
         step_per_token_s: float = 0.0001,
         stream_every: int = 1,
+        **engine: Any,
     ) -> None:
+        """``engine``: ``EngineConfig`` fields of every replica (``max_num_seqs`` defaults to
+        ``SIM_MAX_NUM_SEQS`` here; the others to ``EngineConfig``'s)."""
         if stream_every <= 0:
             raise ValueError(f"stream_every must be positive, got {stream_every}")
         self.stream_every = stream_every
@@ -233,9 +198,8 @@ class SimEngine:
         total = (
             pool_blocks if isinstance(pool_blocks, int) else pool_blocks[rank % len(pool_blocks)]
         )
-        self.core = SimCore(
-            total, block_tokens, max_seqs, max_waiting, StepModel(step_base_s, step_per_token_s)
-        )
+        cfg = sim_config(total, **{"max_num_seqs": SIM_MAX_NUM_SEQS, **engine})
+        self.core = SimCore(cfg, StepModel(step_base_s, step_per_token_s))
         try:
             self.name = serve.get_replica_context().replica_tag
         except RayServeException:
@@ -277,8 +241,9 @@ class SimEngine:
         """Stream ``{"token", "tokens", "replica", "total_blocks", "arrived", "at"}`` per token.
 
         ``tokens`` counts the tokens generated so far; ``arrived`` is ``time.time()`` when the call
-        reached the replica, ``at`` when the token was handed to the stream. With ``stream_every`` k > 1 only the first token, every k-th and the
-        last are sent.
+        reached the replica, ``at`` when the token was handed to the stream. With ``stream_every``
+        k > 1 only the first token, every k-th and the last are sent. A request the scheduler
+        refuses raises its ``AdmitError``.
         """
         arrived = time.time()
         n = prompt_tokens if prompt_tokens is not None else len(prompt_ids)

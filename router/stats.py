@@ -11,6 +11,8 @@ import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from replica.api import EngineStats
+
 
 @dataclass(frozen=True, slots=True)
 class RoutingStats:
@@ -36,6 +38,24 @@ class RoutingStats:
     # started, and the replica process's resident memory.
     steps: int = 0
     rss_bytes: int = 0
+
+    @classmethod
+    def from_engine(cls, stats: EngineStats, report_time: float, alive: bool) -> RoutingStats:
+        """The routing view of an engine's own stats."""
+        return cls(
+            free_blocks=stats.free_blocks,
+            total_blocks=stats.total_blocks,
+            block_tokens=stats.block_tokens,
+            waiting=stats.waiting,
+            running=stats.running,
+            preemptions=stats.preemptions,
+            report_time=report_time,
+            waiting_blocks=stats.waiting_blocks,
+            committed_blocks=stats.committed_blocks,
+            alive=int(alive),
+            steps=stats.steps,
+            rss_bytes=stats.rss_bytes,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serialisable dict (ints and one float)."""

@@ -6,8 +6,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 _ARCH_BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
@@ -59,7 +57,6 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
     sliding_window: int | None = None
-    torch_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -131,7 +128,6 @@ class ModelConfig:
             eos_token_ids=tuple(int(e) for e in eos_ids),
             pad_token_id=getattr(hf, "pad_token_id", None),
             sliding_window=_sliding_window(hf, arch),
-            torch_dtype=_dtype(getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None)),
         )
 
 
@@ -190,10 +186,3 @@ def _sliding_window(hf: Any, arch: str) -> int | None:
         if not used:
             return None
     return int(window)
-
-
-def _dtype(value: Any) -> torch.dtype | None:
-    if value is None or isinstance(value, torch.dtype):
-        return value
-    dtype = getattr(torch, str(value).removeprefix("torch."), None)
-    return dtype if isinstance(dtype, torch.dtype) else None

@@ -33,12 +33,14 @@ import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from replica.models.config import ModelConfig, ModelLoadError
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -213,7 +215,6 @@ def gguf_config(reader: Any, path: Path) -> ModelConfig:
         eos_token_ids=tuple(dict.fromkeys(eos)),
         pad_token_id=None if pad is None else int(pad),
         sliding_window=None if window is None else int(window),
-        torch_dtype=torch.float32,
     )
 
 
@@ -264,6 +265,8 @@ _HF_LAYER = {
 
 def gguf_tensors(reader: Any, path: Path, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """The model's tensors under Hugging Face names (fp32, CPU), one at a time."""
+    import torch  # here, not at the top: the ingress reads configs and tokenizers without torch
+
     for role, layer, arr in iter_gguf_weights(reader, path, config):
         name = _HF_GLOBAL[role] if layer is None else f"model.layers.{layer}.{_HF_LAYER[role]}"
         yield name, torch.from_numpy(arr)

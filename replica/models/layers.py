@@ -25,7 +25,16 @@ from replica.models.config import RopeScaling
 
 
 class Linear(nn.Module):
-    """``y = x @ W.T (+ b)`` for ``x`` ``[M, in_features]``; ``weight`` is ``[out, in]``."""
+    """``y = x @ W.T (+ b)`` for ``x`` ``[M, in_features]``; ``weight`` is ``[out, in]``.
+
+    On CPU in fp32, ``pack_for_cpu`` moves it to the native kernel. The deterministic mode runs
+    every row count there. The default mode keeps whichever of the native kernel and the
+    library's GEMM is clearly faster on this CPU for the layer's shape, per row count
+    (``cpu_native.library_rows``, timed once per shape at pack time): the native kernel up to a
+    row count, the library from it on when it wins there (then the layer keeps its ``[out, in]``
+    weight beside the packed one: ``out x in`` floats more), or the library throughout (the
+    layer then stays unpacked: one copy).
+    """
 
     def __init__(
         self,
@@ -51,9 +60,16 @@ class Linear(nn.Module):
 
         # True once ``pack_for_cpu`` has replaced ``weight`` by the native kernel's layout.
         self.packed = False
+        # (rows, [out, in] weight): from this many rows forward runs the library's GEMM on that
+        # weight instead (default mode, where it is clearly faster here); None: never. A plain
+        # attribute, not a parameter: the weights as loaded are ``weight`` alone.
+        self.library: tuple[int, torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed:
+            lib = self.library
+            if lib is not None and x.shape[0] >= lib[0]:
+                return F.linear(x, lib[1], self.bias)
             return cpu_native.linear(x, self.weight, self.out_features, self.bias)
         if self.deterministic:
             raise cpu_native.DeterministicModeUnavailable(
@@ -64,13 +80,14 @@ class Linear(nn.Module):
 
     def pack_for_cpu(self) -> bool:
         """Repack ``weight`` for the native CPU kernel (``cpu_native.linear``) when it takes this
-        layer (fp32 on CPU, kernels built); returns whether it did. A deterministic layer that
-        the kernel cannot take raises ``DeterministicModeUnavailable``.
+        layer (fp32 on CPU, kernels built) and, in the default mode, is the faster path here at
+        some row count; returns whether it did. A deterministic layer that the kernel cannot
+        take raises ``DeterministicModeUnavailable``.
 
-        The packed weight replaces the original (``weight`` becomes ``[out / 16, in, 16]``; no
-        second copy is kept), so load weights first; ``dense_weight()`` gives the ``[out, in]``
-        matrix back. A weight shared with another module (tied embeddings) is copied: this
-        layer stops sharing it.
+        The packed weight replaces the original (``weight`` becomes ``[out / 16, in, 16]``), so
+        load weights first; ``dense_weight()`` gives the ``[out, in]`` matrix back. A second copy
+        is kept only where the library takes over from some row count (see the class). A weight
+        shared with another module (tied embeddings) is copied: this layer stops sharing it.
         """
         if self.packed:
             return False
@@ -78,7 +95,15 @@ class Linear(nn.Module):
             cpu_native.require_fused(self.weight, "Linear")
         elif not cpu_native.fused_ok(self.weight):  # fp32 on CPU, kernels built and enabled
             return False
-        self.weight = nn.Parameter(cpu_native.pack_linear(self.weight.data), requires_grad=False)
+        dense = self.weight.data
+        packed = cpu_native.pack_linear(dense)
+        if not self.deterministic:
+            rows = cpu_native.library_rows(dense, packed, self.bias)
+            if rows is not None and rows <= 1:  # the library at every row count: stay as is
+                return False
+            if rows is not None:
+                self.library = (rows, dense)
+        self.weight = nn.Parameter(packed, requires_grad=False)
         self.packed = True
         return True
 
@@ -93,6 +118,7 @@ class Linear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, deterministic={self.deterministic}, "
             f"packed={self.packed}"
+            + ("" if self.library is None else f", library_from_rows={self.library[0]}")
         )
 
 

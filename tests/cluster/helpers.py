@@ -36,6 +36,8 @@ from ray import serve
 from ray.serve._private.api import serve_start
 from ray.serve.schema import ServeDeploySchema
 
+from replica.api import EngineStats
+
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTER_YAML = ROOT / "configs" / "cluster.yaml"
 MODEL = "tierserve-tiny"
@@ -163,11 +165,11 @@ class ServeApp:
         return {n: ray.get(a.is_allocated.remote(), timeout=30)[3]
                 for n, a in self.replicas().items()}
 
-    def engine_stats(self) -> dict[str, Any]:
+    def engine_stats(self) -> EngineStats:
         """``LLMServer.stats()`` through a handle: only meaningful with one replica."""
         assert self.num_replicas == 1
         handle = serve.get_deployment_handle("LLMServer", app_name=self.name)
-        result: dict[str, Any] = handle.stats.remote().result(timeout_s=30)
+        result: EngineStats = handle.stats.remote().result(timeout_s=30)
         return result
 
     def wait_stats(self, what: str, ok: Callable[[dict[str, dict[str, Any]]], bool],

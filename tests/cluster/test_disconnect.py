@@ -59,17 +59,17 @@ def test_hanging_up_mid_stream_returns_the_blocks_of_every_replica(main_app: Ser
 
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
 def test_hanging_up_mid_stream_aborts_the_request(solo_app: ServeApp, chat: bool) -> None:
-    before = solo_app.engine_stats()["steps"]
+    before = solo_app.engine_stats().steps
     read_then_hang_up(solo_app, chat, KEYS["standard"])
     stats = solo_app.wait_idle()
     assert {n: s["free_blocks"] for n, s in stats.items()} == solo_app.baseline
-    steps = solo_app.engine_stats()["steps"] - before
+    steps = solo_app.engine_stats().steps - before
     assert 2 <= steps < LONG, steps
 
 
 def test_hanging_up_on_a_non_streaming_request_aborts_it(solo_app: ServeApp) -> None:
     """The client closes its socket while the replica is still generating the whole answer."""
-    before = solo_app.engine_stats()["steps"]
+    before = solo_app.engine_stats().steps
     path, body = long_body(chat=False, stream=False)
     url = urlsplit(solo_app.url(path))
     payload = json.dumps(body).encode()
@@ -83,5 +83,5 @@ def test_hanging_up_on_a_non_streaming_request_aborts_it(solo_app: ServeApp) -> 
             r["running"] for r in s.values()) == 1)
     stats = solo_app.wait_idle()
     assert {n: s["free_blocks"] for n, s in stats.items()} == solo_app.baseline
-    steps = solo_app.engine_stats()["steps"] - before
+    steps = solo_app.engine_stats().steps - before
     assert 1 <= steps < LONG, steps

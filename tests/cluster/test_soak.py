@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
+from bench.load import TrafficClass
 from bench.soak import ReplicaState, SoakConfig, print_report, soak
-from cluster.loadgen import TrafficClass
 from tests.cluster.helpers import KEYS, MODEL, LocalServe, ServeApp, app_config
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]

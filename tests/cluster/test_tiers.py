@@ -60,8 +60,18 @@ def test_non_integer_priority_is_a_clear_error(value: str) -> None:
         resolver().resolve(None, value)
 
 
-def test_lowest_tier_first() -> None:
-    assert [t.name for t in resolver().lowest_first] == ["batch", "standard", "interactive"]
+def test_the_top_tiers_requests_are_routed_for_their_first_token() -> None:
+    """What the router treats as latency-sensitive comes from the tiers, not a mirrored number."""
+    r = resolver()
+    assert r.resolve("Bearer k-int", None).latency
+    assert not r.resolve("Bearer k-std", "9").latency
+    assert not r.resolve("Bearer k-batch", None).latency
+    top = TierConfig(name="gold", base_priority=40, max_priority=50, api_keys=["k-gold"])
+    other = TierConfig(name="interactive", base_priority=10, max_priority=45, api_keys=["k-i"])
+    custom = TierResolver(ClusterConfig(tiers=[top, other], default_tier="interactive"))
+    assert custom.resolve("Bearer k-gold", None).latency
+    assert not custom.resolve("Bearer k-i", "10").latency
+    assert custom.resolve("Bearer k-i", "40").latency
 
 
 def test_keys_are_not_in_the_config_repr() -> None:

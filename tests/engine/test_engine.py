@@ -39,7 +39,7 @@ def drain(engine: Engine) -> dict[int, list[RequestOutput]]:
 
 
 def test_64_concurrent_requests_complete_and_blocks_return(roomy: LLM) -> None:
-    start = roomy.stats()["free_blocks"]
+    start = roomy.stats().free_blocks
     rng = random.Random(1)
     ps = prompts(64, seed=1, hi=120)
     params = [SamplingParams(max_tokens=rng.randint(1, 24), temperature=0.0, ignore_eos=True)
@@ -48,8 +48,8 @@ def test_64_concurrent_requests_complete_and_blocks_return(roomy: LLM) -> None:
     assert [len(o.token_ids) for o in outs] == [p.max_tokens for p in params]
     assert all(o.finish_reason == "length" for o in outs)
     stats = roomy.stats()
-    assert stats["free_blocks"] == start == stats["total_blocks"]
-    assert stats["running"] == stats["waiting"] == 0
+    assert stats.free_blocks == start == stats.total_blocks
+    assert stats.running == stats.waiting == 0
 
 
 def test_preemption_keeps_greedy_outputs(roomy: LLM) -> None:
@@ -59,8 +59,8 @@ def test_preemption_keeps_greedy_outputs(roomy: LLM) -> None:
     tight = LLM(EMBEDDED_MODEL, num_kv_blocks=14, block_size=16, max_num_seqs=12, max_model_len=512)
     got = tight.generate(ps, params, use_tqdm=False)
     assert [o.token_ids for o in got] == want
-    assert tight.stats()["num_preemptions"] > 0
-    assert tight.stats()["free_blocks"] == 14
+    assert tight.stats().preemptions > 0
+    assert tight.stats().free_blocks == 14
 
 
 def test_seeded_sampling_alone_batched_and_across_preemption(roomy: LLM) -> None:
@@ -71,7 +71,7 @@ def test_seeded_sampling_alone_batched_and_across_preemption(roomy: LLM) -> None
     batched = [o.token_ids for o in roomy.generate(ps, params, use_tqdm=False)]
     tight = LLM(EMBEDDED_MODEL, num_kv_blocks=12, block_size=16, max_num_seqs=8, max_model_len=512)
     preempted = [o.token_ids for o in tight.generate(ps, params, use_tqdm=False)]
-    assert tight.stats()["num_preemptions"] > 0
+    assert tight.stats().preemptions > 0
     assert alone == batched == preempted
     other = roomy.generate([ps[0]], [SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95,
                                                     seed=999, ignore_eos=True)], use_tqdm=False)
@@ -160,15 +160,15 @@ def test_aging_lets_a_low_priority_request_through() -> None:
 
 def test_abort_of_running_and_waiting_returns_every_block() -> None:
     engine = Engine(EngineConfig(model=EMBEDDED_MODEL, num_kv_blocks=40, max_num_seqs=2, max_model_len=256))
-    total = engine.stats()["total_blocks"]
+    total = engine.stats().total_blocks
     params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
     ids = [engine.add_request(p, params) for p in prompts(5, seed=6, lo=20, hi=40)]
     engine.step()
     engine.step()
-    assert engine.stats()["running"] == 2 and engine.stats()["waiting"] == 3
+    assert engine.stats().running == 2 and engine.stats().waiting == 3
     for rid in ids:
         assert engine.abort(rid)
-    assert engine.stats()["free_blocks"] == total
+    assert engine.stats().free_blocks == total
     assert not engine.has_unfinished()
     assert not engine.abort(ids[0])
 
@@ -191,7 +191,7 @@ def test_bad_input_is_refused_and_the_engine_serves_the_rest(
         if params is None:
             SamplingParams(max_tokens=-1)
         llm.generate([[5, 6, 7], prompt], params, use_tqdm=False)
-    assert llm.stats()["free_blocks"] == 4 and llm.stats()["waiting"] == 0
+    assert llm.stats().free_blocks == 4 and llm.stats().waiting == 0
     ok = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)
     assert len(ok[0].token_ids) == 3
 
@@ -255,10 +255,10 @@ def test_background_loop_streams_and_abort_from_another_thread() -> None:
         for rid in ids:
             engine.abort(rid)
         for _ in range(200):
-            if engine.stats()["free_blocks"] == engine.stats()["total_blocks"]:
+            if engine.stats().free_blocks == engine.stats().total_blocks:
                 break
             threading.Event().wait(0.01)
-        assert engine.stats()["free_blocks"] == engine.stats()["total_blocks"]
+        assert engine.stats().free_blocks == engine.stats().total_blocks
         assert engine.alive
     finally:
         engine.shutdown()
@@ -281,9 +281,9 @@ def test_a_failing_step_fails_every_request_and_marks_the_engine_dead() -> None:
             return last
 
         last = asyncio.run(asyncio.wait_for(run(), timeout=60))
-        assert last.finish_reason == "error" and "injected runner fault" in (last.error or "")
+        assert last.finish_reason == "error" and "injected runner fault" in (last.failure or "")
         assert not engine.alive
-        assert engine.stats()["free_blocks"] == engine.stats()["total_blocks"]
+        assert engine.stats().free_blocks == engine.stats().total_blocks
         with pytest.raises(EngineDead):
             engine.add_request([5, 6], SamplingParams(max_tokens=2))
     finally:

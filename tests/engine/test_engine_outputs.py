@@ -68,7 +68,7 @@ def test_prompt_logprobs_with_max_tokens_zero_score_the_prompt(chunk: int | None
         assert lp is not None and lp.token == PROMPT[pos] and len(lp.top) == 2
         # Deterministic mode: chunked or whole, the very same bits.
         assert lp.logprob == float(want[pos - 1, PROMPT[pos]])
-    assert e.stats()["free_blocks"] == e.stats()["total_blocks"]
+    assert e.stats().free_blocks == e.stats().total_blocks
 
 
 def test_n_samples_draw_from_seed_plus_index_and_admission_is_all_or_nothing() -> None:
@@ -91,7 +91,7 @@ def test_n_samples_draw_from_seed_plus_index_and_admission_is_all_or_nothing() -
             assert alone[0] == many[i]
         with pytest.raises(QueueFull):
             asyncio.run(collect(6, params))  # 6 samples, room for 4 waiting
-        assert e.stats()["waiting"] == 0 and e.stats()["running"] == 0
+        assert e.stats().waiting == 0 and e.stats().running == 0
         with pytest.raises(ValueError, match="n must be a positive integer"):
             asyncio.run(collect(0, params))
     finally:
@@ -122,5 +122,5 @@ def test_new_sampling_fields_are_batch_chunk_and_preemption_invariant() -> None:
     chunked, _ = tokens(prefill_chunk_tokens=5)
     assert chunked == single
     tight, e = tokens(num_kv_blocks=4, max_num_seqs=3, prefill_chunk_tokens=5)
-    assert e.stats()["num_preemptions"] > 0
+    assert e.stats().preemptions > 0
     assert tight == single

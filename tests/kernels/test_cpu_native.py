@@ -371,7 +371,9 @@ def test_model_fast_path_matches_torch_path() -> None:
 # ----------------------------------------------------------------------------- linear layers
 
 
-def _packed_linear(n: int, k: int, bias: bool, seed: int = 0):  # type: ignore[no-untyped-def]
+def _packed_linear(n: int, k: int, bias: bool, seed: int = 0, library_rows: str = "never"):  # type: ignore[no-untyped-def]
+    """A default-mode layer packed for the native kernel (by default at every row count: these
+    tests are of the kernel, not of the choice between it and the library)."""
     from replica.models.layers import Linear
 
     gen = torch.Generator().manual_seed(seed)
@@ -380,7 +382,9 @@ def _packed_linear(n: int, k: int, bias: bool, seed: int = 0):  # type: ignore[n
     if lin.bias is not None:
         lin.bias.data.copy_(torch.randn(n, generator=gen))
     dense = lin.weight.data.clone()
-    assert lin.pack_for_cpu()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(cpu_native.ENV_LIBRARY_ROWS, library_rows)
+        assert lin.pack_for_cpu()
     return lin, dense
 
 
@@ -390,13 +394,13 @@ def _packed_linear(n: int, k: int, bias: bool, seed: int = 0):  # type: ignore[n
     [(40, 24, True), (17, 3, False), (576, 576, False), (960, 64, True), (16, 1, False)],
 )
 def test_linear_matches_torch(n: int, k: int, bias: bool) -> None:
-    """Every row-count remainder (micro-kernels of 1..6 rows, one and two panels), a partial last
-    panel, rows past one row block (96), a bias, strided rows."""
+    """Every row-count remainder (AVX2 tiles of 1..6 rows, AVX-512 ones of 1..12, one and two
+    panels), a partial last panel, rows past one row block, a bias, strided rows."""
     lin, dense = _packed_linear(n, k, bias)
     assert lin.weight.shape == (-(-n // 16), k, 16)
     assert torch.equal(lin.dense_weight(), dense)
     gen = torch.Generator().manual_seed(1)
-    for m in (0, 1, 2, 3, 4, 5, 6, 7, 11, 12, 13, 97, 200):
+    for m in (0, 1, 2, 3, 4, 5, 6, 7, 11, 12, 13, 23, 24, 25, 97, 200, 500):
         x = torch.randn(m, k, generator=gen)
         got = lin(x)
         assert got.shape == (m, n)
@@ -439,44 +443,78 @@ def test_linear_packs_only_where_the_kernel_applies(monkeypatch: pytest.MonkeyPa
 @needs_native
 def test_linear_portable_build_matches_torch(tmp_path: object) -> None:
     """The kernel's portable loop (CPUs without AVX2/FMA): the source built for plain x86-64."""
-    import ctypes
     import platform
-    import subprocess
 
-    cxx = cpu_native._compiler()
-    if cxx is None or platform.machine() not in ("x86_64", "AMD64"):
+    if cpu_native._compiler() is None or platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("needs a C++ compiler on x86-64")
-    lib_path = Path(str(tmp_path)) / "portable.so"
-    flags = [f for f in cpu_native.FLAGS if f != "-march=native"] + ["-march=x86-64"]
-    subprocess.run([cxx, *flags, str(cpu_native.SOURCE), "-o", str(lib_path)], check=True)
-    lib = ctypes.CDLL(str(lib_path))
-    cpu_native._declare(lib)
+    lib = cpu_native.load_variant(
+        Path(str(tmp_path)), add=("-march=x86-64",), drop=("-march=native",)
+    )
     gen = torch.Generator().manual_seed(2)
     for n, k, m in ((40, 24, 13), (17, 5, 3), (64, 32, 100)):
         w = torch.randn(n, k, generator=gen)
         b = torch.randn(n, generator=gen)
         x = torch.randn(m, k, generator=gen)
         packed = torch.empty(cpu_native.packed_shape(n, k))
-        assert lib.ts_pack_linear_f32(w.data_ptr(), n, k, packed.data_ptr(), 2) == 0
-        assert torch.equal(packed, cpu_native.pack_linear(w))  # same layout as the AVX2 build
+        assert lib.ts_pack_linear_f32(w, n, k, packed, 2) == 0
+        assert torch.equal(packed, cpu_native.pack_linear(w))  # same layout as the vector builds
         y = torch.empty(m, n)
-        rc = lib.ts_linear_f32(
-            x.data_ptr(), k, m, k, packed.data_ptr(), n, b.data_ptr(), y.data_ptr(), n, 2
-        )
-        assert rc == 0
+        assert lib.ts_linear_f32(x, k, m, k, packed, n, b, y, n, 2) == 0
         torch.testing.assert_close(y, F.linear(x, w, b), atol=1e-4, rtol=1e-4)
-        assert lib.ts_linear_f32(x.data_ptr(), k - 1, m, k, packed.data_ptr(), n, None,
-                                 y.data_ptr(), n, 2) == -1  # rows overlapping: refused
+        assert lib.ts_linear_f32(x, k - 1, m, k, packed, n, None, y, n, 2) == -1  # rows overlap
+
+
+def _has_avx512() -> bool:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return any(line.startswith("flags") and " avx512f" in line for line in f)
+    except OSError:
+        return False
 
 
 @needs_native
-def test_packed_model_matches_torch_path(tmp_path: object) -> None:
+@pytest.mark.skipif(not _has_avx512(), reason="needs a CPU with AVX-512")
+def test_avx512_linear_gives_the_avx2_bits(tmp_path: object) -> None:
+    """The AVX-512 micro-kernel (12 rows x 32 outputs) and the AVX2 one (6 x 16) tile
+    differently but compute each output as the same FMA chain over k: the same bits, for every
+    row remainder, a partial last panel, an odd panel count, a bias, and several row blocks."""
+    avx2 = cpu_native.load_variant(Path(str(tmp_path)), add=("-mno-avx512f",))
+    gen = torch.Generator().manual_seed(3)
+    for n, k, rows in ((40, 24, range(1, 30)), (960, 576, (1, 7, 12, 13, 431, 433, 500))):
+        w = torch.randn(n, k, generator=gen)
+        b = torch.randn(n, generator=gen)
+        packed = cpu_native.pack_linear(w)
+        for m in rows:
+            x = torch.randn(m, k, generator=gen)
+            want = torch.empty(m, n)
+            assert avx2.ts_linear_f32(x, k, m, k, packed, n, b, want, n, 2) == 0
+            assert torch.equal(cpu_native.linear(x, packed, n, b), want), (n, k, m)
+
+
+@needs_native
+@pytest.mark.parametrize("k", [576, 4096])
+def test_linear_rows_do_not_depend_on_the_row_blocks(k: int) -> None:
+    """Rows go in blocks of about 1 MiB of x (432 rows of 576 inputs, 96 of 4096): a row's bits
+    do not depend on which block it falls in or how many rows share the call."""
+    gen = torch.Generator().manual_seed(4)
+    n = 72
+    w = torch.randn(n, k, generator=gen) / k**0.5
+    packed = cpu_native.pack_linear(w)
+    x = torch.randn(600, k, generator=gen)
+    whole = cpu_native.linear(x, packed, n)
+    for start, stop in ((0, 1), (431, 433), (95, 97), (500, 600), (1, 600)):
+        assert torch.equal(cpu_native.linear(x[start:stop], packed, n), whole[start:stop])
+
+
+@needs_native
+def test_packed_model_matches_torch_path(tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> None:
     """``pack_for_cpu`` on a whole model with tied embeddings: every linear layer packed, the
     LM head its own copy (the embedding keeps its rows), the same logits as plain torch, and a
     packed model refuses to load weights."""
     from replica.models.config import ModelLoadError
     from replica.models.loader import load_weights
 
+    monkeypatch.setenv(cpu_native.ENV_LIBRARY_ROWS, "never")  # the native kernel throughout
     model, run = _embedded_model_step()
     assert model.lm_head.weight is model.model.embed_tokens.weight
     embed = model.model.embed_tokens.weight.data.clone()
@@ -490,3 +528,66 @@ def test_packed_model_matches_torch_path(tmp_path: object) -> None:
     torch.testing.assert_close(run(), plain, atol=1e-4, rtol=1e-4)
     with pytest.raises(ModelLoadError, match="packed for the native CPU kernel"):
         load_weights(model, Path(str(tmp_path)))
+
+
+# ----------------------------------------------------------------------------- native or library
+
+
+def test_threshold_is_where_the_library_wins_from_then_on() -> None:
+    win, lose = cpu_native.CLEAR_WIN, cpu_native.CLEAR_WIN - 0.01
+    rows = cpu_native.CALIBRATION_ROWS
+    assert len(rows) == 3
+    assert cpu_native.threshold_from([lose] * 3) is None
+    assert cpu_native.threshold_from([win] * 3) == rows[0]
+    assert cpu_native.threshold_from([lose, win, win]) == rows[1]
+    # A win below a loss does not count: the library takes every count from its threshold on.
+    assert cpu_native.threshold_from([win, lose, win]) == rows[2]
+    assert cpu_native.threshold_from([win, win, lose]) is None
+
+
+@needs_native
+def test_calibration_picks_a_calibrated_count_once_per_shape(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(cpu_native, "_library_rows", {})
+    w = torch.randn(48, 40)
+    packed = cpu_native.pack_linear(w)
+    got = cpu_native.library_rows(w, packed)
+    assert got is None or got in cpu_native.CALIBRATION_ROWS
+    monkeypatch.setattr(cpu_native, "_calibrate", lambda *a: pytest.fail("timed twice"))
+    assert cpu_native.library_rows(w, packed) == got  # the same shape: not timed again
+
+
+@needs_native
+def test_default_linear_takes_the_library_from_its_threshold(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where the library wins from some row count, the default mode takes it from there on (and
+    keeps the [out, in] weight beside the panels); below it, and always in the deterministic
+    mode, the native kernel."""
+    from replica.models.layers import Linear
+
+    calls: list[int] = []
+    native = cpu_native.linear
+    monkeypatch.setattr(
+        cpu_native, "linear", lambda x, *a, **k: (calls.append(x.shape[0]), native(x, *a, **k))[1]
+    )
+    lin, dense = _packed_linear(40, 24, True, library_rows="16")
+    assert lin.library is not None and lin.library[0] == 16 and torch.equal(lin.library[1], dense)
+    gen = torch.Generator().manual_seed(5)
+    for m in (1, 15, 16, 100):
+        x = torch.randn(m, 24, generator=gen)
+        torch.testing.assert_close(lin(x), F.linear(x, dense, lin.bias), atol=1e-4, rtol=1e-4)
+    assert calls == [1, 15]
+    det = Linear(24, 40, deterministic=True)
+    det.weight.data.normal_()
+    assert det.pack_for_cpu() and det.library is None
+    det(torch.randn(100, 24))
+    assert calls == [1, 15, 100]
+    # The library at every row count: the layer stays unpacked (one copy of its weight).
+    monkeypatch.setenv(cpu_native.ENV_LIBRARY_ROWS, "1")
+    plain = Linear(24, 40)
+    assert not plain.pack_for_cpu() and not plain.packed and plain.weight.shape == (40, 24)
+    monkeypatch.setenv(cpu_native.ENV_LIBRARY_ROWS, "sometimes")
+    with pytest.raises(ValueError, match="auto, never or a row count"):
+        Linear(24, 40).pack_for_cpu()

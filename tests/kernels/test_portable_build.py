@@ -5,9 +5,7 @@ paths of the CPU running the suite."""
 
 from __future__ import annotations
 
-import ctypes
 import platform
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,19 +28,17 @@ SIZES = (1, 2, 3, 5, 7, 8, 13, 17, 64, 100)
 
 
 @pytest.fixture(scope="module")
-def portable_lib(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
-    cxx = cpu_native._compiler()
-    assert cxx is not None
-    path = Path(tmp_path_factory.mktemp("portable")) / "portable.so"
-    flags = [f for f in cpu_native.FLAGS if f != "-march=native"] + ["-march=x86-64"]
-    subprocess.run([cxx, *flags, str(cpu_native.SOURCE), "-o", str(path)], check=True)
-    lib = ctypes.CDLL(str(path))
-    cpu_native._declare(lib)
-    return lib
+def portable_lib(tmp_path_factory: pytest.TempPathFactory) -> cpu_native.NativeLib:
+    """The portable build, loaded through the same signature check as the process's own."""
+    return cpu_native.load_variant(
+        Path(tmp_path_factory.mktemp("portable")), add=("-march=x86-64",), drop=("-march=native",)
+    )
 
 
 @pytest.fixture
-def on_portable(portable_lib: ctypes.CDLL, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+def on_portable(
+    portable_lib: cpu_native.NativeLib, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[None]:
     """Every native op of this process runs on the portable build."""
     monkeypatch.setattr(cpu_native, "_tried", True)
     monkeypatch.setattr(cpu_native, "_lib", portable_lib)

@@ -33,7 +33,7 @@ import ray
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
-from cluster import loadgen
+from bench import load as loadgen
 from replica.metrics import EXPORTED, GAUGES
 from tests.cluster.helpers import (
     KEYS,
@@ -481,7 +481,10 @@ def test_disconnects_under_load_are_aborted_and_return_every_block(cluster: Clus
     assert [s["free_blocks"] for s in stats.values()] == [BLOCKS]
 
 
-def test_refusals_at_the_ingress_are_counted_too(cluster: Cluster, provoked: Provoked) -> None:
+def test_an_empty_prompt_is_counted_once_by_the_replica_that_refused_it(
+        cluster: Cluster, provoked: Provoked) -> None:
+    """The scheduler owns the empty-prompt limit: the replica refuses and counts it; the
+    ingress counts only what it refuses itself (its in-flight bound)."""
     r = httpx.post(cluster.app.url("/v1/completions"), timeout=60,
                    headers={"Authorization": f"Bearer {KEYS['batch']}"},
                    json={"model": MODEL, "prompt": "", "max_tokens": 4})
@@ -490,7 +493,8 @@ def test_refusals_at_the_ingress_are_counted_too(cluster: Cluster, provoked: Pro
         return [s for s in ours(ss, "ray_tierserve_rejections_total")
                 if s.labels.get("reason") == "empty" and s.value > 0]
 
-    empty = counted(cluster.wait_scrape("a rejection for reason empty, counted by the ingress",
+    empty = counted(cluster.wait_scrape("a rejection for reason empty, counted by the replica",
                                         lambda ss: bool(counted(ss))))
-    assert {s.labels.get("deployment") for s in empty} == {"Ingress"}
+    assert {s.labels.get("deployment") for s in empty} == {"LLMServer"}
+    assert sum(s.value for s in empty) == 1
     assert {s.labels.get("tier") for s in empty} == {"batch"}

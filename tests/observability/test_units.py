@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import json
+import math
 import random
 from pathlib import Path
 
 import pytest
 import yaml
 
-from cluster import loadgen
-from cluster.loadgen import LengthDist, Result, Scrape, TrafficClass, Workload
+from bench import load as loadgen
+from bench.common import percentile
+from bench.load import LengthDist, Result, Scrape, TrafficClass, Workload
 from replica.metrics import COUNTERS, EXPORTED, GAUGES, HISTOGRAMS
 from tests.observability import promql
 
@@ -24,6 +26,12 @@ PROMETHEUS = ROOT / "configs" / "prometheus.yml"
 
 def test_the_names_the_load_generator_scrapes_are_exported() -> None:
     assert set(loadgen.SCRAPED) <= EXPORTED
+    # ... taken from the definitions, not spelled out again
+    assert loadgen.gauge("tierserve_requests_waiting") == "ray_tierserve_requests_waiting"
+    assert loadgen.counter("tierserve_aborts") == "ray_tierserve_aborts_total"
+    for name, make in (("tierserve_aborts", loadgen.gauge), ("tierserve_nope", loadgen.counter)):
+        with pytest.raises(KeyError):
+            make(name)
 
 
 @pytest.mark.parametrize(("spec", "lo", "hi"), [
@@ -140,12 +148,20 @@ def test_scrape_parsing() -> None:
                                  "r2": {"waiting": 1.0}}
     quoted = loadgen.parse_metrics(SCRAPE, prefixes=("ray_serve_",))
     assert quoted[0].labels == {"route": '/a, "b"'}
+    # A line it cannot parse, among its own: an error, not a silent gap.
+    with pytest.raises(ValueError):
+        loadgen.parse_metrics("ray_tierserve_requests_waiting{replica=r1} 3.0\n")
+    # ... elsewhere on the endpoint: not its business.
+    assert loadgen.parse_metrics("ray_other{x=oops} 1\n" + SCRAPE) == s.samples
     assert loadgen.delta({"a": 3.0, "b": 1.0, "c": 2.0}, {"a": 1.0, "c": 2.0}) == {"a": 2.0, "b": 1.0}
 
 
 def test_percentiles_and_request_timings() -> None:
-    assert loadgen.percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
-    assert loadgen.percentile([5.0], 99) == 5.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5  # any order
+    assert percentile([5.0], 99) == 5.0
+    assert math.isnan(percentile([], 50)) and percentile([math.nan, 1.0], 99) == 1.0
+    assert percentile([1.0, math.inf], 0) == 1.0 and percentile([1.0, math.inf], 100) == math.inf
     st = loadgen.stats([None, 1.0, 3.0, 2.0])
     assert (st["n"], st["p50"], st["max"], st["mean"]) == (3, 2.0, 3.0, 2.0)
     assert loadgen.stats([])["p99"] is None

@@ -15,7 +15,6 @@ from router.policy import (
     RequestShape,
     all_saturated,
     charge_blocks,
-    estimate_free,
     rank_replicas,
 )
 from router.stats import RoutingStats
@@ -92,14 +91,19 @@ def test_request_shape_reads_kwargs_and_falls_back() -> None:
     assert RequestShape.from_call([], {"priority": True, "prompt_tokens": "x"}) == RequestShape(0)
 
 
+def est_free(load: ReplicaLoad[str]) -> int:
+    """The ranking's estimate of the free blocks of a replica ranked alone."""
+    (ranked,) = rank_replicas([load], RequestShape(31, priority=HIGH), random.Random(0))
+    return ranked.est_free
+
+
 def test_charges_before_the_report_are_not_subtracted_twice() -> None:
-    s = stats(50, at=T0)
     charges = [Charge(10, T0 - 1), Charge(7, T0 + 1), Charge(3, T0)]
-    assert estimate_free(s, charges, assumed_total=0) == 50 - 7 - 3
+    assert est_free(ReplicaLoad("a", stats(50, at=T0), charges)) == 50 - 7 - 3
 
 
 def test_waiting_blocks_count_against_free_blocks() -> None:
-    assert estimate_free(stats(50, waiting=2, waiting_blocks=12), [], 0) == 38
+    assert est_free(ReplicaLoad("a", stats(50, waiting=2, waiting_blocks=12))) == 38
 
 
 def test_ranks_by_reported_free_blocks() -> None:
@@ -128,7 +132,7 @@ def test_a_newer_report_absorbs_older_charges() -> None:
     new = [ReplicaLoad("b", stats(30, at=T0 + 1), [charge]), ReplicaLoad("c", stats(40))]
     assert order(old) == ["c", "b"]
     assert order(new) == ["c", "b"]
-    assert estimate_free(new[0].stats, new[0].charges, 0) == 30
+    assert est_free(new[0]) == 30
 
 
 def test_ties_are_broken_at_random() -> None:

@@ -222,13 +222,15 @@ def test_malformed_report_is_treated_as_no_report() -> None:
 
 def test_saturation_is_visible_to_the_ingress() -> None:
     async def body(router: FreeKVBlocksRouter, reps: list[FakeReplica]) -> None:
-        assert not registry.saturated("app", "engine", prompt_tokens=255)
+        # Code in the router's process finds it by deployment (older test routers may linger).
+        assert router in registry.routers("app", "engine")
+        assert router not in registry.routers("app", "other")
+        assert not router.saturated(RequestShape(255))
         for rep in reps:
             rep.report(free=4, waiting=3)
         router.update_replicas(cast(list[RunningReplica], reps))
-        assert registry.saturated("app", "engine", prompt_tokens=255)  # needs 16 blocks
-        assert not registry.saturated("app", "engine", prompt_tokens=15)  # needs 1
-        assert not registry.saturated("app", "other", prompt_tokens=255)
+        assert router.saturated(RequestShape(255))  # needs 16 blocks
+        assert not router.saturated(RequestShape(15))  # needs 1
 
     run(body, FakeReplica("a", 100), FakeReplica("b", 100), saturation_waiting=2)
 

@@ -1,8 +1,8 @@
 """A checked simulation around the scheduler and tests/fake_model.py.
 
-``Sim`` drives a ``Scheduler`` with the fake model and, at every step, checks the invariants of seed
-sections 2.2 to 2.5 against its own shadow of the scheduler's state (what is running, how many
-positions of each request are computed, each request's rank from seed 2.4). It never trusts the
+``Sim`` drives a ``Scheduler`` with the fake model and, at every step, checks the invariants of
+docs/scheduler.md §1 to §5 against its own shadow of the scheduler's state (what is running, how many
+positions of each request are computed, each request's rank from docs/scheduler.md §4). It never trusts the
 scheduler's own bookkeeping: positions are counted from the plans, ranks from the arrival steps.
 """
 
@@ -50,14 +50,14 @@ def caps(
 
 
 def blocks_for(tokens: int, block_tokens: int) -> int:
-    """Blocks that hold ``tokens`` positions (seed 2.3)."""
+    """Blocks that hold ``tokens`` positions (docs/scheduler.md §3)."""
     return -(-tokens // block_tokens)
 
 
 def rank_key(
     policy: SchedPolicy, aging_steps: int, priority: int, arrival: int, rid: RequestId
 ) -> tuple[int, int]:
-    """Seed 2.4's order as an ascending key: smaller runs first."""
+    """The order of docs/scheduler.md §4 as an ascending key: smaller runs first."""
     if policy is SchedPolicy.FCFS:
         return (0, rid)
     if aging_steps == 0:
@@ -195,7 +195,7 @@ class Sim:
             self.running.add(rid)
             self.computed[rid] = 0
 
-        # Caps (seed 2.1).
+        # Caps (§1).
         assert len(scheduled) <= cfg.max_num_seqs, (
             f"{len(scheduled)} sequences > max_seqs {cfg.max_num_seqs}"
         )
@@ -224,7 +224,7 @@ class Sim:
             assert c.start + c.len <= len(toks)
             assert len(self.blocks.block_table(c.id)) * B >= c.start + c.len
 
-        # Rank order (seed 2.2, 2.5): decodes best first; victims rank below everything scheduled;
+        # Rank order (§2, §5): decodes best first; victims rank below everything scheduled;
         # admissions are a prefix of the waiting queue (no skipping ahead).
         ranks = [self.rank(r) for r in decode]
         assert ranks == sorted(ranks), f"decodes out of rank order: {decode}"

@@ -1,4 +1,4 @@
-"""FreeListBlocks: the simplest BlockSpace (seed 2.6): lowest ids first, all or nothing."""
+"""FreeListBlocks: the simplest BlockSpace (docs/scheduler.md §6): lowest ids first, all or nothing."""
 
 from __future__ import annotations
 

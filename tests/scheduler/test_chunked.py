@@ -1,4 +1,4 @@
-"""Chunked prefill as a PrefillPolicy (seed 2.2 phase 2, L10.3)."""
+"""Chunked prefill as a PrefillPolicy (docs/scheduler.md §2, phase 2)."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def test_long_prompt_is_cut_into_chunks_of_at_most_chunk_tokens(k: int) -> None:
     chunks = chunks_of(s, rid)
     assert all(1 <= c.len <= k for c in chunks)
     # Contiguous from 0. The prompt's last position is fed as a decode when only one is left
-    # (seed 2.1: a request with n - c = 1 is decoding), else by a last chunk.
+    # (§1: a request with n - c = 1 is decoding), else by a last chunk.
     assert [c.start for c in chunks] == [sum(c.len for c in chunks[:i]) for i in range(len(chunks))]
     fed = sum(c.len for c in chunks)
     assert fed in (17, 18)

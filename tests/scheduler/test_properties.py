@@ -1,4 +1,4 @@
-"""Property tests: random traffic against the invariants of seed sections 2.1 to 2.5.
+"""Property tests: random traffic against the invariants of docs/scheduler.md §1 to §5.
 
 Requests arrive while the scheduler steps, with random priorities, max_tokens and stop tokens;
 some are aborted while waiting, while running, or between ``schedule`` and ``on_step``; the pool is

@@ -1,4 +1,4 @@
-"""The eleven behaviours of the seed's test table (section 4), one test each, under the seed's names.
+"""The scheduler's behaviours (docs/scheduler.md), one test each.
 
 Driven by tests/fake_model.py: every output is known in advance (``expected_output``), and a wrong
 block table, a shared block or a wrong recompute changes it.
@@ -62,7 +62,7 @@ def make(
 
 
 def test_hand_example_schedule() -> None:
-    """Seed section 3: B = 4, six blocks, budget 8, max_seqs 2, FCFS; A 5+3, B 3+2, C 2+1."""
+    """docs/scheduler.md §7: B = 4, six blocks, budget 8, max_seqs 2, FCFS; A 5+3, B 3+2, C 2+1."""
     s, m = make(6, 4, max_seqs=2, max_batch_tokens=8)
     reqs = {"A": request(5, 3, seed=1), "B": request(3, 2, seed=2), "C": request(2, 1, seed=3)}
     a, b, c = (s.add(r) for r in reqs.values())
@@ -95,7 +95,7 @@ def test_hand_example_schedule() -> None:
     }
     assert not s.has_unfinished() and s.blocks.free_blocks == 6
 
-    # Later, same pool (seed 2.2, pitfall "skipping ahead"): a head that does not fit stops
+    # Later, same pool (§2: no skipping ahead): a head that does not fit stops
     # admission; a smaller request behind it that would fit waits too.
     e = s.add(request(8, 16, seed=4))  # grows to 24 positions: all six blocks
     while len(table(e)) < 5:

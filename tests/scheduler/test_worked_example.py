@@ -1,4 +1,5 @@
-"""Seed section 3, step by step, plus the two admission rules it leans on (seed 2.2).
+"""The worked example of docs/scheduler.md §7, step by step, plus the two admission rules it
+leans on (§2).
 
 Blocks of 4 (ids 0 to 5), budget 8, max_seqs 2, FCFS. A: 5-token prompt, max_tokens 3; B: 3 and 2;
 C: 2 and 1.
@@ -125,7 +126,7 @@ def test_with_three_seqs_c_runs_at_step_2() -> None:
 
 
 def test_head_that_does_not_fit_the_pool_stops_admission() -> None:
-    """No skipping ahead: a small request behind a head that does not fit waits too (seed 2.2)."""
+    """No skipping ahead: a small request behind a head that does not fit waits too (§2)."""
     cfg = caps(max_seqs=8, max_batch_tokens=64, max_waiting=8, max_model_len=CTX)
     s = Scheduler(cfg, FreeListBlocks(4, range(6)))
     m = FakeModel(s)

@@ -1,0 +1,243 @@
+"""The typed records that cross process boundaries, in one module both sides import.
+
+The ingress sends a replica one ``GenerateRequest`` (its router reads the same record to size the
+request); the replica streams back ``RequestOutput`` deltas, or a single ``ErrorRecord`` when it
+refuses the request (an HTTP status for the ingress to answer); ``EngineStats`` is what an engine
+reports about itself, from which the routing stats (``router.stats.RoutingStats``) and the
+gauges (``replica.metrics``) are derived. Torch-free and Ray-free: the ingress and the router
+import it without the model code.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from replica.block_space import RequestId
+
+GREEDY_BELOW = 1e-5
+MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0
+
+
+def _number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick each next token and when to stop (close to vLLM's ``SamplingParams``).
+
+    temperature 0 is greedy. top_k 0 (or -1), top_p 1.0 and min_p 0 disable those filters.
+    ``stop`` strings are matched on the detokenized text and not returned; ``stop_token_ids`` end
+    the request like EOS; ``ignore_eos`` keeps generating past EOS. ``min_tokens``: EOS and the
+    stop token ids cannot be drawn before that many tokens. Penalties and ``logit_bias`` (token
+    id -> bias in [-100, 100]) as in the module docstring. ``logprobs``: with every generated
+    token, its log-probability and the ``logprobs`` most likely alternatives (0: the token's
+    alone); ``prompt_logprobs``: the same for every prompt token after the first. ``max_tokens``
+    0 generates nothing (with ``prompt_logprobs``: scoring a prompt).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first field out of range."""
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
+            raise ValueError(f"max_tokens must be an integer, got {self.max_tokens!r}")
+        if self.max_tokens < 0:
+            raise ValueError(f"max_tokens must be at least 0, got {self.max_tokens}")
+        if not _number(self.temperature) or not 0.0 <= self.temperature <= 100.0:
+            raise ValueError(f"temperature must be in [0, 100], got {self.temperature!r}")
+        if not _number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ValueError(f"top_k must be an integer >= 0 (0 or -1: off), got {self.top_k!r}")
+        if not _number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int)
+        ):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.stop is not None:
+            if isinstance(self.stop, str):
+                self.stop = [self.stop]
+            if any(not isinstance(s, str) or not s for s in self.stop):
+                raise ValueError("stop must be a list of non-empty strings")
+        if self.stop_token_ids is not None and any(
+            isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids
+        ):
+            raise ValueError("stop_token_ids must be a list of non-negative integers")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int):
+            raise ValueError(f"min_tokens must be an integer, got {self.min_tokens!r}")
+        if not 0 <= self.min_tokens <= max(self.max_tokens, 0):
+            raise ValueError(
+                f"min_tokens must be in [0, max_tokens ({self.max_tokens})], got {self.min_tokens}"
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _number(value) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+        if not _number(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 10.0:
+            raise ValueError(
+                f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}"
+            )
+        if self.logit_bias is not None:
+            for tok, bias in self.logit_bias.items():
+                if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
+                    raise ValueError(f"logit_bias keys must be token ids >= 0, got {tok!r}")
+                if not _number(bias) or abs(bias) > MAX_LOGIT_BIAS:
+                    raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool)
+                or not isinstance(value, int)
+                or not 0 <= value <= MAX_LOGPROBS
+            ):
+                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
+
+    @property
+    def greedy(self) -> bool:
+        """Temperatures below ``GREEDY_BELOW`` are greedy (dividing by them would overflow)."""
+        return self.temperature < GREEDY_BELOW
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty applies (they need the request's token counts)."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A token's log-probability and the ``top`` most likely tokens at its position (ids and
+    log-probabilities, most likely first)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateRequest:
+    """One request from the ingress to a replica: ``n`` samples of ``prompt_ids``.
+
+    ``queue_share``: the caller's tier may fill this fraction of the replica's waiting queue
+    (lower tiers are refused first under load); ``tier``: its name, for the metrics.
+    ``latency``: route it for its first token (the top tier's requests) rather than for room.
+    """
+
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams
+    priority: int = 0
+    tier: str = ""
+    queue_share: float = 1.0
+    n: int = 1
+    latency: bool = False
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Prompt positions the replica holds for the request (each sample its own)."""
+        return len(self.prompt_ids) * self.n
+
+    @property
+    def max_new_tokens(self) -> int:
+        """Tokens it may generate in all (each sample its ``max_tokens``)."""
+        return self.sampling.max_tokens * self.n
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """One delta of a request: the text and token ids made since the last delta.
+
+    ``finished`` marks the last delta; then ``finish_reason`` is ``"stop"``, ``"length"``,
+    ``"abort"`` or ``"error"`` (with ``failure`` saying what went wrong). ``index``: which of the
+    ``n`` samples of one prompt this is. ``logprobs``: one per token of ``token_ids`` when the
+    request asked for them; ``prompt_logprobs``: with the request's first delta, one per prompt
+    token (None for the first, which has no context).
+    """
+
+    request_id: RequestId
+    text: str
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    failure: str | None = None
+    index: int = 0
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorRecord:
+    """A replica's refusal of a request, before any delta: the HTTP answer for the ingress."""
+
+    status: int  # 400 bad input, 429 queue full or shed, 503 unavailable
+    code: str  # machine-readable reason (``queue_full``, ``never_fits``, ...)
+    message: str
+    param: str | None = None
+
+
+StreamItem = RequestOutput | ErrorRecord
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """One snapshot of an engine. Blocks are KV blocks of its pool.
+
+    ``waiting_blocks``: what the waiting queue needs to be admitted; ``committed_blocks``: what
+    every unfinished request holds once it has generated all its ``max_tokens``; ``overhead``:
+    the share of the step loop's time outside the model forward; ``rss_bytes``: the process's
+    resident memory (0 where the engine runs without a server around it).
+    """
+
+    running: int
+    waiting: int
+    free_blocks: int
+    total_blocks: int
+    block_tokens: int
+    waiting_blocks: int = 0
+    committed_blocks: int = 0
+    preemptions: int = 0
+    steps: int = 0
+    overhead: float = 0.0
+    rss_bytes: int = 0
+
+
+class InvalidToken(ValueError):
+    """A token id the model does not have (in the prompt, ``stop_token_ids`` or ``logit_bias``);
+    ``param`` names the field."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def share_of(capacity: int, share: float) -> int:
+    """A tier's part of a bound: ``share`` of ``capacity``, at least one. The ingress bounds each
+    tier's requests in flight with it, a replica each tier's part of its waiting queue."""
+    return max(1, int(share * capacity))
