@@ -40,6 +40,11 @@ class BlockSpace(Protocol):
         """Grow ``id``'s table to hold ``total`` positions; raises ``NoCapacity``, changing nothing."""
         ...
 
+    def commit(self, id: RequestId, tokens: Sequence[int], computed: int) -> None:
+        """``id``'s first ``computed`` positions of ``tokens`` now have their K/V written (the
+        scheduler calls it after every step; a prefix cache names the full blocks)."""
+        ...
+
     def release(self, id: RequestId, computed: Sequence[int]) -> None:
         """Give back every block of ``id``; ``computed`` are its tokens whose K/V were written."""
         ...
@@ -95,6 +100,9 @@ class FreeListBlocks:
         if need > len(self._free):
             raise NoCapacity
         table.extend(self._take(need))
+
+    def commit(self, id: RequestId, tokens: Sequence[int], computed: int) -> None:
+        """Nothing to do: a free list keeps no content."""
 
     def release(self, id: RequestId, computed: Sequence[int] = ()) -> None:
         table = self._tables.pop(id, None)

@@ -43,6 +43,8 @@ class EngineConfig(BaseModel):
     - ``aging_steps``: steps per level of aging; 0: strict priority.
     - ``prefill_chunk_tokens``: a prompt's chunk per step at most (chunked prefill; vLLM's
       ``long_prefill_token_threshold``); None: whole prompts.
+    - ``enable_prefix_caching``: share the KV blocks of common prompt prefixes between requests
+      and keep them after use until their room is needed (``replica/prefix_cache.py``).
     - ``dtype``: ``auto`` (fp32 on CPU, bf16 on GPU) or a dtype name.
     - ``device``: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``.
     - ``deterministic``: bit-exact batch and chunk invariance (CPU, fp32; docs/determinism.md).
@@ -65,6 +67,7 @@ class EngineConfig(BaseModel):
     scheduling_policy: SchedulingPolicy = "priority"
     aging_steps: int = Field(default=100, ge=0)
     prefill_chunk_tokens: int | None = Field(default=256, gt=0)
+    enable_prefix_caching: bool = True
     dtype: DType = "auto"
     device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$")
     deterministic: bool = False
@@ -86,6 +89,13 @@ class EngineConfig(BaseModel):
             return cls(model=model, **options)
         except ValidationError as e:
             raise ValueError(describe(e)) from None
+
+    def prefix_root(self) -> int:
+        """The root of this engine's prefix-cache hash chains: blocks of another model, dtype or
+        block size never share a name. The ingress computes the same for the router."""
+        from replica.prefix_cache import model_key
+
+        return model_key(self.model, self.dtype, self.block_size)
 
     def with_options(self, **changes: Any) -> EngineConfig:
         """A copy with ``changes`` (validated like the constructor)."""

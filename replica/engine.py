@@ -51,6 +51,8 @@ class RequestTimes:
     ttft_s: float | None
     tpot_s: float | None
     e2e_s: float
+    # Prompt positions found in the prefix cache at admission (None: never admitted).
+    cached_tokens: int | None = None
 
 
 class EngineObserver(Protocol):
@@ -84,6 +86,7 @@ class _Live:
     held: list[int] | None = None
     arrival: float = field(default_factory=time.monotonic)
     admitted: float | None = None
+    cached_tokens: int | None = None
     first_token: float | None = None
     generated: int = 0
 
@@ -100,6 +103,7 @@ class _Live:
             ttft_s=None if self.first_token is None else self.first_token - self.arrival,
             tpot_s=tpot,
             e2e_s=now - self.arrival,
+            cached_tokens=self.cached_tokens,
         )
 
 
@@ -271,6 +275,7 @@ class Engine:
             s = self.scheduler.stats()
             waiting_blocks = self.scheduler.waiting_blocks() if s.waiting else 0
             committed = self.scheduler.committed_blocks() if s.waiting or s.running else 0
+            cached = getattr(self.scheduler.blocks, "cached_blocks", 0)
         return EngineStats(
             running=s.running,
             waiting=s.waiting,
@@ -282,6 +287,7 @@ class Engine:
             preemptions=s.preemptions,
             steps=s.step,
             overhead=self.times.overhead,
+            cached_blocks=cached,
         )
 
     # ------------------------------------------------------------------ the step
@@ -308,6 +314,7 @@ class Engine:
                 live = self._live.get(c.id)
                 if live is not None and live.admitted is None:
                     live.admitted = now
+                    live.cached_tokens = self.scheduler.cached_tokens(c.id)
         t1 = time.perf_counter()
         result = self.runner.forward(batch)
         t2 = time.perf_counter()

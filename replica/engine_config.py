@@ -68,5 +68,6 @@ def build_engine_parts(cfg: EngineConfig) -> EngineParts:
     )
     sizing = PoolSizing(cfg.num_kv_blocks, cfg.kv_cache_memory_bytes, cfg.gpu_memory_utilization)
     pool = KVPool(shape, choose_num_blocks(shape, sizing, device), device)
-    scheduler = Scheduler(cfg, pool.new_block_space(), max_model_len=max_len)
+    root = cfg.prefix_root() if cfg.enable_prefix_caching else None
+    scheduler = Scheduler(cfg, pool.new_block_space(root), max_model_len=max_len)
     return EngineParts(mcfg, tokenizer, scheduler, ModelRunner(model, pool, device), max_len)

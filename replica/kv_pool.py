@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from kernels.metadata import slots_for
-from replica.block_space import FreeListBlocks
+from replica.block_space import BlockSpace, FreeListBlocks
+from replica.prefix_cache import PrefixCachingBlocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,9 +125,12 @@ class KVPool:
     def nbytes(self) -> int:
         return self.num_blocks * self.shape.block_bytes
 
-    def new_block_space(self) -> FreeListBlocks:
-        """A free list over exactly this pool's block ids."""
-        return FreeListBlocks(self.shape.block_tokens, range(self.num_blocks))
+    def new_block_space(self, prefix_root: int | None = None) -> BlockSpace:
+        """A ``BlockSpace`` over exactly this pool's block ids: with ``prefix_root`` (the model's
+        ``prefix_cache.model_key``) a prefix cache, else a plain free list."""
+        if prefix_root is None:
+            return FreeListBlocks(self.shape.block_tokens, range(self.num_blocks))
+        return PrefixCachingBlocks(self.shape.block_tokens, range(self.num_blocks), prefix_root)
 
     def slot_mapping(self, block_table: Sequence[int], start: int, end: int) -> list[int]:
         """Slots of positions ``start .. end`` through ``block_table``."""

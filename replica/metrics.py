@@ -39,6 +39,7 @@ GAUGES = {
     "tierserve_requests_waiting": "Requests in the replica's waiting queue (queue depth).",
     "tierserve_kv_blocks_free": "Free KV blocks of the replica's pool.",
     "tierserve_kv_blocks_total": "KV blocks of the replica's pool.",
+    "tierserve_kv_blocks_cached": "Free KV blocks that keep a cached prefix (evictable).",
     "tierserve_replica_resident_memory_bytes": "Resident memory of the replica's process.",
 }
 COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -48,6 +49,10 @@ COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "tierserve_aborts": ("Requests aborted (client gone).", ("tier",)),
     "tierserve_prompt_tokens": ("Prompt tokens of finished requests.", ("tier",)),
     "tierserve_generation_tokens": ("Generated tokens of finished requests.", ("tier",)),
+    "tierserve_prefix_cache_queries": (
+        "Prompt tokens looked up in the prefix cache at admission.", ("tier",)),
+    "tierserve_prefix_cache_hits": (
+        "Prompt tokens found in the prefix cache at admission.", ("tier",)),
 }
 HISTOGRAMS: dict[str, tuple[str, list[float], tuple[str, ...]]] = {
     "tierserve_time_to_first_token_seconds": ("Time to first token.", LATENCY_BUCKETS, ("tier",)),
@@ -143,6 +148,10 @@ class ReplicaMetrics:
         c["tierserve_prompt_tokens"].inc(t.prompt_tokens, tags=tier)
         if t.generated_tokens:
             c["tierserve_generation_tokens"].inc(t.generated_tokens, tags=tier)
+        if t.cached_tokens is not None:
+            c["tierserve_prefix_cache_queries"].inc(t.prompt_tokens, tags=tier)
+            if t.cached_tokens:
+                c["tierserve_prefix_cache_hits"].inc(t.cached_tokens, tags=tier)
         h["tierserve_e2e_request_latency_seconds"].observe(t.e2e_s, tags=tier)
         if t.queue_s is not None:
             h["tierserve_queue_time_seconds"].observe(t.queue_s, tags=tier)
@@ -178,6 +187,7 @@ class ReplicaMetrics:
         g["tierserve_requests_waiting"].set(s.waiting)
         g["tierserve_kv_blocks_free"].set(s.free_blocks)
         g["tierserve_kv_blocks_total"].set(s.total_blocks)
+        g["tierserve_kv_blocks_cached"].set(s.cached_blocks)
         if s.rss_bytes:
             g["tierserve_replica_resident_memory_bytes"].set(s.rss_bytes)
 

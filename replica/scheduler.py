@@ -202,6 +202,7 @@ class _Seq:
     """Scheduler-side state of one request."""
 
     __slots__ = (
+        "cached",
         "computed",
         "handle",
         "id",
@@ -220,6 +221,7 @@ class _Seq:
         self.priority = req.priority
         self.rank = rank  # ascending = better; fixed at arrival, kept across preemption
         self.computed = 0  # positions whose K/V are in the cache
+        self.cached: int | None = None  # prompt positions found cached at first admission
         self.handle: Handle[_Seq] | None = None  # set while waiting
 
 
@@ -367,22 +369,30 @@ class Scheduler:
 
         # Phase 3: admissions in rank order, all or nothing, no skipping ahead.
         waiting = self._waiting
+        victims = set(out.preempted)
         while waiting and len(running) < cfg.max_num_seqs and budget > 0:
             head = waiting.peek()
             assert head is not None
-            remaining = len(head.tokens)
-            take = policy.chunk_len(remaining, budget, not fed)
-            if take == 0:
+            if head.id in victims:
+                # Preempted this step for room: not back before the next one (a prefix cache
+                # would otherwise hand it its own blocks back at once, and it would thrash).
                 break
             try:
                 alloc = blocks.allocate(head.id, head.tokens)
             except NoCapacity:
                 break
+            # Only what is not cached costs budget (the last position is always computed).
+            cached = min(alloc.cached_tokens, len(head.tokens) - 1)
+            remaining = len(head.tokens) - cached
+            take = policy.chunk_len(remaining, budget, not fed)
+            if take == 0:
+                blocks.release(head.id, ())  # all or nothing: it waits, holding nothing
+                break
             waiting.pop()
             head.handle = None
-            head.computed = min(alloc.cached_tokens, remaining - 1)
-            remaining -= head.computed
-            take = min(take, remaining)
+            head.computed = cached
+            if head.cached is None:
+                head.cached = cached
             bisect.insort(running, head, key=_rank_of)
             out.prefill.append(Chunk(head.id, head.computed, take, take == remaining))
             fed.append((head, take))
@@ -415,8 +425,11 @@ class Scheduler:
 
     def on_step(self, outputs: Sequence[StepOutput]) -> list[RequestEvent]:
         """Advance the last plan: computed positions, sampled tokens, finishes (and their blocks)."""
+        blocks = self._blocks
         for seq, n in self._last:
             seq.computed += n
+            if seq.handle is None and seq.id in self._seqs:  # not preempted or aborted since
+                blocks.commit(seq.id, seq.tokens, seq.computed)
         self._last = []
         events: list[RequestEvent] = []
         ctx = self.max_model_len
@@ -456,6 +469,11 @@ class Scheduler:
     def prompt_len(self, id: RequestId) -> int | None:
         seq = self._seqs.get(id)
         return seq.prompt_len if seq is not None else None
+
+    def cached_tokens(self, id: RequestId) -> int | None:
+        """Prompt positions ``id`` found cached when it was first admitted (None before)."""
+        seq = self._seqs.get(id)
+        return seq.cached if seq is not None else None
 
     def computed(self, id: RequestId) -> int | None:
         """Positions of ``id`` whose K/V are in the cache."""

@@ -38,6 +38,8 @@ class RoutingStats:
     # started, and the replica process's resident memory.
     steps: int = 0
     rss_bytes: int = 0
+    # Free blocks that hold a cached prefix (evictable; counted in free_blocks).
+    cached_blocks: int = 0
 
     @classmethod
     def from_engine(cls, stats: EngineStats, report_time: float, alive: bool) -> RoutingStats:
@@ -55,6 +57,7 @@ class RoutingStats:
             alive=int(alive),
             steps=stats.steps,
             rss_bytes=stats.rss_bytes,
+            cached_blocks=stats.cached_blocks,
         )
 
     def to_dict(self) -> dict[str, Any]:

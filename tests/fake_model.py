@@ -50,6 +50,10 @@ class FakeModel:
         assert pos // self.B < len(table), f"request {rid}: no block for position {pos}"
         return table[pos // self.B] * self.B + pos % self.B
 
+    def read(self, rid: RequestId, pos: int) -> int | None:
+        """The token the pool holds at ``rid``'s position ``pos`` (None: never written)."""
+        return self.pool.get(self._slot(rid, pos))
+
     def _feed(self, rid: RequestId, start: int, n: int) -> None:
         toks = self.s.tokens(rid)
         assert toks is not None

@@ -308,7 +308,8 @@ def file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def _cache_root() -> Path:
+def cache_root() -> Path:
+    """tierserve's cache: ``$TIERSERVE_CACHE_DIR``, else ``~/.cache/tierserve``."""
     env = os.environ.get("TIERSERVE_CACHE_DIR")
     return Path(env) if env else Path.home() / ".cache" / "tierserve"
 
@@ -318,7 +319,7 @@ def gguf_tokenizer(path: Path) -> Any:
     metadata once and then loaded from the cache. Raises ``ModelLoadError``."""
     from transformers import AutoTokenizer
 
-    cached = _cache_root() / "gguf-tokenizers" / file_digest(path)[:32]
+    cached = cache_root() / "gguf-tokenizers" / file_digest(path)[:32]
     with _tokenizer_lock:
         if (cached / "tokenizer_config.json").is_file():
             try:

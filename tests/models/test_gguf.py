@@ -108,7 +108,7 @@ def test_tokenizer_and_chat_template_come_from_the_file(tmp_path: Path) -> None:
     assert cfg.eos_token_ids == (257,) and cfg.bos_token_id == 256
     again = load_tokenizer(str(path))  # from the cache this time
     assert again.encode("hello world") == tok.encode("hello world")
-    assert any((Path(gguf_loader._cache_root()) / "gguf-tokenizers").iterdir())
+    assert any((Path(gguf_loader.cache_root()) / "gguf-tokenizers").iterdir())
 
 
 def test_weights_stream_one_tensor_at_a_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

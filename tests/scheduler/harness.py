@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from replica.block_space import FreeListBlocks
 from replica.config import EngineConfig
 from replica.prefill_policy import PrefillPolicy, WholePrompt
+from replica.prefix_cache import PrefixCachingBlocks
 from replica.scheduler import (
     FinishedEvent,
     FinishReason,
@@ -83,9 +84,14 @@ class Sim:
     block_tokens: int
     policy: PrefillPolicy = field(default_factory=WholePrompt)
     stop_token: int | None = None
+    prefix_cache: bool = False  # PrefixCachingBlocks instead of the free list
 
     def __post_init__(self) -> None:
-        self.blocks = FreeListBlocks(self.block_tokens, range(self.total_blocks))
+        self.blocks: FreeListBlocks | PrefixCachingBlocks
+        if self.prefix_cache:
+            self.blocks = PrefixCachingBlocks(self.block_tokens, range(self.total_blocks), 7)
+        else:
+            self.blocks = FreeListBlocks(self.block_tokens, range(self.total_blocks))
         self.s = Scheduler(self.cfg, self.blocks, self.policy)
         self.model = FakeModel(self.s, stop_token=self.stop_token)
         self.meta: dict[RequestId, Meta] = {}
@@ -187,13 +193,22 @@ class Sim:
             self.computed.pop(rid)
             self.preemptions += 1
 
-        # Admissions: from the waiting queue, prefilled from position 0 (no prefix cache here).
+        # Admissions: from the waiting queue, prefilled from position 0, or, with the prefix
+        # cache, from a block boundary before the last position, whose cached slots hold exactly
+        # this request's tokens (a shared block read by the wrong request changes its output).
         admitted = [c.id for c in chunks if c.id not in self.running]
         for rid in admitted:
             assert rid in waiting_before, f"{rid} scheduled without being admitted"
             assert not s.is_waiting(rid)
             self.running.add(rid)
-            self.computed[rid] = 0
+            start = next(c.start for c in chunks if c.id == rid)
+            toks = s.tokens(rid) or ()
+            if not self.prefix_cache:
+                assert start == 0, f"{rid} admitted at {start} without a prefix cache"
+            assert start % self.block_tokens == 0 and start < len(toks), (rid, start)
+            for p in range(start):
+                assert self.model.read(rid, p) == toks[p], f"{rid}: cached position {p} is stale"
+            self.computed[rid] = start
 
         # Caps (§1).
         assert len(scheduled) <= cfg.max_num_seqs, (
@@ -223,6 +238,14 @@ class Sim:
             assert c.last == (c.start + c.len == len(toks)), f"chunk {c}: wrong last flag"
             assert c.start + c.len <= len(toks)
             assert len(self.blocks.block_table(c.id)) * B >= c.start + c.len
+        # What this step writes lands in blocks no other request holds (a shared block is never
+        # written: it is another request's cache).
+        refs = self.blocks.refs() if isinstance(self.blocks, PrefixCachingBlocks) else {}
+        writes = [(c.id, p) for c in chunks for p in range(c.start, c.start + c.len)]
+        writes += [(r, len(s.tokens(r) or ()) - 1) for r in decode]
+        for rid, p in writes:
+            b = self.blocks.block_table(rid)[p // B]
+            assert refs.get(b, 1) == 1, f"{rid} writes position {p} into shared block {b}"
 
         # Rank order (§2, §5): decodes best first; victims rank below everything scheduled;
         # admissions are a prefix of the waiting queue (no skipping ahead).
@@ -245,31 +268,54 @@ class Sim:
             assert budget_left <= 0, f"running {idle} not scheduled with {budget_left} tokens left"
         if still_waiting and len(self.running) < cfg.max_num_seqs and budget_left > 0:
             head = min(still_waiting, key=self.rank)
-            n = len(s.tokens(head) or ())
-            take = self.policy.chunk_len(n, budget_left, plan.is_empty)
-            if take > 0:
-                assert blocks_for(n, B) > self.blocks.free_blocks, (
-                    f"waiting head {head} fits ({blocks_for(n, B)} blocks, "
-                    f"{self.blocks.free_blocks} free, {budget_left} tokens left) but was not admitted"
+            toks = s.tokens(head) or ()
+            n = len(toks)
+            if isinstance(self.blocks, PrefixCachingBlocks):
+                cached = min(self.blocks.cached_prefix(toks), n - 1)
+                fits = self.blocks.fits(toks)
+            else:
+                cached, fits = 0, blocks_for(n, B) <= self.blocks.free_blocks
+            take = self.policy.chunk_len(n - cached, budget_left, plan.is_empty)
+            if take > 0 and head not in preempted:  # a victim waits at least one step
+                assert not fits, (
+                    f"waiting head {head} fits ({blocks_for(n, B)} blocks, {cached} positions "
+                    f"cached, {self.blocks.free_blocks} free, {budget_left} tokens left) but was "
+                    "not admitted"
                 )
         self.check_blocks()
 
     def check_blocks(self) -> None:
-        """No block in two tables, free + used = total, only running requests hold blocks."""
-        seen: set[int] = set()
-        used = 0
+        """Only running requests hold blocks; a block is in two tables only when it is a named
+        (cached) block, and then at the same position of both; reference counts equal the
+        tables holding each block; free + cached + used = total."""
+        holders: dict[int, list[tuple[RequestId, int]]] = {}
         for rid in self.meta:
             table = self.blocks.block_table(rid)
             if rid not in self.running:
                 assert not table, f"request {rid} holds {list(table)} but is not running"
-            for b in table:
+            for i, b in enumerate(table):
                 assert 0 <= b < self.total_blocks, f"block id {b} out of range"
-                assert b not in seen, f"block {b} in two block tables"
-                seen.add(b)
-            used += len(table)
-        assert self.blocks.free_blocks + used == self.total_blocks, (
-            f"free {self.blocks.free_blocks} + used {used} != total {self.total_blocks}"
-        )
+                holders.setdefault(b, []).append((rid, i))
+        if isinstance(self.blocks, PrefixCachingBlocks):
+            named = self.blocks.named_blocks()
+            refs = self.blocks.refs()
+            for b, held in holders.items():
+                assert refs.get(b) == len(held), f"block {b}: {refs.get(b)} refs, held by {held}"
+                if len(held) > 1:
+                    assert b in named, f"unnamed block {b} in several tables: {held}"
+                    assert len({i for _, i in held}) == 1, f"block {b} at two positions: {held}"
+            assert set(refs) == set(holders), "references to blocks no table holds"
+            free = self.blocks.free_blocks - self.blocks.cached_blocks
+            assert free + self.blocks.cached_blocks + len(holders) == self.total_blocks, (
+                f"free {free} + cached {self.blocks.cached_blocks} + used {len(holders)} != "
+                f"total {self.total_blocks}"
+            )
+        else:
+            for b, held in holders.items():
+                assert len(held) == 1, f"block {b} in two block tables: {held}"
+            assert self.blocks.free_blocks + len(holders) == self.total_blocks, (
+                f"free {self.blocks.free_blocks} + used {len(holders)} != total {self.total_blocks}"
+            )
         assert s_running(self.s) == self.running, "scheduler's running set differs from the plans"
 
     def _take_events(self, events: Sequence[TokenEvent | FinishedEvent]) -> None:
