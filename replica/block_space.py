@@ -32,8 +32,9 @@ class BlockSpace(Protocol):
     @property
     def free_blocks(self) -> int: ...
 
-    def allocate(self, id: RequestId, tokens: Sequence[int]) -> Allocation:
-        """Blocks for every position of ``tokens``; raises ``NoCapacity`` and allocates nothing."""
+    def allocate(self, id: RequestId, tokens: Sequence[int], reuse: bool = True) -> Allocation:
+        """Blocks for every position of ``tokens``; raises ``NoCapacity`` and allocates nothing.
+        ``reuse`` False: take no cached block (every position will be computed)."""
         ...
 
     def append_slot(self, id: RequestId, total: int) -> None:
@@ -83,7 +84,7 @@ class FreeListBlocks:
         free = self._free
         return [heapq.heappop(free) for _ in range(n)]
 
-    def allocate(self, id: RequestId, tokens: Sequence[int]) -> Allocation:
+    def allocate(self, id: RequestId, tokens: Sequence[int], reuse: bool = True) -> Allocation:
         if id in self._tables:
             raise ValueError(f"request {id} already holds blocks")
         need = -(-len(tokens) // self._block_tokens)

@@ -226,7 +226,9 @@ class Engine:
         with self._lock:
             if self.error is not None:
                 raise EngineDead(f"the engine's step loop died: {self.error!r}")
-            rid = self.scheduler.add(Request(ids, max(params.max_tokens, 1), priority))
+            # Scoring a prompt needs every position's logits: no cached prefix for it.
+            rid = self.scheduler.add(Request(ids, max(params.max_tokens, 1), priority,
+                                             reuse_cache=params.prompt_logprobs is None))
             self._live[rid] = _Live(
                 id=rid,
                 prompt_len=len(ids),

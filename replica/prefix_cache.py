@@ -140,10 +140,10 @@ class PrefixCachingBlocks:
         need = -(-len(tokens) // self._block_tokens) - len(hits)
         return need <= self.free_blocks - sum(1 for b in hits if b in self._evictable)
 
-    def allocate(self, id: RequestId, tokens: Sequence[int]) -> Allocation:
+    def allocate(self, id: RequestId, tokens: Sequence[int], reuse: bool = True) -> Allocation:
         if id in self._tables:
             raise ValueError(f"request {id} already holds blocks")
-        hits, names = self._matches(tokens)
+        hits, names = self._matches(tokens) if reuse else ([], [])
         need = -(-len(tokens) // self._block_tokens) - len(hits)
         # Hit blocks that sit unreferenced would be counted twice: as a hit and as room.
         idle_hits = sum(1 for b in hits if b in self._evictable)

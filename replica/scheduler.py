@@ -73,6 +73,9 @@ class Request:
     prompt: Sequence[int]
     max_tokens: int
     priority: int = 0
+    # False: compute every prompt position, never starting after a cached prefix (a request
+    # that scores its prompt needs the logits of every position).
+    reuse_cache: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
@@ -210,6 +213,7 @@ class _Seq:
         "priority",
         "prompt_len",
         "rank",
+        "reuse",
         "tokens",
     )
 
@@ -219,6 +223,7 @@ class _Seq:
         self.prompt_len = len(self.tokens)
         self.max_tokens = req.max_tokens
         self.priority = req.priority
+        self.reuse = req.reuse_cache
         self.rank = rank  # ascending = better; fixed at arrival, kept across preemption
         self.computed = 0  # positions whose K/V are in the cache
         self.cached: int | None = None  # prompt positions found cached at first admission
@@ -378,7 +383,7 @@ class Scheduler:
                 # would otherwise hand it its own blocks back at once, and it would thrash).
                 break
             try:
-                alloc = blocks.allocate(head.id, head.tokens)
+                alloc = blocks.allocate(head.id, head.tokens, head.reuse)
             except NoCapacity:
                 break
             # Only what is not cached costs budget (the last position is always computed).

@@ -71,6 +71,22 @@ def test_prompt_logprobs_with_max_tokens_zero_score_the_prompt(chunk: int | None
     assert e.stats().free_blocks == e.stats().total_blocks
 
 
+def test_prompt_scoring_computes_a_prefix_that_the_cache_holds() -> None:
+    """A prompt scored twice: the second request could start after the cached blocks of the
+    first, but its logprobs need every position, so it computes them all (and answers alike)."""
+    e = engine(deterministic=True, block_size=8)
+    first, again = (run(e, [PROMPT], [SamplingParams(max_tokens=0, prompt_logprobs=1)])[0][0]
+                    for _ in range(2))
+    assert e.stats().cached_blocks > 0  # the first request's blocks stayed cached
+    assert first.prompt_logprobs is not None and again.prompt_logprobs is not None
+    assert all(lp is not None for lp in again.prompt_logprobs[1:])
+    assert again.prompt_logprobs == first.prompt_logprobs
+    # A plain request of the same prompt does start after the cached prefix.
+    run(e, [PROMPT], [SamplingParams(max_tokens=1)])
+    counters = e.scheduler.blocks.counters  # type: ignore[attr-defined]
+    assert counters.hit_tokens == (len(PROMPT) - 1) // 8 * 8
+
+
 def test_n_samples_draw_from_seed_plus_index_and_admission_is_all_or_nothing() -> None:
     e = engine(max_waiting=4)
     e.start()

@@ -233,3 +233,32 @@ def test_shared_prefix_traffic_keeps_every_invariant_and_every_answer(w: Workloa
     event(f"a prefix hit: {hit}")
     event(f"preempted: {cached.preemptions > 0}")
     event(f"aborted: {bool(cached.abort_kinds)}")
+
+
+def test_reuse_false_takes_fresh_blocks_and_leaves_the_cached_ones_alone() -> None:
+    c = cache()
+    system = list(range(100, 112))
+    filled(c, 0, [*system, 1])
+    assert c.allocate(1, [*system, 2], reuse=False).cached_tokens == 0
+    assert not set(c.block_table(1)) & set(c.block_table(0))
+    c.commit(1, [*system, 2], 13)  # same content, named first by request 0: stays private
+    c.release(1)
+    assert c.cached_prefix([*system, 3]) == 12 and c.free_blocks == 16 - 4
+
+
+def test_block_names_are_blake2b_over_little_endian_token_words() -> None:
+    """The names are a fixed function of the tokens (the ingress and every replica, on any
+    machine, must agree): BLAKE2b-128 of the parent's 16 little-endian bytes, then each token id
+    as 4 little-endian bytes."""
+    import hashlib
+
+    tokens = [1, 70000, 3, 4, 2**31 + 5, 6, 7, 8, 9]
+    prev = 99
+    want = []
+    for i in range(2):
+        h = hashlib.blake2b(prev.to_bytes(16, "little"), digest_size=16)
+        h.update(b"".join(t.to_bytes(4, "little") for t in tokens[4 * i : 4 * i + 4]))
+        prev = int.from_bytes(h.digest(), "little")
+        want.append(prev)
+    assert block_hashes(tokens, 4, 99) == want
+    assert block_hashes(tokens, 4, 99, parent=want[0], start=1) == want[1:]
