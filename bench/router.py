@@ -85,9 +85,8 @@ from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, R
 
 from bench.common import load_avg_1m, machine, percentile, pyplot
 from replica.scheduler import AdmitError
-from router.free_blocks_router import RouterSettings
-from router.ledger import InFlightLedger
-from router.policy import RequestShape, rank_replicas
+from router.policy import RequestShape
+from router.routing import RouterSettings, RouterState
 from router.sim import ROUTER_CLASS, SimCore, SimEngine, StepModel, sim_config
 from router.stats import RoutingStats
 
@@ -173,6 +172,7 @@ class Engine:
     step_base_s: float = 0.010
     step_per_token_s: float = 0.00005
     stream_every: int = 1_000_000  # first and last token only
+    enable_prefix_caching: bool = False  # prompts of the default workload are lengths, all alike
 
     def core(self) -> SimCore:
         """One replica's engine, as ``SimEngine`` builds it, for the offline model."""
@@ -192,6 +192,10 @@ class Request:
     max_tokens: int
     priority: int
     tier: str
+    # The prompt's token ids when they matter (a prefix cache tells prompts apart; None: every
+    # position alike) and the names of its full blocks (``replica.prefix_cache.block_hashes``).
+    ids: tuple[int, ...] | None = None
+    prefix: tuple[int, ...] = ()
 
 
 def make_requests(w: Workload, replicas: int, seed: int) -> list[Request]:
@@ -335,6 +339,8 @@ class RunResult:
     preemptions: int
     rejections: int
     records: list[Rec] = field(default_factory=list)  # in request order
+    # Prompt positions each request found cached at its replica (offline model; in request order).
+    cached: list[int] = field(default_factory=list)
     machine_busy_cores: float = math.nan  # the whole machine's CPU use during the run
     bench_cores: float = math.nan  # this benchmark's processes (driver, Ray, replicas)
 
@@ -598,49 +604,57 @@ class OfflinePow2(_NoHooks):
 
 
 class OfflineFreeBlocks:
-    """``FreeKVBlocksRouter``'s ledger (``router.ledger.InFlightLedger``) around the real
-    ``router.policy.rank_replicas``.
+    """``FreeKVBlocksRouter``'s own state and steps (``router.routing.RouterState``: the ledger,
+    the prefix index, ``router.policy.rank_replicas``) in virtual time.
 
-    The router's sequence, in virtual time: tentative charges past the router's time to live
-    expire, the request is ranked and charged tentatively at ``choose``, confirmed (dated then)
-    when the replica took it, dropped on completion or rejection; reports arrive as the
-    controller delivers them.
+    The router's sequence: tentative charges past the router's time to live expire, the request
+    is ranked and charged tentatively at ``choose``, confirmed (dated then) when the replica took
+    it, dropped on completion or rejection; reports arrive as the controller delivers them.
     """
 
     def __init__(self, n: int, rng: random.Random, settings: RouterSettings | None = None) -> None:
-        self.rng = rng
-        self.settings = settings or RouterSettings()
+        self.state: RouterState[int] = RouterState(settings)
+        self.state.rng = rng
         self.reports: list[RoutingStats | None] = [None] * n
-        self.ledger: InFlightLedger[int] = InFlightLedger()
 
     def shape(self, q: Request) -> RequestShape:
-        return RequestShape(q.prompt, q.max_tokens, q.priority)
+        return RequestShape(q.prompt, q.max_tokens, q.priority, prefix=q.prefix)
 
     def choose(self, now: float, i: int, q: Request, ongoing: Sequence[int]) -> int:
-        s = self.settings
-        self.ledger.expire(now, s.tentative_ttl_s)
-        ranked = rank_replicas(
-            self.ledger.loads(enumerate(self.reports), skip=i),
-            self.shape(q),
-            self.rng,
-            saturation_waiting=s.saturation_waiting,
-            default_block_tokens=s.default_block_tokens,
-            latency_priority=s.latency_priority,
-        )
-        self.ledger.charge_tentatively(i, ranked[0], i, now)
+        ranked = self.state.route(i, list(enumerate(self.reports)), self.shape(q), i, now)
         return ranked[0].key
 
     def on_routed(self, now: float, i: int, k: int) -> None:
-        def unexpected() -> tuple[int, int]:
+        def unexpected() -> RequestShape:
             raise AssertionError(f"request {i} reached replica {k}, not the one it was charged to")
 
-        self.ledger.confirm(i, k, i, now, unexpected)
+        self.state.routed(i, k, i, now, self.reports[k], unexpected)
 
     def on_completed(self, now: float, i: int, k: int) -> None:
-        self.ledger.complete(k, i)
+        self.state.completed(k, i)
 
     def on_report(self, now: float, k: int, stats: RoutingStats) -> None:
         self.reports[k] = stats
+
+
+class OfflineOracle(_NoHooks):
+    """Not a router: the replica whose cache holds the most of the prompt right now (asked of
+    the replicas themselves), the fewest ongoing requests among equals. The ceiling of any
+    router's prefix hit rate (it ignores load, so its latencies are not a target)."""
+
+    def __init__(self, n: int, rng: random.Random) -> None:
+        self.rng = rng
+        self.cores: Sequence[SimCore] = ()
+
+    def bind(self, cores: Sequence[SimCore]) -> None:
+        self.cores = cores
+
+    def choose(self, now: float, i: int, q: Request, ongoing: Sequence[int]) -> int:
+        ids = q.ids or ()
+        return min(
+            range(len(self.cores)),
+            key=lambda k: (-self.cores[k].cached_prefix(ids), ongoing[k], self.rng.random()),
+        )
 
 
 OFFLINE_POLICIES: dict[str, Any] = {
@@ -677,6 +691,9 @@ def simulate(
     """
     rng = random.Random(seed)
     cores = [engine.core() for _ in range(n)]
+    bind = getattr(policy, "bind", None)
+    if bind is not None:  # a policy that asks the replicas (the oracle)
+        bind(cores)
     ongoing = [0] * n  # routed and not finished (what Serve's queue-length cache counts)
     busy = [False] * n
     owner: list[dict[int, int]] = [{} for _ in range(n)]  # SimCore id -> request index
@@ -684,6 +701,7 @@ def simulate(
     end = [math.nan] * len(reqs)
     reached = [math.nan] * len(reqs)
     where = [-1] * len(reqs)
+    sids: dict[int, tuple[int, int]] = {}  # request index -> (replica, SimCore id)
     tokens = [0] * len(reqs)
     error = [""] * len(reqs)
     left = len(reqs)
@@ -720,7 +738,7 @@ def simulate(
             q = reqs[i]
             reached[i] = t
             try:
-                sid = cores[k].add(q.prompt, q.max_tokens, q.priority)
+                sid = cores[k].add(q.ids or q.prompt, q.max_tokens, q.priority)
             except AdmitError as e:
                 error[i] = f"{type(e).__name__}: {e}"
                 ongoing[k] -= 1
@@ -728,6 +746,7 @@ def simulate(
                 policy.on_completed(t, i, k)
                 continue
             owner[k][sid] = i
+            sids[i] = (k, sid)
             policy.on_routed(t + timing.confirm_s, i, k)
             if not busy[k]:
                 start(k, t)
@@ -775,6 +794,7 @@ def simulate(
         sum(c.preemptions for c in cores),
         sum(c.rejections for c in cores),
         records,
+        [cores[k].cached.get(sid, 0) for k, sid in (sids.get(i, (0, -1)) for i in range(len(reqs)))],
     )
 
 
@@ -879,8 +899,8 @@ def run_one(
         delta["preemptions"],
         delta["rejections"],
         [Rec(*r) for r in records],
-        (busy1 - busy0) / seconds,
-        (own1 - own0) / seconds,
+        machine_busy_cores=(busy1 - busy0) / seconds,
+        bench_cores=(own1 - own0) / seconds,
     )
 
 

@@ -54,6 +54,7 @@ from replica.api import (
     share_of,
 )
 from replica.models.meta import load_model_config, load_tokenizer
+from replica.prefix_cache import block_hashes
 
 log = logging.getLogger("tierserve.ingress")
 
@@ -196,6 +197,9 @@ class Ingress:
             "max_request_bytes": self.cfg.max_request_bytes, "max_n": self.cfg.max_n})
         app.state.retry_after = self.cfg.retry_after_s
         self._limits: dict[str, Any] | None = None
+        # The replicas' prefix-cache names for the router's prefix affinity (None: cache off).
+        engine = self.cfg.engine
+        self.prefix_root = engine.prefix_root() if engine.enable_prefix_caching else None
 
     # ------------------------------------------------------------------ routes
 
@@ -461,11 +465,14 @@ class Ingress:
         actor died or is unreachable, or its engine has failed) has produced nothing for this
         request, so the request is sent again (the router drops a dead replica, and Serve an
         unhealthy one) up to ``replica_retries`` times."""
+        prefixes: tuple[int, ...] = ()
+        if self.prefix_root is not None and sampling.prompt_logprobs is None:
+            prefixes = tuple(block_hashes(call.ids, self.cfg.engine.block_size, self.prefix_root))
         for attempt in range(self.cfg.replica_retries + 1):
             stream = self.llm.generate.remote(GenerateRequest(
                 prompt_ids=tuple(call.ids), sampling=sampling, priority=caller.priority,
                 tier=caller.tier.name, queue_share=caller.tier.queue_share, n=call.n,
-                latency=caller.latency))
+                latency=caller.latency, prefix_hashes=prefixes))
             try:
                 first = await self._next(stream)
                 if isinstance(first, ErrorRecord) and first.code == "replica_unavailable":

@@ -147,6 +147,9 @@ class GenerateRequest:
     ``queue_share``: the caller's tier may fill this fraction of the replica's waiting queue
     (lower tiers are refused first under load); ``tier``: its name, for the metrics.
     ``latency``: route it for its first token (the top tier's requests) rather than for room.
+    ``prefix_hashes``: the names of the prompt's full blocks in the replicas' prefix caches
+    (``replica.prefix_cache.block_hashes``), for the router's prefix affinity; empty when the
+    cache is off. The replica does not read them (it names its blocks itself).
     """
 
     prompt_ids: tuple[int, ...]
@@ -156,6 +159,7 @@ class GenerateRequest:
     queue_share: float = 1.0
     n: int = 1
     latency: bool = False
+    prefix_hashes: tuple[int, ...] = ()
 
     @property
     def prompt_tokens(self) -> int:
@@ -212,7 +216,8 @@ class EngineStats:
     ``waiting_blocks``: what the waiting queue needs to be admitted; ``committed_blocks``: what
     every unfinished request holds once it has generated all its ``max_tokens``; ``overhead``:
     the share of the step loop's time outside the model forward; ``rss_bytes``: the process's
-    resident memory (0 where the engine runs without a server around it).
+    resident memory (0 where the engine runs without a server around it); ``cached_blocks``:
+    unreferenced blocks the prefix cache keeps for their content (counted in ``free_blocks``).
     """
 
     running: int
@@ -226,6 +231,7 @@ class EngineStats:
     steps: int = 0
     overhead: float = 0.0
     rss_bytes: int = 0
+    cached_blocks: int = 0
 
 
 class InvalidToken(ValueError):

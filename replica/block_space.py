@@ -31,6 +31,10 @@ class BlockSpace(Protocol):
     def total_blocks(self) -> int: ...
     @property
     def free_blocks(self) -> int: ...
+    @property
+    def cached_blocks(self) -> int:
+        """Free blocks that keep cached content (counted in ``free_blocks``)."""
+        ...
 
     def allocate(self, id: RequestId, tokens: Sequence[int], reuse: bool = True) -> Allocation:
         """Blocks for every position of ``tokens``; raises ``NoCapacity`` and allocates nothing.
@@ -79,6 +83,10 @@ class FreeListBlocks:
     @property
     def free_blocks(self) -> int:
         return len(self._free)
+
+    @property
+    def cached_blocks(self) -> int:
+        return 0  # a free list keeps no content
 
     def _take(self, n: int) -> list[int]:
         free = self._free

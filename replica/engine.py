@@ -277,7 +277,7 @@ class Engine:
             s = self.scheduler.stats()
             waiting_blocks = self.scheduler.waiting_blocks() if s.waiting else 0
             committed = self.scheduler.committed_blocks() if s.waiting or s.running else 0
-            cached = getattr(self.scheduler.blocks, "cached_blocks", 0)
+            cached = self.scheduler.blocks.cached_blocks
         return EngineStats(
             running=s.running,
             waiting=s.waiting,

@@ -497,13 +497,22 @@ class Scheduler:
         return sum(-(-(len(seq.tokens) + 1) // b) for seq in self._waiting.items())
 
     def committed_blocks(self) -> int:
-        """Blocks every unfinished request (running or waiting) holds once it has generated all
-        of its ``max_tokens`` (capped at the context): what the pool is promised."""
+        """Blocks the pool is promised once every unfinished request (running or waiting) has
+        generated all of its ``max_tokens`` (capped at the context): the blocks referenced now
+        (a block shared by several requests' prompts counts once), each running request's
+        growth beyond its table, and every waiting request at its full length."""
         b = self._blocks.block_tokens
         ctx = self.max_model_len
-        return sum(
-            -(-min(seq.prompt_len + seq.max_tokens, ctx) // b) for seq in self._seqs.values()
+        blocks = self._blocks
+        referenced = blocks.total_blocks - blocks.free_blocks
+        growth = 0
+        for seq in self._running:
+            full = -(-min(seq.prompt_len + seq.max_tokens, ctx) // b)
+            growth += max(full - len(blocks.block_table(seq.id)), 0)
+        waiting = sum(
+            -(-min(seq.prompt_len + seq.max_tokens, ctx) // b) for seq in self._waiting.items()
         )
+        return referenced + growth + waiting
 
     def is_waiting(self, id: RequestId) -> bool:
         seq = self._seqs.get(id)

@@ -30,10 +30,8 @@ Serve pickles this module by value (see ``router.registry``): keep process-wide 
 from __future__ import annotations
 
 import logging
-import random
 import threading
 import time
-from dataclasses import dataclass, fields
 from typing import Any
 
 from ray.serve.request_router import (
@@ -46,78 +44,36 @@ from ray.serve.request_router import (
 )
 
 from router import registry
-from router.ledger import InFlightLedger
-from router.policy import (
-    LATENCY_PRIORITY,
-    Ranked,
-    RequestShape,
-    all_saturated,
-    charge_blocks,
-    full_blocks,
-    rank_replicas,
-)
+from router.policy import Ranked, RequestShape
+from router.routing import RouterSettings, RouterState
 from router.stats import RoutingStats
+
+__all__ = ["FreeKVBlocksRouter", "RouterSettings"]
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
-class RouterSettings:
-    """``request_router_kwargs`` of the deployment's ``request_router_config``."""
-
-    # A replica out of blocks for a request is saturated from this (estimated) queue length on.
-    saturation_waiting: int = 8
-    # Block size assumed before any replica has reported.
-    default_block_tokens: int = 16
-    # Requests at or above this priority are ranked for their first token, the others for room
-    # and balance (router.policy).
-    latency_priority: int = LATENCY_PRIORITY
-    # A tentative charge never confirmed by on_request_routed is forgotten after this long.
-    tentative_ttl_s: float = 5.0
-    # Seed of the random tie-break (None: from the OS).
-    seed: int | None = None
-
-    @classmethod
-    def from_kwargs(cls, kwargs: dict[str, Any]) -> RouterSettings:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(kwargs) - known)
-        if unknown:
-            raise ValueError(
-                f"unknown request_router_kwargs {unknown} for FreeKVBlocksRouter; "
-                f"known: {sorted(known)}"
-            )
-        settings = cls(**kwargs)
-        if settings.saturation_waiting < 0:
-            raise ValueError(f"saturation_waiting must be >= 0, got {settings.saturation_waiting}")
-        if settings.default_block_tokens <= 0:
-            raise ValueError(
-                f"default_block_tokens must be positive, got {settings.default_block_tokens}"
-            )
-        if settings.tentative_ttl_s <= 0:
-            raise ValueError(f"tentative_ttl_s must be positive, got {settings.tentative_ttl_s}")
-        return settings
-
-
 class FreeKVBlocksRouter(FIFOMixin, RequestRouter):
-    """Ranks replicas by their KV pools (``router.policy``): latency-tier requests to the replica
-    that can start them soonest, the others where their whole length fits with the least load."""
+    """Ranks replicas by their KV pools and the prefixes sent to them (``router.policy``):
+    latency-tier requests to the replica that can start them soonest, the others where their
+    whole length fits with the least load, each drawn to a replica that probably has its prompt's
+    prefix cached while the replicas stay balanced."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        # Guards our state and Serve's replica set against readers on other threads (saturated()).
+        # Guards our state and Serve's replica set against readers on other threads.
         self._lock = threading.RLock()
-        self._ledger: InFlightLedger[ReplicaID] = InFlightLedger()
+        self._state: RouterState[ReplicaID] = RouterState()
         self._bad_reports: set[ReplicaID] = set()
-        self._configure(RouterSettings())
         registry.register(self)
 
-    def _configure(self, settings: RouterSettings) -> None:
-        self.settings = settings
-        self._rng = random.Random(settings.seed)
+    @property
+    def settings(self) -> RouterSettings:
+        return self._state.settings
 
     def initialize_state(self, **kwargs: Any) -> None:
         with self._lock:
-            self._configure(RouterSettings.from_kwargs(kwargs))
+            self._state.configure(RouterSettings.from_kwargs(kwargs))
 
     # ------------------------------------------------------------------ ranking
 
@@ -130,20 +86,17 @@ class FreeKVBlocksRouter(FIFOMixin, RequestRouter):
                 logger.warning("ignoring routing stats of %s: %s", replica.replica_id, e)
             return None
 
+    def _reports(
+        self, candidates: list[RunningReplica]
+    ) -> list[tuple[ReplicaID, RoutingStats | None]]:
+        return [(r.replica_id, self._stats(r)) for r in candidates]
+
     def rank(
         self, candidates: list[RunningReplica], request: RequestShape, skip: int | None = None
     ) -> list[Ranked[ReplicaID]]:
         """The policy's ranking of ``candidates`` given this router's outstanding charges."""
         with self._lock:
-            loads = self._ledger.loads(((r.replica_id, self._stats(r)) for r in candidates), skip)
-            return rank_replicas(
-                loads,
-                request,
-                self._rng,
-                saturation_waiting=self.settings.saturation_waiting,
-                default_block_tokens=self.settings.default_block_tokens,
-                latency_priority=self.settings.latency_priority,
-            )
+            return self._state.rank(self._reports(candidates), request, skip)
 
     async def choose_replicas(
         self,
@@ -157,33 +110,26 @@ class FreeKVBlocksRouter(FIFOMixin, RequestRouter):
 
         pending_request.routing_context.should_backoff = True
         request = RequestShape.from_call(pending_request.args, pending_request.kwargs)
-        key = id(pending_request)
-        now = time.time()
         with self._lock:
-            self._expire_tentative(now)
-            ranked = self.rank(candidate_replicas, request, skip=key)
-            if ranked:
-                self._ledger.charge_tentatively(
-                    key,
-                    ranked[0],
-                    pending_request.metadata.internal_request_id,
-                    now,
-                    holder=pending_request,
-                )
+            ranked = self._state.route(
+                id(pending_request),
+                self._reports(candidate_replicas),
+                request,
+                pending_request.metadata.internal_request_id,
+                time.time(),
+                holder=pending_request,
+            )
         return [[by_id[r.key]] for r in ranked]
-
-    def _expire_tentative(self, now: float) -> None:
-        self._ledger.expire(now, self.settings.tentative_ttl_s)
-
-    def saturated(self, request: RequestShape) -> bool:
-        """True when every replica that could ever hold ``request`` is saturated (any thread)."""
-        with self._lock:
-            return all_saturated(self.rank(list(self._replicas.values()), request))
 
     def outstanding(self) -> dict[ReplicaID, int]:
         """Blocks charged per replica, confirmed and tentative (for tests and tools)."""
         with self._lock:
-            return {r: self._ledger.outstanding_blocks(r) for r in self._replicas}
+            return {r: self._state.ledger.outstanding_blocks(r) for r in self._replicas}
+
+    def prefix_blocks(self) -> dict[ReplicaID, int]:
+        """Block names remembered per replica (for tests and tools)."""
+        with self._lock:
+            return {r: self._state.index.size(r) for r in self._replicas}
 
     # ------------------------------------------------------------------ lifecycle hooks
 
@@ -197,42 +143,33 @@ class FreeKVBlocksRouter(FIFOMixin, RequestRouter):
         with self._lock:
             replica = self._replicas.get(replica_id)
             if replica is None:
-                self._ledger.drop_tentative(key)
+                self._state.drop(key)
                 return  # removed meanwhile: nothing to track
-
-            def recharge() -> tuple[int, int]:
-                stats = self._stats(replica)
-                bt = stats.block_tokens if stats else self.settings.default_block_tokens
-                shape = RequestShape.from_call(pending_request.args, pending_request.kwargs)
-                return (
-                    charge_blocks(shape.prompt_tokens, bt),
-                    full_blocks(shape.prompt_tokens, shape.max_tokens, bt),
-                )
-
-            self._ledger.confirm(
+            self._state.routed(
                 key,
                 replica_id,
                 pending_request.metadata.internal_request_id,
                 time.time(),
-                recharge,
+                self._stats(replica),
+                lambda: RequestShape.from_call(pending_request.args, pending_request.kwargs),
                 holder=pending_request,
             )
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         with self._lock:
-            self._ledger.complete(replica_id, internal_request_id)
+            self._state.completed(replica_id, internal_request_id)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         with self._lock:
             super().update_replicas(replicas)
             keep = {r.replica_id for r in replicas}
-            self._ledger.forget_replicas(keep)
+            self._state.forget_replicas(keep)
             self._bad_reports &= keep
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         with self._lock:
             super().on_replica_actor_died(replica_id)
-            self._ledger.forget_replicas(set(self._replicas))
+            self._state.forget_replicas(set(self._replicas))
             self._bad_reports.discard(replica_id)
 
     def serves(self, app_name: str, deployment_name: str) -> bool:

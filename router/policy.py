@@ -5,22 +5,35 @@ sent it after that moment are not in the snapshot, so they are added to it ("uns
 requests sent before it are already counted by the replica (running ones in ``free_blocks`` and
 ``committed_blocks``, waiting ones in ``waiting_blocks``) and are not counted twice.
 
+Prefix hits: ``ReplicaLoad.prefix_hits`` is how many of the request's leading prompt blocks the
+router believes the replica has cached (``router.prefix_index``). Those positions cost no prefill
+there and their blocks are shared, so the request's charge on that replica (``need``, ``full``)
+and its own prefill work (``uncached`` tokens) shrink by them.
+
 Two rankings, by the request's kind:
 
 - Latency (``RequestShape.latency``: the ingress marks the top tier's requests, its priority
   reaching that tier's base priority; for a caller that does not say,
-  ``priority >= latency_priority``): the replica where
-  the first token comes soonest. First those whose free blocks (less what was sent since the
-  report) hold the prompt now; then the least prefill work queued ahead (the waiting queue's
-  blocks plus the unseen charges: a long prompt admitted in the same step delays everyone's
-  first token, and a request that has to wait for blocks waits for decodes to finish); then the
-  most free blocks.
+  ``priority >= latency_priority``): the replica where the first token comes soonest. First
+  those whose free blocks (less what was sent since the report) hold the prompt now; then the
+  least prefill work before this request's first token, in tokens: the queue's (the waiting
+  queue's blocks plus the unseen charges: a long prompt admitted in the same step delays
+  everyone's first token, and a request that has to wait for blocks waits for decodes to finish)
+  plus the request's own uncached positions, so a cached system prompt weighs against a queue;
+  then the most free blocks.
 - Throughput (lower priorities): the replica that can take the whole request without
   preempting anyone and has the least of this router's work. First those whose committed blocks
   (every unfinished request at its full ``max_tokens``, plus the unseen charges at theirs) leave
-  room for this request at its full length; then the fewest requests outstanding from this
-  router; then the most room. Spreading requests by count and never overcommitting a pool is what
-  keeps preemptions down; by free blocks alone a burst piles onto the emptiest replica.
+  room for this request at its full length; then, when prefix affinity applies, the most cached
+  positions; then the fewest requests outstanding from this router; then the most room.
+  Spreading requests by count and never overcommitting a pool is what keeps preemptions down.
+  Prefix affinity applies when the best replica has at least ``Affinity.min_hit_fraction`` of the
+  prompt cached (a few shared blocks are not worth a queue) and the replicas are balanced.
+
+Balance: the replicas that can take the request are imbalanced when the most loaded one has more
+than ``Affinity.balance_abs`` requests outstanding beyond the least loaded one and more than
+``Affinity.balance_rel`` times its count. Then both rankings fall back to load alone (prefix hits
+only break ties): affinity must not pile a popular prefix onto one replica while others idle.
 
 A replica that has not reported yet is assumed to be as large as the largest reported pool
 (replicas of one deployment share a pool size; a new replica's pool is empty), minus everything
@@ -75,6 +88,10 @@ class RequestShape:
     max_tokens: int = 0
     priority: int = 0
     latency: bool | None = None
+    # The names of the prompt's full blocks (GenerateRequest.prefix_hashes) and how many samples
+    # of the prompt the request runs (each holds the prompt; cached blocks are shared).
+    prefix: tuple[int, ...] = ()
+    samples: int = 1
 
     @classmethod
     def from_request(cls, request: GenerateRequest) -> RequestShape:
@@ -84,7 +101,15 @@ class RequestShape:
             max_tokens=request.max_new_tokens,
             priority=request.priority,
             latency=request.latency,
+            prefix=request.prefix_hashes,
+            samples=max(request.n, 1),
         )
+
+    def usable_prefix(self, block_tokens: int) -> int:
+        """Leading blocks a replica's cache can give the request: full blocks before the prompt's
+        last position (that one is always computed: its logits are needed)."""
+        per_sample = self.prompt_tokens // max(self.samples, 1)
+        return min(len(self.prefix), max(per_sample - 1, 0) // block_tokens)
 
     @classmethod
     def from_call(cls, args: Sequence[Any], kwargs: Mapping[Any, Any]) -> RequestShape:
@@ -128,11 +153,38 @@ class Charge:
 
 @dataclass(frozen=True, slots=True)
 class ReplicaLoad(Generic[K]):
-    """One replica as this router sees it: its last report and its outstanding charges."""
+    """One replica as this router sees it: its last report, its outstanding charges, and how many
+    leading blocks of the request being ranked it probably has cached."""
 
     key: K
     stats: RoutingStats | None
     charges: Sequence[Charge] = ()
+    prefix_hits: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Affinity:
+    """How prefix hits weigh against load (module docstring)."""
+
+    # Imbalanced: max outstanding - min outstanding > balance_abs and max > balance_rel * min.
+    balance_abs: int = 16
+    balance_rel: float = 1.5
+    # Throughput-tier affinity only when the best replica has this share of the prompt cached.
+    min_hit_fraction: float = 0.25
+
+    def __post_init__(self) -> None:
+        if self.balance_abs < 0:
+            raise ValueError(f"balance_abs must be >= 0, got {self.balance_abs}")
+        if self.balance_rel < 1.0:
+            raise ValueError(f"balance_rel must be >= 1, got {self.balance_rel}")
+        if not 0.0 <= self.min_hit_fraction <= 1.0:
+            raise ValueError(f"min_hit_fraction must be in [0, 1], got {self.min_hit_fraction}")
+
+    def imbalanced(self, outstanding: Sequence[int]) -> bool:
+        if len(outstanding) < 2:
+            return False
+        hi, lo = max(outstanding), min(outstanding)
+        return hi - lo > self.balance_abs and hi > self.balance_rel * lo
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +202,11 @@ class Ranked(Generic[K]):
     room: int = 0  # blocks left once every unfinished request reaches its full length
     outstanding: int = 0  # requests this router sent there that have not completed
     full: int = 0  # blocks this request holds at its full length
+    cached: int = 0  # prompt positions it would probably find cached there (all samples)
+    short: bool = False  # its free blocks less what was sent since its report cannot hold it now
+    # Prefill positions before this request's first token there: the queue's, then its own
+    # uncached ones.
+    prefill_ahead: int = 0
 
 
 def charged_since_report(stats: RoutingStats | None, charges: Sequence[Charge]) -> list[Charge]:
@@ -167,28 +224,34 @@ def rank_replicas(
     saturation_waiting: int = 8,
     default_block_tokens: int = 16,
     latency_priority: int = LATENCY_PRIORITY,
+    affinity: Affinity | None = None,
 ) -> list[Ranked[K]]:
-    """Best replica first (see the module docstring for the two rankings).
+    """Best replica first (see the module docstring for the two rankings and the balance rule).
 
     Before either ranking: replicas whose engine has failed go last, then those whose pool can
     never hold ``prompt + max_tokens``, then saturated ones (the estimated free blocks cannot
     hold the request and the estimated queue is at least ``saturation_waiting``). Remaining ties
     at random (``rng``). A replica without a report is never saturated, never too small and never
-    dead (nothing is known against it).
+    dead (nothing is known against it). ``affinity`` None: ``Affinity()``.
     """
+    affinity = affinity or Affinity()
     reported = [load.stats for load in loads if load.stats is not None]
     assumed_total = max((s.total_blocks for s in reported), default=0)
     fallback_block_tokens = reported[0].block_tokens if reported else default_block_tokens
     latency = request.latency if request.latency is not None else (
         request.priority >= latency_priority
     )
+    samples = max(request.samples, 1)
 
-    ranked: list[tuple[tuple[Any, ...], Ranked[K]]] = []
+    entries: list[Ranked[K]] = []
     for load in loads:
         stats = load.stats
         block_tokens = stats.block_tokens if stats is not None else fallback_block_tokens
-        need = charge_blocks(request.prompt_tokens, block_tokens)
-        full = full_blocks(request.prompt_tokens, request.max_tokens, block_tokens)
+        hit_blocks = min(load.prefix_hits, request.usable_prefix(block_tokens))
+        shared = hit_blocks * samples  # blocks the request would not take fresh
+        need = max(charge_blocks(request.prompt_tokens, block_tokens) - shared, 1)
+        whole = full_blocks(request.prompt_tokens, request.max_tokens, block_tokens)
+        full = max(whole - shared, 1)
         unseen = charged_since_report(stats, load.charges)
         unseen_now = sum(c.blocks for c in unseen)
         unseen_full = sum(c.full_blocks for c in unseen)
@@ -201,25 +264,39 @@ def rank_replicas(
             room = stats.total_blocks - stats.committed_blocks - unseen_full
             est_waiting = stats.waiting + len(unseen)
         est_free = free_now - (stats.waiting_blocks if stats is not None else 0)
-        saturated = stats is not None and est_free < need and est_waiting >= saturation_waiting
-        never_fits = stats is not None and full > stats.total_blocks
-        dead = stats is not None and not stats.alive
-        outstanding = len(load.charges)
-        entry = Ranked(load.key, est_free, need, est_waiting, saturated, never_fits, dead,
-                       pending, room, outstanding, full)
+        entries.append(Ranked(
+            key=load.key,
+            est_free=est_free,
+            need=need,
+            est_waiting=est_waiting,
+            saturated=stats is not None and est_free < need and est_waiting >= saturation_waiting,
+            never_fits=stats is not None and whole > stats.total_blocks,
+            dead=stats is not None and not stats.alive,
+            pending=pending,
+            room=room,
+            outstanding=len(load.charges),
+            full=full,
+            cached=hit_blocks * block_tokens * samples,
+            short=free_now < need,
+            prefill_ahead=pending * block_tokens + request.prompt_tokens
+            - hit_blocks * block_tokens * samples,
+        ))
+
+    eligible = [r for r in entries if not (r.dead or r.never_fits or r.saturated)]
+    balanced = not affinity.imbalanced([r.outstanding for r in eligible or entries])
+    best_cached = max((r.cached for r in eligible or entries), default=0)
+    sticky = balanced and best_cached > 0 and (
+        best_cached >= affinity.min_hit_fraction * max(request.prompt_tokens, 1)
+    )
+
+    def order(r: Ranked[K]) -> tuple[Any, ...]:
+        head = (r.dead, r.never_fits, r.saturated)
         if latency:
-            key: tuple[Any, ...] = (free_now < need, pending, -est_free)
-        else:
-            key = (room < full, outstanding, -room)
-        ranked.append(((dead, never_fits, saturated, *key, rng.random()), entry))
-    ranked.sort(key=lambda pair: pair[0])
-    return [entry for _, entry in ranked]
+            if balanced:
+                return (*head, r.short, r.prefill_ahead, -r.est_free, rng.random())
+            return (*head, r.short, r.pending, -r.est_free, -r.cached, rng.random())
+        if sticky:
+            return (*head, r.room < r.full, -r.cached, r.outstanding, -r.room, rng.random())
+        return (*head, r.room < r.full, r.outstanding, -r.cached, -r.room, rng.random())
 
-
-def all_saturated(ranked: Sequence[Ranked[Any]]) -> bool:
-    """True when every replica that could ever hold the request is saturated.
-
-    False when no replica could ever hold it: the replica's own check should refuse it at once.
-    """
-    fitting = [r for r in ranked if not r.never_fits]
-    return bool(fitting) and all(r.saturated for r in fitting)
+    return sorted(entries, key=order)

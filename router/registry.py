@@ -1,5 +1,5 @@
 """The routers alive in this process, so that code in it (the ingress, tests, tools) can ask
-them what they see: saturation, the blocks they have charged each replica.
+them what they see: the blocks they have charged each replica, the prefixes they remember.
 
 Serve pickles the router's module by value (``RequestRouterConfig`` registers it with
 ``cloudpickle.register_pickle_by_value``): the handle owner runs a copy of
@@ -14,15 +14,13 @@ import weakref
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-from router.policy import RequestShape
-
 
 class RouterView(Protocol):
     """What a live router answers, from any thread."""
 
     def serves(self, app_name: str, deployment_name: str) -> bool: ...
-    def saturated(self, request: RequestShape) -> bool: ...
     def outstanding(self) -> Mapping[Any, int]: ...
+    def prefix_blocks(self) -> Mapping[Any, int]: ...
 
 
 _lock = threading.Lock()

@@ -1,10 +1,13 @@
 """A simulated replica for router tests and benchmarks: the real scheduler, a step-time model.
 
 ``SimCore`` is a replica's engine without a model (Ray-free): the replica's own
-``replica.scheduler.Scheduler`` over a ``replica.block_space.FreeListBlocks`` pool, configured by
-an ``replica.config.EngineConfig`` as a real replica is (``num_kv_blocks``, ``block_size``,
-``max_num_seqs``, ``max_num_batched_tokens``, ``max_waiting``, ``scheduling_policy``,
-``aging_steps``, ``prefill_chunk_tokens``, ``max_model_len``). So admission by free blocks,
+``replica.scheduler.Scheduler`` over the pool a replica builds (``FreeListBlocks``, or
+``replica.prefix_cache.PrefixCachingBlocks`` with ``enable_prefix_caching``, which
+``sim_config`` leaves off unless asked), configured by an ``replica.config.EngineConfig`` as a
+real replica is (``num_kv_blocks``, ``block_size``, ``max_num_seqs``, ``max_num_batched_tokens``,
+``max_waiting``, ``scheduling_policy``, ``aging_steps``, ``prefill_chunk_tokens``,
+``max_model_len``). A prompt is a length (every position ``TOKEN``) or real token ids (what a
+prefix cache tells apart); a cached prefix is not computed, so it costs no step time. So admission by free blocks,
 priority with aging, chunked prefill, preemption by recompute and the refusals
 (``replica.scheduler.AdmitError``) are the ones the replicas run. In place of the forward pass a
 step of ``t`` tokens takes ``base_s + per_token_s * t`` (``StepModel``); every sampled row gets
@@ -29,8 +32,9 @@ from ray import serve
 from ray.serve.exceptions import RayServeException
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from replica.block_space import FreeListBlocks
+from replica.block_space import BlockSpace, FreeListBlocks
 from replica.config import CONTEXT_CAP, EngineConfig
+from replica.prefix_cache import PrefixCachingBlocks
 from replica.scheduler import (
     FinishedEvent,
     Request,
@@ -43,8 +47,7 @@ from router.stats import RoutingStats
 
 ROUTER_CLASS = "router.free_blocks_router:FreeKVBlocksRouter"
 
-# The token of every prompt position and every sampled row: the pool has no prefix cache, so
-# which ids a request holds changes nothing but the memory the lists take.
+# The token of every sampled row, and of every prompt position of a prompt given as a length.
 TOKEN = 1
 
 # SimEngine's replica unless told otherwise: a small pool and batch (EngineConfig's defaults
@@ -66,8 +69,9 @@ class StepModel:
 
 def sim_config(total_blocks: int, **fields: Any) -> EngineConfig:
     """The engine config of a simulated replica with ``total_blocks`` KV blocks; ``fields`` are
-    any other ``EngineConfig`` fields (validated as in a real replica's config)."""
-    return EngineConfig(num_kv_blocks=total_blocks, **fields)
+    any other ``EngineConfig`` fields (validated as in a real replica's config). The prefix cache
+    is off unless ``enable_prefix_caching`` is given (prompts given as lengths are all alike)."""
+    return EngineConfig(num_kv_blocks=total_blocks, **{"enable_prefix_caching": False, **fields})
 
 
 def sampled(plan: ScheduleOutput) -> list[StepOutput]:
@@ -93,9 +97,16 @@ class SimCore:
             raise ValueError("a simulated replica needs num_kv_blocks in its config")
         self.cfg = cfg
         self.model = model or StepModel()
-        self.blocks = FreeListBlocks(cfg.block_size, range(cfg.num_kv_blocks))
+        self.blocks: BlockSpace
+        if cfg.enable_prefix_caching:
+            self.blocks = PrefixCachingBlocks(cfg.block_size, range(cfg.num_kv_blocks),
+                                              cfg.prefix_root())
+        else:
+            self.blocks = FreeListBlocks(cfg.block_size, range(cfg.num_kv_blocks))
         context = max_model_len or cfg.max_model_len or CONTEXT_CAP
         self.scheduler = Scheduler(cfg, self.blocks, max_model_len=context)
+        # Request id -> prompt positions found cached at its first admission.
+        self.cached: dict[int, int] = {}
 
     @property
     def has_work(self) -> bool:
@@ -126,10 +137,17 @@ class SimCore:
         """Requests ``add`` refused (every reason)."""
         return sum(self.scheduler.stats().rejected.values())
 
-    def add(self, prompt_tokens: int, max_tokens: int, priority: int = 0) -> int:
-        """Queue a request; the scheduler's ``AdmitError`` (``NeverFits``, ``QueueFull``, ...)
-        when it refuses it, ``ValueError`` for ``max_tokens < 1``."""
-        return self.scheduler.add(Request([TOKEN] * max(prompt_tokens, 0), max_tokens, priority))
+    def add(self, prompt: int | Sequence[int], max_tokens: int, priority: int = 0) -> int:
+        """Queue a request (``prompt``: its length, or its token ids); the scheduler's
+        ``AdmitError`` (``NeverFits``, ``QueueFull``, ...) when it refuses it, ``ValueError`` for
+        ``max_tokens < 1``."""
+        ids = [TOKEN] * max(prompt, 0) if isinstance(prompt, int) else list(prompt)
+        return self.scheduler.add(Request(ids, max_tokens, priority))
+
+    def cached_prefix(self, tokens: Sequence[int]) -> int:
+        """Positions of ``tokens`` this replica's cache holds now (0 without a cache)."""
+        blocks = self.blocks
+        return blocks.cached_prefix(tokens) if isinstance(blocks, PrefixCachingBlocks) else 0
 
     def abort(self, id: int) -> None:
         self.scheduler.abort(id)
@@ -139,6 +157,9 @@ class SimCore:
         plan = self.scheduler.schedule()
         if plan.is_empty:  # time still passes, so a caller's loop cannot spin
             return self.model.step_time(0), []
+        for c in plan.prefill:
+            if c.id not in self.cached:
+                self.cached[c.id] = self.scheduler.cached_tokens(c.id) or 0
         events = self.scheduler.on_step(sampled(plan))
         done = {e.id for e in events if isinstance(e, FinishedEvent)}
         out = [(e.id, e.token, e.id in done) for e in events if isinstance(e, TokenEvent)]
@@ -158,6 +179,7 @@ class SimCore:
             waiting_blocks=self.scheduler.waiting_blocks() if s.waiting else 0,
             committed_blocks=self.scheduler.committed_blocks() if s.waiting or s.running else 0,
             steps=s.step,
+            cached_blocks=self.blocks.cached_blocks,
         )
 
 

@@ -13,7 +13,6 @@ from router.policy import (
     Charge,
     ReplicaLoad,
     RequestShape,
-    all_saturated,
     charge_blocks,
     rank_replicas,
 )
@@ -164,14 +163,13 @@ def test_without_any_report_fewest_outstanding_blocks_wins() -> None:
     assert not any(r.saturated for r in ranked)  # nothing is known against them
 
 
-def test_saturated_replicas_rank_last_and_are_reported() -> None:
+def test_saturated_replicas_rank_last() -> None:
     # a has more free blocks than b, but not enough for the request, and a long queue.
     loads = [ReplicaLoad("a", stats(3, waiting=9)), ReplicaLoad("b", stats(2, waiting=1))]
     ranked = rank_replicas(loads, RequestShape(63), random.Random(0), saturation_waiting=8)
     assert [r.key for r in ranked] == ["b", "a"]
     assert [r.saturated for r in ranked] == [False, True]
     assert ranked[1].need == 4
-    assert not all_saturated(ranked)
 
 
 def test_requests_sent_since_the_report_lengthen_the_queue() -> None:
@@ -179,7 +177,6 @@ def test_requests_sent_since_the_report_lengthen_the_queue() -> None:
     load = ReplicaLoad("a", stats(2, waiting=5), charges)
     ranked = rank_replicas([load], RequestShape(63), random.Random(0), saturation_waiting=8)
     assert ranked[0].est_waiting == 8 and ranked[0].saturated
-    assert all_saturated(ranked)
 
 
 def test_a_pool_too_small_for_the_whole_request_ranks_last() -> None:
@@ -189,8 +186,7 @@ def test_a_pool_too_small_for_the_whole_request_ranks_last() -> None:
     assert ranked[1].never_fits
     # A request no pool can ever hold is not "saturated": the replica refuses it at once.
     only_small = rank_replicas(loads[:1], RequestShape(31, 200), random.Random(0))
-    assert not all_saturated(only_small)
-    assert not all_saturated([])
+    assert only_small[0].never_fits and not only_small[0].saturated
 
 
 # ---------------------------------------------------------------- the two rankings

@@ -184,10 +184,10 @@ def test_removed_and_dead_replicas_are_forgotten() -> None:
             router.on_request_routed(pr, rep.replica_id, RESULT)
         router.update_replicas(cast(list[RunningReplica], [b]))
         assert outstanding(router) == {"b": 16}
-        assert not router._ledger.charges(a.replica_id)
+        assert not router._state.ledger.charges(a.replica_id)
         router.on_replica_actor_died(b.replica_id)
         assert outstanding(router) == {}
-        assert not router._ledger.confirmed and not router._ledger.tentative
+        assert not router._state.ledger.confirmed and not router._state.ledger.tentative
 
     run(body, FakeReplica("a", 100), FakeReplica("b", 90))
 
@@ -220,19 +220,13 @@ def test_malformed_report_is_treated_as_no_report() -> None:
     run(body, FakeReplica("a", 100), FakeReplica("b", 10))
 
 
-def test_saturation_is_visible_to_the_ingress() -> None:
+def test_the_router_is_found_by_its_deployment() -> None:
     async def body(router: FreeKVBlocksRouter, reps: list[FakeReplica]) -> None:
         # Code in the router's process finds it by deployment (older test routers may linger).
         assert router in registry.routers("app", "engine")
         assert router not in registry.routers("app", "other")
-        assert not router.saturated(RequestShape(255))
-        for rep in reps:
-            rep.report(free=4, waiting=3)
-        router.update_replicas(cast(list[RunningReplica], reps))
-        assert router.saturated(RequestShape(255))  # needs 16 blocks
-        assert not router.saturated(RequestShape(15))  # needs 1
 
-    run(body, FakeReplica("a", 100), FakeReplica("b", 100), saturation_waiting=2)
+    run(body, FakeReplica("a", 100), FakeReplica("b", 100))
 
 
 def test_unknown_router_kwargs_are_refused() -> None:

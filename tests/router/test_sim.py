@@ -39,9 +39,9 @@ def test_it_runs_the_replicas_scheduler_as_configured() -> None:
 
 def test_admission_by_free_blocks_and_stats() -> None:
     core = SimCore(sim_config(10, block_size=16))
-    a = core.add(prompt_tokens=63, max_tokens=4)  # 4 blocks at admission
-    b = core.add(prompt_tokens=63, max_tokens=4)
-    c = core.add(prompt_tokens=63, max_tokens=4)
+    a = core.add(63, max_tokens=4)  # 4 blocks at admission
+    b = core.add(63, max_tokens=4)
+    c = core.add(63, max_tokens=4)
     _, first = core.step()
     assert [e[0] for e in first] == [a, b]
     s = core.stats(now=5.0)

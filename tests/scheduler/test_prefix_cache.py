@@ -156,6 +156,27 @@ def test_the_scheduler_charges_only_what_is_not_cached() -> None:
     assert plan.num_tokens == 3 and s.cached_tokens(rid) == 16
 
 
+def test_committed_blocks_count_a_shared_prefix_once() -> None:
+    cfg = caps(max_seqs=4, max_batch_tokens=64, max_model_len=64)
+    blocks = cache(n=32)
+    s = Scheduler(cfg, blocks, Chunked(64))
+    model = FakeModel(s)
+    system = list(range(100, 116))  # 4 blocks
+    first = s.add(Request([*system, 1], 3))  # 17 + 3 -> 5 blocks at full length
+    model.step()  # its prefill: the system prompt's blocks are named from now on
+    second = s.add(Request([*system, 2], 3))
+    model.step()  # admitted on the 4 cached blocks, one of its own
+    assert s.cached_tokens(second) == 16
+    # Referenced: 4 shared + 1 + 1; growth: none (position 20 still fits block 5 of each)...
+    tables = [len(blocks.block_table(r)) for r in (first, second)]
+    assert tables == [5, 5]
+    # ...so 6 blocks, where the two requests at their full length alone would count 10.
+    assert s.committed_blocks() == 6
+    waiting = s.add(Request([*system, 3], 3))  # not admitted yet: counted at its full length
+    assert s.cached_tokens(waiting) is None
+    assert s.committed_blocks() == 6 + 5
+
+
 # ----------------------------------------------------------------------------- random traffic
 
 

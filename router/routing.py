@@ -1,0 +1,202 @@
+"""One router's state and its steps, Ray-free: the ledger of requests in flight, the prefix index,
+the replicas' last reports, and the ranking that uses them.
+
+``FreeKVBlocksRouter`` (the Serve adapter) drives a ``RouterState`` from Serve's hooks under its
+lock; the offline router benchmarks drive the very same class in virtual time, so what they
+measure is the router that runs. A request's life:
+
+1. ``route``: ranked (``router.policy.rank_replicas``, with the prefix hits each replica would
+   probably give it), charged tentatively to the replica ranked first, and its prompt's block
+   names recorded there (a burst of one system prompt then follows the first request);
+2. ``routed``: a replica took it; the charge moves there (recomputed when it is not the one
+   ranked first, whose names are then recorded too);
+3. ``completed``: the call is over; its charge goes.
+
+Not thread-safe: the caller holds a lock around every call.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from dataclasses import dataclass, fields
+from typing import Any, Generic, TypeVar
+
+from router.ledger import InFlightLedger
+from router.policy import (
+    LATENCY_PRIORITY,
+    Affinity,
+    Ranked,
+    ReplicaLoad,
+    RequestShape,
+    charge_blocks,
+    full_blocks,
+    rank_replicas,
+)
+from router.prefix_index import PrefixIndex
+from router.stats import RoutingStats
+
+R = TypeVar("R", bound=Hashable)
+
+
+@dataclass(frozen=True, slots=True)
+class RouterSettings:
+    """``request_router_kwargs`` of the deployment's ``request_router_config``."""
+
+    # A replica out of blocks for a request is saturated from this (estimated) queue length on.
+    saturation_waiting: int = 8
+    # Block size assumed before any replica has reported.
+    default_block_tokens: int = 16
+    # Requests at or above this priority are ranked for their first token when the caller does
+    # not say (the ingress does: its top tier); the others for room and balance (router.policy).
+    latency_priority: int = LATENCY_PRIORITY
+    # A tentative charge never confirmed by on_request_routed is forgotten after this long.
+    tentative_ttl_s: float = 5.0
+    # Seed of the random tie-break (None: from the OS).
+    seed: int | None = None
+    # Prefix affinity (router.policy): off ranks by KV room and load alone.
+    prefix_affinity: bool = True
+    # Block names remembered per replica before it reports its pool size (then: that size).
+    prefix_index_blocks: int = 4096
+    # Load imbalance past which prefix hits only break ties (router.policy.Affinity).
+    balance_abs: int = 16
+    balance_rel: float = 1.5
+    # Lower tiers follow their prefix only when this share of the prompt is cached there.
+    min_hit_fraction: float = 0.25
+
+    @classmethod
+    def from_kwargs(cls, kwargs: dict[str, Any]) -> RouterSettings:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown request_router_kwargs {unknown} for FreeKVBlocksRouter; "
+                f"known: {sorted(known)}"
+            )
+        settings = cls(**kwargs)
+        if settings.saturation_waiting < 0:
+            raise ValueError(f"saturation_waiting must be >= 0, got {settings.saturation_waiting}")
+        if settings.default_block_tokens <= 0:
+            raise ValueError(
+                f"default_block_tokens must be positive, got {settings.default_block_tokens}"
+            )
+        if settings.tentative_ttl_s <= 0:
+            raise ValueError(f"tentative_ttl_s must be positive, got {settings.tentative_ttl_s}")
+        if settings.prefix_index_blocks <= 0:
+            raise ValueError(
+                f"prefix_index_blocks must be positive, got {settings.prefix_index_blocks}"
+            )
+        settings.affinity()  # validates the balance fields
+        return settings
+
+    def affinity(self) -> Affinity:
+        return Affinity(self.balance_abs, self.balance_rel, self.min_hit_fraction)
+
+
+class RouterState(Generic[R]):
+    """See the module docstring. ``R``: how replicas are named (Serve's ``ReplicaID``, an index)."""
+
+    def __init__(self, settings: RouterSettings | None = None) -> None:
+        self.configure(settings or RouterSettings())
+        self.ledger: InFlightLedger[R] = InFlightLedger()
+
+    def configure(self, settings: RouterSettings) -> None:
+        self.settings = settings
+        self._affinity = settings.affinity()
+        self.rng = random.Random(settings.seed)
+        self.index: PrefixIndex[R] = PrefixIndex(settings.prefix_index_blocks)
+
+    # ------------------------------------------------------------------ ranking
+
+    def prefix_hits(self, replica: R, stats: RoutingStats | None, request: RequestShape) -> int:
+        """Leading blocks of ``request`` this router sent ``replica`` (0 with affinity off)."""
+        if not self.settings.prefix_affinity or not request.prefix:
+            return 0
+        if stats is not None:
+            self.index.set_capacity(replica, stats.total_blocks)
+        block_tokens = stats.block_tokens if stats else self.settings.default_block_tokens
+        return self.index.match(replica, request.prefix, request.usable_prefix(block_tokens))
+
+    def rank(
+        self,
+        reports: Iterable[tuple[R, RoutingStats | None]],
+        request: RequestShape,
+        skip: Hashable | None = None,
+    ) -> list[Ranked[R]]:
+        """Every replica of ``reports`` ranked for ``request``, best first (``skip``: the routing
+        key of the request itself, whose tentative charge must not count against it)."""
+        s = self.settings
+        loads = [
+            ReplicaLoad(r, stats, self.ledger.charges(r, skip), self.prefix_hits(r, stats, request))
+            for r, stats in reports
+        ]
+        return rank_replicas(
+            loads,
+            request,
+            self.rng,
+            saturation_waiting=s.saturation_waiting,
+            default_block_tokens=s.default_block_tokens,
+            latency_priority=s.latency_priority,
+            affinity=self._affinity,
+        )
+
+    # ------------------------------------------------------------------ a request's life
+
+    def route(
+        self,
+        key: Hashable,
+        reports: Sequence[tuple[R, RoutingStats | None]],
+        request: RequestShape,
+        request_id: Hashable,
+        now: float,
+        holder: object = None,
+    ) -> list[Ranked[R]]:
+        """Rank ``request`` (routing ``key``) and charge it tentatively to the first replica."""
+        self.ledger.expire(now, self.settings.tentative_ttl_s)
+        ranked = self.rank(reports, request, skip=key)
+        if ranked:
+            self.ledger.charge_tentatively(key, ranked[0], request_id, now, holder)
+            self._record(ranked[0].key, request)
+        return ranked
+
+    def routed(
+        self,
+        key: Hashable,
+        replica: R,
+        request_id: Hashable,
+        now: float,
+        stats: RoutingStats | None,
+        request: Callable[[], RequestShape],
+        holder: object = None,
+    ) -> None:
+        """``replica`` took the request: confirm its charge there. ``request()`` gives its shape
+        when the charge has to be recomputed (it went elsewhere than ranked first)."""
+        moved: list[RequestShape] = []
+
+        def recharge() -> tuple[int, int]:
+            shape = request()
+            moved.append(shape)
+            bt = stats.block_tokens if stats else self.settings.default_block_tokens
+            return (
+                charge_blocks(shape.prompt_tokens, bt),
+                full_blocks(shape.prompt_tokens, shape.max_tokens, bt),
+            )
+
+        self.ledger.confirm(key, replica, request_id, now, recharge, holder=holder)
+        for shape in moved:
+            self._record(replica, shape)
+
+    def completed(self, replica: R, request_id: Hashable) -> None:
+        self.ledger.complete(replica, request_id)
+
+    def drop(self, key: Hashable) -> None:
+        """Forget the tentative charge of a request that went to no known replica."""
+        self.ledger.drop_tentative(key)
+
+    def forget_replicas(self, keep: set[R]) -> None:
+        self.ledger.forget_replicas(keep)
+        self.index.forget(keep)
+
+    def _record(self, replica: R, request: RequestShape) -> None:
+        if self.settings.prefix_affinity and request.prefix:
+            self.index.record(replica, request.prefix)
