@@ -282,10 +282,13 @@ def engine_targets(summary: dict[str, Any]) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- part 2: routing
 
 
+DEFAULT_RATE = 10.0  # requests per second per replica
+
+
 @dataclass(frozen=True, slots=True)
 class RoutingSpec:
     duration_s: float = 60.0
-    rate_per_replica: float = 6.0  # requests per second
+    rate_per_replica: float = DEFAULT_RATE
     interactive_share: float = 0.3
     output: tuple[int, int] = (32, 96)
 
@@ -444,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=None, help="engine part: requests per mix")
     ap.add_argument("--replicas", default="4,8")
     ap.add_argument("--rounds", type=int, default=None)
-    ap.add_argument("--rate", type=float, default=RoutingSpec.rate_per_replica,
+    ap.add_argument("--rate", type=float, default=DEFAULT_RATE,
                     help="routing part: requests/s per replica")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-vllm", action="store_true")
