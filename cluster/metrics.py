@@ -9,8 +9,8 @@ from replica.metrics import COUNTERS, INGRESS_REJECTIONS, NO_TIER, zero_counters
 
 
 class IngressMetrics:
-    """What the ingress refuses before any replica sees the request (``empty``; ``shed`` and
-    ``queue_full`` beyond ``max_inflight_requests``).
+    """What the ingress refuses before any replica sees the request: ``shed`` (a tier past its
+    share of ``max_inflight_requests``) and ``queue_full`` (``max_inflight_requests`` reached).
 
     The same ``tierserve_rejections`` series as the replicas' (Serve's ``deployment`` label tells
     them apart), so a dashboard's ``sum by (reason)`` counts every refusal once.

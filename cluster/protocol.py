@@ -182,10 +182,15 @@ class ChatCompletionRequest(_SamplingFields):
         return self
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt positions the replica's prefix cache held (not computed again)
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogprobs(BaseModel):
@@ -300,8 +305,12 @@ def now() -> int:
     return int(time.time())
 
 
-def usage(prompt: int, completion: int) -> Usage:
-    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+def usage(prompt: int, completion: int, cached: int | None = None) -> Usage:
+    """OpenAI's usage; ``cached``: the prompt positions found in the prefix cache (None: not
+    known yet, as in a stream's chunks before the replica admitted the request)."""
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                 prompt_tokens_details=None if cached is None else PromptTokensDetails(
+                     cached_tokens=cached))
 
 
 def dump(model: BaseModel) -> dict[str, Any]:

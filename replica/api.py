@@ -180,7 +180,8 @@ class RequestOutput:
     ``"abort"`` or ``"error"`` (with ``failure`` saying what went wrong). ``index``: which of the
     ``n`` samples of one prompt this is. ``logprobs``: one per token of ``token_ids`` when the
     request asked for them; ``prompt_logprobs``: with the request's first delta, one per prompt
-    token (None for the first, which has no context).
+    token (None for the first, which has no context). ``cached_tokens``: with the first token's
+    delta and the last delta, the prompt positions found in the prefix cache at admission.
     """
 
     request_id: RequestId
@@ -194,6 +195,7 @@ class RequestOutput:
     index: int = 0
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    cached_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -378,9 +378,10 @@ class Engine:
         step_outputs: list[StepOutput] = []
         deltas: dict[RequestId, RequestOutput] = {}
         for live, tok, lp in zip(states, tokens, logprobs, strict=True):
+            delta = RequestOutput(live.id, "", [], prompt_tokens=live.prompt_len, index=live.index)
             if live.first_token is None:
                 live.first_token = now
-            delta = RequestOutput(live.id, "", [], prompt_tokens=live.prompt_len, index=live.index)
+                delta.cached_tokens = live.cached_tokens
             if live.prompt_lp is not None:
                 delta.prompt_logprobs = [
                     None, *(live.prompt_lp.get(p) for p in range(1, live.prompt_len))
@@ -438,6 +439,7 @@ class Engine:
             completion_tokens=live.generated,
             failure=error,
             index=live.index,
+            cached_tokens=live.cached_tokens,
         )
 
     # ------------------------------------------------------------------ background loop

@@ -9,6 +9,7 @@ import json
 from typing import Any
 
 import httpx
+import openai
 import pytest
 
 from tests.cluster.helpers import KEYS, MODEL, ServeApp, headers, sse_events
@@ -216,3 +217,44 @@ def test_unsupported_features_are_a_400_that_names_them(http: httpx.Client, path
     err = r.json()["error"]
     assert err["param"] == param and "not supported" in err["message"]
     assert json.dumps(err)  # an OpenAI-shaped error, not FastAPI's 422
+
+
+def test_the_sdk_with_keys_configured(main_app: ServeApp) -> None:
+    """With keys configured the SDK's key is the caller's tier: a known key streams, an unknown
+    one is the SDK's AuthenticationError (401), never a silent fall-back to the default tier."""
+    client = main_app.client(KEY)
+    pieces = [c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=0, stream=True)
+        if c.choices]
+    whole = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8,
+                                      temperature=0)
+    assert "".join(pieces) == whole.choices[0].text and whole.usage is not None
+    assert whole.usage.completion_tokens == 8
+    with pytest.raises(openai.AuthenticationError):
+        main_app.client("sk-not-a-configured-key").completions.create(
+            model=MODEL, prompt="Once upon a time", max_tokens=1)
+
+
+def test_shared_prefixes_go_where_they_are_cached_and_usage_says_so(http: httpx.Client) -> None:
+    """Three long system prompts, each asked four times in turn: every repeat finds the prompt's
+    shared blocks cached (the router sent it where its prefix went; with two replicas and no
+    affinity about half the second visits would miss), and usage reports the cached positions
+    as OpenAI does (``prompt_tokens_details.cached_tokens``), streamed usage too."""
+    systems = [" ".join(f"{word}{i}" for i in range(60)) for word in ("alpha", "beta", "gamma")]
+    seen: dict[int, list[tuple[int, int]]] = {}
+    for k in range(12):
+        s = k % 3
+        out = _post(http, "/v1/completions", {
+            "prompt": f"{systems[s]} | question {k}:", "max_tokens": 2, "temperature": 0})
+        u = out["usage"]
+        seen.setdefault(s, []).append((u["prompt_tokens"], u["prompt_tokens_details"]["cached_tokens"]))
+    for s, visits in seen.items():
+        prompt0, cached0 = visits[0]
+        assert cached0 < prompt0 - 16, (s, visits)  # the first visit computes its system prompt
+        for prompt, cached in visits[1:]:
+            assert cached % 16 == 0 and prompt - 48 <= cached < prompt, (s, visits)
+    events = _stream(http, "/v1/completions", {
+        "prompt": f"{systems[0]} | question streamed:", "max_tokens": 2, "temperature": 0,
+        "stream_options": {"include_usage": True}})
+    final = events[-1]["usage"]
+    assert final["prompt_tokens"] - 48 <= final["prompt_tokens_details"]["cached_tokens"]

@@ -153,6 +153,14 @@ def test_the_openai_sdk_with_a_dummy_key(served: subprocess.Popen[bytes]) -> Non
 
     assert asyncio.run(streamed()) == done.choices[0].text
 
+    async def chat() -> str | None:
+        aclient = openai.AsyncOpenAI(base_url=f"{BASE}/v1", api_key="sk-anything", max_retries=0)
+        answer = await aclient.chat.completions.create(model=MODEL, temperature=0, messages=[
+            {"role": "user", "content": "What is the capital of France?"}])
+        return answer.choices[0].message.content
+
+    assert asyncio.run(chat()) == "The capital of France is Paris."
+
 
 def test_each_engine_step_is_its_own_sse_chunk(served: subprocess.Popen[bytes]) -> None:
     """A stream of 48 tokens arrives as (nearly) 48 chunks: no step waits for the next one."""
@@ -263,7 +271,8 @@ def test_aiperf_counts_what_the_server_counts(served: subprocess.Popen[bytes],
     bin_dir = tool_venv("aiperf", AIPERF)
     count = 16
     before = _settled()  # the earlier tests' requests all exported
-    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}  # see NOTES: aiperf
+    # With HF_HUB_OFFLINE set, aiperf hands the local tokenizer folder to the hub and fails.
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
     proc = subprocess.run([
         str(bin_dir / "aiperf"), "profile", "--model", MODEL, "--url", BASE,
         "--endpoint-type", "chat", "--streaming", "--tokenizer", str(tokenizer_dir),
