@@ -2,10 +2,11 @@
 
 A replica's report is a snapshot; the requests sent to it since are not in it. The ledger keeps
 one ``Charge`` per such request (blocks at admission and at full length, and when it was sent),
-and ``loads`` hands them to ``router.policy.rank_replicas`` with each replica's report, which
-counts only those sent after the report was taken.
+and ``charges`` hands them to ``router.routing.RouterState``, which ranks them with each
+replica's report (``router.policy.rank_replicas`` counts only those sent after the report was
+taken).
 
-A request's life in the ledger, as ``FreeKVBlocksRouter`` drives it from Serve's hooks:
+A request's life in the ledger, as ``RouterState`` drives it from Serve's hooks:
 
 1. ``charge_tentatively`` when it is ranked: a charge on the replica ranked first, at once, so
    that a burst routed in one round trip does not all land on one replica;
@@ -20,12 +21,11 @@ not thread-safe: the router holds its lock around every call.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from router.policy import Charge, Ranked, ReplicaLoad
-from router.stats import RoutingStats
+from router.policy import Charge, Ranked
 
 R = TypeVar("R", bound=Hashable)
 
@@ -59,12 +59,6 @@ class InFlightLedger(Generic[R]):
             t.charge for k, t in self.tentative.items() if t.replica == replica and k != skip
         )
         return out
-
-    def loads(
-        self, reports: Iterable[tuple[R, RoutingStats | None]], skip: Hashable | None = None
-    ) -> list[ReplicaLoad[R]]:
-        """What the policy ranks: each replica's last report with its outstanding charges."""
-        return [ReplicaLoad(r, stats, self.charges(r, skip)) for r, stats in reports]
 
     def outstanding_blocks(self, replica: R) -> int:
         """Blocks charged to ``replica``, confirmed and tentative."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 from router.ledger import InFlightLedger
-from router.policy import Charge, Ranked, RequestShape, rank_replicas
+from router.policy import Charge, Ranked, ReplicaLoad, RequestShape, rank_replicas
 from router.stats import RoutingStats
 
 T0 = 1000.0
@@ -76,7 +76,7 @@ def test_loads_charge_what_the_reports_have_not_seen() -> None:
     ledger.charge_tentatively("k1", best("b", 60, 60), "r1", T0 + 0.5)
     reports = [("a", RoutingStats(40, 100, 16, report_time=T0)),
                ("b", RoutingStats(90, 100, 16, report_time=T0))]
-    loads = ledger.loads(reports)
+    loads = [ReplicaLoad(r, stats, ledger.charges(r)) for r, stats in reports]
     assert [len(x.charges) for x in loads] == [0, 1]
     ranked = rank_replicas(loads, RequestShape(31, priority=10), random.Random(0))
     assert [r.key for r in ranked] == ["a", "b"] and ranked[1].est_free == 30
