@@ -13,9 +13,10 @@ The mixes (``make_mix``, fixed seeds, the same requests for every system):
   cost of a position does not depend on its token); greedy, EOS ignored.
 - ``unique``: the same lengths, but every request's "system prompt" is its own.
 
-Part 1, ``engine`` (the real default model, SmolLM2-135M-Instruct, fp32, on this machine; 24
-requests per mix by default, so 6 system prompts of four users each: on 2 cores a prompt of
-1,000 positions takes seconds to prefill, and the mix without the cache takes minutes):
+Part 1, ``engine`` (the real default model, SmolLM2-135M-Instruct, fp32, on this machine; 32
+requests per mix by default, eight users per system prompt (``--users``), so 4 system prompts:
+on 2 cores a prompt of 1,000 positions takes seconds to prefill, and the mix without the cache
+takes minutes):
 one ``replica.engine.Engine`` (cache on, cache off; a fresh engine per set, so each starts cold)
 and vLLM's CPU build (``bench.vllm_peer``: its own venv, the same GGUF exported to fp32
 safetensors; prefix caching on and off) run the same requests with the same caps
@@ -448,6 +449,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--part", choices=("engine", "routing", "both"), default="both")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--requests", type=int, default=None, help="engine part: requests per mix")
+    ap.add_argument("--users", type=int, default=8,
+                    help="engine part: requests per system prompt on average")
     ap.add_argument("--replicas", default="4,8")
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--rate", type=float, default=DEFAULT_RATE,
@@ -460,8 +463,10 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {"machine": machine(load_avg_before=load_avg_1m())}
     print(f"machine: {result['machine']}")
     if args.part in ("engine", "both"):
-        n = args.requests or (8 if args.quick else 24)
-        mix = MixSpec(systems=max(n // 4, 1))  # four users per system prompt
+        n = args.requests or (8 if args.quick else 32)
+        if args.users < 1:
+            ap.error(f"--users must be at least 1, got {args.users}")
+        mix = MixSpec(systems=max(n // args.users, 1))
         print(f"\nengine part: {n} requests per mix, {mix}, real model, all at once",
               flush=True)
         result["engine"] = bench_engines(n, args.seed, Caps(), not args.no_vllm, mix)

@@ -247,10 +247,10 @@ def test_guidellm_runs_without_an_errored_request(served: subprocess.Popen[bytes
     bin_dir = tool_venv("guidellm", GUIDELLM)
     backend = {"kind": "openai_http", "target": BASE, "model": MODEL, "request_format": route}
     report = tmp_path / "guidellm.json"
-    count = 12
+    count, streams = 12, 4
     proc = subprocess.run([
         str(bin_dir / "guidellm"), "run", "--backend", json.dumps(backend),
-        "--profile", "kind=concurrent,streams=4",
+        "--profile", f"kind=concurrent,streams={streams}",
         "--constraint", f"kind=max_requests,count={count}",
         "--data", "kind=synthetic_text,prompt_tokens=128,output_tokens=32",
         "--tokenizer", f"kind=huggingface_auto,model={tokenizer_dir}",
@@ -259,9 +259,15 @@ def test_guidellm_runs_without_an_errored_request(served: subprocess.Popen[bytes
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     bench = json.loads(report.read_text())["benchmarks"][0]
     state = bench["scheduler_state"]
-    assert state["errored_requests"] == 0 and state["successful_requests"] == count, state
+    assert state["errored_requests"] == 0, state
+    # guidellm's four worker processes race at its stop: once `count` requests are processed it
+    # cancels what its other workers still hold, so a request that was in flight can end up
+    # counted as cancelled by guidellm itself (seen in CI: 11 of 12 successful, none errored). Nothing
+    # the server did: an error response would be counted as errored.
+    assert state["successful_requests"] + state["cancelled_requests"] >= count, state
+    assert state["successful_requests"] >= count - streams, state
     m = bench["metrics"]
-    print(f"guidellm {route}: {count} requests, 0 errors, TTFT p50 "
+    print(f"guidellm {route}: {state['successful_requests']} requests, 0 errors, TTFT p50 "
           f"{m['time_to_first_token_ms']['successful']['median']:.0f} ms, ITL p50 "
           f"{m['inter_token_latency_ms']['successful']['median']:.1f} ms")
 
