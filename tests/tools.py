@@ -1,10 +1,8 @@
 """The ecosystem's own tools for the tests that run them as users do: ``guidellm`` and ``aiperf``
-in virtualenvs of their own (their dependencies conflict with ours), Debian's ``prometheus``.
+(``bench.tools``: virtualenvs of their own), Debian's ``prometheus``.
 
-Each is installed by the test setup when missing, from the package registries only: the
-virtualenvs under ``.venv-tools/`` (git ignores them; a stamp names what was installed), with the
-CPU build of torch that ``make install`` pinned where the tool pulls torch in (guidellm does),
-and ``prometheus`` with apt (its service is not started: the tests start their own).
+Each is installed by the test setup when missing, from the package registries only:
+``prometheus`` with apt (its service is not started: the tests start their own).
 """
 
 from __future__ import annotations
@@ -13,39 +11,13 @@ import os
 import shutil
 import socket
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-TOOLS = ROOT / ".venv-tools"
-GUIDELLM = "guidellm==0.8.1"
-AIPERF = "aiperf==0.13.0"
-
-
-def tool_venv(name: str, requirement: str) -> Path:
-    """The ``bin`` folder of a virtualenv holding ``requirement`` (created on first use)."""
-    venv = TOOLS / name
-    stamp = venv / ".installed"
-    if stamp.is_file() and stamp.read_text().strip() == requirement:
-        return venv / "bin"
-    if venv.exists():
-        shutil.rmtree(venv)
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]
-    # make install leaves the CPU torch pin here on a machine without a GPU: a tool that pulls
-    # torch in then takes that build, not a multi-GB CUDA one.
-    constraint = ROOT / ".venv" / "torch-constraint.txt"
-    if constraint.is_file():
-        pip += ["-c", str(constraint)]
-    proc = subprocess.run([*pip, requirement], capture_output=True, text=True, timeout=1200)
-    if proc.returncode != 0:
-        raise RuntimeError(f"installing {requirement} failed:\n{proc.stderr[-3000:]}")
-    stamp.write_text(requirement)
-    return venv / "bin"
+from bench.tools import AIPERF, GUIDELLM, ROOT, TOOLS, tool_venv  # noqa: F401 (the tests' names)
 
 
 def free_port() -> int:

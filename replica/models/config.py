@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -88,6 +88,19 @@ class ModelConfig:
                 f"and sliding windows are not supported; set max_model_len <= "
                 f"{self.sliding_window} to serve it with full attention"
             )
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict (``from_json`` reads it back to an equal config)."""
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> ModelConfig:
+        """The config ``to_json`` wrote; a ``KeyError``/``TypeError`` for anything else."""
+        fields = dict(data)
+        scaling = fields.get("rope_scaling")
+        fields["rope_scaling"] = None if scaling is None else RopeScaling(**scaling)
+        fields["eos_token_ids"] = tuple(fields.get("eos_token_ids", ()))
+        return cls(**fields)
 
     @classmethod
     def from_hf(cls, hf: Any) -> ModelConfig:

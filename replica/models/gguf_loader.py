@@ -18,6 +18,12 @@ the IQ types, ...), dequantized once at load into the engine's dtype.
   (a few seconds for a 49k vocabulary); it is saved under the cache directory
   (``$TIERSERVE_CACHE_DIR``, else ``~/.cache/tierserve``) keyed by the file's SHA-256, so later
   starts load it in a fraction of a second.
+- The prepared cache: the first load also writes the config and the dequantized fp32 weights
+  (one ``.npy`` per tensor, as they stream) under ``gguf-prepared/`` in the same directory,
+  keyed by the file's SHA-256; later starts read the config from it and memory-map the weights
+  instead of parsing the GGUF metadata and dequantizing (seconds each on a small CPU). Files
+  whose fp32 weights exceed ``$TIERSERVE_GGUF_CACHE_GIB`` (default 4; 0 turns the cache off)
+  are not cached. A damaged entry is removed and rebuilt.
 
 Every failure is a ``ModelLoadError`` that names the file and what is wrong: not a GGUF (magic),
 truncated or corrupt, an unsupported architecture or tensor type, missing or misshapen tensors.
@@ -26,6 +32,7 @@ truncated or corrupt, an unsupported architecture or tensor type, missing or mis
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -73,6 +80,14 @@ _PER_LAYER = {
     "ffn_down.weight": "down",
 }
 _tokenizer_lock = threading.Lock()
+_digest_lock = threading.Lock()
+_digests: dict[tuple[str, int, int], str] = {}
+# The prepared cache (``gguf_model_config``, ``gguf_weights``): a file's config and its weights
+# dequantized to fp32, so that a start after the first reads neither the GGUF metadata (parsing
+# it takes seconds: ``gguf.GGUFReader`` builds an array per tokenizer entry) nor dequantizes.
+PREPARED_FORMAT = 1  # part of the entry's name: bump it when the way a file is read changes
+ENV_PREPARED_GIB = "TIERSERVE_GGUF_CACHE_GIB"
+DEFAULT_PREPARED_GIB = 4.0
 
 
 def find_gguf(model: str) -> Path | None:
@@ -263,6 +278,156 @@ _HF_LAYER = {
 }
 
 
+def prepared_dir(path: Path) -> Path:
+    """The prepared-cache entry of GGUF file ``path``: named by its SHA-256 and the format."""
+    return cache_root() / "gguf-prepared" / f"{file_digest(path)[:32]}-v{PREPARED_FORMAT}"
+
+
+def gguf_model_config(path: Path) -> ModelConfig:
+    """The ``ModelConfig`` of GGUF file ``path``: from the prepared cache, else from the file's
+    metadata (and then written to the cache). Raises ``ModelLoadError``."""
+    entry = prepared_dir(path) / "config.json"
+    try:
+        return ModelConfig.from_json(json.loads(entry.read_text()))
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError, KeyError, TypeError) as e:  # damaged: read the file again
+        log.warning("ignoring the cached config at %s (%s)", entry, e)
+    config = gguf_config(open_gguf(path), path)
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".config-", dir=entry.parent)
+        with os.fdopen(fd, "w") as f:
+            json.dump(config.to_json(), f, indent=1)
+        os.replace(tmp, entry)
+    except OSError as e:  # no writable cache: every start reads the metadata
+        log.warning("cannot cache the GGUF config under %s (%s)", entry.parent, e)
+    return config
+
+
+def gguf_weights(path: Path, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's tensors under Hugging Face names (fp32, CPU), one at a time: from the
+    prepared cache when it holds them (memory-mapped), else dequantized from the file and, when
+    they take at most ``$TIERSERVE_GGUF_CACHE_GIB`` (default 4; 0 turns the cache off) in fp32,
+    written to the cache on the way. Raises ``ModelLoadError``."""
+    import torch
+
+    folder = prepared_dir(path) / "weights"
+    index = _prepared_index(folder)
+    if index is not None:
+        for name, file in index:
+            try:
+                arr = np.load(folder / file, mmap_mode="c", allow_pickle=False)
+            except (OSError, ValueError) as e:
+                shutil.rmtree(folder, ignore_errors=True)  # the next start rebuilds it
+                raise ModelLoadError(
+                    f"the prepared weights of {path} at {folder} are damaged ({file}: {e}); "
+                    "they were removed: start again to rebuild them from the file"
+                ) from None
+            yield name, torch.from_numpy(arr)
+        return
+    reader = open_gguf(path)
+    writer = _PreparedWriter.start(folder, reader)
+    try:
+        for name, tensor in gguf_tensors(reader, path, config):
+            if writer is not None:
+                writer.add(name, tensor.numpy())
+            yield name, tensor
+        if writer is not None:
+            writer.commit()
+    finally:
+        if writer is not None:
+            writer.discard()
+
+
+def _prepared_index(folder: Path) -> list[tuple[str, str]] | None:
+    """``(name, file)`` of a complete prepared-weights folder, or None (absent, or damaged:
+    then removed)."""
+    index = folder / "index.json"
+    if not index.is_file():
+        return None
+    try:
+        entries = json.loads(index.read_text())
+        out = []
+        for e in entries:
+            need = 4 * int(np.prod(e["shape"], dtype=np.int64))
+            if (folder / e["file"]).stat().st_size < need:
+                raise ValueError(f"{e['file']} is shorter than its {need} bytes")
+            out.append((str(e["name"]), str(e["file"])))
+        return out
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        log.warning("ignoring the prepared weights at %s (%s)", folder, e)
+        shutil.rmtree(folder, ignore_errors=True)
+        return None
+
+
+def prepared_limit_gib() -> float:
+    """``$TIERSERVE_GGUF_CACHE_GIB``: the largest fp32 weights the prepared cache keeps."""
+    raw = os.environ.get(ENV_PREPARED_GIB, "").strip()
+    if not raw:
+        return DEFAULT_PREPARED_GIB
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise ModelLoadError(
+            f"{ENV_PREPARED_GIB} must be a size in GiB >= 0 (0 turns the cache off), got {raw!r}"
+        )
+    return value
+
+
+class _PreparedWriter:
+    """Writes the weights streamed from a GGUF file into a scratch folder beside the entry, one
+    ``.npy`` per tensor, and moves it into place only once every tensor was taken."""
+
+    def __init__(self, final: Path, tmp: Path) -> None:
+        self.final, self.tmp = final, tmp
+        self.index: list[dict[str, Any]] = []
+        self.failed = False
+
+    @classmethod
+    def start(cls, final: Path, reader: Any) -> _PreparedWriter | None:
+        limit = prepared_limit_gib()
+        size = 4 * sum(int(t.n_elements) for t in reader.tensors)
+        if size > limit * 2**30:
+            log.info("not caching %.1f GiB of fp32 weights (%s=%g)", size / 2**30,
+                     ENV_PREPARED_GIB, limit)
+            return None
+        try:
+            final.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=".weights-", dir=final.parent))
+        except OSError as e:
+            log.warning("cannot cache the GGUF weights under %s (%s)", final.parent, e)
+            return None
+        return cls(final, tmp)
+
+    def add(self, name: str, arr: np.ndarray) -> None:
+        if self.failed:
+            return
+        file = f"{len(self.index):04d}.npy"
+        try:
+            np.save(self.tmp / file, arr, allow_pickle=False)
+        except OSError as e:  # a full disk: this start goes on without the cache
+            log.warning("cannot cache the GGUF weights under %s (%s)", self.tmp, e)
+            self.failed = True
+            return
+        self.index.append({"name": name, "file": file, "shape": list(arr.shape)})
+
+    def commit(self) -> None:
+        if self.failed:
+            return
+        try:
+            (self.tmp / "index.json").write_text(json.dumps(self.index))
+            os.replace(self.tmp, self.final)
+        except OSError as e:  # another process put it in place first, or a full disk
+            log.debug("prepared weights not moved to %s (%s)", self.final, e)
+
+    def discard(self) -> None:
+        if self.tmp.exists():
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+
 def gguf_tensors(reader: Any, path: Path, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """The model's tensors under Hugging Face names (fp32, CPU), one at a time."""
     import torch  # here, not at the top: the ingress reads configs and tokenizers without torch
@@ -300,12 +465,22 @@ def iter_gguf_weights(
 
 
 def file_digest(path: Path) -> str:
-    """SHA-256 of the file, hex (about a tenth of a second per 100 MB)."""
+    """SHA-256 of the file, hex (about a tenth of a second per 100 MB); computed once per
+    process for a file of the same path, size and modification time."""
+    st = path.stat()
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    with _digest_lock:
+        known = _digests.get(key)
+    if known is not None:
+        return known
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
-    return h.hexdigest()
+    digest = h.hexdigest()
+    with _digest_lock:
+        _digests[key] = digest
+    return digest
 
 
 def cache_root() -> Path:

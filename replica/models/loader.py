@@ -73,11 +73,9 @@ def load_model(
         return embedded.build_model(options, dev, dtype), embedded.build_tokenizer(), cfg
     gguf = gguf_file(model)
     if gguf is not None:
-        reader = gguf_loader.open_gguf(gguf)
-        cfg = gguf_loader.gguf_config(reader, gguf)
+        cfg = gguf_loader.gguf_model_config(gguf)
         net = LlamaForCausalLM(cfg, options, dev, dtype)
-        fill_weights(net, gguf_loader.gguf_tensors(reader, gguf, cfg), str(gguf))
-        del reader
+        fill_weights(net, gguf_loader.gguf_weights(gguf, cfg), str(gguf))
         tokenizer = gguf_loader.gguf_tokenizer(gguf)
     else:
         path = resolve_checkpoint(model)

@@ -35,7 +35,7 @@ def load_model_config(model: str, trust_remote_code: bool = False) -> ModelConfi
         return embedded_spec.embedded_config()
     gguf = gguf_file(model)
     if gguf is not None:
-        return gguf_loader.gguf_config(gguf_loader.open_gguf(gguf), gguf)
+        return gguf_loader.gguf_model_config(gguf)
     return read_config(resolve_checkpoint(model, weights=False), trust_remote_code)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -556,6 +557,36 @@ def test_calibration_picks_a_calibrated_count_once_per_shape(
     assert got is None or got in cpu_native.CALIBRATION_ROWS
     monkeypatch.setattr(cpu_native, "_calibrate", lambda *a: pytest.fail("timed twice"))
     assert cpu_native.library_rows(w, packed) == got  # the same shape: not timed again
+
+
+@needs_native
+def test_calibration_is_kept_for_the_next_start(monkeypatch: pytest.MonkeyPatch,
+                                                tmp_path: Path) -> None:
+    """A threshold timed once is written beside the library and read back by a later process
+    (here: the in-process memo cleared); a damaged or foreign entry is timed again."""
+    file = tmp_path / "cpu_kernels.calibration.json"
+    monkeypatch.setattr(cpu_native, "_calibration_file", lambda: file)
+    monkeypatch.setattr(cpu_native, "_library_rows", {})
+    monkeypatch.setattr(cpu_native, "_calibrate", lambda *a: 64)
+    w = torch.randn(48, 40)
+    packed = cpu_native.pack_linear(w)
+    assert cpu_native.library_rows(w, packed) == 64
+    stored = json.loads(file.read_text())
+    assert list(stored.values()) == [64] and "48x40|threads=" in next(iter(stored))
+
+    monkeypatch.setattr(cpu_native, "_library_rows", {})  # a new process
+    monkeypatch.setattr(cpu_native, "_calibrate", lambda *a: pytest.fail("timed again"))
+    assert cpu_native.library_rows(w, packed) == 64
+
+    file.write_text(json.dumps({k: 17 for k in stored}))  # not a calibrated row count
+    monkeypatch.setattr(cpu_native, "_library_rows", {})
+    monkeypatch.setattr(cpu_native, "_calibrate", lambda *a: None)
+    assert cpu_native.library_rows(w, packed) is None
+    assert list(json.loads(file.read_text()).values()) == [None]
+    file.write_text("{not json")
+    monkeypatch.setattr(cpu_native, "_library_rows", {})
+    assert cpu_native.library_rows(w, packed) is None  # timed again, the file rewritten
+    assert list(json.loads(file.read_text()).values()) == [None]
 
 
 @needs_native

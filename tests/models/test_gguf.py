@@ -133,6 +133,62 @@ def test_weights_stream_one_tensor_at_a_time(tmp_path: Path, monkeypatch: pytest
     assert len(alive) == 2 * 9 + 3 and most <= 1
 
 
+def _same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert list(sa) == list(sb)
+    for name in sa:
+        assert torch.equal(sa[name], sb[name]), name
+
+
+def test_a_second_load_reads_the_prepared_cache_not_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = write_gguf(tiny_hf_model("llama", seed=9, **QUANT_DIMS), tmp_path / "p.gguf", "Q4_1")
+    first, _, cfg = load_model(str(path))
+    entry = gguf_loader.prepared_dir(path)
+    assert (entry / "config.json").is_file() and (entry / "weights" / "index.json").is_file()
+    monkeypatch.setattr(gguf_loader, "open_gguf", lambda *a: pytest.fail("the GGUF was read"))
+    second, tok, again = load_model(str(path))
+    assert again == cfg and load_model_config(str(path)) == cfg
+    _same_weights(first, second)  # every bit: the cache holds the dequantized fp32 values
+    assert tok.encode("hello") == [256, 263, 264, 111]
+
+
+def test_a_damaged_prepared_entry_is_rebuilt_from_the_file(tmp_path: Path) -> None:
+    path = write_gguf(tiny_hf_model("llama", seed=10, **QUANT_DIMS), tmp_path / "d.gguf", "Q8_0")
+    ref, _, cfg = load_model(str(path))
+    entry = gguf_loader.prepared_dir(path)
+    weights = entry / "weights"
+    short = weights / "0003.npy"
+    short.write_bytes(short.read_bytes()[:64])  # truncated: found before any weight is read
+    _same_weights(ref, load_model(str(path))[0])
+    assert (weights / "index.json").is_file() and short.stat().st_size > 64  # rebuilt
+    bad = weights / "0002.npy"
+    bad.write_bytes(b"\0" * bad.stat().st_size)  # the right size, not an array: found mid-load
+    with pytest.raises(ModelLoadError, match=r"prepared weights of .*d\.gguf.* are damaged "
+                                             r"\(0002\.npy.*they were removed"):
+        load_model(str(path))
+    assert not weights.exists()
+    _same_weights(ref, load_model(str(path))[0])  # the next start rebuilds it
+    (entry / "config.json").write_text("{")
+    assert load_model_config(str(path)) == cfg
+
+
+def test_the_prepared_cache_can_be_turned_off_and_a_bad_limit_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = write_gguf(tiny_hf_model("llama", seed=11, **QUANT_DIMS), tmp_path / "o.gguf", "F16")
+    monkeypatch.setenv(gguf_loader.ENV_PREPARED_GIB, "0")
+    load_model(str(path))
+    entry = gguf_loader.prepared_dir(path)
+    assert not (entry / "weights").exists()
+    assert [p.name for p in entry.iterdir()] == ["config.json"]  # no scratch folder left
+    monkeypatch.setenv(gguf_loader.ENV_PREPARED_GIB, "lots")
+    with pytest.raises(ModelLoadError, match=r"TIERSERVE_GGUF_CACHE_GIB must be a size in GiB "
+                                             r">= 0 \(0 turns the cache off\), got 'lots'"):
+        load_model(str(path))
+
+
 # ----------------------------------------------------------------------------- bad files
 
 

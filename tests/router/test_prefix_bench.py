@@ -4,7 +4,10 @@ than the router without prefix affinity, and the requests and cached counts add 
 
 from __future__ import annotations
 
+import itertools
 import random
+
+import pytest
 
 from bench.prefix import (
     ROUTING_ENGINE,
@@ -35,3 +38,21 @@ def test_prefix_tier_routing_finds_most_of_what_the_oracle_finds() -> None:
     assert oracle > 0.5
     assert ours >= 0.85 * oracle
     assert ours > plain + 0.1
+
+
+def test_poisson_arrivals_start_at_zero_rise_and_keep_their_rate() -> None:
+    from bench.prefix import poisson_arrivals
+
+    due = poisson_arrivals(2000, rate=4.0, seed=3)
+    assert due[0] == 0.0 and all(b >= a for a, b in itertools.pairwise(due))
+    assert 0.9 * 2000 / 4.0 < due[-1] < 1.1 * 2000 / 4.0  # mean gap 1/rate
+    assert poisson_arrivals(2000, rate=4.0, seed=3) == due  # fixed by the seed
+
+
+def test_a_rate_that_is_not_positive_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    from bench.prefix import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--part", "arrivals", "--arrival-rate", "0"])
+    assert exc.value.code == 2 and "--arrival-rate must be positive, got 0.0" in (
+        capsys.readouterr().err)

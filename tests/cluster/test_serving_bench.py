@@ -1,0 +1,61 @@
+"""``bench.serving``'s own logic (the servers and aiperf run by hand: ``python -m bench.serving``):
+aiperf's export read into figures, the medians and targets, and bad arguments refused before
+anything starts."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from bench import serving
+
+
+def _export(ttft: tuple[float, float], itl: tuple[float, float], req_s: float) -> dict[str, object]:
+    return {
+        "request_count": {"avg": 16},
+        "time_to_first_token": {"p50": ttft[0], "p99": ttft[1], "unit": "ms"},
+        "inter_token_latency": {"p50": itl[0], "p99": itl[1], "unit": "ms"},
+        "request_throughput": {"avg": req_s},
+        "output_token_throughput": {"avg": req_s * 64},
+    }
+
+
+def test_figures_read_aiperfs_export_and_a_missing_metric_is_nan() -> None:
+    f = serving.figures(_export((120.0, 900.0), (40.0, 85.0), 0.5))
+    assert f == {"requests": 16.0, "ttft_p50_ms": 120.0, "ttft_p99_ms": 900.0,
+                 "itl_p50_ms": 40.0, "itl_p99_ms": 85.0, "req_s": 0.5, "out_tok_s": 32.0}
+    assert math.isnan(serving.figures({})["ttft_p99_ms"])
+
+
+def test_summary_takes_medians_per_system_and_compares_with_vllm() -> None:
+    runs = [
+        serving.Result("tierserve", 0, 8.0, serving.figures(_export((100, 800), (30, 60), 0.6))),
+        serving.Result("tierserve", 1, 12.0, serving.figures(_export((140, 1000), (34, 70), 0.5))),
+        serving.Result("tierserve", 2, 9.0, serving.figures(_export((120, 700), (32, 65), 0.7))),
+        serving.Result("vllm", 0, 150.0, serving.figures(_export((200, 900), (40, 80), 0.4))),
+    ]
+    s = serving.summarize(runs)
+    assert s["tierserve"]["ttft_p99_ms"] == 800 and s["tierserve"]["startup_s"] == 9.0
+    t = s["targets"]
+    assert t["ttft_p99_vs_vllm"] == pytest.approx(800 / 900)
+    assert t["itl_p50_vs_vllm"] == pytest.approx(32 / 40)
+    assert t["ttft_p99_met"] and t["itl_p50_met"] and t["startup_met"]
+    slow = [serving.Result("tierserve", 0, 11.0, runs[0].figures), runs[3]]
+    assert not serving.summarize(slow)["targets"]["startup_met"]
+    assert "targets" not in serving.summarize(runs[:3])  # one system: nothing to compare
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--systems", "tierserve,sglang"], "--systems takes tierserve, vllm"),
+    (["--systems", ","], "--systems takes"),
+    (["--concurrency", "0"], "--concurrency must be at least 1"),
+    (["--rounds", "0"], "--rounds must be at least 1"),
+])
+def test_bad_arguments_are_refused_before_anything_starts(
+        argv: list[str], message: str, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(serving, "tool_venv", lambda *a: pytest.fail("started"))
+    with pytest.raises(SystemExit) as exc:
+        serving.main(argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
