@@ -2,7 +2,8 @@
 the routers on simulated replicas, on a shared-prefix chat mix and on a mix with no shared prefix.
 
 Run: ``python -m bench.prefix`` (both parts, about 30 minutes on 2 cores, most of it the engines
-on the real model and vLLM's start-up); ``--part engine`` or ``--part routing`` one part;
+on the real model and vLLM's start-up); ``--part engine`` or ``--part routing`` one part,
+``--part arrivals`` the arrivals part (``--arrival-rate``);
 ``--quick`` smaller mixes; ``--no-vllm`` without the peer; ``--requests N``; ``--json PATH``;
 ``--plot PATH.png``. Nothing here asserts on time: the targets are printed as met or not.
 
@@ -515,11 +516,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     result: dict[str, Any] = {"machine": machine(load_avg_before=load_avg_1m())}
     print(f"machine: {result['machine']}")
+    if args.users < 1:
+        ap.error(f"--users must be at least 1, got {args.users}")
+    if args.part == "arrivals" and not args.arrival_rate > 0:
+        ap.error(f"--arrival-rate must be positive, got {args.arrival_rate}")
+    n = args.requests or (8 if args.quick else 32)  # the engine and arrivals parts
+    mix = MixSpec(systems=max(n // args.users, 1))
     if args.part in ("engine", "both"):
-        n = args.requests or (8 if args.quick else 32)
-        if args.users < 1:
-            ap.error(f"--users must be at least 1, got {args.users}")
-        mix = MixSpec(systems=max(n // args.users, 1))
         print(f"\nengine part: {n} requests per mix, {mix}, real model, all at once",
               flush=True)
         result["engine"] = bench_engines(n, args.seed, Caps(), not args.no_vllm, mix)
@@ -528,10 +531,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  greedy tokens equal to tierserve cache off: "
               f"{json.dumps(result['engine']['token_agreement'])}")
     if args.part == "arrivals":
-        if not args.arrival_rate > 0:
-            ap.error(f"--arrival-rate must be positive, got {args.arrival_rate}")
-        n = args.requests or (8 if args.quick else 32)
-        mix = MixSpec(systems=max(n // args.users, 1))
         print(f"\narrivals part: {n} requests of the shared mix, {mix}, Poisson at "
               f"{args.arrival_rate:g} req/s, real model", flush=True)
         result["arrivals"] = bench_arrivals(n, args.seed, Caps(), mix, args.arrival_rate)

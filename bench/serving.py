@@ -67,7 +67,7 @@ class Result:
     errors: Any = None
 
 
-def server_command(system: str, tmp: Path) -> tuple[list[str], dict[str, str]]:
+def server_command(system: str) -> tuple[list[str], dict[str, str]]:
     """The command line and environment that start ``system``'s server."""
     if system == "tierserve":
         env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
@@ -152,7 +152,7 @@ def figures(report: dict[str, Any]) -> dict[str, float]:
 
 def run_one(system: str, rnd: int, load: Load, tokenizer: Path, bin_dir: Path,
             workdir: Path) -> Result:
-    cmd, env = server_command(system, workdir)
+    cmd, env = server_command(system)
     url = f"http://127.0.0.1:{PORTS[system]}"
     log = workdir / f"{system}-{rnd}.log"
     with open(log, "wb") as out:

@@ -41,6 +41,7 @@ The kernel runs with ``torch.get_num_threads()`` threads and without the GIL (``
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import json
 import logging
@@ -176,15 +177,22 @@ def _compiler() -> str | None:
     return None
 
 
-def _cpu_flags() -> str:
+@functools.cache
+def _cpuinfo(*keys: str) -> str:
+    """The value of the first ``/proc/cpuinfo`` line starting with one of ``keys``, or what
+    ``platform`` says of the CPU where there is none."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
-                if line.startswith(("flags", "Features")):
+                if line.startswith(keys):
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def _cpu_flags() -> str:
+    return _cpuinfo("flags", "Features")
 
 
 def _cache_dirs() -> list[Path]:
@@ -909,7 +917,7 @@ def _calibration_file() -> Path | None:
 def _calibration_key(key: tuple[int, int, bool, int]) -> str:
     n, k, bias, threads = key
     return (f"{n}x{k}{'+bias' if bias else ''}|threads={threads}|torch={torch.__version__}"
-            f"|cpu={_cpu_model()}")
+            f"|cpu={_cpuinfo('model name')}")
 
 
 def _stored_threshold(key: tuple[int, int, bool, int]) -> tuple[bool, int | None]:
@@ -946,16 +954,6 @@ def _store_threshold(key: tuple[int, int, bool, int], rows: int | None) -> None:
     except OSError as e:
         log.debug("calibration not kept in %s (%s)", file, e)
 
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def threshold_from(ratios: Sequence[float]) -> int | None:

@@ -56,3 +56,14 @@ def test_a_rate_that_is_not_positive_is_refused(capsys: pytest.CaptureFixture[st
         main(["--part", "arrivals", "--arrival-rate", "0"])
     assert exc.value.code == 2 and "--arrival-rate must be positive, got 0.0" in (
         capsys.readouterr().err)
+
+
+def test_users_below_one_are_refused_for_either_engine_part(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from bench.prefix import main
+
+    for part in ("engine", "arrivals"):
+        with pytest.raises(SystemExit) as exc:
+            main(["--part", part, "--users", "0"])
+        assert exc.value.code == 2 and "--users must be at least 1, got 0" in (
+            capsys.readouterr().err)
