@@ -52,13 +52,13 @@ os.environ.update({KEY_VARS[tier]: key for tier, key in KEYS.items()})
 # fits: 400), room for 64 concurrent requests without shedding, and the deterministic mode so
 # that the served tokens are exactly those of an in-process ``LLM`` (batch invariance).
 MAIN_ENGINE: dict[str, Any] = {"num_kv_blocks": 96, "kv_cache_memory_bytes": None, "max_num_seqs": 16,
-                               "max_waiting": 128, "deterministic": True}
+                               "max_waiting": 128, "deterministic": True, "device": "cpu"}
 MAIN_ARGS: dict[str, Any] = {"max_tokens_limit": 2048}
 # The solo app: one replica running at most 2 requests, a queue of 8 (the YAML's tiers shed
 # batch at 4 waiting, standard at 6, interactive is refused at 8), a pool that holds two
 # requests of 2000 tokens, and no default tier (a key is required).
 SOLO_ENGINE: dict[str, Any] = {"num_kv_blocks": 260, "kv_cache_memory_bytes": None, "max_num_seqs": 2,
-                               "max_waiting": 8, "deterministic": True}
+                               "max_waiting": 8, "deterministic": True, "device": "cpu"}
 SOLO_ARGS: dict[str, Any] = {"default_tier": None, "max_tokens_limit": 2048}
 
 T = TypeVar("T")

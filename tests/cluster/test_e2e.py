@@ -72,7 +72,7 @@ def prompt_ids(llm: LLM, spec: Spec) -> list[int]:
 def plan(specs: list[Spec]) -> None:
     """Choose each request's sampling and compute its answer with an in-process engine."""
     llm = LLM(EMBEDDED_MODEL, block_size=16, num_kv_blocks=512, max_model_len=2048, deterministic=True,
-              attention_backend="torch")
+              device="cpu", attention_backend="torch")
     ids = [prompt_ids(llm, s) for s in specs]
     for s in specs:
         s.sampling = {"max_tokens": 8 + 4 * (s.index % 5), "temperature": 0.0, "ignore_eos": True}

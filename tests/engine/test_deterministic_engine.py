@@ -29,7 +29,8 @@ def prompts(n: int, seed: int) -> list[list[int]]:
 
 def run(ps: list[list[int]], **options: Any) -> tuple[list[list[torch.Tensor]], Engine]:
     """Every sampled row's logits per request (in order), from an engine with ``options``."""
-    engine = Engine(EngineConfig(model=EMBEDDED_MODEL, deterministic=True, max_model_len=256, **options))
+    engine = Engine(EngineConfig(model=EMBEDDED_MODEL, deterministic=True, device="cpu", max_model_len=256,
+                                 **options))
     seen: dict[int, list[torch.Tensor]] = {}
     forward = engine.runner.forward
 

@@ -22,6 +22,8 @@ PROMPT = [256, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33, 32, 
 
 def engine(**options: Any) -> Engine:
     base: dict[str, Any] = {"model": EMBEDDED_MODEL, "num_kv_blocks": 64, "max_model_len": 256}
+    if options.get("deterministic"):
+        base["device"] = "cpu"  # the deterministic mode runs on CPU only, also on a GPU host
     return Engine(EngineConfig(**(base | options)))
 
 

@@ -60,7 +60,9 @@ def run(plan: Plan, cache: bool, **options: Any) -> tuple[dict[int, list[torch.T
                                                          dict[int, list[int]], Engine]:
     engine = Engine(EngineConfig(model=EMBEDDED_MODEL, max_model_len=256, max_num_seqs=8,
                                  num_kv_blocks=plan.num_kv_blocks, enable_prefix_caching=cache,
-                                 prefill_chunk_tokens=plan.chunk, **options))
+                                 prefill_chunk_tokens=plan.chunk,
+                                 **({"device": "cpu"} if options.get("deterministic") else {}),
+                                 **options))
     logits: dict[int, list[torch.Tensor]] = {}
     forward = engine.runner.forward
 

@@ -221,4 +221,23 @@ def test_engine_refuses_to_start_in_a_deterministic_mode_it_cannot_honour(
     options: dict[str, Any], message: str
 ) -> None:
     with pytest.raises(Unavailable, match=f"deterministic mode cannot run here: .*{message}"):
-        Engine(EngineConfig(model=EMBEDDED_MODEL, deterministic=True, num_kv_blocks=16, **options))
+        Engine(EngineConfig(model=EMBEDDED_MODEL, deterministic=True, device="cpu", num_kv_blocks=16,
+                            **options))
+
+
+def test_engine_refuses_to_start_without_the_native_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_native, "_tried", True)
+    monkeypatch.setattr(cpu_native, "_lib", None)
+    monkeypatch.setattr(cpu_native, "_reason", "no C++ compiler found ($CXX, g++ or c++)")
+    with pytest.raises(Unavailable, match=r"deterministic mode cannot run here: .*no C\+\+ compiler"):
+        Engine(EngineConfig(model=EMBEDDED_MODEL, deterministic=True, device="cpu", num_kv_blocks=16))
+
+
+def test_a_replica_configured_for_a_deterministic_mode_it_cannot_honour_does_not_start() -> None:
+    """The deployment's constructor (what Serve calls to start a replica) raises the refusal, so
+    Serve reports the replica as failed to start with that message."""
+    from replica.deployment import LLMServer
+
+    with pytest.raises(Unavailable, match="deterministic mode cannot run here: .*float32 only"):
+        LLMServer(engine={"model": EMBEDDED_MODEL, "deterministic": True, "device": "cpu",
+                          "dtype": "bfloat16", "num_kv_blocks": 16})
