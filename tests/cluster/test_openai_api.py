@@ -84,7 +84,11 @@ def test_completion_logprobs_stream_and_not(http: httpx.Client) -> None:
     n = out["usage"]["completion_tokens"]
     assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == n
     assert all(isinstance(x, float) and x <= 0 for x in lp["token_logprobs"])
-    assert all(len(t) <= 2 for t in lp["top_logprobs"])
+    # k = 2 alternatives per position (fewer only where two ids decode to the same text); the
+    # greedy token is the most likely one, so it is among them with the largest logprob.
+    assert all(1 <= len(t) <= 2 for t in lp["top_logprobs"]) and any(len(t) == 2 for t in lp["top_logprobs"])
+    for tok, tok_lp, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], strict=True):
+        assert tok in top and max(top.values()) == pytest.approx(tok_lp, abs=1e-6), (tok, tok_lp, top)
     assert lp["text_offset"] == sorted(lp["text_offset"])
     chunks = _stream(http, "/v1/completions", body)
     tokens = [t for c in chunks for ch in c["choices"] if ch["logprobs"]
@@ -156,6 +160,19 @@ def test_continuous_usage_stats_put_usage_in_every_chunk(http: httpx.Client) -> 
     done = [u["completion_tokens"] for u in usages]
     assert done == sorted(done) and done[-1] == 6
     assert len({u["prompt_tokens"] for u in usages}) == 1
+
+
+def test_continuous_usage_stats_in_a_chat_stream(http: httpx.Client) -> None:
+    chunks = _stream(http, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "Count to three."}], "max_tokens": 5,
+        "temperature": 0, "ignore_eos": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    usages = [c["usage"] for c in chunks]
+    assert all(u is not None for u in usages), chunks
+    done = [u["completion_tokens"] for u in usages]
+    assert done == sorted(done) and done[-1] == 5
+    assert all(u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"] for u in usages)
+    assert chunks[-1]["choices"] == []  # the usage-only chunk closes the stream
 
 
 def test_logit_bias_min_tokens_and_stop_ids_work_together(http: httpx.Client) -> None:

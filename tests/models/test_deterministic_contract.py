@@ -238,6 +238,6 @@ def test_a_replica_configured_for_a_deterministic_mode_it_cannot_honour_does_not
     Serve reports the replica as failed to start with that message."""
     from replica.deployment import LLMServer
 
-    with pytest.raises(Unavailable, match="deterministic mode cannot run here: .*float32 only"):
+    with pytest.raises(Unavailable, match=r"deterministic mode cannot run here: .*float32 only"):
         LLMServer(engine={"model": EMBEDDED_MODEL, "deterministic": True, "device": "cpu",
                           "dtype": "bfloat16", "num_kv_blocks": 16})
