@@ -84,18 +84,8 @@ class Point:
 
 def machine() -> dict[str, object]:
     """``bench.common.machine`` plus the CPU flags and environment this benchmark depends on."""
-    flags: list[str] = []
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    have = set(line.split(":", 1)[1].split())
-                    flags = sorted(
-                        f for f in ("avx2", "fma", "avx512f", "avx512bw", "amx_tile") if f in have
-                    )
-                    break
-    except OSError:
-        pass
+    have = set(cpu_native.cpu_flags().split())
+    flags = sorted(f for f in ("avx2", "fma", "avx512f", "avx512bw", "amx_tile") if f in have)
     return common_machine(
         cpu_flags=flags, env={k: os.environ[k] for k in AVX2_ENV if k in os.environ}
     )

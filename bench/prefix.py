@@ -58,15 +58,17 @@ from typing import Any
 
 from bench.common import load_avg_1m, machine, percentile, pyplot
 from bench.router import (
-    Engine as SimEngineConfig,
-)
-from bench.router import (
+    LATENCY_FLOOR,
+    TIER_PRIORITY,
     OfflineFreeBlocks,
     OfflineOracle,
     OfflinePow2,
     Request,
     RunResult,
     simulate,
+)
+from bench.router import (
+    Engine as SimEngineConfig,
 )
 from router.routing import RouterSettings
 
@@ -348,8 +350,8 @@ class RoutingSpec:
     output: tuple[int, int] = (32, 96)
 
 
-ROUTING_ENGINE = SimEngineConfig(pool_blocks=512, enable_prefix_caching=True,
-                                 max_num_seqs=32, prefill_chunk_tokens=512)
+ROUTING_ENGINE = SimEngineConfig(pool_blocks=512, options={
+    "enable_prefix_caching": True, "max_num_seqs": 32, "prefill_chunk_tokens": 512})
 
 
 def routing_requests(replicas: int, seed: int, spec: RoutingSpec,
@@ -357,7 +359,8 @@ def routing_requests(replicas: int, seed: int, spec: RoutingSpec,
     """The shared mix as a Poisson stream of ``rate_per_replica * replicas`` requests/s."""
     from replica.prefix_cache import block_hashes
 
-    root = engine.core().cfg.prefix_root()
+    cfg = engine.config
+    root = cfg.prefix_root()
     rng = random.Random(seed)
     rate = spec.rate_per_replica * replicas
     n = int(spec.duration_s * rate)
@@ -365,11 +368,11 @@ def routing_requests(replicas: int, seed: int, spec: RoutingSpec,
     out, t = [], 0.0
     for p in prompts:
         t += rng.expovariate(rate)
-        interactive = rng.random() < spec.interactive_share
+        tier = "interactive" if rng.random() < spec.interactive_share else "batch"
+        priority = TIER_PRIORITY[tier]
         out.append(Request(
-            round(t, 4), len(p.ids), rng.randint(*spec.output), 10 if interactive else 0,
-            "interactive" if interactive else "batch", p.ids,
-            tuple(block_hashes(p.ids, engine.block_size, root)),
+            round(t, 4), len(p.ids), rng.randint(*spec.output), priority, tier, p.ids,
+            tuple(block_hashes(p.ids, cfg.block_size, root)), latency=priority >= LATENCY_FLOOR,
         ))
     return out
 

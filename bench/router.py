@@ -16,14 +16,14 @@ The cluster, per replica count N (one Serve app in a local Ray of this process's
   ``pow2`` (no router config: Serve's default ``PowerOfTwoChoicesRequestRouter``) and
   ``round-robin`` (``RoundRobinRouter`` below). Each replica is a ``SimCore``: the replicas' own
   scheduler (``replica.scheduler.Scheduler`` over ``FreeListBlocks``: admission by free blocks,
-  priority with aging, chunked prefill, preemption by recompute) with the caps of ``Engine``
-  below, whose steps take ``base + per_token * tokens`` seconds of real time (``asyncio.sleep``)
+  priority with aging, chunked prefill, preemption by recompute) with the ``EngineConfig`` of
+  ``Engine`` below (the replica's defaults but for a smaller batch and queue), whose steps take ``base + per_token * tokens`` seconds of real time (``asyncio.sleep``)
   instead of a forward pass, so a replica saturates like an engine without using a CPU: a prompt
   is prefilled 256 tokens per step (a 3000-token one over 12 steps), and a step with 256 prompt
   tokens takes about twice as long as one of 16 decodes.
 - One ``BenchDriver`` replica with a handle to each engine deployment. It replays the request list
-  at its arrival times, streaming every request, so the router runs where it runs in production:
-  in the handle owner. TTFT is the time from the handle call to the first streamed item, e2e to
+  at its arrival times as ``GenerateRequest`` records, streaming every request, so the router
+  runs where it runs in production: in the handle owner. TTFT is the time from the handle call to the first streamed item, e2e to
   the last; the engine streams only the first and last token (``stream_every``) to keep Ray's
   per-item cost out of the figures.
 - Preemptions and rejections are the replicas' own counters (the scheduler's, through
@@ -35,9 +35,11 @@ The workload, per replica count and round (a fixed seed; the same list for every
 - Arrivals: on/off bursts, Poisson within a period: ``off_x`` times the mean rate during "off"
   periods, the rest of the mean during "on" periods (2.1x the mean by default); periods last
   0.5-1.5x ``on_s`` / ``off_s``, uniformly. The mean rate is ``rate_per_replica * N``.
-- Tiers: ``interactive`` (priority 10, 30% of requests) and ``batch`` (priority 0). Prompts are
-  short (32-128 tokens) or long (1500-3000 tokens; 5% of interactive, 20% of batch requests);
-  outputs 16-128 tokens.
+- Tiers: ``interactive`` (30% of requests) and ``batch``, at the base priorities of the cluster's
+  default tiers of those names (``cluster.config.ClusterConfig``); a request is routed for its
+  first token when its priority reaches the cluster's ``latency_floor``, as the ingress marks it
+  (the interactive tier). Prompts are short (32-128 tokens) or long (1500-3000 tokens; 5% of
+  interactive, 20% of batch requests); outputs 16-128 tokens.
 
 Rounds alternate the order of the routers (ABC, CBA, ...) so that a drift of the machine's load
 does not favour one of them; every figure pools the rounds. The machine may be shared: compare
@@ -84,10 +86,13 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
 from bench.common import load_avg_1m, machine, percentile, pyplot
-from replica.scheduler import AdmitError
+from cluster.config import ClusterConfig
+from replica.api import ErrorRecord, GenerateRequest, SamplingParams
+from replica.config import EngineConfig
+from replica.scheduler import AdmitError, EmptyPrompt, NeverFits, QueueFull, TooLong
 from router.policy import RequestShape
 from router.routing import RouterSettings, RouterState
-from router.sim import ROUTER_CLASS, SimCore, SimEngine, StepModel, sim_config
+from router.sim import ROUTER_CLASS, TOKEN, SimCore, SimEngine, StepModel, sim_config
 from router.stats import RoutingStats
 
 # ----------------------------------------------------------------------------- the baseline router
@@ -131,6 +136,13 @@ OURS, DEFAULT = "free-blocks", "pow2"
 
 # ----------------------------------------------------------------------------- the workload
 
+# The cluster's default tiers: the workload's tiers take their base priorities by name, and a
+# request is routed for its first token when its priority reaches the top tier's, as the ingress
+# marks it.
+_CLUSTER = ClusterConfig()
+TIER_PRIORITY = {t.name: t.base_priority for t in _CLUSTER.tiers}
+LATENCY_FLOOR = _CLUSTER.latency_floor
+
 
 @dataclass(frozen=True, slots=True)
 class Tier:
@@ -148,41 +160,60 @@ class Workload:
     on_s: float = 2.0  # mean length of an "on" period
     off_s: float = 3.0  # mean length of an "off" period
     tiers: tuple[Tier, ...] = (
-        Tier("interactive", 10, 0.3, 0.05),
-        Tier("batch", 0, 0.7, 0.20),
+        Tier("interactive", TIER_PRIORITY["interactive"], 0.3, 0.05),
+        Tier("batch", TIER_PRIORITY["batch"], 0.7, 0.20),
     )
     short_prompt: tuple[int, int] = (32, 128)
     long_prompt: tuple[int, int] = (1500, 3000)
     output: tuple[int, int] = (16, 128)
 
 
+# The replicas' EngineConfig fields this benchmark sets: a smaller batch, and a queue beyond
+# which a replica rejects. The others are EngineConfig's defaults (a prompt is prefilled
+# ``prefill_chunk_tokens`` per step, priority scheduling with aging); the prefix cache is off
+# (``sim_config``: the default workload's prompts are lengths, all alike).
+BENCH_ENGINE: dict[str, Any] = {"max_num_seqs": 16, "max_waiting": 64}
+
+
 @dataclass(frozen=True, slots=True)
 class Engine:
-    """``SimEngine`` arguments (the same for every router): the pool, the scheduler's caps as
-    ``EngineConfig`` fields (its defaults but for the batch and the queue), the step model."""
+    """``SimEngine`` arguments (the same for every router): the pool, the step model, and the
+    replicas' ``EngineConfig`` fields that differ from its defaults (``options``)."""
 
     pool_blocks: int = 256  # 4096 tokens: one long prompt takes 40-75% of it
-    block_size: int = 16
-    max_num_seqs: int = 16
-    max_waiting: int = 64  # beyond this a replica rejects
-    max_num_batched_tokens: int = 2048
-    prefill_chunk_tokens: int | None = 256
-    scheduling_policy: str = "priority"
-    aging_steps: int = 100
+    options: dict[str, Any] = field(default_factory=lambda: dict(BENCH_ENGINE))
     step_base_s: float = 0.010
     step_per_token_s: float = 0.00005
     stream_every: int = 1_000_000  # first and last token only
-    enable_prefix_caching: bool = False  # prompts of the default workload are lengths, all alike
+
+    @property
+    def config(self) -> EngineConfig:
+        """One replica's engine config (validated as a real replica's)."""
+        return sim_config(self.pool_blocks, **self.options)
+
+    def deployment_args(self) -> dict[str, Any]:
+        """``SimEngine``'s keyword arguments."""
+        return {
+            "pool_blocks": self.pool_blocks,
+            "step_base_s": self.step_base_s,
+            "step_per_token_s": self.step_per_token_s,
+            "stream_every": self.stream_every,
+            **self.options,
+        }
+
+    def record(self) -> dict[str, Any]:
+        """What a run records: the step model and the replicas' whole engine config."""
+        return {
+            "pool_blocks": self.pool_blocks,
+            "step_base_s": self.step_base_s,
+            "step_per_token_s": self.step_per_token_s,
+            "stream_every": self.stream_every,
+            "config": self.config.model_dump(mode="json"),
+        }
 
     def core(self) -> SimCore:
         """One replica's engine, as ``SimEngine`` builds it, for the offline model."""
-        fields = asdict(self)
-        for key in ("pool_blocks", "step_base_s", "step_per_token_s", "stream_every"):
-            del fields[key]
-        return SimCore(
-            sim_config(self.pool_blocks, **fields),
-            StepModel(self.step_base_s, self.step_per_token_s),
-        )
+        return SimCore(self.config, StepModel(self.step_base_s, self.step_per_token_s))
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,6 +227,8 @@ class Request:
     # position alike) and the names of its full blocks (``replica.prefix_cache.block_hashes``).
     ids: tuple[int, ...] | None = None
     prefix: tuple[int, ...] = ()
+    # Routed for its first token (GenerateRequest.latency: its priority reaches LATENCY_FLOOR).
+    latency: bool = False
 
 
 def make_requests(w: Workload, replicas: int, seed: int) -> list[Request]:
@@ -225,13 +258,22 @@ def make_requests(w: Workload, replicas: int, seed: int) -> list[Request]:
         lo, hi = w.long_prompt if rng.random() < tier.long_share else w.short_prompt
         out.append(
             Request(
-                round(t, 4), rng.randint(lo, hi), rng.randint(*w.output), tier.priority, tier.name
+                round(t, 4), rng.randint(lo, hi), rng.randint(*w.output), tier.priority, tier.name,
+                latency=tier.priority >= LATENCY_FLOOR,
             )
         )
     return out
 
 
 # ----------------------------------------------------------------------------- the load driver
+
+
+class Refused(Exception):
+    """A replica's ``ErrorRecord``: its refusal of a request."""
+
+    def __init__(self, record: ErrorRecord) -> None:
+        super().__init__(f"{record.code}: {record.message}")
+        self.record = record
 
 
 class Rec(NamedTuple):
@@ -255,11 +297,11 @@ class BenchDriver:
         self.engines = {n: e.options(stream=True) for n, e in zip(names, engines, strict=True)}
 
     async def _one(
-        self, handle: DeploymentHandle, start: float, r: tuple[float, int, int, int]
+        self, handle: DeploymentHandle, start: float, r: tuple[float, int, int, int, bool]
     ) -> tuple[float, float, float, str, int, str, float, float]:
         """A ``Rec`` as a plain tuple."""
         loop = asyncio.get_running_loop()
-        at, prompt, max_tokens, priority = r
+        at, prompt, max_tokens, priority, latency = r
         delay = start + at - loop.time()
         if delay > 0:
             await asyncio.sleep(delay)
@@ -267,30 +309,35 @@ class BenchDriver:
         first = route = engine_ttft = math.nan
         replica, tokens, error = "", 0, ""
         try:
-            stream = handle.generate.remote(
-                [1] * prompt,
-                None,
+            request = GenerateRequest(
+                (TOKEN,) * prompt,
+                SamplingParams(max_tokens=max_tokens),
                 priority=priority,
-                prompt_tokens=prompt,
-                max_tokens=max_tokens,
+                latency=latency,
             )
+            stream = handle.generate.remote(request)
             assert isinstance(stream, DeploymentResponseGenerator)
             async for item in stream:
+                if isinstance(item, ErrorRecord):
+                    raise Refused(item)
                 if math.isnan(first):
                     first = loop.time()
-                    route = item["arrived"] - sent_wall
-                    engine_ttft = item["at"] - item["arrived"]
-                replica, tokens = item["replica"], item["tokens"]
+                    route = item.arrived - sent_wall
+                    engine_ttft = item.at - item.arrived
+                replica, tokens = item.replica, item.completion_tokens
             end = loop.time()
+        except Refused as e:
+            end, error = math.nan, str(e)[-400:]
         except Exception as e:
             end, error = math.nan, f"{type(e).__name__}: {e}"[-400:]
         lag = sent - (start + at)
         return (first - sent, end - sent, lag, replica, tokens, error, route, engine_ttft)
 
     async def replay(
-        self, name: str, requests: list[tuple[float, int, int, int]]
+        self, name: str, requests: list[tuple[float, int, int, int, bool]]
     ) -> list[tuple[float, float, float, str, int, str, float, float]]:
-        """Send ``(at, prompt, max_tokens, priority)`` at ``at`` seconds from now (+0.5 s)."""
+        """Send ``(at, prompt, max_tokens, priority, latency)`` at ``at`` seconds from now
+        (+0.5 s)."""
         handle = self.engines[name]
         start = asyncio.get_running_loop().time() + 0.5
         return list(await asyncio.gather(*(self._one(handle, start, r) for r in requests)))
@@ -298,7 +345,7 @@ class BenchDriver:
     async def warmup(self, name: str, n: int) -> list[str]:
         """``n`` short concurrent requests; the replicas that served them."""
         handle = self.engines[name]
-        out = await asyncio.gather(*(self._one(handle, 0.0, (0.0, 32, 4, 0)) for _ in range(n)))
+        out = await asyncio.gather(*(self._one(handle, 0.0, (0.0, 32, 4, 0, False)) for _ in range(n)))
         return [o[3] for o in out]
 
 
@@ -498,13 +545,14 @@ def summarize(
     return out
 
 
-# The replica scheduler's refusals (replica.scheduler.AdmitError), by name: a call the replica
-# refused comes back as an error that names its class, through Serve as well.
-REFUSALS = ("QueueFull", "NeverFits", "TooLong", "EmptyPrompt")
+# The replica scheduler's refusals (replica.scheduler.AdmitError), by reason: a request's error
+# starts with the reason (the code of the replica's ErrorRecord; the offline model writes the
+# same).
+REFUSALS = frozenset(c.reason for c in (QueueFull, NeverFits, TooLong, EmptyPrompt))
 
 
 def _is_rejection(error: str) -> bool:
-    return any(name in error for name in REFUSALS)
+    return error.partition(":")[0] in REFUSALS
 
 
 TIER_RANK = {"interactive": 0, "batch": 1}
@@ -546,6 +594,8 @@ def paired_bootstrap_ratio(
     xa, xb = np.array(a), np.array(b)
     rng = np.random.default_rng(0)
     idx = rng.integers(0, len(xa), size=(n, len(xa)))
+    # An order statistic per resample, vectorized (numpy's linear interpolation would turn two
+    # infs, rejections, into NaN; bench.common.percentile guards that, one list at a time).
     pa = np.percentile(xa[idx], 99, axis=1, method="higher")
     pb = np.percentile(xb[idx], 99, axis=1, method="higher")
     with np.errstate(invalid="ignore", divide="ignore"):
@@ -618,7 +668,8 @@ class OfflineFreeBlocks:
         self.reports: list[RoutingStats | None] = [None] * n
 
     def shape(self, q: Request) -> RequestShape:
-        return RequestShape(q.prompt, q.max_tokens, q.priority, prefix=q.prefix)
+        """What the router reads from the request's ``GenerateRequest``."""
+        return RequestShape(q.prompt, q.max_tokens, q.priority, latency=q.latency, prefix=q.prefix)
 
     def choose(self, now: float, i: int, q: Request, ongoing: Sequence[int]) -> int:
         ranked = self.state.route(i, list(enumerate(self.reports)), self.shape(q), i, now)
@@ -740,7 +791,7 @@ def simulate(
             try:
                 sid = cores[k].add(q.ids or q.prompt, q.max_tokens, q.priority)
             except AdmitError as e:
-                error[i] = f"{type(e).__name__}: {e}"
+                error[i] = f"{e.reason}: {e}"
                 ongoing[k] -= 1
                 left -= 1
                 policy.on_completed(t, i, k)
@@ -831,7 +882,7 @@ def deploy(
             num_replicas=replicas,
             ray_actor_options={"num_cpus": 0.1},
             request_router_config=RequestRouterConfig(**configs[name]),
-        ).bind(**asdict(engine))
+        ).bind(**engine.deployment_args())
         for name in configs
     ]
     return serve.run(driver_deployment.bind(list(configs), *bound), name=app, route_prefix=None)
@@ -880,7 +931,7 @@ def run_one(
     load0 = os.getloadavg()[0]
     busy0, own0 = _machine_cpu()[0], _tree_cpu(os.getpid())
     t0 = time.perf_counter()
-    payload = [(q.at, q.prompt, q.max_tokens, q.priority) for q in reqs]
+    payload = [(q.at, q.prompt, q.max_tokens, q.priority, q.latency) for q in reqs]
     timeout = 4 * (payload[-1][0] if payload else 0) + 300
     records = driver.replay.remote(name, payload).result(timeout_s=timeout)
     seconds = time.perf_counter() - t0
@@ -1155,7 +1206,7 @@ def main(argv: list[str] | None = None) -> int:
     info = machine(ray=ray.__version__)
     print(f"machine: {json.dumps(info)}")
     print(f"workload: {json.dumps(asdict(w))}")
-    print(f"engine: {json.dumps(asdict(engine))}")
+    print(f"engine: {json.dumps(engine.record())}")
     print(f"replicas {replicas}, {rounds} round(s), routers {json.dumps(configs)}")
 
     t_start = time.perf_counter()
@@ -1246,7 +1297,7 @@ def _finish(
         doc = {
             "machine": info,
             "workload": asdict(w),
-            "engine": asdict(engine),
+            "engine": engine.record(),
             "rounds": rounds,
             "routers": configs,
             "summaries": summaries,

@@ -8,10 +8,10 @@ What is measured, and what is not:
 
 - R running requests, all decoding, in a steady state: long ``max_tokens`` (nobody finishes), a
   roomy pool (no preemption; each request still takes a new block every ``block_tokens`` steps,
-  as in real serving), ``max_seqs = R + 1`` and ``max_batch_tokens = R + 1``.
+  as in real serving), ``max_num_seqs = R + 1`` and ``max_num_batched_tokens = R + 1``.
 - W waiting requests that stay waiting: the one token of budget the decodes leave is too little for
   their 2-token prompts (WholePrompt, not alone), so every step phase 3 still peeks the head of the
-  queue and asks the prefill policy, then stops. (With ``max_seqs = R`` instead, phase 3 stops
+  queue and asks the prefill policy, then stops. (With ``max_num_seqs = R`` instead, phase 3 stops
   before it looks at the queue at all, which measures less.)
 - The fake model is minimal on purpose: it emits one fixed token per decode and per last chunk, so
   the figures are the scheduler's. Building its ``StepOutput`` list is outside the timed region.
@@ -19,8 +19,8 @@ What is measured, and what is not:
   of the queue, which includes the lazy heap's compaction (one O(W) rebuild when the dead entries
   outnumber the live ones).
 
-Targets (issue): at most 5 us per running request per step at 256 running; a cost that does not
-grow with the waiting queue beyond log W.
+Targets: at most 5 us per running request per step at 256 running; a cost that does not grow
+with the waiting queue beyond log W.
 """
 
 from __future__ import annotations

@@ -111,6 +111,12 @@ class ClusterConfig(_Strict):
     def model_name(self) -> str:
         return self.served_model_name or self.engine.model
 
+    @property
+    def latency_floor(self) -> int:
+        """The top tier's ``base_priority``: requests at or above it are routed for their first
+        token (``GenerateRequest.latency``), the others for room and balance."""
+        return max(t.base_priority for t in self.tiers)
+
 
 def resolve_key(ref: str) -> str:
     """The key an ``api_keys`` entry stands for (see ``TierConfig``). Raises ``ValueError`` for a

@@ -53,7 +53,7 @@ class TierResolver:
                       for t in config.tiers for k in t.api_keys]
         if len({d for d, _ in self._keys}) != len(self._keys):
             raise ValueError("an API key is listed more than once (after resolving env:/file:)")
-        self.latency_floor = max(t.base_priority for t in config.tiers)
+        self.latency_floor = config.latency_floor
 
     def resolve(self, authorization: str | None, priority_header: str | None) -> Caller:
         """The caller's tier and priority; raises ``AuthError`` or ``PriorityError``."""

@@ -191,7 +191,9 @@ def _cpuinfo(*keys: str) -> str:
     return platform.processor() or platform.machine()
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
+    """The CPU's feature flags, space-separated (``/proc/cpuinfo``'s ``flags``, ``Features`` on
+    ARM; read once)."""
     return _cpuinfo("flags", "Features")
 
 
@@ -207,7 +209,7 @@ def _cache_dirs() -> list[Path]:
 def _build(cxx: str) -> Path:
     source = SOURCE.read_bytes()
     key = hashlib.sha256()
-    for part in (source, cxx.encode(), " ".join(FLAGS).encode(), _cpu_flags().encode()):
+    for part in (source, cxx.encode(), " ".join(FLAGS).encode(), cpu_flags().encode()):
         key.update(part)
         key.update(b"\0")
     name = f"cpu_kernels-{key.hexdigest()[:16]}.so"

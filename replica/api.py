@@ -12,8 +12,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from replica.block_space import RequestId
+
+if TYPE_CHECKING:
+    from replica.scheduler import AdmitError
 
 GREEDY_BELOW = 1e-5
 MAX_LOGPROBS = 20
@@ -209,6 +213,11 @@ class ErrorRecord:
 
 
 StreamItem = RequestOutput | ErrorRecord
+
+
+def refusal(error: AdmitError) -> ErrorRecord:
+    """The record of a request the scheduler refused (``replica.scheduler.AdmitError``)."""
+    return ErrorRecord(error.status, error.reason, str(error), error.param)
 
 
 @dataclass(frozen=True, slots=True)

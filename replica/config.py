@@ -97,10 +97,6 @@ class EngineConfig(BaseModel):
 
         return model_key(self.model, self.dtype, self.block_size)
 
-    def with_options(self, **changes: Any) -> EngineConfig:
-        """A copy with ``changes`` (validated like the constructor)."""
-        return type(self)(**(self.model_dump() | changes))
-
 
 def describe(e: ValidationError) -> str:
     """A pydantic error as one line per field: ``engine.max_num_seqs: ...``."""

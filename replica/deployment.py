@@ -25,11 +25,12 @@ from replica.api import (
     GenerateRequest,
     InvalidToken,
     StreamItem,
+    refusal,
     share_of,
 )
 from replica.config import EngineConfig
 from replica.engine import Engine, EngineDead
-from replica.scheduler import AdmitError, EmptyPrompt, QueueFull
+from replica.scheduler import AdmitError
 
 log = logging.getLogger("tierserve.replica")
 
@@ -91,10 +92,8 @@ class LLMServer:
         try:
             async for out in stream:
                 yield out
-        except QueueFull as e:
-            yield ErrorRecord(429, e.reason, str(e))
         except AdmitError as e:
-            yield ErrorRecord(400, e.reason, str(e), "prompt" if isinstance(e, EmptyPrompt) else None)
+            yield refusal(e)
         except InvalidToken as e:
             yield ErrorRecord(400, "invalid_token", str(e), e.param)
         except EngineDead as e:

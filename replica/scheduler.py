@@ -85,13 +85,18 @@ class Request:
 
 
 class AdmitError(Exception):
-    """``add`` refused a request; ``reason`` is a stable label (metrics, HTTP error codes)."""
+    """``add`` refused a request; ``reason`` is a stable label (metrics, HTTP error codes),
+    ``status`` the HTTP status a server answers it with (429: retry later; 400: it can never
+    run) and ``param`` the request's field at fault, where one is."""
 
     reason = "refused"
+    status = 400
+    param: str | None = None
 
 
 class QueueFull(AdmitError):
     reason = "queue_full"
+    status = 429
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
@@ -100,6 +105,7 @@ class QueueFull(AdmitError):
 
 class EmptyPrompt(AdmitError):
     reason = "empty"
+    param = "prompt"
 
     def __init__(self) -> None:
         super().__init__("the prompt is empty; it needs at least one token")

@@ -28,23 +28,22 @@ Configuration (engine deployment)::
     replica at that limit whatever the ranking says.
 
 The replica's side (``router.stats``)
-    ``async def record_routing_stats(self) -> dict`` returns ``RoutingStats(...).to_dict()``:
-    ``free_blocks``, ``total_blocks``, ``block_tokens``, ``waiting``, ``running``,
-    ``preemptions``, ``report_time`` (``time.time()`` when the snapshot was taken) and
-    ``waiting_blocks`` (what the waiting queue needs at admission; 0 if unknown), built from the
-    engine's ``EngineStats`` by ``RoutingStats.from_engine``. Requests that
-    were waiting at the replica are not in ``free_blocks``: without ``waiting_blocks`` the router
-    overestimates a replica with a queue.
+    ``async def record_routing_stats(self) -> dict`` returns ``RoutingStats(...).to_dict()``
+    (its fields and their meaning: the ``router.stats.RoutingStats`` class), built from the
+    engine's ``EngineStats`` by ``RoutingStats.from_engine`` and dated by ``report_time``
+    (``time.time()`` when the snapshot was taken). Requests that were waiting at the replica are
+    not in ``free_blocks``: without ``waiting_blocks`` the router overestimates a replica with a
+    queue.
 
 The request (ingress -> engine ``generate``)
     ``generate(request)`` with one ``replica.api.GenerateRequest``: the router reads its size
     (``prompt_tokens`` and ``max_new_tokens``, all ``n`` samples), whether to route it for its
     first token (``latency``, set by the ingress for the top tier) and the names of its prompt's
     full blocks (``prefix_hashes``: the ingress hashes the ids it tokenized, as the replicas'
-    prefix caches name their blocks) through ``RequestShape.from_request``. A request is charged ``ceil((prompt_tokens + 1) /
-    block_tokens)`` blocks (its prompt and first token). Simulated replicas may send loose
-    ``priority``/``prompt_tokens``/``max_tokens`` keyword arguments instead; anything else never
-    fails routing (it is ranked as an empty request).
+    prefix caches name their blocks) through ``RequestShape.from_request``. A request is charged
+    ``ceil((prompt_tokens + 1) / block_tokens)`` blocks (its prompt and first token). Simulated
+    replicas (``router.sim``) take the same record; a call without one never fails routing (it
+    is ranked as an empty request).
 
 Saturation and priority
     A replica is saturated for a request when its estimated free blocks cannot hold it and its

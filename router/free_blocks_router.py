@@ -43,6 +43,7 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
+from replica.api import GenerateRequest
 from router import registry
 from router.policy import Ranked, RequestShape
 from router.routing import RouterSettings, RouterState
@@ -51,6 +52,16 @@ from router.stats import RoutingStats
 __all__ = ["FreeKVBlocksRouter", "RouterSettings"]
 
 logger = logging.getLogger(__name__)
+
+
+def request_shape(pending_request: PendingRequest) -> RequestShape:
+    """The shape of the call's ``GenerateRequest`` (its first argument). A call without one
+    never fails routing: it is ranked as an empty request (the replica answers what it cannot
+    read)."""
+    args = pending_request.args
+    if args and isinstance(args[0], GenerateRequest):
+        return RequestShape.from_request(args[0])
+    return RequestShape(prompt_tokens=0)
 
 
 class FreeKVBlocksRouter(FIFOMixin, RequestRouter):
@@ -109,7 +120,7 @@ class FreeKVBlocksRouter(FIFOMixin, RequestRouter):
             return [[by_id[r.key]] for r in ranked]
 
         pending_request.routing_context.should_backoff = True
-        request = RequestShape.from_call(pending_request.args, pending_request.kwargs)
+        request = request_shape(pending_request)
         with self._lock:
             ranked = self._state.route(
                 id(pending_request),
@@ -151,7 +162,7 @@ class FreeKVBlocksRouter(FIFOMixin, RequestRouter):
                 pending_request.metadata.internal_request_id,
                 time.time(),
                 self._stats(replica),
-                lambda: RequestShape.from_call(pending_request.args, pending_request.kwargs),
+                lambda: request_shape(pending_request),
                 holder=pending_request,
             )
 

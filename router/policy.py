@@ -12,9 +12,8 @@ and its own prefill work (``uncached`` tokens) shrink by them.
 
 Two rankings, by the request's kind:
 
-- Latency (``RequestShape.latency``: the ingress marks the top tier's requests, its priority
-  reaching that tier's base priority; for a caller that does not say,
-  ``priority >= latency_priority``): the replica where the first token comes soonest. First
+- Latency (``RequestShape.latency``: the ingress marks the top tier's requests, their priority
+  reaching that tier's base priority): the replica where the first token comes soonest. First
   those whose free blocks (less what was sent since the report) hold the prompt now; then the
   least prefill work before this request's first token, in tokens: the queue's (the waiting
   queue's blocks plus the unseen charges: a long prompt admitted in the same step delays
@@ -44,7 +43,7 @@ outstanding from this router".
 from __future__ import annotations
 
 import random
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -52,15 +51,6 @@ from replica.api import GenerateRequest
 from router.stats import RoutingStats
 
 K = TypeVar("K", bound=Hashable)
-
-# The keyword arguments of the replica's ``generate`` call that the router reads.
-PRIORITY = "priority"
-PROMPT_TOKENS = "prompt_tokens"
-MAX_TOKENS = "max_tokens"
-
-# Requests at or above this priority are ranked for their first token (the default tiers'
-# interactive base priority); the others for room and balance.
-LATENCY_PRIORITY = 10
 
 
 def blocks_for(tokens: int, block_tokens: int) -> int:
@@ -73,21 +63,16 @@ def charge_blocks(prompt_tokens: int, block_tokens: int) -> int:
     return blocks_for(prompt_tokens + 1, block_tokens)
 
 
-def _int_or(value: Any, default: int) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) else default
-
-
 @dataclass(frozen=True, slots=True)
 class RequestShape:
-    """What the router knows about one request, from the handle call's arguments.
+    """What the router knows about one request, from its ``GenerateRequest``.
 
-    ``latency``: route it for its first token; None (a caller that does not say, e.g. a
-    simulation) means ``priority >= latency_priority``."""
+    ``latency``: route it for its first token (the ingress marks the top tier's requests)."""
 
     prompt_tokens: int
     max_tokens: int = 0
     priority: int = 0
-    latency: bool | None = None
+    latency: bool = False
     # The names of the prompt's full blocks (GenerateRequest.prefix_hashes) and how many samples
     # of the prompt the request runs (each holds the prompt; cached blocks are shared).
     prefix: tuple[int, ...] = ()
@@ -110,27 +95,6 @@ class RequestShape:
         last position (that one is always computed: its logits are needed)."""
         per_sample = self.prompt_tokens // max(self.samples, 1)
         return min(len(self.prefix), max(per_sample - 1, 0) // block_tokens)
-
-    @classmethod
-    def from_call(cls, args: Sequence[Any], kwargs: Mapping[Any, Any]) -> RequestShape:
-        """The shape of a handle call: its ``GenerateRequest`` (the first argument), or, for
-        callers that send loose values (simulated replicas), ``priority``, ``prompt_tokens``
-        and ``max_tokens`` keyword arguments.
-
-        Missing or ill-typed values never fail routing (the replica validates its input):
-        ``prompt_tokens`` falls back to ``len(args[0])`` (the prompt ids), the others to 0.
-        """
-        if args and isinstance(args[0], GenerateRequest):
-            return cls.from_request(args[0])
-        prompt = _int_or(kwargs.get(PROMPT_TOKENS), -1)
-        if prompt < 0:
-            first = args[0] if args else None
-            prompt = len(first) if isinstance(first, Sequence) else 0
-        return cls(
-            prompt_tokens=prompt,
-            max_tokens=max(_int_or(kwargs.get(MAX_TOKENS), 0), 0),
-            priority=_int_or(kwargs.get(PRIORITY), 0),
-        )
 
 
 def full_blocks(prompt_tokens: int, max_tokens: int, block_tokens: int) -> int:
@@ -223,7 +187,6 @@ def rank_replicas(
     *,
     saturation_waiting: int = 8,
     default_block_tokens: int = 16,
-    latency_priority: int = LATENCY_PRIORITY,
     affinity: Affinity | None = None,
 ) -> list[Ranked[K]]:
     """Best replica first (see the module docstring for the two rankings and the balance rule).
@@ -238,9 +201,7 @@ def rank_replicas(
     reported = [load.stats for load in loads if load.stats is not None]
     assumed_total = max((s.total_blocks for s in reported), default=0)
     fallback_block_tokens = reported[0].block_tokens if reported else default_block_tokens
-    latency = request.latency if request.latency is not None else (
-        request.priority >= latency_priority
-    )
+    latency = request.latency
     samples = max(request.samples, 1)
 
     entries: list[Ranked[K]] = []

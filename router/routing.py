@@ -24,7 +24,6 @@ from typing import Any, Generic, TypeVar
 
 from router.ledger import InFlightLedger
 from router.policy import (
-    LATENCY_PRIORITY,
     Affinity,
     Ranked,
     ReplicaLoad,
@@ -47,9 +46,6 @@ class RouterSettings:
     saturation_waiting: int = 8
     # Block size assumed before any replica has reported.
     default_block_tokens: int = 16
-    # Requests at or above this priority are ranked for their first token when the caller does
-    # not say (the ingress does: its top tier); the others for room and balance (router.policy).
-    latency_priority: int = LATENCY_PRIORITY
     # A tentative charge never confirmed by on_request_routed is forgotten after this long.
     tentative_ttl_s: float = 5.0
     # Seed of the random tie-break (None: from the OS).
@@ -136,7 +132,6 @@ class RouterState(Generic[R]):
             self.rng,
             saturation_waiting=s.saturation_waiting,
             default_block_tokens=s.default_block_tokens,
-            latency_priority=s.latency_priority,
             affinity=self._affinity,
         )
 

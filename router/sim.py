@@ -14,7 +14,11 @@ step of ``t`` tokens takes ``base_s + per_token_s * t`` (``StepModel``); every s
 the same token, and a request ends at its ``max_tokens``.
 
 ``SimEngine`` is the Serve deployment around it, with the same ``generate`` and
-``record_routing_stats`` as the real replica. ``pool_blocks`` may be a list: replica ``rank``
+``record_routing_stats`` as the real replica (``replica.deployment.LLMServer``): it takes one
+``replica.api.GenerateRequest`` (the router sizes it from that record, as for a real replica)
+and streams ``SimOutput`` deltas (``replica.api.RequestOutput`` with the replica's name and
+timestamps) or one ``ErrorRecord`` for a request the scheduler refuses. It runs one sample per
+request and does not apply ``queue_share``. ``pool_blocks`` may be a list: replica ``rank``
 takes ``pool_blocks[rank % len(pool_blocks)]``, so one deployment can mix pool sizes. Its report
 also carries ``rejections`` (requests ``SimCore.add`` refused; the router ignores the key), and
 ``stream_every`` thins the stream for benchmarks (the first and last token always come).
@@ -32,10 +36,12 @@ from ray import serve
 from ray.serve.exceptions import RayServeException
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
+from replica.api import ErrorRecord, GenerateRequest, RequestOutput, SamplingParams, refusal
 from replica.block_space import BlockSpace, FreeListBlocks
 from replica.config import CONTEXT_CAP, EngineConfig
 from replica.prefix_cache import PrefixCachingBlocks
 from replica.scheduler import (
+    AdmitError,
     FinishedEvent,
     Request,
     ScheduleOutput,
@@ -72,6 +78,19 @@ def sim_config(total_blocks: int, **fields: Any) -> EngineConfig:
     any other ``EngineConfig`` fields (validated as in a real replica's config). The prefix cache
     is off unless ``enable_prefix_caching`` is given (prompts given as lengths are all alike)."""
     return EngineConfig(num_kv_blocks=total_blocks, **{"enable_prefix_caching": False, **fields})
+
+
+@dataclass(slots=True)
+class SimOutput(RequestOutput):
+    """A simulated replica's delta: a ``RequestOutput`` and where and when it was made.
+
+    ``replica``: the replica's name; ``total_blocks``: its pool; ``arrived``: ``time.time()``
+    when the call reached the replica; ``at``: when the delta was handed to the stream."""
+
+    replica: str = ""
+    total_blocks: int = 0
+    arrived: float = 0.0
+    at: float = 0.0
 
 
 def sampled(plan: ScheduleOutput) -> list[StepOutput]:
@@ -251,43 +270,57 @@ class SimEngine:
                 if sink is not None:
                     sink.put_nowait((token, done))
 
-    async def generate(
-        self,
-        prompt_ids: Sequence[int],
-        sampling: Any = None,
-        *,
-        priority: int = 0,
-        prompt_tokens: int | None = None,
-        max_tokens: int = 16,
-    ) -> AsyncIterator[dict[str, Any]]:
-        """Stream ``{"token", "tokens", "replica", "total_blocks", "arrived", "at"}`` per token.
-
-        ``tokens`` counts the tokens generated so far; ``arrived`` is ``time.time()`` when the call
-        reached the replica, ``at`` when the token was handed to the stream. With ``stream_every``
-        k > 1 only the first token, every k-th and the last are sent. A request the scheduler
-        refuses raises its ``AdmitError``.
-        """
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[SimOutput | ErrorRecord]:
+        """Stream one request's deltas: its sampled tokens (every position the token ``TOKEN``),
+        the last ``finished`` at its ``max_tokens``; ``completion_tokens`` counts the tokens so
+        far. With ``stream_every`` k > 1 only the first token's delta, every k-th and the last
+        are sent, each with the tokens since the previous one. A request the scheduler refuses
+        gets one ``ErrorRecord`` (as from a real replica)."""
         arrived = time.time()
-        n = prompt_tokens if prompt_tokens is not None else len(prompt_ids)
-        id = self.core.add(n, max_tokens, priority)
+        if not isinstance(request, GenerateRequest):
+            yield ErrorRecord(
+                400, "invalid_request", f"expected a GenerateRequest, got {type(request).__name__}"
+            )
+            return
+        if request.n != 1:
+            yield ErrorRecord(400, "invalid_request", f"a simulated replica runs one sample, "
+                              f"got n={request.n}", "n")
+            return
+        try:
+            id = self.core.add(request.prompt_ids, request.sampling.max_tokens, request.priority)
+        except AdmitError as e:
+            yield refusal(e)
+            return
+        except ValueError as e:
+            yield ErrorRecord(400, "invalid_request", str(e))
+            return
         sink: asyncio.Queue[tuple[int, bool]] = asyncio.Queue()
         self._sinks[id] = sink
         self._kick()
         done = False
         count = 0
+        tokens: list[int] = []
         try:
             while not done:
                 token, done = await sink.get()
                 count += 1
+                tokens.append(token)
                 if count == 1 or done or count % self.stream_every == 0:
-                    yield {
-                        "token": token,
-                        "tokens": count,
-                        "replica": self.name,
-                        "total_blocks": self.core.total_blocks,
-                        "arrived": arrived,
-                        "at": time.time(),
-                    }
+                    yield SimOutput(
+                        id,
+                        "",
+                        tokens,
+                        finished=done,
+                        finish_reason="length" if done else None,
+                        prompt_tokens=len(request.prompt_ids),
+                        completion_tokens=count,
+                        cached_tokens=self.core.cached.get(id) if count == 1 or done else None,
+                        replica=self.name,
+                        total_blocks=self.core.total_blocks,
+                        arrived=arrived,
+                        at=time.time(),
+                    )
+                    tokens = []
         finally:
             self._sinks.pop(id, None)
             if not done:
@@ -307,25 +340,33 @@ class SimClient:
     def __init__(self, engine: DeploymentHandle) -> None:
         self.engine = engine.options(stream=True)
 
-    async def _one(self, prompt_tokens: int, max_tokens: int, priority: int) -> dict[str, Any]:
-        stream = self.engine.generate.remote(
-            [1] * prompt_tokens,
-            None,
+    async def _one(
+        self, prompt_tokens: int, max_tokens: int, priority: int, latency: bool
+    ) -> dict[str, Any]:
+        request = GenerateRequest(
+            (TOKEN,) * prompt_tokens,
+            SamplingParams(max_tokens=max_tokens),
             priority=priority,
-            prompt_tokens=prompt_tokens,
-            max_tokens=max_tokens,
+            latency=latency,
         )
+        stream = self.engine.generate.remote(request)
         assert isinstance(stream, DeploymentResponseGenerator)
         items = [item async for item in stream]
+        last = items[-1]
+        if isinstance(last, ErrorRecord):
+            raise RuntimeError(f"refused: {last.code}: {last.message}")
         return {
-            "replica": items[-1]["replica"],
-            "total_blocks": items[-1]["total_blocks"],
-            "tokens": len(items),
+            "replica": last.replica,
+            "total_blocks": last.total_blocks,
+            "tokens": last.completion_tokens,
         }
 
     async def run(
-        self, n: int, prompt_tokens: int, max_tokens: int, priority: int = 0
+        self, n: int, prompt_tokens: int, max_tokens: int, priority: int = 0,
+        latency: bool = False,
     ) -> list[dict[str, Any]]:
-        """``n`` concurrent streaming calls; per call: replica, its pool size, tokens received."""
-        calls = [self._one(prompt_tokens, max_tokens, priority) for _ in range(n)]
+        """``n`` concurrent streaming calls (``latency``: routed for their first token, as the
+        ingress marks its top tier's requests); per call: replica, its pool size, tokens
+        received."""
+        calls = [self._one(prompt_tokens, max_tokens, priority, latency) for _ in range(n)]
         return list(await asyncio.gather(*calls))

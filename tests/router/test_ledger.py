@@ -78,5 +78,5 @@ def test_loads_charge_what_the_reports_have_not_seen() -> None:
                ("b", RoutingStats(90, 100, 16, report_time=T0))]
     loads = [ReplicaLoad(r, stats, ledger.charges(r)) for r, stats in reports]
     assert [len(x.charges) for x in loads] == [0, 1]
-    ranked = rank_replicas(loads, RequestShape(31, priority=10), random.Random(0))
+    ranked = rank_replicas(loads, RequestShape(31, latency=True), random.Random(0))
     assert [r.key for r in ranked] == ["a", "b"] and ranked[1].est_free == 30

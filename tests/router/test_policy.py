@@ -9,7 +9,6 @@ from collections import Counter
 import pytest
 
 from router.policy import (
-    LATENCY_PRIORITY,
     Charge,
     ReplicaLoad,
     RequestShape,
@@ -29,12 +28,10 @@ def stats(
     )
 
 
-HIGH = LATENCY_PRIORITY  # a request ranked for its first token
-
-
 def order(loads: list[ReplicaLoad[str]], prompt: int = 31, seed: int = 0,
-          priority: int = HIGH, max_tokens: int = 0) -> list[str]:
-    shape = RequestShape(prompt, max_tokens, priority)
+          latency: bool = True, max_tokens: int = 0) -> list[str]:
+    """The ranking of a request, by default one routed for its first token."""
+    shape = RequestShape(prompt, max_tokens, latency=latency)
     return [r.key for r in rank_replicas(loads, shape, random.Random(seed))]
 
 
@@ -81,18 +78,9 @@ def test_charge_is_prompt_plus_first_token(prompt: int, blocks: int) -> None:
     assert charge_blocks(prompt, 16) == blocks
 
 
-def test_request_shape_reads_kwargs_and_falls_back() -> None:
-    shape = RequestShape.from_call(
-        [[1, 2, 3]], {"priority": 2, "prompt_tokens": 40, "max_tokens": 9}
-    )
-    assert shape == RequestShape(40, 9, 2)
-    assert RequestShape.from_call([[1, 2, 3]], {}) == RequestShape(3, 0, 0)
-    assert RequestShape.from_call([], {"priority": True, "prompt_tokens": "x"}) == RequestShape(0)
-
-
 def est_free(load: ReplicaLoad[str]) -> int:
     """The ranking's estimate of the free blocks of a replica ranked alone."""
-    (ranked,) = rank_replicas([load], RequestShape(31, priority=HIGH), random.Random(0))
+    (ranked,) = rank_replicas([load], RequestShape(31, latency=True), random.Random(0))
     return ranked.est_free
 
 
@@ -145,7 +133,7 @@ def test_ties_are_broken_at_random() -> None:
 def test_unreported_replica_is_assumed_as_large_as_the_largest_pool() -> None:
     loads = [ReplicaLoad("old", stats(20, total=100)), ReplicaLoad("new", None)]
     assert order(loads) == ["new", "old"]
-    ranked = rank_replicas(loads, RequestShape(31, priority=HIGH), random.Random(0))
+    ranked = rank_replicas(loads, RequestShape(31, latency=True), random.Random(0))
     assert ranked[0].est_free == 100
     # ... minus everything this router has sent it (no report: all charges are unseen).
     loads[1] = ReplicaLoad("new", None, [Charge(50, T0 - 5), Charge(40, T0 + 5)])
@@ -204,7 +192,7 @@ def test_latency_requests_avoid_queued_prefill_work() -> None:
 
 def test_latency_requests_count_prompts_sent_since_the_report_as_queued_work() -> None:
     loads = [ReplicaLoad("a", stats(90), [Charge(20, T0 + 1)]), ReplicaLoad("b", stats(60))]
-    ranked = rank_replicas(loads, RequestShape(31, priority=HIGH), random.Random(0))
+    ranked = rank_replicas(loads, RequestShape(31, latency=True), random.Random(0))
     assert [r.key for r in ranked] == ["b", "a"]
     assert [r.pending for r in ranked] == [0, 20]
 
@@ -221,24 +209,24 @@ def test_throughput_requests_spread_by_outstanding_count() -> None:
     # Both have room; b has fewer of this router's requests in flight.
     loads = [ReplicaLoad("a", stats(90), [Charge(1, T0 - 1, 3)] * 3),
              ReplicaLoad("b", stats(50), [Charge(1, T0 - 1, 3)])]
-    assert order(loads, priority=0, max_tokens=16) == ["b", "a"]
+    assert order(loads, latency=False, max_tokens=16) == ["b", "a"]
     # Charges since the report count at their full length against the room.
     loads = [ReplicaLoad("a", stats(90), [Charge(2, T0 + 1, 99)]), ReplicaLoad("b", stats(50),
                                                                             [Charge(1, T0 + 1)] * 2)]
-    assert order(loads, priority=0, max_tokens=16) == ["b", "a"]
+    assert order(loads, latency=False, max_tokens=16) == ["b", "a"]
 
 
-def test_the_latency_threshold_splits_the_rankings() -> None:
+def test_the_latency_flag_splits_the_rankings() -> None:
     loads = [ReplicaLoad("a", stats(90, waiting=1, waiting_blocks=60), [Charge(1, T0 - 1)]),
              ReplicaLoad("b", stats(40))]
-    assert order(loads, priority=HIGH) == ["b", "a"]
-    assert order(loads, priority=HIGH - 1) == ["b", "a"]  # fewer outstanding
+    assert order(loads, latency=True) == ["b", "a"]
+    assert order(loads, latency=False) == ["b", "a"]  # fewer outstanding
     loads[1] = ReplicaLoad("b", stats(40), [Charge(1, T0 - 1)] * 2)
-    assert order(loads, priority=HIGH - 1) == ["a", "b"]
+    assert order(loads, latency=False) == ["a", "b"]
 
 
 def test_a_replica_whose_engine_failed_ranks_last() -> None:
     loads = [ReplicaLoad("dead", stats(100, alive=0)), ReplicaLoad("busy", stats(1, waiting=20))]
-    for priority in (0, HIGH):
-        ranked = rank_replicas(loads, RequestShape(31, 8, priority), random.Random(0))
+    for latency in (False, True):
+        ranked = rank_replicas(loads, RequestShape(31, 8, latency=latency), random.Random(0))
         assert [(r.key, r.dead) for r in ranked] == [("busy", False), ("dead", True)]

@@ -17,9 +17,10 @@ from ray.serve._private.common import (
 )
 from ray.serve.request_router import PendingRequest, ReplicaResult, RunningReplica
 
+from replica.api import GenerateRequest, SamplingParams
 from router import registry
 from router.free_blocks_router import FreeKVBlocksRouter
-from router.policy import LATENCY_PRIORITY, RequestShape
+from router.policy import RequestShape
 from router.stats import RoutingStats
 
 DEPLOYMENT = DeploymentID(name="engine", app_name="app")
@@ -45,13 +46,15 @@ class FakeReplica:
         return 0
 
 
-def request(prompt: int = 255, rid: str = "", **kwargs: Any) -> PendingRequest:
-    """A latency-tier request by default: ranked by free blocks (``router.policy``)."""
-    meta = RequestMetadata(
-        request_id="x", internal_request_id=rid or f"r{id(kwargs)}", is_streaming=True
-    )
-    kw = {"priority": LATENCY_PRIORITY, "prompt_tokens": prompt, "max_tokens": 32, **kwargs}
-    return PendingRequest(args=[[1] * prompt, None], kwargs=kw, metadata=meta)
+def metadata(rid: str) -> RequestMetadata:
+    return RequestMetadata(request_id="x", internal_request_id=rid, is_streaming=True)
+
+
+def request(prompt: int = 255, rid: str = "", latency: bool = True) -> PendingRequest:
+    """A call with the ingress's record; a latency-tier request by default: ranked by free
+    blocks (``router.policy``)."""
+    sent = GenerateRequest((1,) * prompt, SamplingParams(max_tokens=32), latency=latency)
+    return PendingRequest(args=[sent], kwargs={}, metadata=metadata(rid or f"r{id(sent)}"))
 
 
 Body = Callable[[FreeKVBlocksRouter, list[FakeReplica]], Awaitable[None]]
@@ -161,7 +164,7 @@ def test_a_newer_report_absorbs_requests_routed_before_it() -> None:
             assert await choose(router, pr) == "a"
             router.on_request_routed(pr, a.replica_id, RESULT)
         # Until a reports again its three requests are counted on top of its last report.
-        shape = RequestShape(255, 32, LATENCY_PRIORITY)
+        shape = RequestShape(255, 32, latency=True)
         ranked = {r.key.unique_id: r for r in router.rank(list(router.curr_replicas.values()),
                                                           shape)}
         assert (ranked["a"].est_free, ranked["a"].pending) == (100 - 48, 48)
@@ -244,3 +247,15 @@ def test_choose_without_a_request_ranks_and_charges_nothing() -> None:
         assert outstanding(router) == {"a": 0, "b": 0}
 
     run(body, FakeReplica("a", 10), FakeReplica("b", 20))
+
+
+def test_a_call_without_a_generate_request_is_ranked_as_an_empty_request() -> None:
+    # Routing never fails on what it cannot read (the replica answers that): the call is charged
+    # one block and ranked for room, as a request of no length.
+    async def body(router: FreeKVBlocksRouter, reps: list[FakeReplica]) -> None:
+        pr = PendingRequest(args=[[1] * 255, None], kwargs={"priority": 10},
+                            metadata=metadata("untyped"))
+        assert await choose(router, pr) == "b"
+        assert outstanding(router) == {"a": 0, "b": 1}
+
+    run(body, FakeReplica("a", 64, total=64), FakeReplica("b", 10, total=256))

@@ -12,8 +12,9 @@ import ray
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from replica.api import GenerateRequest, SamplingParams
 from router import registry
-from router.sim import SimClient, SimEngine
+from router.sim import SimClient, SimEngine, SimOutput
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -65,7 +66,9 @@ def test_replica_reporting_few_free_blocks_gets_fewer_requests(client: Deploymen
     # ahead: a burst spreads over the pools that hold it, the 32-block one takes fewest.
     seen = Counter()
     for _ in range(2):
-        seen += pools(client.run.remote(12, 200, 32, priority=10).result(timeout_s=60))
+        seen += pools(
+            client.run.remote(12, 200, 32, priority=10, latency=True).result(timeout_s=60)
+        )
         settle()
     assert seen[32] < min(seen[128], seen[256]), seen
 
@@ -85,9 +88,10 @@ def test_streaming_call_from_a_handle_charges_until_its_stream_ends(
     client: DeploymentHandle,
 ) -> None:
     engine = serve.get_deployment_handle("SimEngine", app_name=APP).options(stream=True)
-    stream = engine.generate.remote([7] * 40, None, priority=3, prompt_tokens=40, max_tokens=200)
+    sent = GenerateRequest((7,) * 40, SamplingParams(max_tokens=200), priority=3)
+    stream = engine.generate.remote(sent)
     first = next(iter(stream))
-    assert first["total_blocks"] == 256
+    assert isinstance(first, SimOutput) and first.total_blocks == 256
     (router,) = registry.routers(APP, "SimEngine")  # this process's router for the handle
     assert sorted(router.outstanding().values()) == [0, 0, 3]  # ceil(41 / 16) blocks
     assert len([first, *stream]) == 200

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
+from typing import Any
 
 import pytest
 
+from replica.api import ErrorRecord, GenerateRequest, SamplingParams
+from replica.config import EngineConfig
 from replica.prefill_policy import Chunked
 from replica.scheduler import NeverFits, QueueFull, Request, Scheduler, TooLong
-from router.sim import TOKEN, SimCore, StepModel, sim_config
+from router.sim import TOKEN, SimCore, SimEngine, SimOutput, StepModel, sim_config
 from tests.scheduler.harness import Sim
 
 # A step's "seconds" are its token count: what the scheduler put in it.
@@ -34,7 +38,7 @@ def test_it_runs_the_replicas_scheduler_as_configured() -> None:
     assert (core.total_blocks, core.block_tokens, core.scheduler.max_model_len) == (10, 32, 512)
     assert repr(core.scheduler.prefill_policy) == "Chunked(64)"
     with pytest.raises(ValueError, match="num_kv_blocks"):
-        SimCore(cfg.with_options(num_kv_blocks=None))
+        SimCore(EngineConfig())  # no num_kv_blocks
 
 
 def test_admission_by_free_blocks_and_stats() -> None:
@@ -203,3 +207,31 @@ def test_every_step_is_the_checked_schedulers() -> None:
     checked.check_done()
     assert core.preemptions == checked.preemptions > 0
     assert any(c.start > 0 for p in checked.plans for c in p.prefill)  # chunked
+
+
+def test_the_deployment_takes_the_typed_request_and_streams_typed_outputs() -> None:
+    """SimEngine's ``generate`` outside Serve: a ``GenerateRequest`` in, ``RequestOutput``
+    deltas out (thinned by ``stream_every``), an ``ErrorRecord`` for what the scheduler
+    refuses, as from a real replica."""
+    engine_class: Any = SimEngine.func_or_class
+    engine = engine_class(pool_blocks=8, step_base_s=0.0, step_per_token_s=0.0, stream_every=2,
+                          max_waiting=4)
+
+    async def collect(request: object) -> list[Any]:
+        return [item async for item in engine.generate(request)]
+
+    outs = asyncio.run(collect(GenerateRequest((5,) * 20, SamplingParams(max_tokens=5),
+                                               priority=2)))
+    assert all(isinstance(o, SimOutput) for o in outs)
+    assert [o.token_ids for o in outs] == [[TOKEN], [TOKEN], [TOKEN, TOKEN], [TOKEN]]
+    assert [o.completion_tokens for o in outs] == [1, 2, 4, 5]
+    assert [o.finished for o in outs] == [False, False, False, True]
+    assert outs[-1].finish_reason == "length" and outs[0].prompt_tokens == 20
+    assert outs[0].cached_tokens == 0 and outs[-1].cached_tokens == 0
+    assert outs[0].total_blocks == 8 and outs[0].arrived <= outs[0].at
+    (never,) = asyncio.run(collect(GenerateRequest((5,) * 200, SamplingParams(max_tokens=5))))
+    assert never == ErrorRecord(400, "never_fits", str(NeverFits(13, 8)), None)
+    (empty,) = asyncio.run(collect(GenerateRequest((), SamplingParams(max_tokens=5))))
+    assert (empty.status, empty.code, empty.param) == (400, "empty", "prompt")
+    (untyped,) = asyncio.run(collect([1, 2, 3]))
+    assert isinstance(untyped, ErrorRecord) and untyped.code == "invalid_request"
