@@ -2,18 +2,22 @@
 
 ``engine.model`` may name a ``.gguf`` file, a folder holding exactly one, or a packaged model
 (``replica.models.catalog``). Supported: ``general.architecture`` ``llama`` (which is also how
-llama.cpp writes Mistral models), ``mistral`` and ``qwen2``; tensors in every type the ``gguf``
-package can dequantize (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, the K-quants Q2_K to Q6_K,
-the IQ types, ...), dequantized once at load into the engine's dtype.
+llama.cpp writes Mistral models), ``mistral`` (see below) and ``qwen2``; tensors in every type
+the ``gguf`` package can dequantize (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, the K-quants
+Q2_K to Q6_K, the IQ types, ...), dequantized once at load into the engine's dtype.
 
 - Config: from the metadata keys of the architecture (``llama.block_count``, ...). Floats are
   stored as float32, so ``rms_norm_eps`` 1e-5 reads 9.99999975e-06: they are rounded back to the
   shortest decimal that gives the same float32. The head is tied when there is no
   ``output.weight``.
 - Weights: streamed one tensor at a time from the memory-mapped file (dequantize, un-permute,
-  cast, copy into the model, drop), so the peak is about one tensor above the model. llama.cpp's
-  converter permutes the Q and K rows of llama-family models for its rotary layout (the two
-  halves of each head interleaved); they are permuted back (not for qwen2, which it leaves).
+  cast, copy into the model, drop), so the peak is about one tensor above the model. In the
+  files llama.cpp writes as ``llama`` (Llama and Mistral models alike) the Q and K rows are in
+  its rotary layout (the two halves of each head interleaved); they are permuted back. Its
+  ``qwen2`` files keep the Hugging Face layout (its rotary for qwen2 takes the halves as they
+  are). llama.cpp has no ``mistral`` architecture: it neither writes nor loads such a file, so
+  nothing permuted its Q/K; they are read as stored (``transformers`` registers its Q/K
+  un-permutation for ``llama`` files only).
 - Tokenizer and chat template: ``transformers`` builds a fast tokenizer from the file's metadata
   (a few seconds for a 49k vocabulary); it is saved under the cache directory
   (``$TIERSERVE_CACHE_DIR``, else ``~/.cache/tierserve``) keyed by the file's SHA-256, so later
@@ -57,8 +61,11 @@ ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
 }
-# llama.cpp permutes Q/K rows for these (its rotary layout); qwen2 it leaves as they are.
-_PERMUTED = ("llama", "mistral")
+# The architectures whose files hold Q/K rows in llama.cpp's rotary layout: ``llama`` (its
+# converter permutes Hugging Face Llama and Mistral checkpoints into it; Mistral's own checkpoint
+# format already has it). qwen2 it leaves as they are; ``mistral`` it never writes (nor loads),
+# so such a file's Q/K are taken as stored.
+_PERMUTED = ("llama",)
 _GLOBAL = {
     "token_embd.weight": "embed",
     "output_norm.weight": "norm",

@@ -1,7 +1,12 @@
 """Write GGUF files from tiny ``transformers`` models, the way llama.cpp's converter lays them out:
-llama.cpp tensor names, Q/K rows permuted for its rotary layout (llama and mistral; not qwen2),
-the metadata keys of ``general.architecture``, and a byte-level BPE tokenizer (the embedded
-model's vocabulary, a few merges) with a chat template.
+llama.cpp tensor names, Q/K rows permuted for its rotary layout where it permutes them (files of
+architecture ``llama``, which is also how it writes Mistral models; not ``qwen2``), the metadata
+keys of ``general.architecture``, and a byte-level BPE tokenizer (the embedded model's
+vocabulary, a few merges) with a chat template.
+
+A file of architecture ``mistral`` keeps Hugging Face's Q/K layout: llama.cpp neither writes nor
+reads that architecture (it writes Mistral models as ``llama``), and ``replica.models.gguf_loader``
+reads such a file's Q/K as stored.
 
 Quantized tensors: ``gguf.quants.quantize`` where the package can quantize (F16, BF16, Q8_0, Q4_0,
 Q4_1, ...); for the K-quants, which it can only dequantize, random blocks whose fp16 scales are
@@ -28,6 +33,7 @@ from replica.models.embedded import (
 )
 
 ARCH = {"LlamaConfig": "llama", "MistralConfig": "llama", "Qwen2Config": "qwen2"}
+PERMUTED_ARCHS = ("llama",)  # the architectures whose Q/K rows llama.cpp's converter permutes
 QUANTIZABLE = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 # K-quant block layouts (256 weights per block): byte offsets of the fp16 scale fields.
 K_SCALES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
@@ -89,7 +95,7 @@ def write_gguf(
     arch = arch or ARCH[type(cfg).__name__]
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    permute = type(cfg).__name__ != "Qwen2Config"
+    permute = arch in PERMUTED_ARCHS
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name("tiny-test")
     w.add_block_count(cfg.num_hidden_layers)
@@ -160,3 +166,48 @@ def write_gguf(
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def reference_from_file(path: Path, like: Any) -> Any:
+    """A ``transformers`` model of ``like``'s class and config holding the tensors of GGUF file
+    ``path``: dequantized, Q/K un-permuted where the helper permuted them (``PERMUTED_ARCHS``),
+    under their Hugging Face names. A reference for files ``transformers`` cannot load itself."""
+    cfg = like.config
+    reader = gguf.GGUFReader(str(path))
+    arch = str(reader.fields["general.architecture"].contents())
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    names = {
+        "token_embd": "model.embed_tokens",
+        "output_norm": "model.norm",
+        "output": "lm_head",
+        "attn_q": "self_attn.q_proj",
+        "attn_k": "self_attn.k_proj",
+        "attn_v": "self_attn.v_proj",
+        "attn_output": "self_attn.o_proj",
+        "ffn_gate": "mlp.gate_proj",
+        "ffn_up": "mlp.up_proj",
+        "ffn_down": "mlp.down_proj",
+        "attn_norm": "input_layernorm",
+        "ffn_norm": "post_attention_layernorm",
+    }
+    state: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        arr = gguf.quants.dequantize(t.data, t.tensor_type)
+        arr = np.asarray(arr, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])
+        w = torch.from_numpy(arr.copy())
+        parts = str(t.name).split(".")
+        if parts[0] == "blk":  # blk.{i}.{module}.{weight|bias}
+            if arch in PERMUTED_ARCHS and parts[2] in ("attn_q", "attn_k"):
+                n = heads if parts[2] == "attn_q" else kv_heads
+                half = w.shape[0] // n // 2  # the inverse of permute_for_gguf
+                w = w.reshape(n, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+            state[f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"] = w
+        else:
+            state[f"{names[parts[0]]}.{parts[1]}"] = w
+    model = type(like)(cfg).eval()
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    if cfg.tie_word_embeddings:
+        model.tie_weights()
+    return model
+

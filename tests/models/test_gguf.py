@@ -19,7 +19,7 @@ import torch
 from replica.models import catalog, gguf_loader
 from replica.models.config import ModelLoadError
 from replica.models.loader import load_model, load_model_config, load_tokenizer
-from tests.models.gguf_helpers import write_gguf
+from tests.models.gguf_helpers import reference_from_file, write_gguf
 from tests.models.helpers import PagedHarness, Work, tiny_hf_model
 
 # Dimensions every block size divides (256 weights per K-quant block, 32 per Q8_0/Q4_x block).
@@ -56,6 +56,16 @@ def _hf_greedy(model: Any, prompt: list[int], steps: int) -> list[int]:
     return [int(t) for t in out[0, len(prompt) :]]
 
 
+def _same_outputs(ours: Any, ref: Any) -> None:
+    """Logits of ``PROMPT`` within tolerance, and greedy tokens equal for 32 steps."""
+    got = PagedHarness(ours, 1, 64).step([Work(0, 0, PROMPT)], all_rows=True)[0]
+    with torch.no_grad():
+        want = ref(torch.tensor([PROMPT])).logits[0]
+    scale = float(want.abs().max())
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4 * max(1.0, scale))
+    assert PagedHarness(ours, 1, 64).greedy([PROMPT], 32)[0] == _hf_greedy(ref, PROMPT, 32)
+
+
 @pytest.mark.parametrize("qtype", TYPES)
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_gguf_matches_transformers_on_the_same_file(kind: str, qtype: str, tmp_path: Path) -> None:
@@ -66,12 +76,7 @@ def test_gguf_matches_transformers_on_the_same_file(kind: str, qtype: str, tmp_p
     # llama.cpp writes Mistral models as "llama" (and so does the helper).
     assert cfg.architecture == ("Qwen2ForCausalLM" if kind == "qwen2" else "LlamaForCausalLM")
     assert cfg.num_kv_heads == src.config.num_key_value_heads and cfg.rms_norm_eps == 1e-5
-    got = PagedHarness(ours, 1, 64).step([Work(0, 0, PROMPT)], all_rows=True)[0]
-    with torch.no_grad():
-        want = ref(torch.tensor([PROMPT])).logits[0]
-    scale = float(want.abs().max())
-    torch.testing.assert_close(got, want, rtol=0, atol=1e-4 * max(1.0, scale))
-    assert PagedHarness(ours, 1, 64).greedy([PROMPT], 32)[0] == _hf_greedy(ref, PROMPT, 32)
+    _same_outputs(ours, ref)
 
 
 def test_gguf_dequantizes_into_the_engines_dtype(tmp_path: Path) -> None:
@@ -86,14 +91,30 @@ def test_gguf_dequantizes_into_the_engines_dtype(tmp_path: Path) -> None:
         assert torch.equal(a.to(torch.bfloat16), b), name
 
 
-def test_mistral_architecture_name_reads_like_llama(tmp_path: Path) -> None:
-    """llama.cpp writes Mistral as ``llama``; a file that says ``mistral`` loads the same."""
-    src = tiny_hf_model("mistral", seed=5, head_dim=24)
-    as_llama, _, _ = load_model(str(write_gguf(src, tmp_path / "a.gguf")))
-    as_mistral, _, cfg = load_model(str(write_gguf(src, tmp_path / "b" / "m.gguf", arch="mistral")))
-    assert cfg.architecture == "MistralForCausalLM" and cfg.head_dim == 24
-    for a, b in zip(as_llama.state_dict().values(), as_mistral.state_dict().values(), strict=True):
-        assert torch.equal(a, b)
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0", "Q4_K"])
+def test_a_mistral_architecture_file_keeps_its_q_k_as_stored(qtype: str, tmp_path: Path) -> None:
+    """``general.architecture = "mistral"`` with head_dim 128 != hidden / heads (64), as its
+    metadata can say (``mistral.attention.key_length``, ``mistral.rope.dimension_count``).
+
+    llama.cpp has no ``mistral`` architecture: its converter writes Mistral models as ``llama``
+    (Q/K permuted; the kind "mistral" above) and its loader refuses ``mistral``. Nothing permuted
+    such a file's Q/K, so they are read as stored. ``transformers`` cannot be the reference here:
+    loading this file (5.x, with the gguf package 0.19) fails, because its GGUF loader looks the
+    architecture up among the gguf package's, which has no ``mistral`` (it would take the Q/K as
+    stored too: its Q/K un-permutation is registered for ``llama`` only). The reference is
+    ``transformers``' MistralForCausalLM holding the file's tensors, dequantized, under their
+    Hugging Face names (``reference_from_file``)."""
+    src = tiny_hf_model("mistral", seed=5, **QUANT_DIMS, head_dim=128)
+    assert src.config.head_dim != src.config.hidden_size // src.config.num_attention_heads
+    path = write_gguf(src, tmp_path / f"mistral-{qtype}.gguf", qtype, arch="mistral")
+    ours, _, cfg = load_model(str(path))
+    assert cfg.architecture == "MistralForCausalLM" and cfg.head_dim == 128
+    assert cfg.num_kv_heads == 2 and cfg.q_size == 512
+    ref = reference_from_file(path, src)
+    if qtype == "F32":  # the file holds the source model's own weights, in its layout
+        for name, t in src.state_dict().items():
+            assert torch.equal(ref.state_dict()[name], t), name
+    _same_outputs(ours, ref)
 
 
 def test_tokenizer_and_chat_template_come_from_the_file(tmp_path: Path) -> None:
