@@ -1,8 +1,9 @@
 """Write GGUF files from tiny ``transformers`` models, the way llama.cpp's converter lays them out:
 llama.cpp tensor names, Q/K rows permuted for its rotary layout where it permutes them (files of
 architecture ``llama``, which is also how it writes Mistral models; not ``qwen2``), the metadata
-keys of ``general.architecture``, and a byte-level BPE tokenizer (the embedded model's
-vocabulary, a few merges) with a chat template.
+keys of ``general.architecture``, and a tokenizer with a chat template: byte-level BPE (the
+embedded model's vocabulary, a few merges; ``tokenizer.ggml.model`` ``gpt2``) or SentencePiece
+(a small vocabulary with scores, byte-fallback tokens; ``llama``).
 
 A file of architecture ``mistral`` keeps Hugging Face's Q/K layout: llama.cpp neither writes nor
 reads that architecture (it writes Mistral models as ``llama``), and ``replica.models.gguf_loader``
@@ -38,6 +39,30 @@ QUANTIZABLE = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 # K-quant block layouts (256 weights per block): byte offsets of the fp16 scale fields.
 K_SCALES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 MERGES = ["h e", "l l", "o Ġ"]
+# The SentencePiece vocabulary: special tokens, the 256 byte-fallback tokens, then pieces, best
+# first (their scores decrease, so the merges derived from them follow this order).
+SPM_SPECIAL = ["<unk>", "<s>", "</s>"]
+SPM_PIECES = [
+    "▁", "e", "l", "o", "h", "w", "r", "d", "t", "a", "s", "i", "n",
+    "ll", "▁h", "▁w", "he", "or", "▁he", "▁wor", "ld", "▁the", "▁hell", "▁hello", "▁world",
+    "▁a", "▁is", "in", "▁this", "▁t", "th", "▁th", "is", "▁i",
+]
+SPM_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}[{{ m['role'] | upper }}] {{ m['content'] }}"
+    "{{ eos_token }}{% endfor %}"
+)
+
+
+def spm_vocab() -> tuple[list[str], list[float], list[int]]:
+    """Tokens, scores and token types of the SentencePiece vocabulary (``llama`` tokenizer)."""
+    tokens = SPM_SPECIAL + [f"<0x{b:02X}>" for b in range(256)] + SPM_PIECES
+    scores = [0.0] * (len(SPM_SPECIAL) + 256) + [-float(i) for i in range(len(SPM_PIECES))]
+    types = (
+        [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
+        + [gguf.TokenType.BYTE] * 256
+        + [gguf.TokenType.NORMAL] * len(SPM_PIECES)
+    )
+    return tokens, scores, [int(t) for t in types]
 
 
 def tokenizer_vocab() -> list[str]:
@@ -86,10 +111,14 @@ def write_gguf(
     *,
     arch: str | None = None,
     skip: tuple[str, ...] = (),
-    chat_template: str = CHAT_TEMPLATE,
+    chat_template: str | None = None,
+    tokenizer: str = "gpt2",
 ) -> Path:
     """Write ``model`` (a tiny ``transformers`` Llama/Mistral/Qwen2) to ``path`` in ``qtype``.
-    ``arch`` overrides ``general.architecture``; tensors named in ``skip`` are left out."""
+    ``arch`` overrides ``general.architecture``; tensors named in ``skip`` are left out; a model
+    with tied embeddings gets no ``output.weight`` (as llama.cpp writes one). ``tokenizer``:
+    ``gpt2`` (byte-level BPE) or ``llama`` (SentencePiece: the model's vocabulary must be
+    ``len(spm_vocab()[0])``)."""
     cfg = model.config
     path.parent.mkdir(parents=True, exist_ok=True)
     arch = arch or ARCH[type(cfg).__name__]
@@ -110,22 +139,42 @@ def write_gguf(
     w.add_rope_freq_base(float(getattr(cfg, "rope_theta", None) or 10000.0))
     w.add_layer_norm_rms_eps(float(cfg.rms_norm_eps))
     w.add_vocab_size(cfg.vocab_size)
-    tokens = tokenizer_vocab()[: cfg.vocab_size]
-    tokens += [f"<|unused{i}|>" for i in range(cfg.vocab_size - len(tokens))]
-    types = [
-        gguf.TokenType.CONTROL if t in SPECIAL_TOKENS or t.startswith("<|unused") else gguf.TokenType.NORMAL
-        for t in tokens
-    ]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(MERGES)
-    w.add_bos_token_id(BOS_ID)
-    w.add_eos_token_id(EOS_ID)
-    w.add_pad_token_id(PAD_ID)
-    w.add_add_bos_token(True)
-    w.add_chat_template(chat_template)
+    if tokenizer == "gpt2":
+        tokens = tokenizer_vocab()[: cfg.vocab_size]
+        tokens += [f"<|unused{i}|>" for i in range(cfg.vocab_size - len(tokens))]
+        types = [
+            gguf.TokenType.CONTROL
+            if t in SPECIAL_TOKENS or t.startswith("<|unused")
+            else gguf.TokenType.NORMAL
+            for t in tokens
+        ]
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("default")
+        w.add_token_list(tokens)
+        w.add_token_types(types)
+        w.add_token_merges(MERGES)
+        w.add_bos_token_id(BOS_ID)
+        w.add_eos_token_id(EOS_ID)
+        w.add_pad_token_id(PAD_ID)
+        w.add_add_bos_token(True)
+        w.add_chat_template(CHAT_TEMPLATE if chat_template is None else chat_template)
+    elif tokenizer == "llama":  # as llama.cpp writes a SentencePiece model: no merges, scores
+        tokens, scores, ttypes = spm_vocab()
+        assert cfg.vocab_size == len(tokens), f"the model's vocabulary must be {len(tokens)}"
+        w.add_tokenizer_model("llama")
+        w.add_tokenizer_pre("default")
+        w.add_token_list(tokens)
+        w.add_token_scores(scores)
+        w.add_token_types(ttypes)
+        w.add_unk_token_id(0)
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+        w.add_add_bos_token(True)
+        w.add_add_eos_token(False)
+        w.add_add_space_prefix(True)
+        w.add_chat_template(SPM_TEMPLATE if chat_template is None else chat_template)
+    else:
+        raise ValueError(tokenizer)
 
     names = {
         "model.embed_tokens.weight": "token_embd.weight",

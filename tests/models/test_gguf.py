@@ -19,7 +19,7 @@ import torch
 from replica.models import catalog, gguf_loader
 from replica.models.config import ModelLoadError
 from replica.models.loader import load_model, load_model_config, load_tokenizer
-from tests.models.gguf_helpers import reference_from_file, write_gguf
+from tests.models.gguf_helpers import reference_from_file, spm_vocab, write_gguf
 from tests.models.helpers import PagedHarness, Work, tiny_hf_model
 
 # Dimensions every block size divides (256 weights per K-quant block, 32 per Q8_0/Q4_x block).
@@ -30,6 +30,10 @@ KINDS = {
     "mistral": {"head_dim": 64},
 }
 TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+# A tied head (no output.weight: the head is token_embd), as SmolLM2 and most small models have:
+# fp32, the default model's Q4_1 and a K-quant.
+TIED = {"llama-tied": {}}
+CASES = [(k, q) for k in KINDS for q in TYPES] + [(k, q) for k in TIED for q in ("F32", "Q4_1", "Q6_K")]
 PROMPT = [256, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100]
 
 
@@ -66,16 +70,21 @@ def _same_outputs(ours: Any, ref: Any) -> None:
     assert PagedHarness(ours, 1, 64).greedy([PROMPT], 32)[0] == _hf_greedy(ref, PROMPT, 32)
 
 
-@pytest.mark.parametrize("qtype", TYPES)
-@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize(("kind", "qtype"), CASES)
 def test_gguf_matches_transformers_on_the_same_file(kind: str, qtype: str, tmp_path: Path) -> None:
-    src = tiny_hf_model(kind, seed=3, **QUANT_DIMS, **KINDS[kind])
+    src = tiny_hf_model(kind, seed=3, **QUANT_DIMS, **{**KINDS, **TIED}[kind])
     path = write_gguf(src, tmp_path / f"{kind}-{qtype}.gguf", qtype)
     ours, _, cfg = load_model(str(path))
     ref = _hf_from_gguf(path)
     # llama.cpp writes Mistral models as "llama" (and so does the helper).
     assert cfg.architecture == ("Qwen2ForCausalLM" if kind == "qwen2" else "LlamaForCausalLM")
     assert cfg.num_kv_heads == src.config.num_key_value_heads and cfg.rms_norm_eps == 1e-5
+    tied = kind in TIED
+    names = {t.name for t in gguf.GGUFReader(str(path)).tensors}
+    assert ("output.weight" not in names) == tied == cfg.tie_word_embeddings
+    assert ref.config.tie_word_embeddings == tied
+    if tied:  # the head is the embedding itself, not a copy that could go stale
+        assert ours.lm_head.weight is ours.model.embed_tokens.weight
     _same_outputs(ours, ref)
 
 
@@ -130,6 +139,45 @@ def test_tokenizer_and_chat_template_come_from_the_file(tmp_path: Path) -> None:
     again = load_tokenizer(str(path))  # from the cache this time
     assert again.encode("hello world") == tok.encode("hello world")
     assert any((Path(gguf_loader.cache_root()) / "gguf-tokenizers").iterdir())
+
+
+def test_a_sentencepiece_tokenizer_and_its_chat_template_come_from_the_file(tmp_path: Path) -> None:
+    """``tokenizer.ggml.model = "llama"`` (tokens, scores, token types; no merges: they follow
+    from the scores), as llama.cpp writes Llama 2 / Mistral-style vocabularies: ours, built from
+    the file and then read from the cache, encodes and decodes as ``transformers``' GGUF
+    tokenizer does."""
+    from transformers import AutoTokenizer
+
+    tokens = spm_vocab()[0]
+    src = tiny_hf_model("llama", seed=12, vocab_size=len(tokens))
+    path = write_gguf(src, tmp_path / "spm.gguf", tokenizer="llama")
+    ref = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="spm.gguf")
+    fresh = load_tokenizer(str(path))
+    cached = load_tokenizer(str(path))  # from the cache this time
+    hello = [1, tokens.index("▁hello"), tokens.index("▁world")]  # <s>, whole pieces
+    assert ref.encode("hello world") == hello
+    texts = [
+        "hello world", "the world is this", "hello  world", " hello", "Hello, World!\n",
+        "héllo wörld ☃", "<s>hi</s>", "", "\n\n", "this is hell",
+    ]
+    for tok in (fresh, cached):
+        for text in texts:
+            ids = ref.encode(text)
+            assert tok.encode(text) == ids, (text, tok.encode(text), ids)
+            assert tok.decode(ids) == ref.decode(ids), text
+            clean = tok.decode(ids, skip_special_tokens=True)
+            assert clean == ref.decode(ids, skip_special_tokens=True), text
+        # characters outside the vocabulary fall back to their UTF-8 bytes
+        assert tok.convert_ids_to_tokens(tok.encode("é", add_special_tokens=False))[-2:] == [
+            "<0xC3>", "<0xA9>"
+        ]
+        assert tok.decode(tok.encode("héllo wörld ☃"), skip_special_tokens=True) == "héllo wörld ☃"
+        chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+        text = tok.apply_chat_template(chat, tokenize=False)
+        assert text == "<s>[USER] hi</s>[ASSISTANT] hello</s>"
+        assert text == ref.apply_chat_template(chat, tokenize=False)
+    cfg = load_model_config(str(path))
+    assert cfg.bos_token_id == 1 and cfg.eos_token_ids == (2,) and cfg.vocab_size == len(tokens)
 
 
 def test_weights_stream_one_tensor_at_a_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
