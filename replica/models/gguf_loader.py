@@ -285,6 +285,26 @@ _HF_LAYER = {
 }
 
 
+_GGUF_GLOBAL = {role: name for name, role in _GLOBAL.items()}
+_GGUF_LAYER = {role: rest for rest, role in _PER_LAYER.items()}
+_FROM_HF_GLOBAL = {hf: role for role, hf in _HF_GLOBAL.items()}
+_FROM_HF_LAYER = {hf: role for role, hf in _HF_LAYER.items()}
+
+
+def gguf_tensor_name(hf_name: str) -> str | None:
+    """The GGUF name of the tensor a Hugging Face name stands for
+    (``model.layers.1.mlp.up_proj.weight`` -> ``blk.1.ffn_up.weight``), or None."""
+    role = _FROM_HF_GLOBAL.get(hf_name)
+    if role is not None:
+        return _GGUF_GLOBAL[role]
+    parts = hf_name.split(".", 3)  # model, layers, {i}, rest
+    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[2].isdigit():
+        role = _FROM_HF_LAYER.get(parts[3])
+        if role is not None:
+            return f"blk.{parts[2]}.{_GGUF_LAYER[role]}"
+    return None
+
+
 def prepared_dir(path: Path) -> Path:
     """The prepared-cache entry of GGUF file ``path``: named by its SHA-256 and the format."""
     return cache_root() / "gguf-prepared" / f"{file_digest(path)[:32]}-v{PREPARED_FORMAT}"

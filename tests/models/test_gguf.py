@@ -324,7 +324,11 @@ def test_missing_tensors_are_named(tmp_path: Path) -> None:
     path = write_gguf(
         tiny_hf_model("llama"), tmp_path / "holes.gguf", skip=("blk.1.ffn_up.weight",)
     )
-    _refused(path, r"holes\.gguf lacks 1 tensor\(s\): model\.layers\.1\.mlp\.up_proj\.weight")
+    _refused(
+        path,
+        r"holes\.gguf lacks 1 tensor\(s\): model\.layers\.1\.mlp\.up_proj\.weight "
+        r"\(blk\.1\.ffn_up\.weight in the file\)$",
+    )
 
 
 def test_a_folder_with_two_gguf_files_asks_for_one(good: Path, tmp_path: Path) -> None:
