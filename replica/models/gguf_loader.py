@@ -27,7 +27,9 @@ Q2_K to Q6_K, the IQ types, ...), dequantized once at load into the engine's dty
   keyed by the file's SHA-256; later starts read the config from it and memory-map the weights
   instead of parsing the GGUF metadata and dequantizing (seconds each on a small CPU). Files
   whose fp32 weights exceed ``$TIERSERVE_GGUF_CACHE_GIB`` (default 4; 0 turns the cache off)
-  are not cached. A damaged entry is removed and rebuilt.
+  are not cached. A damaged entry is removed and rebuilt. An entry is built under an exclusive
+  ``flock`` on ``<entry>.lock`` beside it: of two replicas starting at once on a fresh machine,
+  one builds and the other waits, then reads the finished entry.
 
 Every failure is a ``ModelLoadError`` that names the file and what is wrong: not a GGUF (magic),
 truncated or corrupt, an unsupported architecture or tensor type, missing or misshapen tensors.
@@ -35,6 +37,8 @@ truncated or corrupt, an unsupported architecture or tensor type, missing or mis
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import logging
@@ -312,49 +316,93 @@ def prepared_dir(path: Path) -> Path:
 
 def gguf_model_config(path: Path) -> ModelConfig:
     """The ``ModelConfig`` of GGUF file ``path``: from the prepared cache, else from the file's
-    metadata (and then written to the cache). Raises ``ModelLoadError``."""
+    metadata (and then written to the cache, under the entry's lock). Raises ``ModelLoadError``."""
     entry = prepared_dir(path) / "config.json"
+    config = _cached_config(entry)
+    if config is not None:
+        return config
+    with _entry_lock(path):
+        config = _cached_config(entry)  # written by another process while this one waited
+        if config is not None:
+            return config
+        config = gguf_config(open_gguf(path), path)
+        try:
+            entry.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=".config-", dir=entry.parent)
+            with os.fdopen(fd, "w") as f:
+                json.dump(config.to_json(), f, indent=1)
+            os.replace(tmp, entry)
+        except OSError as e:  # no writable cache: every start reads the metadata
+            log.warning("cannot cache the GGUF config under %s (%s)", entry.parent, e)
+    return config
+
+
+def _cached_config(entry: Path) -> ModelConfig | None:
     try:
         return ModelConfig.from_json(json.loads(entry.read_text()))
     except FileNotFoundError:
-        pass
+        return None
     except (OSError, ValueError, KeyError, TypeError) as e:  # damaged: read the file again
         log.warning("ignoring the cached config at %s (%s)", entry, e)
-    config = gguf_config(open_gguf(path), path)
+        return None
+
+
+@contextlib.contextmanager
+def _entry_lock(path: Path) -> Iterator[None]:
+    """An exclusive ``flock`` on ``<entry>.lock`` beside the prepared entry of ``path``, held
+    while the entry is built: of two processes starting at once on a fresh machine, one builds
+    and the other waits, then reads what the first built. Without a writable cache there is
+    nothing to build and no lock: the body runs unlocked."""
+    entry = prepared_dir(path)
+    lock = entry.with_name(entry.name + ".lock")
+    fd: int | None = None
     try:
-        entry.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".config-", dir=entry.parent)
-        with os.fdopen(fd, "w") as f:
-            json.dump(config.to_json(), f, indent=1)
-        os.replace(tmp, entry)
-    except OSError as e:  # no writable cache: every start reads the metadata
-        log.warning("cannot cache the GGUF config under %s (%s)", entry.parent, e)
-    return config
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        log.warning("cannot lock %s (%s): going on without the lock", lock, e)
+    try:
+        if fd is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                log.info("another process is preparing %s: waiting for it", entry)
+                fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)  # releases the lock (the file stays: removing it would race)
 
 
 def gguf_weights(path: Path, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """The model's tensors under Hugging Face names (fp32, CPU), one at a time: from the
     prepared cache when it holds them (memory-mapped), else dequantized from the file and, when
     they take at most ``$TIERSERVE_GGUF_CACHE_GIB`` (default 4; 0 turns the cache off) in fp32,
-    written to the cache on the way. Raises ``ModelLoadError``."""
-    import torch
-
+    written to the cache on the way, under the entry's lock (another process loading the same
+    file meanwhile waits, then reads the cache). Raises ``ModelLoadError``."""
     folder = prepared_dir(path) / "weights"
     index = _prepared_index(folder)
-    if index is not None:
-        for name, file in index:
-            try:
-                arr = np.load(folder / file, mmap_mode="c", allow_pickle=False)
-            except (OSError, ValueError) as e:
-                shutil.rmtree(folder, ignore_errors=True)  # the next start rebuilds it
-                raise ModelLoadError(
-                    f"the prepared weights of {path} at {folder} are damaged ({file}: {e}); "
-                    "they were removed: start again to rebuild them from the file"
-                ) from None
-            yield name, torch.from_numpy(arr)
-        return
-    reader = open_gguf(path)
-    writer = _PreparedWriter.start(folder, reader)
+    with contextlib.ExitStack() as held:
+        if index is None and prepared_limit_gib() > 0:
+            held.enter_context(_entry_lock(path))
+            index = _prepared_index(folder)  # built by another process while this one waited
+            if index is not None:
+                held.close()
+        if index is not None:
+            yield from _prepared_tensors(path, folder, index)
+            return
+        reader = open_gguf(path)
+        writer = _PreparedWriter.start(folder, reader)
+        if writer is None:
+            held.close()  # nothing will be built: let another process go
+        yield from _written_through(reader, writer, path, config)
+
+
+def _written_through(
+    reader: Any, writer: _PreparedWriter | None, path: Path, config: ModelConfig
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The file's tensors, each also given to ``writer`` (when there is one), which is committed
+    once the last was taken and else discarded."""
     try:
         for name, tensor in gguf_tensors(reader, path, config):
             if writer is not None:
@@ -365,6 +413,28 @@ def gguf_weights(path: Path, config: ModelConfig) -> Iterator[tuple[str, torch.T
     finally:
         if writer is not None:
             writer.discard()
+
+
+def weights_prepared(path: Path) -> bool:
+    """Whether the prepared cache holds the complete weights of GGUF file ``path``."""
+    return _prepared_index(prepared_dir(path) / "weights") is not None
+
+
+def _prepared_tensors(
+    path: Path, folder: Path, index: list[tuple[str, str]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    import torch
+
+    for name, file in index:
+        try:
+            arr = np.load(folder / file, mmap_mode="c", allow_pickle=False)
+        except (OSError, ValueError) as e:
+            shutil.rmtree(folder, ignore_errors=True)  # the next start rebuilds it
+            raise ModelLoadError(
+                f"the prepared weights of {path} at {folder} are damaged ({file}: {e}); "
+                "they were removed: start again to rebuild them from the file"
+            ) from None
+        yield name, torch.from_numpy(arr)
 
 
 def _prepared_index(folder: Path) -> list[tuple[str, str]] | None:
@@ -447,8 +517,10 @@ class _PreparedWriter:
         try:
             (self.tmp / "index.json").write_text(json.dumps(self.index))
             os.replace(self.tmp, self.final)
-        except OSError as e:  # another process put it in place first, or a full disk
-            log.debug("prepared weights not moved to %s (%s)", self.final, e)
+        except OSError as e:  # a full disk, or a process that went on without the lock
+            log.warning("prepared weights not moved to %s (%s)", self.final, e)
+            return
+        log.info("prepared weights written to %s", self.final)
 
     def discard(self) -> None:
         if self.tmp.exists():

@@ -260,3 +260,40 @@ def reference_from_file(path: Path, like: Any) -> Any:
         model.tie_weights()
     return model
 
+
+def load_in_child(path: str, cache: str, builds: str, start: Any, out: Any) -> None:
+    """The body of a spawned process loading GGUF file ``path`` with the prepared cache in
+    ``cache``: it waits at barrier ``start`` for the other process, loads (each tensor written to
+    the cache slowed down, so that the two loads overlap), appends a line to ``builds`` for each
+    prepared entry it builds, and puts the SHA-256 of every weight of the loaded model on
+    ``out``."""
+    import hashlib
+    import os
+    import time
+
+    os.environ["TIERSERVE_CACHE_DIR"] = cache
+    from replica.models import gguf_loader
+    from replica.models.loader import load_model
+
+    writer = gguf_loader._PreparedWriter
+    real_add, real_start = writer.add, writer.start.__func__  # type: ignore[attr-defined]
+
+    def slow_add(self: Any, name: str, arr: np.ndarray) -> None:
+        time.sleep(0.05)
+        real_add(self, name, arr)
+
+    def counted_start(cls: Any, final: Path, reader: Any) -> Any:
+        started = real_start(cls, final, reader)
+        if started is not None:
+            with open(builds, "a") as f:
+                f.write(f"{os.getpid()}\n")
+        return started
+
+    writer.add = slow_add  # type: ignore[method-assign]
+    writer.start = classmethod(counted_start)  # type: ignore[assignment,method-assign]
+    start.wait()
+    model, _, _ = load_model(path)
+    out.put({
+        name: hashlib.sha256(t.detach().contiguous().numpy().tobytes()).hexdigest()
+        for name, t in model.state_dict().items()
+    })

@@ -6,6 +6,7 @@ from the file; every bad file refused with a message that names what is wrong.""
 from __future__ import annotations
 
 import gc
+import hashlib
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +20,7 @@ import torch
 from replica.models import catalog, gguf_loader
 from replica.models.config import ModelLoadError
 from replica.models.loader import load_model, load_model_config, load_tokenizer
-from tests.models.gguf_helpers import reference_from_file, spm_vocab, write_gguf
+from tests.models.gguf_helpers import load_in_child, reference_from_file, spm_vocab, write_gguf
 from tests.models.helpers import PagedHarness, Work, tiny_hf_model
 
 # Dimensions every block size divides (256 weights per K-quant block, 32 per Q8_0/Q4_x block).
@@ -256,6 +257,46 @@ def test_the_prepared_cache_can_be_turned_off_and_a_bad_limit_is_refused(
     with pytest.raises(ModelLoadError, match=r"TIERSERVE_GGUF_CACHE_GIB must be a size in GiB "
                                              r">= 0 \(0 turns the cache off\), got 'lots'"):
         load_model(str(path))
+
+
+def test_two_processes_loading_at_once_build_the_prepared_entry_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two replicas starting together on a fresh machine: one builds the entry under its lock,
+    the other waits and reads it; both hold the same weights, bit for bit."""
+    import multiprocessing
+
+    path = write_gguf(tiny_hf_model("llama", seed=14, **QUANT_DIMS), tmp_path / "two.gguf", "Q4_K")
+    cache, builds = tmp_path / "shared-cache", tmp_path / "builds.txt"
+    monkeypatch.setenv("TIERSERVE_CACHE_DIR", str(cache))
+    ctx = multiprocessing.get_context("spawn")
+    start, out = ctx.Barrier(2), ctx.Queue()
+    procs = [
+        ctx.Process(target=load_in_child, args=(str(path), str(cache), str(builds), start, out))
+        for _ in range(2)
+    ]
+    for proc in procs:
+        proc.start()
+    try:
+        digests = [out.get(timeout=300) for _ in procs]
+    finally:
+        for proc in procs:
+            proc.join(timeout=60)
+            if proc.is_alive():
+                proc.kill()
+    assert [proc.exitcode for proc in procs] == [0, 0]
+    assert len(builds.read_text().split()) == 1  # one process built it, the other read it
+    assert digests[0] == digests[1]
+    entry = gguf_loader.prepared_dir(path)
+    assert entry.parent == cache / "gguf-prepared" and gguf_loader.weights_prepared(path)
+    assert entry.with_name(entry.name + ".lock").is_file()
+    assert not [p for p in entry.iterdir() if p.name.startswith(".")]  # no scratch left
+    monkeypatch.setattr(gguf_loader, "open_gguf", lambda *a: pytest.fail("the GGUF was read"))
+    here = load_model(str(path))[0].state_dict()  # from the entry they built
+    assert digests[0] == {
+        name: hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()
+        for name, t in here.items()
+    }
 
 
 # ----------------------------------------------------------------------------- bad files
