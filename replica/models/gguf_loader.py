@@ -29,7 +29,9 @@ Q2_K to Q6_K, the IQ types, ...), dequantized once at load into the engine's dty
   whose fp32 weights exceed ``$TIERSERVE_GGUF_CACHE_GIB`` (default 4; 0 turns the cache off)
   are not cached. A damaged entry is removed and rebuilt. An entry is built under an exclusive
   ``flock`` on ``<entry>.lock`` beside it: of two replicas starting at once on a fresh machine,
-  one builds and the other waits, then reads the finished entry.
+  one builds and the other waits, then reads the finished entry. ``make install`` builds the
+  default model's entry (``python -m replica.models.prepare``), so that even its first start
+  reads the cache.
 
 Every failure is a ``ModelLoadError`` that names the file and what is wrong: not a GGUF (magic),
 truncated or corrupt, an unsupported architecture or tensor type, missing or misshapen tensors.
@@ -420,6 +422,28 @@ def weights_prepared(path: Path) -> bool:
     return _prepared_index(prepared_dir(path) / "weights") is not None
 
 
+def prepare_weights(path: Path, config: ModelConfig) -> str:
+    """Build the prepared weights of GGUF file ``path`` (no model needed: the dequantized tensors
+    go to the cache alone), as a load would, under the entry's lock. Returns what happened:
+    ``built``, ``present`` (already there), ``off`` (``$TIERSERVE_GGUF_CACHE_GIB`` 0),
+    ``too large`` (over it) or ``failed`` (the cache could not be written: logged). Raises
+    ``ModelLoadError``."""
+    if prepared_limit_gib() <= 0:
+        return "off"
+    if weights_prepared(path):
+        return "present"
+    with _entry_lock(path):
+        if weights_prepared(path):  # built by another process while this one waited
+            return "present"
+        reader = open_gguf(path)
+        writer = _PreparedWriter.start(prepared_dir(path) / "weights", reader)
+        if writer is None:
+            return "too large" if fp32_bytes(reader) > prepared_limit_gib() * 2**30 else "failed"
+        for _ in _written_through(reader, writer, path, config):
+            pass
+    return "built" if weights_prepared(path) else "failed"
+
+
 def _prepared_tensors(
     path: Path, folder: Path, index: list[tuple[str, str]]
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -474,6 +498,11 @@ def prepared_limit_gib() -> float:
     return value
 
 
+def fp32_bytes(reader: Any) -> int:
+    """The size of a GGUF file's tensors in fp32: what its prepared weights take."""
+    return 4 * sum(int(t.n_elements) for t in reader.tensors)
+
+
 class _PreparedWriter:
     """Writes the weights streamed from a GGUF file into a scratch folder beside the entry, one
     ``.npy`` per tensor, and moves it into place only once every tensor was taken."""
@@ -486,7 +515,7 @@ class _PreparedWriter:
     @classmethod
     def start(cls, final: Path, reader: Any) -> _PreparedWriter | None:
         limit = prepared_limit_gib()
-        size = 4 * sum(int(t.n_elements) for t in reader.tensors)
+        size = fp32_bytes(reader)
         if size > limit * 2**30:
             log.info("not caching %.1f GiB of fp32 weights (%s=%g)", size / 2**30,
                      ENV_PREPARED_GIB, limit)
@@ -588,12 +617,21 @@ def cache_root() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "tierserve"
 
 
+def _tokenizer_dir(path: Path) -> Path:
+    return cache_root() / "gguf-tokenizers" / file_digest(path)[:32]
+
+
+def tokenizer_prepared(path: Path) -> bool:
+    """Whether the cache holds the tokenizer built from GGUF file ``path``."""
+    return (_tokenizer_dir(path) / "tokenizer_config.json").is_file()
+
+
 def gguf_tokenizer(path: Path) -> Any:
     """The file's tokenizer (with its chat template), built by ``transformers`` from the GGUF
     metadata once and then loaded from the cache. Raises ``ModelLoadError``."""
     from transformers import AutoTokenizer
 
-    cached = cache_root() / "gguf-tokenizers" / file_digest(path)[:32]
+    cached = _tokenizer_dir(path)
     with _tokenizer_lock:
         if (cached / "tokenizer_config.json").is_file():
             try:

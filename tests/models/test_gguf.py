@@ -299,6 +299,56 @@ def test_two_processes_loading_at_once_build_the_prepared_entry_once(
     }
 
 
+def test_prepare_builds_the_caches_ahead_of_the_first_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``python -m replica.models.prepare`` (``make install`` runs it for the default model):
+    builds config, tokenizer and weights under $TIERSERVE_CACHE_DIR without building a model;
+    quiet once they are there; a load then reads the cache, not the file."""
+    import os
+    import subprocess
+    import sys
+
+    from replica.models import prepare
+
+    path = write_gguf(tiny_hf_model("llama", seed=13, **QUANT_DIMS), tmp_path / "p.gguf", "Q4_1")
+    cache = tmp_path / "install-cache"
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "TIERSERVE_CACHE_DIR": str(cache),
+           "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    cmd = [sys.executable, "-m", "replica.models.prepare", str(path)]
+    first = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.startswith(f"tierserve: prepared {path} (config, tokenizer, weights) "
+                                   f"under {cache} in ")
+    again = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    assert (again.returncode, again.stdout, again.stderr) == (0, "", "")
+
+    monkeypatch.setenv("TIERSERVE_CACHE_DIR", str(cache))
+    assert gguf_loader.weights_prepared(path) and gguf_loader.tokenizer_prepared(path)
+    real_open = gguf_loader.open_gguf
+    monkeypatch.setattr(gguf_loader, "open_gguf", lambda *a: pytest.fail("the GGUF was read"))
+    model, tok, _ = load_model(str(path))
+    assert tok.encode("hello") == [256, 263, 264, 111]
+    monkeypatch.setattr(gguf_loader, "open_gguf", real_open)
+
+    # TIERSERVE_GGUF_CACHE_GIB is respected: 0 prepares no weights; a model too large for it
+    # neither; something that is not a GGUF checkpoint is refused.
+    monkeypatch.setenv("TIERSERVE_CACHE_DIR", str(tmp_path / "other-cache"))
+    monkeypatch.setenv(gguf_loader.ENV_PREPARED_GIB, "0")
+    assert prepare.main([str(path)]) == 0
+    assert "(config, tokenizer) under" in capsys.readouterr().out
+    assert not gguf_loader.weights_prepared(path)
+    monkeypatch.setenv(gguf_loader.ENV_PREPARED_GIB, "0.0001")
+    assert prepare.main([str(path)]) == 0
+    assert capsys.readouterr().out == "" and not gguf_loader.weights_prepared(path)
+    monkeypatch.delenv(gguf_loader.ENV_PREPARED_GIB)
+    assert prepare.prepare(str(path)) == ["weights"]
+    _same_weights(model, load_model(str(path))[0])
+    assert prepare.main([str(tmp_path / "nothing-here")]) == 1
+    assert "cannot prepare" in capsys.readouterr().err
+
+
 # ----------------------------------------------------------------------------- bad files
 
 
