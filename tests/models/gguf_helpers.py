@@ -1,7 +1,13 @@
 """Write GGUF files from tiny ``transformers`` models, the way llama.cpp's converter lays them out:
-llama.cpp tensor names, Q/K rows permuted for its rotary layout (llama and mistral; not qwen2),
-the metadata keys of ``general.architecture``, and a byte-level BPE tokenizer (the embedded
-model's vocabulary, a few merges) with a chat template.
+llama.cpp tensor names, Q/K rows permuted for its rotary layout where it permutes them (files of
+architecture ``llama``, which is also how it writes Mistral models; not ``qwen2``), the metadata
+keys of ``general.architecture``, and a tokenizer with a chat template: byte-level BPE (the
+embedded model's vocabulary, a few merges; ``tokenizer.ggml.model`` ``gpt2``) or SentencePiece
+(a small vocabulary with scores, byte-fallback tokens; ``llama``).
+
+A file of architecture ``mistral`` keeps Hugging Face's Q/K layout: llama.cpp neither writes nor
+reads that architecture (it writes Mistral models as ``llama``), and ``replica.models.gguf_loader``
+reads such a file's Q/K as stored.
 
 Quantized tensors: ``gguf.quants.quantize`` where the package can quantize (F16, BF16, Q8_0, Q4_0,
 Q4_1, ...); for the K-quants, which it can only dequantize, random blocks whose fp16 scales are
@@ -28,10 +34,35 @@ from replica.models.embedded import (
 )
 
 ARCH = {"LlamaConfig": "llama", "MistralConfig": "llama", "Qwen2Config": "qwen2"}
+PERMUTED_ARCHS = ("llama",)  # the architectures whose Q/K rows llama.cpp's converter permutes
 QUANTIZABLE = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 # K-quant block layouts (256 weights per block): byte offsets of the fp16 scale fields.
 K_SCALES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 MERGES = ["h e", "l l", "o Ġ"]
+# The SentencePiece vocabulary: special tokens, the 256 byte-fallback tokens, then pieces, best
+# first (their scores decrease, so the merges derived from them follow this order).
+SPM_SPECIAL = ["<unk>", "<s>", "</s>"]
+SPM_PIECES = [
+    "▁", "e", "l", "o", "h", "w", "r", "d", "t", "a", "s", "i", "n",
+    "ll", "▁h", "▁w", "he", "or", "▁he", "▁wor", "ld", "▁the", "▁hell", "▁hello", "▁world",
+    "▁a", "▁is", "in", "▁this", "▁t", "th", "▁th", "is", "▁i",
+]
+SPM_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}[{{ m['role'] | upper }}] {{ m['content'] }}"
+    "{{ eos_token }}{% endfor %}"
+)
+
+
+def spm_vocab() -> tuple[list[str], list[float], list[int]]:
+    """Tokens, scores and token types of the SentencePiece vocabulary (``llama`` tokenizer)."""
+    tokens = SPM_SPECIAL + [f"<0x{b:02X}>" for b in range(256)] + SPM_PIECES
+    scores = [0.0] * (len(SPM_SPECIAL) + 256) + [-float(i) for i in range(len(SPM_PIECES))]
+    types = (
+        [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
+        + [gguf.TokenType.BYTE] * 256
+        + [gguf.TokenType.NORMAL] * len(SPM_PIECES)
+    )
+    return tokens, scores, [int(t) for t in types]
 
 
 def tokenizer_vocab() -> list[str]:
@@ -80,16 +111,20 @@ def write_gguf(
     *,
     arch: str | None = None,
     skip: tuple[str, ...] = (),
-    chat_template: str = CHAT_TEMPLATE,
+    chat_template: str | None = None,
+    tokenizer: str = "gpt2",
 ) -> Path:
     """Write ``model`` (a tiny ``transformers`` Llama/Mistral/Qwen2) to ``path`` in ``qtype``.
-    ``arch`` overrides ``general.architecture``; tensors named in ``skip`` are left out."""
+    ``arch`` overrides ``general.architecture``; tensors named in ``skip`` are left out; a model
+    with tied embeddings gets no ``output.weight`` (as llama.cpp writes one). ``tokenizer``:
+    ``gpt2`` (byte-level BPE) or ``llama`` (SentencePiece: the model's vocabulary must be
+    ``len(spm_vocab()[0])``)."""
     cfg = model.config
     path.parent.mkdir(parents=True, exist_ok=True)
     arch = arch or ARCH[type(cfg).__name__]
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    permute = type(cfg).__name__ != "Qwen2Config"
+    permute = arch in PERMUTED_ARCHS
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name("tiny-test")
     w.add_block_count(cfg.num_hidden_layers)
@@ -104,22 +139,42 @@ def write_gguf(
     w.add_rope_freq_base(float(getattr(cfg, "rope_theta", None) or 10000.0))
     w.add_layer_norm_rms_eps(float(cfg.rms_norm_eps))
     w.add_vocab_size(cfg.vocab_size)
-    tokens = tokenizer_vocab()[: cfg.vocab_size]
-    tokens += [f"<|unused{i}|>" for i in range(cfg.vocab_size - len(tokens))]
-    types = [
-        gguf.TokenType.CONTROL if t in SPECIAL_TOKENS or t.startswith("<|unused") else gguf.TokenType.NORMAL
-        for t in tokens
-    ]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(MERGES)
-    w.add_bos_token_id(BOS_ID)
-    w.add_eos_token_id(EOS_ID)
-    w.add_pad_token_id(PAD_ID)
-    w.add_add_bos_token(True)
-    w.add_chat_template(chat_template)
+    if tokenizer == "gpt2":
+        tokens = tokenizer_vocab()[: cfg.vocab_size]
+        tokens += [f"<|unused{i}|>" for i in range(cfg.vocab_size - len(tokens))]
+        types = [
+            gguf.TokenType.CONTROL
+            if t in SPECIAL_TOKENS or t.startswith("<|unused")
+            else gguf.TokenType.NORMAL
+            for t in tokens
+        ]
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("default")
+        w.add_token_list(tokens)
+        w.add_token_types(types)
+        w.add_token_merges(MERGES)
+        w.add_bos_token_id(BOS_ID)
+        w.add_eos_token_id(EOS_ID)
+        w.add_pad_token_id(PAD_ID)
+        w.add_add_bos_token(True)
+        w.add_chat_template(CHAT_TEMPLATE if chat_template is None else chat_template)
+    elif tokenizer == "llama":  # as llama.cpp writes a SentencePiece model: no merges, scores
+        tokens, scores, ttypes = spm_vocab()
+        assert cfg.vocab_size == len(tokens), f"the model's vocabulary must be {len(tokens)}"
+        w.add_tokenizer_model("llama")
+        w.add_tokenizer_pre("default")
+        w.add_token_list(tokens)
+        w.add_token_scores(scores)
+        w.add_token_types(ttypes)
+        w.add_unk_token_id(0)
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+        w.add_add_bos_token(True)
+        w.add_add_eos_token(False)
+        w.add_add_space_prefix(True)
+        w.add_chat_template(SPM_TEMPLATE if chat_template is None else chat_template)
+    else:
+        raise ValueError(tokenizer)
 
     names = {
         "model.embed_tokens.weight": "token_embd.weight",
@@ -160,3 +215,85 @@ def write_gguf(
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def reference_from_file(path: Path, like: Any) -> Any:
+    """A ``transformers`` model of ``like``'s class and config holding the tensors of GGUF file
+    ``path``: dequantized, Q/K un-permuted where the helper permuted them (``PERMUTED_ARCHS``),
+    under their Hugging Face names. A reference for files ``transformers`` cannot load itself."""
+    cfg = like.config
+    reader = gguf.GGUFReader(str(path))
+    arch = str(reader.fields["general.architecture"].contents())
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    names = {
+        "token_embd": "model.embed_tokens",
+        "output_norm": "model.norm",
+        "output": "lm_head",
+        "attn_q": "self_attn.q_proj",
+        "attn_k": "self_attn.k_proj",
+        "attn_v": "self_attn.v_proj",
+        "attn_output": "self_attn.o_proj",
+        "ffn_gate": "mlp.gate_proj",
+        "ffn_up": "mlp.up_proj",
+        "ffn_down": "mlp.down_proj",
+        "attn_norm": "input_layernorm",
+        "ffn_norm": "post_attention_layernorm",
+    }
+    state: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        arr = gguf.quants.dequantize(t.data, t.tensor_type)
+        arr = np.asarray(arr, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])
+        w = torch.from_numpy(arr.copy())
+        parts = str(t.name).split(".")
+        if parts[0] == "blk":  # blk.{i}.{module}.{weight|bias}
+            if arch in PERMUTED_ARCHS and parts[2] in ("attn_q", "attn_k"):
+                n = heads if parts[2] == "attn_q" else kv_heads
+                half = w.shape[0] // n // 2  # the inverse of permute_for_gguf
+                w = w.reshape(n, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+            state[f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"] = w
+        else:
+            state[f"{names[parts[0]]}.{parts[1]}"] = w
+    model = type(like)(cfg).eval()
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    if cfg.tie_word_embeddings:
+        model.tie_weights()
+    return model
+
+
+def load_in_child(path: str, cache: str, builds: str, start: Any, out: Any) -> None:
+    """The body of a spawned process loading GGUF file ``path`` with the prepared cache in
+    ``cache``: it waits at barrier ``start`` for the other process, loads (each tensor written to
+    the cache slowed down, so that the two loads overlap), appends a line to ``builds`` for each
+    prepared entry it builds, and puts the SHA-256 of every weight of the loaded model on
+    ``out``."""
+    import hashlib
+    import os
+    import time
+
+    os.environ["TIERSERVE_CACHE_DIR"] = cache
+    from replica.models import gguf_loader
+    from replica.models.loader import load_model
+
+    writer = gguf_loader._PreparedWriter
+    real_add, real_start = writer.add, writer.start.__func__  # type: ignore[attr-defined]
+
+    def slow_add(self: Any, name: str, arr: np.ndarray) -> None:
+        time.sleep(0.05)
+        real_add(self, name, arr)
+
+    def counted_start(cls: Any, final: Path, reader: Any) -> Any:
+        started = real_start(cls, final, reader)
+        if started is not None:
+            with open(builds, "a") as f:
+                f.write(f"{os.getpid()}\n")
+        return started
+
+    writer.add = slow_add  # type: ignore[method-assign]
+    writer.start = classmethod(counted_start)  # type: ignore[assignment,method-assign]
+    start.wait()
+    model, _, _ = load_model(path)
+    out.put({
+        name: hashlib.sha256(t.detach().contiguous().numpy().tobytes()).hexdigest()
+        for name, t in model.state_dict().items()
+    })
