@@ -498,8 +498,9 @@ def run_vllm(ck: Checkpoint, mix: Sequence[Req], rnd: int, opts: EngineOptions,
 
 
 def _fmt_options(options: dict[str, Any]) -> str:
+    """The caps a run was given (vLLM's matched run has only the first two)."""
     keys = ("max_num_seqs", "max_num_batched_tokens", "prefill_chunk_tokens", "num_kv_blocks")
-    return " ".join(f"{k}={options[k]}" for k in keys)
+    return " ".join(f"{k}={options[k]}" for k in keys if k in options)
 
 
 # ----------------------------------------------------------------------------- transformers
