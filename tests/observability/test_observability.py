@@ -171,11 +171,17 @@ async def _burst(url: str, n: int, max_tokens: int, waiting: Callable[[], int]
             return r.status_code, (r.json()["error"]["code"] if r.status_code != 200 else None)
 
         burst = [asyncio.create_task(one("interactive", i)) for i in range(n)]
-        deadline = time.monotonic() + 60
-        while await asyncio.to_thread(waiting) < 2 and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        shed = await asyncio.gather(*(one("batch", i) for i in range(2)))
-        return {"burst": list(await asyncio.gather(*burst)), "shed": list(shed)}
+        shed: list[tuple[int, str | None]] = []
+        # The replica's stats lag its queue: by the time a pair of batch requests arrives, the
+        # queue may have drained below half. Try again while the burst still runs.
+        for _ in range(10):
+            deadline = time.monotonic() + 60
+            while await asyncio.to_thread(waiting) < 2 and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            shed += await asyncio.gather(*(one("batch", i) for i in range(2)))
+            if (429, "shed") in shed or all(task.done() for task in burst):
+                break
+        return {"burst": list(await asyncio.gather(*burst)), "shed": shed}
 
 
 @pytest.fixture(scope="module")
