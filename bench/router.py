@@ -191,25 +191,21 @@ class Engine:
         """One replica's engine config (validated as a real replica's)."""
         return sim_config(self.pool_blocks, **self.options)
 
-    def deployment_args(self) -> dict[str, Any]:
-        """``SimEngine``'s keyword arguments."""
+    def _step_model(self) -> dict[str, Any]:
         return {
             "pool_blocks": self.pool_blocks,
             "step_base_s": self.step_base_s,
             "step_per_token_s": self.step_per_token_s,
             "stream_every": self.stream_every,
-            **self.options,
         }
+
+    def deployment_args(self) -> dict[str, Any]:
+        """``SimEngine``'s keyword arguments."""
+        return {**self._step_model(), **self.options}
 
     def record(self) -> dict[str, Any]:
         """What a run records: the step model and the replicas' whole engine config."""
-        return {
-            "pool_blocks": self.pool_blocks,
-            "step_base_s": self.step_base_s,
-            "step_per_token_s": self.step_per_token_s,
-            "stream_every": self.stream_every,
-            "config": self.config.model_dump(mode="json"),
-        }
+        return {**self._step_model(), "config": self.config.model_dump(mode="json")}
 
     def core(self) -> SimCore:
         """One replica's engine, as ``SimEngine`` builds it, for the offline model."""
