@@ -78,7 +78,8 @@ FLAGS = (
     "-shared",
     "-std=c++17",
 )
-# Query rows per work item, at most: a prefill chunk's rows share each key run of the item.
+# Query rows per work item, at most: a prefill chunk's rows (or decode rows sharing a prefix)
+# share each key run of the item.
 MAX_ROW_TILE = 8
 
 # Switch for tests and benchmarks (the torch path runs when False).
@@ -535,9 +536,11 @@ def unavailable_reason() -> str | None:
 
 @dataclass(frozen=True, slots=True)
 class AttentionPlan:
-    """How the kernel splits a batch into work items: ``row_tile`` query rows of one sequence and
-    ``heads_per_item`` consecutive KV heads (all of them when there are enough items to share
-    the threads: one item then reads each cache position's heads in one contiguous run)."""
+    """How the kernel splits a batch into work items: ``row_tile`` query rows (of one prefill
+    chunk, or decode rows of sequences whose block tables start with the same block: a shared
+    prefix, read once for all of them) and ``heads_per_item`` consecutive KV heads (all of them
+    when there are enough items to share the threads: one item then reads each cache position's
+    heads in one contiguous run)."""
 
     row_tile: int
     heads_per_item: int

@@ -5,13 +5,19 @@
 // gather into a padded copy, no mask tensor. The cache layout is [num_blocks, block_size,
 // kv_heads, head_dim] (kernels/reference.py); this step's K/V are already stored.
 //
-// Work item: one sequence, some KV heads, a tile of up to row_tile consecutive query rows; items
-// run in parallel under OpenMP (the libgomp torch loaded, so one thread pool). An item's query
-// vectors (its rows x the query heads sharing the KV head) walk the keys in runs of kKeyTile
-// with an online softmax. With AVX2 and FMA and a head_dim that is a multiple of 8, scores are
-// 8-key FMA partial sums reduced by horizontal adds, exp is a vector polynomial, and the value
-// sum keeps two accumulator sets to hide FMA latency; otherwise a portable loop does the same
-// math. The order of the sums differs from torch's SDPA: results agree to rounding, not bits.
+// Work item: some KV heads and up to row_tile query rows: consecutive rows of one prefill
+// chunk, or the decode rows of sequences whose block tables start with the same block (a prefix
+// the prefix cache shares, then read once for the whole group); items run in parallel under
+// OpenMP (the libgomp torch loaded, so one thread pool). An item's query vectors (its rows x the
+// query heads sharing the KV head) walk the keys in runs of kKeyTile with an online softmax,
+// KV head by KV head so that every vector using a run's keys reads them from the L1 cache; the
+// next run is prefetched a share at a time while this one is computed. With AVX-512
+// and a head_dim of 32, 64 or 128, the query heads of one KV head go together: their queries
+// and value sums stay in registers and each key and value is loaded once for all of them. With
+// AVX2 and FMA and a head_dim that is a multiple of 8, one vector at a time: scores are 8-key
+// FMA partial sums reduced by horizontal adds, exp is a vector polynomial, and the value sum
+// keeps two accumulator sets to hide FMA latency; otherwise a portable loop does the same math.
+// The order of the sums differs from torch's SDPA: results agree to rounding, not bits.
 //
 // The fused row-wise ops around it (each one pass over its rows instead of several torch ops and
 // temporaries; rows in parallel): ts_rms_norm_f32 (optionally adding a delta into the residual
@@ -101,17 +107,20 @@ inline float fast_exp(float x) {
   return x <= -87.0f ? 0.0f : p * two_n;
 }
 
+// A work item: up to kMaxVecs query rows, each with its own sequence's block table and visible
+// keys, and `heads` consecutive KV heads. The rows of a prefill tile are consecutive rows of one
+// sequence; decode rows of sequences whose block tables start with the same block (a prefix the
+// prefix cache shares) are grouped into one item, which then reads each shared key run from
+// memory once for all of them instead of once per sequence.
 struct Item {
-  const float* q;        // first query row of the tile, at its KV head's first query head
-  int64_t q_row_stride;  // elements between query rows
-  float* out;            // same layout as q with out_row_stride
-  int64_t out_row_stride;
-  int rows;              // query rows in the tile
-  int heads;             // consecutive KV heads in the item (their query heads are consecutive)
-  int first_visible;     // keys visible to the tile's first row (its position + 1)
-  const int32_t* table;  // the sequence's block table
-  const float* k_cache;  // at KV head h of block 0, position 0
+  int rows;
+  int heads;
+  const float* k_cache;  // at the item's first KV head of block 0, position 0
   const float* v_cache;
+  const float* q[kMaxVecs];        // row r's query at the item's first query head
+  float* out[kMaxVecs];            // likewise
+  const int32_t* table[kMaxVecs];  // row r's block table
+  int visible[kMaxVecs];           // keys row r sees (its position + 1)
 };
 
 // The state both attention loops keep for an item's query vectors (rows x the query heads of
@@ -139,11 +148,11 @@ struct VecState {
       for (int g = 0; g < per_row; ++g) {
         const int v = r * per_row + g;
         koff[v] = (g / group) * D;  // the vector's KV head within the item
-        const float* src = it.q + r * it.q_row_stride + static_cast<int64_t>(g) * D;
+        const float* src = it.q[r] + static_cast<int64_t>(g) * D;
         for (int i = 0; i < D; ++i) qs[v * D + i] = src[i] * scale;
         m[v] = kNegBig;
         l[v] = 0.0f;
-        visible[v] = it.first_visible + r;
+        visible[v] = it.visible[r];
       }
     }
     std::memset(acc, 0, sizeof(float) * nvec * D);
@@ -155,55 +164,174 @@ struct VecState {
       for (int g = 0; g < per_row; ++g) {
         const int v = r * per_row + g;
         const float inv = 1.0f / l[v];
-        float* dst = it.out + r * it.out_row_stride + static_cast<int64_t>(g) * D;
+        float* dst = it.out[r] + static_cast<int64_t>(g) * D;
         for (int i = 0; i < D; ++i) dst[i] = acc[v * D + i] * inv;
       }
     }
   }
 };
 
-// The portable loop: one query vector at a time over runs of keys that start at fixed positions
-// (block and kKeyTile boundaries), each vector stopping at the keys it sees.
-template <int DT>
-void attend_generic(const Item& it, int group, int d_runtime, int block_size, int64_t pos_stride,
-            float scale) {
-  const int D = DT ? DT : d_runtime;
-  VecState st(it, group, D, scale);
-  alignas(64) float s[kKeyTile];
-  const int total = it.first_visible + it.rows - 1;
-  for (int p0 = 0; p0 < total;) {
-    const int b = p0 / block_size;
-    const int off = p0 - b * block_size;
-    const int n = std::min(block_size - off, kKeyTile);
-    const int64_t base = (static_cast<int64_t>(it.table[b]) * block_size + off) * pos_stride;
-    const float* kb = it.k_cache + base;
-    const float* vb = it.v_cache + base;
-    for (int v = 0; v < st.nvec; ++v) {
-      const int lim = std::min(n, st.visible[v] - p0);  // keys of this run the vector sees
-      if (lim <= 0) continue;
-      const float* qv = st.qs + v * D;
-      float mb = st.m[v];
-      for (int j = 0; j < lim; ++j) {
-        s[j] = dot_fixed(qv, kb + j * pos_stride + st.koff[v], D);
-        mb = std::max(mb, s[j]);
+// The cache positions of one run of keys (kKeyTile positions from a multiple of kKeyTile) for
+// an item's rows. Adjacent rows that read the same positions share one set of pointers: rows of
+// one sequence, or rows of sequences whose tables hold the same blocks over the whole run.
+struct RunSources {
+  int sets = 0;
+  int set_of[kMaxVecs];  // row -> its set, -1 when the row sees no key of the run
+  int len[kMaxVecs];     // keys a set holds pointers for
+  const float** kp;      // [set * kKeyTile + key], at the item's first KV head
+  const float** vp;
+
+  explicit RunSources(int slot) {
+    // Two per thread (the current run and the next one, prefetched).
+    thread_local std::vector<const float*> pool(4 * kMaxVecs * kKeyTile);
+    kp = pool.data() + static_cast<size_t>(slot) * 2 * kMaxVecs * kKeyTile;
+    vp = kp + kMaxVecs * kKeyTile;
+  }
+
+  void fill(const Item& it, int set, int row, int from, int to, int p0, int block_size,
+            int64_t pos_stride) {
+    for (int j = from; j < to; ++j) {
+      const int p = p0 + j;
+      const int b = p / block_size;
+      const int64_t slot = static_cast<int64_t>(it.table[row][b]) * block_size + (p - b * block_size);
+      kp[set * kKeyTile + j] = it.k_cache + slot * pos_stride;
+      vp[set * kKeyTile + j] = it.v_cache + slot * pos_stride;
+    }
+  }
+
+  // The sets of the run starting at p0.
+  void build(const Item& it, int p0, int block_size, int64_t pos_stride) {
+    sets = 0;
+    int last = -1;  // the last row given a set
+    for (int r = 0; r < it.rows; ++r) {
+      const int n = std::min(kKeyTile, it.visible[r] - p0);
+      if (n <= 0) {
+        set_of[r] = -1;
+        continue;
       }
-      const float alpha = fast_exp(st.m[v] - mb);
-      st.m[v] = mb;
-      float sum = 0.0f;
-      for (int j = 0; j < lim; ++j) {
-        s[j] = fast_exp(s[j] - mb);
-        sum += s[j];
+      if (last >= 0) {
+        const int s = set_of[last];
+        bool same = it.table[r] == it.table[last];
+        if (!same && n == len[s]) {
+          same = true;
+          for (int b = p0 / block_size; b <= (p0 + n - 1) / block_size; ++b)
+            if (it.table[r][b] != it.table[last][b]) {
+              same = false;
+              break;
+            }
+        }
+        if (same) {
+          if (n > len[s]) {  // a later row of the same sequence sees more keys
+            fill(it, s, r, len[s], n, p0, block_size, pos_stride);
+            len[s] = n;
+          }
+          set_of[r] = s;
+          last = r;
+          continue;
+        }
       }
-      st.l[v] = st.l[v] * alpha + sum;
-      float* a = st.acc + v * D;
-      for (int i = 0; i < D; ++i) a[i] *= alpha;
-      for (int j = 0; j < lim; ++j) {
-        const float* vj = vb + j * pos_stride + st.koff[v];
-        const float pj = s[j];
-        for (int i = 0; i < D; ++i) a[i] = fmadd(pj, vj[i], a[i]);
+      const int s = sets++;
+      fill(it, s, r, 0, n, p0, block_size, pos_stride);
+      len[s] = n;
+      set_of[r] = s;
+      last = r;
+    }
+  }
+};
+
+// Issues the prefetches of a run's keys and values (every set; each position's heads of the
+// item, which are contiguous), a share at a time: spread over the previous run's vectors rather
+// than in one burst that stalls once the miss buffers are full. Their blocks may be anywhere in
+// the pool, so the hardware prefetcher cannot see them coming, and decode attention is bound by
+// these reads. Measured on an AVX-512 EPYC: the low-locality hint (prefetcht2) made decode
+// attention a quarter faster than the default one (prefetcht0); prefetching whole positions
+// (their heads are contiguous) rather than a head at a time, and in small shares (a vector's or
+// a key step's worth), mattered as much; prefetching two or three runs ahead, or runs of 64
+// keys, did not help.
+struct Prefetcher {
+  const RunSources* next = nullptr;
+  int pos_bytes = 0;  // one position of the item's heads
+  int64_t total = 0;  // (set, key) pairs
+  int64_t done = 0;
+  int s = 0, j = 0;
+
+  void start(const RunSources& n, int item_heads, int d) {
+    next = &n;
+    pos_bytes = d * item_heads * 4;
+    total = 0;
+    for (int i = 0; i < n.sets; ++i) total += n.len[i];
+    done = 0;
+    s = j = 0;
+  }
+
+  // Issue the pairs up to `upto` (of `total`).
+  void issue(int64_t upto) {
+    for (; done < upto && done < total; ++done) {
+      const char* kb = reinterpret_cast<const char*>(next->kp[s * kKeyTile + j]);
+      const char* vb = reinterpret_cast<const char*>(next->vp[s * kKeyTile + j]);
+      for (int o = 0; o < pos_bytes; o += 64) {
+        __builtin_prefetch(kb + o, 0, 1);
+        __builtin_prefetch(vb + o, 0, 1);
+      }
+      if (++j == next->len[s]) {
+        j = 0;
+        ++s;
       }
     }
-    p0 += n;
+  }
+};
+
+// Both loops below visit the item's vectors KV head by KV head (then row, then the head's
+// query heads), so that a run's keys and values of one head are read while still in the L1
+// cache by every row and query head that uses them. The order in which vectors are visited
+// changes nothing in any vector's own arithmetic.
+
+// The portable loop: one query vector at a time over runs of keys that start at fixed positions
+// (multiples of kKeyTile), each vector stopping at the keys it sees.
+template <int DT>
+void attend_generic(const Item& it, int group, int d_runtime, int block_size, int64_t pos_stride,
+                    float scale) {
+  const int D = DT ? DT : d_runtime;
+  VecState st(it, group, D, scale);
+  RunSources cur(0);
+  alignas(64) float s[kKeyTile];
+  int total = 0;
+  for (int r = 0; r < it.rows; ++r) total = std::max(total, it.visible[r]);
+  for (int p0 = 0; p0 < total; p0 += kKeyTile) {
+    cur.build(it, p0, block_size, pos_stride);
+    for (int h = 0; h < it.heads; ++h) {
+      for (int r = 0; r < it.rows; ++r) {
+        const int set = cur.set_of[r];
+        if (set < 0) continue;
+        const float* const* kp = cur.kp + set * kKeyTile;
+        const float* const* vp = cur.vp + set * kKeyTile;
+        for (int g = 0; g < group; ++g) {
+          const int v = r * st.per_row + h * group + g;
+          const int lim = std::min(kKeyTile, st.visible[v] - p0);  // keys of this run it sees
+          const float* qv = st.qs + v * D;
+          float mb = st.m[v];
+          for (int j = 0; j < lim; ++j) {
+            s[j] = dot_fixed(qv, kp[j] + st.koff[v], D);
+            mb = std::max(mb, s[j]);
+          }
+          const float alpha = fast_exp(st.m[v] - mb);
+          st.m[v] = mb;
+          float sum = 0.0f;
+          for (int j = 0; j < lim; ++j) {
+            s[j] = fast_exp(s[j] - mb);
+            sum += s[j];
+          }
+          st.l[v] = st.l[v] * alpha + sum;
+          float* a = st.acc + v * D;
+          for (int i = 0; i < D; ++i) a[i] *= alpha;
+          for (int j = 0; j < lim; ++j) {
+            const float* vj = vp[j] + st.koff[v];
+            const float pj = s[j];
+            for (int i = 0; i < D; ++i) a[i] = fmadd(pj, vj[i], a[i]);
+          }
+        }
+      }
+    }
   }
   st.write_out(it);
 }
@@ -270,101 +398,212 @@ inline void value_sum(float* a, const float* const* vp, int64_t off, const float
   for (int c = 0; c < CN; ++c) _mm256_storeu_ps(a + 8 * c, _mm256_add_ps(r0[c], r1[c]));
 }
 
+#if defined(__AVX512F__)
+// GN query vectors of one KV head (consecutive in the item's state, from v0) over one run of
+// lim keys, with AVX-512: each key's and each value's 16-lane chunks are loaded once for all GN
+// vectors, whose queries stay in registers (GN x D/16 of the 32), and the GN value sums are
+// kept in registers across the run. The same steps as the vector-at-a-time loop (scores, the
+// run's max, exp, the running sum, alpha, the value sum), in an order fixed by the vector, D
+// and the run alone.
+template <int D, int GN>
+inline void group_run_avx512(VecState& st, int v0, const float* const* kp,
+                             const float* const* vp, int lim, Prefetcher& pf, int64_t pf_to) {
+  // This group's share of the next run's prefetches, spread over its key steps.
+  const int64_t pf_from = pf.done;
+  const int steps = 2 * ((lim + 7) / 8);
+  int step = 0;
+  constexpr int C = D / 16;
+  static_assert(C * GN <= 16, "queries in at most half the registers");
+  alignas(64) float s[GN][kKeyTile];
+  const int koff = st.koff[v0];
+  __m512 qr[GN][C];
+  for (int g = 0; g < GN; ++g)
+    for (int c = 0; c < C; ++c) qr[g][c] = _mm512_loadu_ps(st.qs + (v0 + g) * D + 16 * c);
+  // Scores: per key, one FMA chain per vector over the 16-lane chunks, folded to 8 lanes; eight
+  // keys' folds then reduce to eight scores (reduce8).
+  for (int j0 = 0; j0 < lim; j0 += 8) {
+    __m256 part[GN][8];
+    for (int jj = 0; jj < 8; ++jj) {
+      if (j0 + jj < lim) {
+        const float* kj = kp[j0 + jj] + koff;
+        __m512 kc[C];
+        for (int c = 0; c < C; ++c) kc[c] = _mm512_loadu_ps(kj + 16 * c);
+        for (int g = 0; g < GN; ++g) {
+          __m512 a = _mm512_mul_ps(qr[g][0], kc[0]);
+          for (int c = 1; c < C; ++c) a = _mm512_fmadd_ps(qr[g][c], kc[c], a);
+          part[g][jj] = _mm256_add_ps(_mm512_castps512_ps256(a),
+                                      _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+        }
+      } else {
+        for (int g = 0; g < GN; ++g) part[g][jj] = _mm256_setzero_ps();
+      }
+    }
+    for (int g = 0; g < GN; ++g) _mm256_store_ps(s[g] + j0, reduce8(part[g]));
+    pf.issue(pf_from + (pf_to - pf_from) * ++step / steps);
+  }
+  const int lim8 = (lim + 7) & ~7;
+  float alpha[GN];
+  for (int g = 0; g < GN; ++g) {
+    const int v = v0 + g;
+    float* sg = s[g];
+    for (int j = lim; j < lim8; ++j) sg[j] = kNegBig;
+    __m256 mx = _mm256_set1_ps(st.m[v]);
+    for (int j = 0; j < lim8; j += 8) mx = _mm256_max_ps(mx, _mm256_load_ps(sg + j));
+    __m128 hm = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    hm = _mm_max_ps(hm, _mm_movehl_ps(hm, hm));
+    hm = _mm_max_ss(hm, _mm_shuffle_ps(hm, hm, 1));
+    const float mb = _mm_cvtss_f32(hm);
+    alpha[g] = fast_exp(st.m[v] - mb);
+    st.m[v] = mb;
+    __m256 sm = _mm256_setzero_ps();
+    const __m256 mbv = _mm256_set1_ps(mb);
+    for (int j = 0; j < lim8; j += 8) {
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_load_ps(sg + j), mbv));
+      _mm256_store_ps(sg + j, e);
+      sm = _mm256_add_ps(sm, e);
+    }
+    __m128 t = _mm_add_ps(_mm256_castps256_ps128(sm), _mm256_extractf128_ps(sm, 1));
+    t = _mm_add_ps(t, _mm_movehl_ps(t, t));
+    t = _mm_add_ss(t, _mm_shuffle_ps(t, t, 1));
+    st.l[v] = st.l[v] * alpha[g] + _mm_cvtss_f32(t);
+  }
+  // Value sums: acc = alpha * acc + sum_j p_j v_j, every vector's chunks in registers.
+  __m512 acc[GN][C];
+  for (int g = 0; g < GN; ++g) {
+    const __m512 al = _mm512_set1_ps(alpha[g]);
+    for (int c = 0; c < C; ++c)
+      acc[g][c] = _mm512_mul_ps(al, _mm512_loadu_ps(st.acc + (v0 + g) * D + 16 * c));
+  }
+  for (int j = 0; j < lim; ++j) {
+    if ((j & 7) == 0) pf.issue(pf_from + (pf_to - pf_from) * ++step / steps);
+    const float* vj = vp[j] + koff;
+    __m512 vc[C];
+    for (int c = 0; c < C; ++c) vc[c] = _mm512_loadu_ps(vj + 16 * c);
+    for (int g = 0; g < GN; ++g) {
+      const __m512 pj = _mm512_set1_ps(s[g][j]);
+      for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(pj, vc[c], acc[g][c]);
+    }
+  }
+  for (int g = 0; g < GN; ++g)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(st.acc + (v0 + g) * D + 16 * c, acc[g][c]);
+}
+
+// The vectors v0 .. v0 + n - 1 of one KV head over a run, in chunks of as many as fit.
+template <int D>
+inline void heads_run_avx512(VecState& st, int v0, int n, const float* const* kp,
+                             const float* const* vp, int lim, Prefetcher& pf, int64_t pf_to) {
+  const int64_t pf_from = pf.done;
+  constexpr int kMax = 16 / (D / 16) < 4 ? 16 / (D / 16) : 4;
+  int g = 0;
+  for (; g + kMax <= n; g += kMax) group_run_avx512<D, kMax>(st, v0 + g, kp, vp, lim, pf, pf_from + (pf_to - pf_from) * (g + kMax) / n);
+  switch (n - g) {
+    case 3: if constexpr (kMax > 3) group_run_avx512<D, 3>(st, v0 + g, kp, vp, lim, pf, pf_to); break;
+    case 2: if constexpr (kMax > 2) group_run_avx512<D, 2>(st, v0 + g, kp, vp, lim, pf, pf_to); break;
+    case 1: if constexpr (kMax > 1) group_run_avx512<D, 1>(st, v0 + g, kp, vp, lim, pf, pf_to); break;
+    default: break;
+  }
+}
+#endif  // AVX-512
+
 template <int DT>
 void attend_avx2(const Item& it, int group, int d_runtime, int block_size, int64_t pos_stride,
-            float scale) {
+                 float scale) {
   const int D = DT ? DT : d_runtime;
   const int C = D / 8;
   VecState st(it, group, D, scale);
+  RunSources runs[2] = {RunSources(0), RunSources(1)};
+  Prefetcher pf;
   alignas(64) float s[kKeyTile];
-  const float* kp[kKeyTile];
-  const float* vp[kKeyTile];
-  const int total = it.first_visible + it.rows - 1;
-  for (int p0 = 0; p0 < total; p0 += kKeyTile) {
-    const int n = std::min(kKeyTile, total - p0);
-    for (int j = 0; j < n; ++j) {
-      const int p = p0 + j;
-      const int b = p / block_size;
-      const int64_t slot = static_cast<int64_t>(it.table[b]) * block_size + (p - b * block_size);
-      kp[j] = it.k_cache + slot * pos_stride;
-      vp[j] = it.v_cache + slot * pos_stride;
+  int total = 0;
+  for (int r = 0; r < it.rows; ++r) total = std::max(total, it.visible[r]);
+  int active = 0;  // vectors that see keys of the current run
+  runs[0].build(it, 0, block_size, pos_stride);
+  for (int p0 = 0, cur_i = 0; p0 < total; p0 += kKeyTile, cur_i ^= 1) {
+    const RunSources& cur = runs[cur_i];
+    RunSources& next = runs[cur_i ^ 1];
+    if (p0 + kKeyTile < total) {
+      next.build(it, p0 + kKeyTile, block_size, pos_stride);
+    } else {
+      next.sets = 0;
     }
-    // Prefetch the next run's keys and values: its blocks may be anywhere in the pool, so the
-    // hardware prefetcher cannot see them coming, and decode attention is bound by these reads.
-    const int next = std::max(0, std::min(kKeyTile, total - p0 - kKeyTile));
-    const char* kn[kKeyTile];
-    const char* vn[kKeyTile];
-    for (int j = 0; j < next; ++j) {
-      const int p = p0 + kKeyTile + j;
-      const int b = p / block_size;
-      const int64_t slot = static_cast<int64_t>(it.table[b]) * block_size + (p - b * block_size);
-      kn[j] = reinterpret_cast<const char*>(it.k_cache + slot * pos_stride);
-      vn[j] = reinterpret_cast<const char*>(it.v_cache + slot * pos_stride);
-    }
-    const int pos_bytes = D * it.heads * 4;  // one position of the item's heads
-    // Spread over the vectors (a few keys before each), not in one burst that stalls once the
-    // miss buffers are full.
-    int pf = 0;  // next-run keys prefetched so far
-    for (int v = 0; v < st.nvec; ++v) {
-      for (const int upto = next * (v + 1) / st.nvec; pf < upto; ++pf)
-        for (int o = 0; o < pos_bytes; o += 64) {
-          __builtin_prefetch(kn[pf] + o);
-          __builtin_prefetch(vn[pf] + o);
+    pf.start(next, it.heads, D);
+    active = 0;
+    for (int r = 0; r < it.rows; ++r) active += cur.set_of[r] >= 0 ? it.heads * group : 0;
+    int visited = 0;
+    for (int h = 0; h < it.heads; ++h) {
+      for (int r = 0; r < it.rows; ++r) {
+        const int set = cur.set_of[r];
+        if (set < 0) continue;
+        const float* const* kp = cur.kp + set * kKeyTile;
+        const float* const* vp = cur.vp + set * kKeyTile;
+#if defined(__AVX512F__)
+        if constexpr (DT == 32 || DT == 64 || DT == 128) {
+          visited += group;
+          heads_run_avx512<DT>(st, r * st.per_row + h * group, group, kp, vp,
+                               std::min(kKeyTile, it.visible[r] - p0), pf,
+                               pf.total * visited / active);
+          continue;
         }
-      const int lim = std::min(n, st.visible[v] - p0);  // keys of this run the vector sees
-      if (lim <= 0) continue;
-      const float* qv = st.qs + v * D;
-      for (int j0 = 0; j0 < lim; j0 += 8) {
-        __m256 p[8];
-        for (int jj = 0; jj < 8; ++jj) {
-          __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-          if (j0 + jj < lim) {
-            const float* kj = kp[j0 + jj] + st.koff[v];
-            int c = 0;
-            for (; c + 1 < C; c += 2) {
-              a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qv + 8 * c), _mm256_loadu_ps(kj + 8 * c), a0);
-              a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qv + 8 * c + 8), _mm256_loadu_ps(kj + 8 * c + 8), a1);
+#endif
+        for (int g = 0; g < group; ++g) {
+          const int v = r * st.per_row + h * group + g;
+          pf.issue(pf.total * ++visited / active);
+          const int lim = std::min(kKeyTile, st.visible[v] - p0);  // keys of this run it sees
+          const float* qv = st.qs + v * D;
+          for (int j0 = 0; j0 < lim; j0 += 8) {
+            __m256 p[8];
+            for (int jj = 0; jj < 8; ++jj) {
+              __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+              if (j0 + jj < lim) {
+                const float* kj = kp[j0 + jj] + st.koff[v];
+                int c = 0;
+                for (; c + 1 < C; c += 2) {
+                  a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qv + 8 * c), _mm256_loadu_ps(kj + 8 * c), a0);
+                  a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qv + 8 * c + 8), _mm256_loadu_ps(kj + 8 * c + 8), a1);
+                }
+                if (c < C)
+                  a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qv + 8 * c), _mm256_loadu_ps(kj + 8 * c), a0);
+              }
+              p[jj] = _mm256_add_ps(a0, a1);
             }
-            if (c < C)
-              a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qv + 8 * c), _mm256_loadu_ps(kj + 8 * c), a0);
+            _mm256_store_ps(s + j0, reduce8(p));
           }
-          p[jj] = _mm256_add_ps(a0, a1);
+          const int lim8 = (lim + 7) & ~7;
+          for (int j = lim; j < lim8; ++j) s[j] = kNegBig;
+          __m256 mx = _mm256_set1_ps(st.m[v]);
+          for (int j = 0; j < lim8; j += 8) mx = _mm256_max_ps(mx, _mm256_load_ps(s + j));
+          __m128 hm = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+          hm = _mm_max_ps(hm, _mm_movehl_ps(hm, hm));
+          hm = _mm_max_ss(hm, _mm_shuffle_ps(hm, hm, 1));
+          const float mb = _mm_cvtss_f32(hm);
+          const float alpha = fast_exp(st.m[v] - mb);
+          st.m[v] = mb;
+          __m256 sm = _mm256_setzero_ps();
+          const __m256 mbv = _mm256_set1_ps(mb);
+          for (int j = 0; j < lim8; j += 8) {
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_load_ps(s + j), mbv));
+            _mm256_store_ps(s + j, e);
+            sm = _mm256_add_ps(sm, e);
+          }
+          __m128 t = _mm_add_ps(_mm256_castps256_ps128(sm), _mm256_extractf128_ps(sm, 1));
+          t = _mm_add_ps(t, _mm_movehl_ps(t, t));
+          t = _mm_add_ss(t, _mm_shuffle_ps(t, t, 1));
+          const float sum = _mm_cvtss_f32(t);
+          st.l[v] = st.l[v] * alpha + sum;
+          float* a = st.acc + v * D;
+          const __m256 al = _mm256_set1_ps(alpha);
+          int c0 = 0;
+          for (; c0 + 4 <= C; c0 += 4) value_sum<4>(a + 8 * c0, vp, st.koff[v] + 8 * c0, s, lim, al);
+          switch (C - c0) {
+            case 3: value_sum<3>(a + 8 * c0, vp, st.koff[v] + 8 * c0, s, lim, al); break;
+            case 2: value_sum<2>(a + 8 * c0, vp, st.koff[v] + 8 * c0, s, lim, al); break;
+            case 1: value_sum<1>(a + 8 * c0, vp, st.koff[v] + 8 * c0, s, lim, al); break;
+            default: break;
+          }
         }
-        _mm256_store_ps(s + j0, reduce8(p));
-      }
-      const int lim8 = (lim + 7) & ~7;
-      for (int j = lim; j < lim8; ++j) s[j] = kNegBig;
-      __m256 mx = _mm256_set1_ps(st.m[v]);
-      for (int j = 0; j < lim8; j += 8) mx = _mm256_max_ps(mx, _mm256_load_ps(s + j));
-      __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-      h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-      h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
-      const float mb = _mm_cvtss_f32(h);
-      const float alpha = fast_exp(st.m[v] - mb);
-      st.m[v] = mb;
-      __m256 sm = _mm256_setzero_ps();
-      const __m256 mbv = _mm256_set1_ps(mb);
-      for (int j = 0; j < lim8; j += 8) {
-        const __m256 e = exp8(_mm256_sub_ps(_mm256_load_ps(s + j), mbv));
-        _mm256_store_ps(s + j, e);
-        sm = _mm256_add_ps(sm, e);
-      }
-      __m128 t = _mm_add_ps(_mm256_castps256_ps128(sm), _mm256_extractf128_ps(sm, 1));
-      t = _mm_add_ps(t, _mm_movehl_ps(t, t));
-      t = _mm_add_ss(t, _mm_shuffle_ps(t, t, 1));
-      const float sum = _mm_cvtss_f32(t);
-      st.l[v] = st.l[v] * alpha + sum;
-      float* a = st.acc + v * D;
-      const __m256 al = _mm256_set1_ps(alpha);
-      int c0 = 0;
-      for (; c0 + 4 <= C; c0 += 4) value_sum<4>(a + 8 * c0, vp, st.koff[v] + 8 * c0, s, lim, al);
-      switch (C - c0) {
-        case 3: value_sum<3>(a + 8 * c0, vp, st.koff[v] + 8 * c0, s, lim, al); break;
-        case 2: value_sum<2>(a + 8 * c0, vp, st.koff[v] + 8 * c0, s, lim, al); break;
-        case 1: value_sum<1>(a + 8 * c0, vp, st.koff[v] + 8 * c0, s, lim, al); break;
-        default: break;
       }
     }
+    pf.issue(pf.total);
   }
   st.write_out(it);
 }
@@ -621,9 +860,8 @@ int ts_paged_attention_f32(const float* q, int64_t q_row_stride, const float* k_
     return -1;
   const int group = hq / hkv;
   if (group * heads_per_item * row_tile > kMaxVecs) return -2;
-  // Work items: (sequence, row tile, KV head), listed up front so OpenMP can balance them.
-  int64_t items = 0;
   int64_t products = 0;
+  std::vector<int32_t> decodes;  // sequences with one query row
   for (int s = 0; s < num_seqs; ++s) {
     const int n = cu_q_lens[s + 1] - cu_q_lens[s];
     products += static_cast<int64_t>(n) * seq_lens[s] * hq;
@@ -635,42 +873,67 @@ int ts_paged_attention_f32(const float* q, int64_t q_row_stride, const float* k_
       const int32_t id = tables[s * table_stride + b];
       if (id < 0 || id >= num_blocks) return -5;
     }
-    items += static_cast<int64_t>((n + row_tile - 1) / row_tile) * (hkv / heads_per_item);
+    if (n == 1) decodes.push_back(s);
   }
-  int32_t* item_seq = new int32_t[items];
-  int32_t* item_row = new int32_t[items];
-  int32_t* item_head = new int32_t[items];
-  int64_t k = 0;
+  // Work items, listed up front so OpenMP can balance them: (first entry in `rows`, row count)
+  // for each group of KV heads. A prefill chunk goes in tiles of row_tile consecutive rows; decode
+  // rows of sequences whose first block is the same (the prefix cache shares it) go together, up
+  // to row_tile per item, the rest one per item. Grouping decides only which vectors share an
+  // item's key runs, never the arithmetic of any one of them.
+  std::stable_sort(decodes.begin(), decodes.end(), [&](int32_t a, int32_t b) {
+    return tables[a * table_stride] < tables[b * table_stride];
+  });
+  std::vector<int32_t> rows;  // (sequence, row) pairs
+  std::vector<int32_t> items;  // (offset into rows / 2, count) pairs
+  for (size_t i = 0; i < decodes.size();) {
+    const int32_t first = tables[decodes[i] * table_stride];
+    size_t j = i;
+    items.push_back(static_cast<int32_t>(rows.size() / 2));
+    while (j < decodes.size() && j - i < static_cast<size_t>(row_tile) &&
+           tables[decodes[j] * table_stride] == first) {
+      rows.push_back(decodes[j]);
+      rows.push_back(cu_q_lens[decodes[j]]);
+      ++j;
+    }
+    items.push_back(static_cast<int32_t>(j - i));
+    i = j;
+  }
   for (int s = 0; s < num_seqs; ++s) {
-    for (int r = cu_q_lens[s]; r < cu_q_lens[s + 1]; r += row_tile) {
-      for (int h = 0; h < hkv; h += heads_per_item) {
-        item_seq[k] = s;
-        item_row[k] = r;
-        item_head[k] = h;
-        ++k;
+    const int lo = cu_q_lens[s], hi = cu_q_lens[s + 1];
+    if (hi - lo == 1) continue;
+    for (int r = lo; r < hi; r += row_tile) {
+      items.push_back(static_cast<int32_t>(rows.size() / 2));
+      items.push_back(std::min(row_tile, hi - r));
+      for (int x = r; x < std::min(hi, r + row_tile); ++x) {
+        rows.push_back(s);
+        rows.push_back(x);
       }
     }
   }
+  const int64_t groups = static_cast<int64_t>(items.size() / 2);
+  const int head_groups = hkv / heads_per_item;
+  const int64_t work = groups * head_groups;
   const int64_t pos_stride = static_cast<int64_t>(hkv) * head_dim;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) \
-    if (items > 1 && products >= kParallelProducts)
-  for (int64_t i = 0; i < items; ++i) {
-    const int s = item_seq[i];
-    const int r = item_row[i];
-    const int h = item_head[i];
-    const int end = cu_q_lens[s + 1];
-    const int q_len = end - cu_q_lens[s];
+    if (work > 1 && products >= kParallelProducts)
+  for (int64_t w = 0; w < work; ++w) {
+    const int64_t g = w / head_groups;
+    const int h = static_cast<int>(w % head_groups) * heads_per_item;
+    const int32_t* entry = rows.data() + 2 * static_cast<int64_t>(items[2 * g]);
     Item it;
-    it.rows = std::min(row_tile, end - r);
+    it.rows = items[2 * g + 1];
     it.heads = heads_per_item;
-    it.first_visible = seq_lens[s] - q_len + (r - cu_q_lens[s]) + 1;
-    it.q = q + r * q_row_stride + static_cast<int64_t>(h) * group * head_dim;
-    it.q_row_stride = q_row_stride;
-    it.out = out + r * out_row_stride + static_cast<int64_t>(h) * group * head_dim;
-    it.out_row_stride = out_row_stride;
-    it.table = tables + s * table_stride;
     it.k_cache = k_cache + static_cast<int64_t>(h) * head_dim;
     it.v_cache = v_cache + static_cast<int64_t>(h) * head_dim;
+    for (int r = 0; r < it.rows; ++r) {
+      const int s = entry[2 * r];
+      const int row = entry[2 * r + 1];
+      const int q_len = cu_q_lens[s + 1] - cu_q_lens[s];
+      it.q[r] = q + row * q_row_stride + static_cast<int64_t>(h) * group * head_dim;
+      it.out[r] = out + row * out_row_stride + static_cast<int64_t>(h) * group * head_dim;
+      it.table[r] = tables + s * table_stride;
+      it.visible[r] = seq_lens[s] - q_len + (row - cu_q_lens[s]) + 1;
+    }
     switch (head_dim) {
       case 32: attend<32>(it, group, head_dim, block_size, pos_stride, scale); break;
       case 64: attend<64>(it, group, head_dim, block_size, pos_stride, scale); break;
@@ -678,9 +941,6 @@ int ts_paged_attention_f32(const float* q, int64_t q_row_stride, const float* k_
       default: attend<0>(it, group, head_dim, block_size, pos_stride, scale); break;
     }
   }
-  delete[] item_seq;
-  delete[] item_row;
-  delete[] item_head;
   return 0;
 }
 

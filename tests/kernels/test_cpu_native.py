@@ -493,6 +493,43 @@ def test_avx512_linear_gives_the_avx2_bits(tmp_path: object) -> None:
 
 
 @needs_native
+@pytest.mark.skipif(not _has_avx512(), reason="needs a CPU with AVX-512")
+@pytest.mark.parametrize(
+    "shape", [Shape(3, 3, 64), Shape(2, 4, 32), Shape(1, 1, 128), Shape(1, 6, 64)],
+    ids=["gqa3-d64", "gqa4-d32", "mha-d128", "gqa6-d64"],
+)
+def test_attention_avx2_path_on_an_avx512_cpu(tmp_path: object, shape: Shape) -> None:
+    """The process's build takes the AVX-512 path (a KV head's query heads together) for these
+    head sizes; the same source built without AVX-512 runs the vector-at-a-time AVX2 path that
+    AVX2-only CPUs take. Both against the reference, on decodes and chunks, with items of one
+    KV head and of all."""
+    from kernels import reference
+
+    avx2 = cpu_native.load_variant(Path(str(tmp_path)), add=("-mno-avx512f",))
+
+    def run(lib, all_heads):  # type: ignore[no-untyped-def]
+        def attend(q, k, v, kc, vc, meta, scale):  # type: ignore[no-untyped-def]
+            reference.store_kv(k, v, kc, vc, meta.slot_mapping)
+            out = torch.empty_like(q)
+            heads = kc.shape[2] if all_heads else 1
+            tile = max(1, min(8, 64 // (heads * shape.group)))
+            rc = lib.ts_paged_attention_f32(
+                q, q.stride(0), kc, vc, meta.block_tables, meta.block_tables.stride(0),
+                meta.seq_lens, meta.cu_q_lens, out, out.stride(0), meta.num_seqs,
+                shape.q_heads, shape.kv_heads, shape.head_dim, kc.shape[1], kc.shape[0],
+                float(scale), tile, heads, 2,
+            )
+            assert rc == 0, rc
+            return out
+
+        return attend
+
+    for lib in (avx2, cpu_native._load()):
+        for all_heads in (False, True):
+            check_against_reference(run(lib, all_heads), MIXED, shape, 16, torch.float32, "cpu")
+
+
+@needs_native
 @pytest.mark.parametrize("k", [576, 4096])
 def test_linear_rows_do_not_depend_on_the_row_blocks(k: int) -> None:
     """Rows go in blocks of about 1 MiB of x (432 rows of 576 inputs, 96 of 4096): a row's bits

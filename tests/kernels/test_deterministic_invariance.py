@@ -58,6 +58,12 @@ BACKEND_DTYPES = [
 ]
 NUM_BLOCKS = 4096
 SHAPE = Shape(kv_heads=2, group=3, head_dim=16)
+# The native kernel's AVX-512 path takes head sizes 32, 64 and 128, a KV head's query heads at a
+# time; other head sizes (SHAPE's 16) and AVX2-only CPUs run its vector-at-a-time path.
+NATIVE_SHAPES = [
+    pytest.param(SHAPE, id="d16", marks=NATIVE_MARKS),
+    pytest.param(Shape(kv_heads=3, group=3, head_dim=64), id="gqa3-d64", marks=NATIVE_MARKS),
+]
 
 
 def _run(
@@ -66,11 +72,12 @@ def _run(
     block_size: int,
     dtype: torch.dtype,
     device: str,
+    shape: Shape = SHAPE,
 ) -> list[list[torch.Tensor]]:
     """Run steps in order on one fresh cache (each part's prefix stored first); rows per part."""
     if backend == "torch" and device != "cpu":
         pytest.skip("the deterministic torch path is CPU-only (the GPU's is the Triton kernel)")
-    k_cache, v_cache = new_cache(NUM_BLOCKS, block_size, SHAPE, dtype, device)
+    k_cache, v_cache = new_cache(NUM_BLOCKS, block_size, shape, dtype, device)
     stored: set[int] = set()
     outs = []
     for parts in batches:
@@ -161,17 +168,30 @@ def test_chunking_and_decode_rows_do_not_change_bits(
     backend: Backend, block_size: int, device: str
 ) -> None:
     """Whole prompt == chunks of 1 (decode rows), 7, 16 == a chunk then decodes, bit for bit."""
+    _check_chunking(backend, block_size, device, SHAPE)
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_native_chunking_on_the_grouped_heads_path(block_size: int) -> None:
+    """The same on SmolLM2's head layout (3 KV heads of 3 query heads, head_dim 64): on an
+    AVX-512 CPU, the kernel's path that runs a KV head's query heads together."""
+    if not cpu_native.available():
+        pytest.skip(f"native kernels unavailable: {cpu_native.unavailable_reason()}")
+    _check_chunking("torch", block_size, "cpu", Shape(kv_heads=3, group=3, head_dim=64))
+
+
+def _check_chunking(backend: Backend, block_size: int, device: str, shape: Shape) -> None:
     dtype = torch.float32 if backend == "torch" else torch.bfloat16
     length = 45
     gen = torch.Generator().manual_seed(3)
-    seq = new_seq(length, SHAPE, block_size, NUM_BLOCKS, dtype, device, gen)
+    seq = new_seq(length, shape, block_size, NUM_BLOCKS, dtype, device, gen)
     companion = new_seq(
-        length + 10, SHAPE, block_size, NUM_BLOCKS, dtype, device, gen, set(seq.blocks)
+        length + 10, shape, block_size, NUM_BLOCKS, dtype, device, gen, set(seq.blocks)
     )
 
     def rows(plan: str) -> torch.Tensor:
         steps = _chunked(seq, length, plan, companion)
-        outs = _run(backend, steps, block_size, dtype, device)
+        outs = _run(backend, steps, block_size, dtype, device, shape)
         mine = [
             next(o for p, o in zip(s, out, strict=True) if p[0] is seq)
             for s, out in zip(steps, outs, strict=True)
@@ -184,10 +204,60 @@ def test_chunking_and_decode_rows_do_not_change_bits(
         assert got.shape == whole.shape
         assert torch.equal(got, whole), f"{plan}: rows differ from the whole prefill ({CPU})"
     step = make_step([(seq, 0, length)], block_size, device)
-    k_cache, v_cache = new_cache(NUM_BLOCKS, block_size, SHAPE, dtype, device)
+    k_cache, v_cache = new_cache(NUM_BLOCKS, block_size, shape, dtype, device)
     store_prefix(seq, length, k_cache, v_cache)
     want = reference.paged_attention(step.q, k_cache, v_cache, step.meta, SCALE)
     assert_close(whole, want, dtype, "whole prompt vs reference")
+
+
+def _sharing(base: Seq, blocks: int, own: Seq, block_size: int) -> Seq:
+    """``own`` with ``base``'s first ``blocks`` blocks and their K/V: a prompt prefix that the
+    prefix cache shares (whole blocks, the same ids in both tables)."""
+    n = blocks * block_size
+    return Seq(
+        own.q,
+        torch.cat([base.k[:n], own.k[n:]]),
+        torch.cat([base.v[:n], own.v[n:]]),
+        base.blocks[:blocks] + own.blocks[blocks:],
+    )
+
+
+@pytest.mark.parametrize("shape", NATIVE_SHAPES)
+def test_decode_rows_sharing_a_prefix_do_not_change_bits(shape: Shape) -> None:
+    """The native kernel groups the decode rows of sequences whose tables start with the same
+    block, to read the shared keys once for all of them: a row's bits are the same alone, with
+    its group (nine sharing 5 blocks, more than one item holds), and with other requests and a
+    prefill chunk in the batch, and they match the reference."""
+    block_size, dtype = 16, torch.float32
+    gen = torch.Generator().manual_seed(11)
+    taken: set[int] = set()
+
+    def seq(length: int) -> Seq:
+        return new_seq(length, shape, block_size, NUM_BLOCKS, dtype, "cpu", gen, taken)
+
+    base = seq(80)
+    group = [_sharing(base, 5, seq(80 + 3 * i + (i % 2) * 17), block_size) for i in range(9)]
+    alone = [
+        _run("torch", [[(s, s.q.shape[0] - 1, 1)]], block_size, dtype, "cpu", shape)[0][0]
+        for s in group
+    ]
+    decodes = [(s, s.q.shape[0] - 1, 1) for s in group]
+    together = _run("torch", [decodes], block_size, dtype, "cpu", shape)[0]
+    other, chunk = seq(40), seq(60)
+    mixed_parts = [decodes[4], (other, 39, 1), *decodes[:4], *decodes[5:], (chunk, 20, 40)]
+    mixed = _run("torch", [mixed_parts], block_size, dtype, "cpu", shape)[0]
+    for i, want in enumerate(alone):
+        assert torch.equal(together[i], want), f"row {i} changed with its group ({CPU})"
+    order = [4, 0, 1, 2, 3, 5, 6, 7, 8]
+    for pos, i in enumerate(order):
+        row = mixed[pos if pos == 0 else pos + 1]
+        assert torch.equal(row, alone[i]), f"row {i} changed in a mixed batch ({CPU})"
+    k_cache, v_cache = new_cache(NUM_BLOCKS, block_size, shape, dtype, "cpu")
+    for s, start, n in mixed_parts:
+        store_prefix(s, start + n, k_cache, v_cache)
+    step = make_step(mixed_parts, block_size, "cpu")
+    want = reference.paged_attention(step.q, k_cache, v_cache, step.meta, SCALE)
+    assert_close(torch.cat(mixed), want, dtype, "rows sharing a prefix vs reference")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
