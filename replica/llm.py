@@ -19,12 +19,14 @@ Prompt = str | Sequence[int]
 
 @dataclass(slots=True)
 class CompletionOutput:
-    """One prompt's answer."""
+    """One prompt's answer. ``cached_tokens``: the prompt's leading tokens the prefix cache
+    already held when the request was admitted (their KV was not computed again)."""
 
     prompt_token_ids: list[int]
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
+    cached_tokens: int = 0
 
 
 class LLM:
@@ -111,6 +113,8 @@ class LLM:
     def _collect(dst: CompletionOutput, out: RequestOutput) -> int:
         dst.token_ids.extend(out.token_ids)
         dst.text += out.text
+        if out.cached_tokens is not None:
+            dst.cached_tokens = out.cached_tokens
         if out.finished:
             dst.finish_reason = out.finish_reason
             return 1
