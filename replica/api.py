@@ -245,6 +245,10 @@ class EngineStats:
     cached_blocks: int = 0
 
 
+class EngineDead(RuntimeError):
+    """The step loop stopped on an error; the engine takes no new requests."""
+
+
 class InvalidToken(ValueError):
     """A token id the model does not have (in the prompt, ``stop_token_ids`` or ``logit_bias``);
     ``param`` names the field."""

@@ -20,6 +20,7 @@ from ray import serve
 from ray.serve import Deployment
 
 from replica.api import (
+    EngineDead,
     EngineStats,
     ErrorRecord,
     GenerateRequest,
@@ -29,7 +30,6 @@ from replica.api import (
     share_of,
 )
 from replica.config import EngineConfig
-from replica.engine import Engine, EngineDead
 from replica.scheduler import AdmitError
 
 log = logging.getLogger("tierserve.replica")
@@ -61,6 +61,9 @@ class LLMServer:
         if settings.get("num_threads") is None and "OMP_NUM_THREADS" not in os.environ:
             settings["num_threads"] = _cpu_share()
         self.config = EngineConfig(**settings)
+        # Imported here, not at the top: building the Serve app imports this module, and the
+        # engine brings torch (about 1.5 s of start-up) where only the replica needs it.
+        from replica.engine import Engine
         from replica.metrics import ReplicaMetrics
 
         self.metrics = ReplicaMetrics(tiers or [])

@@ -20,7 +20,7 @@ from typing import Protocol
 
 import torch
 
-from replica.api import EngineStats, InvalidToken, RequestOutput
+from replica.api import EngineDead, EngineStats, InvalidToken, RequestOutput
 from replica.block_space import RequestId
 from replica.config import EngineConfig
 from replica.detokenizer import IncrementalDetokenizer
@@ -119,10 +119,6 @@ class StepTimes:
     def overhead(self) -> float:
         """Share of the loop's time not spent in the model forward."""
         return 1.0 - self.forward_s / self.total_s if self.total_s else 0.0
-
-
-class EngineDead(RuntimeError):
-    """The step loop stopped on an error; the engine takes no new requests."""
 
 
 class Engine:

@@ -7,7 +7,8 @@
   (all they import, transitively);
 - the ingress gets its config and tokenizer without the torch model code: what importing
   ``cluster.ingress`` loads holds no ``torch``, no ``kernels``, no model, engine or sampler
-  module (and a fresh interpreter that imports it has no torch module loaded).
+  module (and a fresh interpreter that imports it has no torch module loaded);
+- building the Serve app (importing ``cluster.app``) loads neither torch nor transformers.
 """
 
 from __future__ import annotations
@@ -137,3 +138,14 @@ def test_the_walker_sees_imports() -> None:
     assert "torch" in closure("replica.engine")
     assert "ray" in imports("replica.deployment")
     assert "replica.models.gguf_loader" in imports("replica.models.meta")
+
+
+def test_building_the_app_loads_neither_torch_nor_transformers() -> None:
+    """Serve builds the app in a process of its own before any replica starts: importing
+    ``cluster.app`` (and through it the replica's deployment) must not pay for torch or
+    transformers (about 2 s of the cluster's start-up); the replica imports its engine itself."""
+    code = ("import sys, cluster.app; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers'}))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120, check=True)
+    assert out.stdout.strip() == "[]"

@@ -4,8 +4,12 @@ built by ``replica.models.embedded``."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
-from transformers import PreTrainedTokenizerFast
+
+if TYPE_CHECKING:  # imported where the tokenizer is built: transformers takes ~0.5 s to import
+    from transformers import PreTrainedTokenizerFast
 
 from replica.models.byte_level import byte_chars
 from replica.models.config import ModelConfig
@@ -69,6 +73,8 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
         pair="<|bos|> $A <|bos|> $B",
         special_tokens=[("<|bos|>", BOS_ID)],
     )
+    from transformers import PreTrainedTokenizerFast
+
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token="<|bos|>",

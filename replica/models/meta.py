@@ -7,9 +7,10 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from transformers import PreTrainedTokenizerBase
+if TYPE_CHECKING:  # transformers is imported where a tokenizer is loaded, not with the module
+    from transformers import PreTrainedTokenizerBase
 
 from replica.models import embedded_spec, gguf_loader
 from replica.models.catalog import packaged_file
