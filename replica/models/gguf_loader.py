@@ -628,16 +628,21 @@ def tokenizer_prepared(path: Path) -> bool:
 
 def gguf_tokenizer(path: Path) -> Any:
     """The file's tokenizer (with its chat template), built by ``transformers`` from the GGUF
-    metadata once and then loaded from the cache. Raises ``ModelLoadError``."""
-    from transformers import AutoTokenizer
+    metadata once and then loaded from the cache. Raises ``ModelLoadError``.
 
+    The cache holds a fast tokenizer (``tokenizer.json``), read back as one: ``AutoTokenizer``
+    would import torch first (1.5 s of the ingress's start, which has no other use for it)."""
     cached = _tokenizer_dir(path)
     with _tokenizer_lock:
-        if (cached / "tokenizer_config.json").is_file():
+        if (cached / "tokenizer_config.json").is_file() and (cached / "tokenizer.json").is_file():
+            from transformers import PreTrainedTokenizerFast
+
             try:
-                return AutoTokenizer.from_pretrained(str(cached))
+                return PreTrainedTokenizerFast.from_pretrained(str(cached))
             except Exception as e:  # a damaged cache entry: rebuild it
                 log.warning("ignoring the cached tokenizer at %s (%s)", cached, e)
+        from transformers import AutoTokenizer
+
         try:
             tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         except Exception as e:

@@ -142,6 +142,36 @@ def test_tokenizer_and_chat_template_come_from_the_file(tmp_path: Path) -> None:
     assert any((Path(gguf_loader.cache_root()) / "gguf-tokenizers").iterdir())
 
 
+def test_the_cached_tokenizer_loads_without_torch(tmp_path: Path) -> None:
+    """A fresh interpreter (the ingress at start-up) reads the GGUF tokenizer from the cache
+    without importing torch, and it encodes, decodes and templates as the freshly built one."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    path = write_gguf(tiny_hf_model("llama", seed=7), tmp_path / "t.gguf", chat_template=template)
+    fresh = load_tokenizer(str(path))  # builds the cache entry
+    code = (
+        "import json, sys\n"
+        "from replica.models.meta import load_tokenizer\n"
+        f"tok = load_tokenizer({str(path)!r})\n"
+        "chat = tok.apply_chat_template([{'role': 'user', 'content': 'hi'}], tokenize=False)\n"
+        "print(json.dumps([tok.encode('hello world'), tok.decode([263, 264, 111]), chat,\n"
+        "                  sorted(tok.all_special_ids), 'torch' in sys.modules]))\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
+                         timeout=120, check=True, env=dict(os.environ))
+    ids, text, chat, special, torch_loaded = json.loads(out.stdout.strip().splitlines()[-1])
+    assert not torch_loaded
+    assert ids == fresh.encode("hello world") and text == "hello"
+    assert chat == "<user>hi" == fresh.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False)
+    assert special == sorted(fresh.all_special_ids)
+
+
 def test_a_sentencepiece_tokenizer_and_its_chat_template_come_from_the_file(tmp_path: Path) -> None:
     """``tokenizer.ggml.model = "llama"`` (tokens, scores, token types; no merges: they follow
     from the scores), as llama.cpp writes Llama 2 / Mistral-style vocabularies: ours, built from
