@@ -41,6 +41,7 @@ The kernel runs with ``torch.get_num_threads()`` threads and without the GIL (``
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import functools
 import hashlib
 import json
@@ -221,29 +222,41 @@ def _build(cxx: str) -> Path:
             return target
         try:
             d.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=name, suffix=".tmp", dir=d)
-            os.close(fd)
+            lock = os.open(d / (name + ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:
             errors.append(f"{d}: {exc}")
             continue
         try:
-            proc = subprocess.run(
-                [cxx, *FLAGS, str(SOURCE), "-o", tmp],
-                capture_output=True,
-                text=True,
-                timeout=300,
-                check=False,
-            )
-            if proc.returncode != 0:
-                raise RuntimeError(
-                    f"{cxx} failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}"
-                )
-            os.replace(tmp, target)
+            # Of two replicas starting at once on a fresh machine, one compiles and the other
+            # waits for it, then loads its build (instead of compiling the same on the same cores).
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if target.exists():
+                return target
+            return _compile(cxx, target, name, d)
         finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-        return target
+            os.close(lock)  # releases the lock (the file stays: removing it would race)
     raise RuntimeError("no writable cache directory: " + "; ".join(errors))
+
+
+def _compile(cxx: str, target: Path, name: str, d: Path) -> Path:
+    """Build the library into ``target`` (through a temporary file in ``d``)."""
+    fd, tmp = tempfile.mkstemp(prefix=name, suffix=".tmp", dir=d)
+    os.close(fd)
+    try:
+        proc = subprocess.run(
+            [cxx, *FLAGS, str(SOURCE), "-o", tmp],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cxx} failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
 
 
 def _load() -> NativeLib | None:

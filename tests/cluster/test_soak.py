@@ -42,7 +42,7 @@ def test_a_minute_of_mixed_load_loses_and_leaks_nothing(soak_app: ServeApp) -> N
 
     before = sum(s["preemptions"] for s in soak_app.replica_stats().values())
     classes = [TrafficClass(tier, 1.0, key) for tier, key in KEYS.items()]
-    cfg = SoakConfig(duration_s=60, rate=2.0, long_prompt=(500, 600), long_fraction=0.2,
+    cfg = SoakConfig(duration_s=60, rate=3.0, long_prompt=(500, 600), long_fraction=0.3,
                      output=(8, 160), settle_timeout_s=120)
     report = asyncio.run(soak(soak_app.base_url, MODEL, classes, cfg, probe))
     print_report(report)

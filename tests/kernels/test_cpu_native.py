@@ -166,6 +166,31 @@ def test_build_goes_to_the_cache_and_is_reused(fresh_loader: None, tmp_path: obj
     assert built[0].stat().st_mtime_ns == mtime  # loaded, not rebuilt
 
 
+def test_two_processes_starting_at_once_compile_once(tmp_path: Path) -> None:
+    """Two replicas starting together on a fresh machine: one compiles the library, the other
+    waits on the build's lock and loads that build (the compiler runs once)."""
+    import os
+    import shutil
+    import subprocess
+
+    cxx = cpu_native._compiler()
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    calls = tmp_path / "calls"
+    wrapper = tmp_path / "cxx"
+    wrapper.write_text(f'#!/bin/sh\necho run >> {calls}\nexec {shutil.which(cxx)} "$@"\n')
+    wrapper.chmod(0o755)
+    env = {**os.environ, cpu_native.ENV_CACHE: str(tmp_path / "cache"), "CXX": str(wrapper)}
+    code = "from kernels import cpu_native; print(cpu_native.available())"
+    root = Path(__file__).resolve().parents[2]
+    procs = [subprocess.Popen([sys.executable, "-c", code], cwd=root, env=env,
+                              stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=300)[0].strip() for p in procs]
+    assert outs == ["True", "True"]
+    assert calls.read_text().split() == ["run"]
+    assert len(list((tmp_path / "cache").glob("cpu_kernels-*.so"))) == 1
+
+
 @needs_native
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
 def test_one_openmp_runtime_in_the_process() -> None:
