@@ -121,6 +121,12 @@ struct Item {
   float* out[kMaxVecs];            // likewise
   const int32_t* table[kMaxVecs];  // row r's block table
   int visible[kMaxVecs];           // keys row r sees (its position + 1)
+
+  int keys() const {  // keys any row sees
+    int n = 0;
+    for (int r = 0; r < rows; ++r) n = std::max(n, visible[r]);
+    return n;
+  }
 };
 
 // The state both attention loops keep for an item's query vectors (rows x the query heads of
@@ -295,8 +301,7 @@ void attend_generic(const Item& it, int group, int d_runtime, int block_size, in
   VecState st(it, group, D, scale);
   RunSources cur(0);
   alignas(64) float s[kKeyTile];
-  int total = 0;
-  for (int r = 0; r < it.rows; ++r) total = std::max(total, it.visible[r]);
+  const int total = it.keys();
   for (int p0 = 0; p0 < total; p0 += kKeyTile) {
     cur.build(it, p0, block_size, pos_stride);
     for (int h = 0; h < it.heads; ++h) {
@@ -368,6 +373,34 @@ inline __m256 exp8(__m256 x) {
   const __m256 y = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
   return _mm256_andnot_ps(_mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LE_OQ), y);
 }
+// The online softmax of one run for vector v: the scores s[0 .. lim) (s 32-byte aligned, room
+// for lim rounded up to 8) become exp(score - new max), the vector's running max and sum move
+// on; returns alpha, the factor its value sum is rescaled by.
+inline float run_softmax(VecState& st, int v, float* s, int lim) {
+  const int lim8 = (lim + 7) & ~7;
+  for (int j = lim; j < lim8; ++j) s[j] = kNegBig;
+  __m256 mx = _mm256_set1_ps(st.m[v]);
+  for (int j = 0; j < lim8; j += 8) mx = _mm256_max_ps(mx, _mm256_load_ps(s + j));
+  __m128 hm = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+  hm = _mm_max_ps(hm, _mm_movehl_ps(hm, hm));
+  hm = _mm_max_ss(hm, _mm_shuffle_ps(hm, hm, 1));
+  const float mb = _mm_cvtss_f32(hm);
+  const float alpha = fast_exp(st.m[v] - mb);
+  st.m[v] = mb;
+  __m256 sm = _mm256_setzero_ps();
+  const __m256 mbv = _mm256_set1_ps(mb);
+  for (int j = 0; j < lim8; j += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_load_ps(s + j), mbv));
+    _mm256_store_ps(s + j, e);
+    sm = _mm256_add_ps(sm, e);
+  }
+  __m128 t = _mm_add_ps(_mm256_castps256_ps128(sm), _mm256_extractf128_ps(sm, 1));
+  t = _mm_add_ps(t, _mm_movehl_ps(t, t));
+  t = _mm_add_ss(t, _mm_shuffle_ps(t, t, 1));
+  st.l[v] = st.l[v] * alpha + _mm_cvtss_f32(t);
+  return alpha;
+}
+
 // acc[0 .. 8 CN) = alpha * acc + sum_j p[j] * value_j[off .. off + 8 CN): CN 8-lane chunks kept
 // in registers (a compile-time count, so the compiler does not spill them), two accumulator
 // sets over alternate keys to hide the FMA latency.
@@ -441,32 +474,8 @@ inline void group_run_avx512(VecState& st, int v0, const float* const* kp,
     for (int g = 0; g < GN; ++g) _mm256_store_ps(s[g] + j0, reduce8(part[g]));
     pf.issue(pf_from + (pf_to - pf_from) * ++step / steps);
   }
-  const int lim8 = (lim + 7) & ~7;
   float alpha[GN];
-  for (int g = 0; g < GN; ++g) {
-    const int v = v0 + g;
-    float* sg = s[g];
-    for (int j = lim; j < lim8; ++j) sg[j] = kNegBig;
-    __m256 mx = _mm256_set1_ps(st.m[v]);
-    for (int j = 0; j < lim8; j += 8) mx = _mm256_max_ps(mx, _mm256_load_ps(sg + j));
-    __m128 hm = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-    hm = _mm_max_ps(hm, _mm_movehl_ps(hm, hm));
-    hm = _mm_max_ss(hm, _mm_shuffle_ps(hm, hm, 1));
-    const float mb = _mm_cvtss_f32(hm);
-    alpha[g] = fast_exp(st.m[v] - mb);
-    st.m[v] = mb;
-    __m256 sm = _mm256_setzero_ps();
-    const __m256 mbv = _mm256_set1_ps(mb);
-    for (int j = 0; j < lim8; j += 8) {
-      const __m256 e = exp8(_mm256_sub_ps(_mm256_load_ps(sg + j), mbv));
-      _mm256_store_ps(sg + j, e);
-      sm = _mm256_add_ps(sm, e);
-    }
-    __m128 t = _mm_add_ps(_mm256_castps256_ps128(sm), _mm256_extractf128_ps(sm, 1));
-    t = _mm_add_ps(t, _mm_movehl_ps(t, t));
-    t = _mm_add_ss(t, _mm_shuffle_ps(t, t, 1));
-    st.l[v] = st.l[v] * alpha[g] + _mm_cvtss_f32(t);
-  }
+  for (int g = 0; g < GN; ++g) alpha[g] = run_softmax(st, v0 + g, s[g], lim);
   // Value sums: acc = alpha * acc + sum_j p_j v_j, every vector's chunks in registers.
   __m512 acc[GN][C];
   for (int g = 0; g < GN; ++g) {
@@ -514,9 +523,7 @@ void attend_avx2(const Item& it, int group, int d_runtime, int block_size, int64
   RunSources runs[2] = {RunSources(0), RunSources(1)};
   Prefetcher pf;
   alignas(64) float s[kKeyTile];
-  int total = 0;
-  for (int r = 0; r < it.rows; ++r) total = std::max(total, it.visible[r]);
-  int active = 0;  // vectors that see keys of the current run
+  const int total = it.keys();
   runs[0].build(it, 0, block_size, pos_stride);
   for (int p0 = 0, cur_i = 0; p0 < total; p0 += kKeyTile, cur_i ^= 1) {
     const RunSources& cur = runs[cur_i];
@@ -527,7 +534,7 @@ void attend_avx2(const Item& it, int group, int d_runtime, int block_size, int64
       next.sets = 0;
     }
     pf.start(next, it.heads, D);
-    active = 0;
+    int active = 0;  // vectors that see keys of this run
     for (int r = 0; r < it.rows; ++r) active += cur.set_of[r] >= 0 ? it.heads * group : 0;
     int visited = 0;
     for (int h = 0; h < it.heads; ++h) {
@@ -568,28 +575,7 @@ void attend_avx2(const Item& it, int group, int d_runtime, int block_size, int64
             }
             _mm256_store_ps(s + j0, reduce8(p));
           }
-          const int lim8 = (lim + 7) & ~7;
-          for (int j = lim; j < lim8; ++j) s[j] = kNegBig;
-          __m256 mx = _mm256_set1_ps(st.m[v]);
-          for (int j = 0; j < lim8; j += 8) mx = _mm256_max_ps(mx, _mm256_load_ps(s + j));
-          __m128 hm = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-          hm = _mm_max_ps(hm, _mm_movehl_ps(hm, hm));
-          hm = _mm_max_ss(hm, _mm_shuffle_ps(hm, hm, 1));
-          const float mb = _mm_cvtss_f32(hm);
-          const float alpha = fast_exp(st.m[v] - mb);
-          st.m[v] = mb;
-          __m256 sm = _mm256_setzero_ps();
-          const __m256 mbv = _mm256_set1_ps(mb);
-          for (int j = 0; j < lim8; j += 8) {
-            const __m256 e = exp8(_mm256_sub_ps(_mm256_load_ps(s + j), mbv));
-            _mm256_store_ps(s + j, e);
-            sm = _mm256_add_ps(sm, e);
-          }
-          __m128 t = _mm_add_ps(_mm256_castps256_ps128(sm), _mm256_extractf128_ps(sm, 1));
-          t = _mm_add_ps(t, _mm_movehl_ps(t, t));
-          t = _mm_add_ss(t, _mm_shuffle_ps(t, t, 1));
-          const float sum = _mm_cvtss_f32(t);
-          st.l[v] = st.l[v] * alpha + sum;
+          const float alpha = run_softmax(st, v, s, lim);
           float* a = st.acc + v * D;
           const __m256 al = _mm256_set1_ps(alpha);
           int c0 = 0;
