@@ -48,6 +48,7 @@ MODEL = "smollm2-135m-instruct"
 PORTS = {"tierserve": 8000, "vllm": 8100}
 SYSTEMS = ("tierserve", "vllm")
 STARTUP_TARGET_S = 10.0
+DEFAULT_CONFIG = "configs/cluster.yaml"
 
 
 @dataclass(frozen=True)
@@ -58,20 +59,45 @@ class Load:
     osl: int = 64
 
 
+@dataclass(frozen=True, slots=True)
+class Server:
+    """One server under test: ``label`` in the tables, ``system`` (tierserve or vllm) and, for
+    tierserve, the cluster config it runs."""
+
+    label: str
+    system: str
+    config: str | None = None
+
+
+def servers(systems: list[str], configs: list[str]) -> list[Server]:
+    """tierserve once per config (labelled ``tierserve`` when there is one config, else
+    ``tierserve:<file stem>``), vLLM once."""
+    out: list[Server] = []
+    for system in systems:
+        if system != "tierserve":
+            out.append(Server(system, system))
+            continue
+        for config in configs:
+            label = "tierserve" if len(configs) == 1 else f"tierserve:{Path(config).stem}"
+            out.append(Server(label, system, config))
+    return out
+
+
 @dataclass(slots=True)
 class Result:
-    system: str
+    system: str  # the server's label
     round: int
     startup_s: float
     figures: dict[str, float] = field(default_factory=dict)
     errors: Any = None
 
 
-def server_command(system: str) -> tuple[list[str], dict[str, str]]:
-    """The command line and environment that start ``system``'s server."""
+def server_command(system: str, config: str = DEFAULT_CONFIG) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment that start ``system``'s server (tierserve on
+    ``config``)."""
     if system == "tierserve":
         env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-        return [sys.executable, "-m", "cluster.launch", "configs/cluster.yaml"], env
+        return [sys.executable, "-m", "cluster.launch", config], env
     from bench.vllm_peer import ensure_venv, hf_export, worker_env
     from replica.models.catalog import SMOLLM2, packaged_file
 
@@ -150,11 +176,13 @@ def figures(report: dict[str, Any]) -> dict[str, float]:
     }
 
 
-def run_one(system: str, rnd: int, load: Load, tokenizer: Path, bin_dir: Path,
+def run_one(server: Server, rnd: int, load: Load, tokenizer: Path, bin_dir: Path,
             workdir: Path) -> Result:
-    cmd, env = server_command(system)
-    url = f"http://127.0.0.1:{PORTS[system]}"
-    log = workdir / f"{system}-{rnd}.log"
+    system = server.label
+    cmd, env = server_command(server.system, server.config or DEFAULT_CONFIG)
+    url = f"http://127.0.0.1:{PORTS[server.system]}"
+    slug = system.replace(":", "-")
+    log = workdir / f"{slug}-{rnd}.log"
     with open(log, "wb") as out:
         t0 = time.perf_counter()
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env,
@@ -163,7 +191,7 @@ def run_one(system: str, rnd: int, load: Load, tokenizer: Path, bin_dir: Path,
         wait_ready(proc, url, log, timeout_s=900)
         startup = time.perf_counter() - t0
         print(f"  {system} round {rnd}: ready in {startup:.1f} s", flush=True)
-        report = aiperf(bin_dir, url, tokenizer, load, workdir / f"aiperf-{system}-{rnd}")
+        report = aiperf(bin_dir, url, tokenizer, load, workdir / f"aiperf-{slug}-{rnd}")
     finally:
         stop(proc)
     errors = report.get("error_summary")
@@ -172,7 +200,7 @@ def run_one(system: str, rnd: int, load: Load, tokenizer: Path, bin_dir: Path,
 
 def fmt(r: Result) -> str:
     f = r.figures
-    return (f"{r.system:9s} round {r.round}: TTFT p50 {f['ttft_p50_ms']:.0f} ms p99 "
+    return (f"{r.system:12s} round {r.round}: TTFT p50 {f['ttft_p50_ms']:.0f} ms p99 "
             f"{f['ttft_p99_ms']:.0f} ms, ITL p50 {f['itl_p50_ms']:.1f} ms p99 "
             f"{f['itl_p99_ms']:.1f} ms, {f['req_s']:.3f} req/s, {f['out_tok_s']:.1f} tok/s, "
             f"{f['requests']:.0f} requests, start-up {r.startup_s:.1f} s"
@@ -186,22 +214,27 @@ def summarize(results: list[Result]) -> dict[str, Any]:
         med = {k: statistics.median(r.figures[k] for r in mine) for k in mine[0].figures}
         med["startup_s"] = statistics.median(r.startup_s for r in mine)
         out[system] = med
-    if {"tierserve", "vllm"} <= out.keys():
-        t, v = out["tierserve"], out["vllm"]
-        out["targets"] = {
-            "ttft_p99_vs_vllm": t["ttft_p99_ms"] / v["ttft_p99_ms"],
-            "itl_p50_vs_vllm": t["itl_p50_ms"] / v["itl_p50_ms"],
-            "req_s_vs_vllm": t["req_s"] / v["req_s"],
-            "ttft_p99_met": t["ttft_p99_ms"] <= v["ttft_p99_ms"],
-            "itl_p50_met": t["itl_p50_ms"] <= v["itl_p50_ms"],
-            "startup_met": t["startup_s"] < STARTUP_TARGET_S,
-        }
+    if "vllm" in out:
+        v = out["vllm"]
+        targets = {}
+        for label in sorted(k for k in out if k.startswith("tierserve")):
+            t = out[label]
+            targets[label] = {
+                "ttft_p99_vs_vllm": t["ttft_p99_ms"] / v["ttft_p99_ms"],
+                "itl_p50_vs_vllm": t["itl_p50_ms"] / v["itl_p50_ms"],
+                "req_s_vs_vllm": t["req_s"] / v["req_s"],
+                "ttft_p99_met": t["ttft_p99_ms"] <= v["ttft_p99_ms"],
+                "itl_p50_met": t["itl_p50_ms"] <= v["itl_p50_ms"],
+                "startup_met": t["startup_s"] < STARTUP_TARGET_S,
+            }
+        if targets:
+            out["targets"] = targets
     return out
 
 
 def plot(summary: dict[str, Any], path: str, m: dict[str, Any], load: Load) -> None:
     plt = pyplot()
-    systems = [s for s in SYSTEMS if s in summary]
+    systems = sorted((s for s in summary if s != "targets"), key=lambda s: (s == "vllm", s))
     panels = [("TTFT (ms)", ("ttft_p50_ms", "ttft_p99_ms")), ("ITL (ms)", ("itl_p50_ms",
               "itl_p99_ms")), ("requests/s", ("req_s",)), ("start-up (s)", ("startup_s",))]
     fig, axes = plt.subplots(1, len(panels), figsize=(13, 3.6))
@@ -231,6 +264,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--osl", type=int, default=Load.osl)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--config", action="append", default=None,
+                    help="tierserve's cluster config (default: the one make serve runs); "
+                         "repeat it to run tierserve once per config")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
     args = ap.parse_args(argv)
@@ -241,9 +277,15 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("concurrency", "requests", "isl", "osl", "rounds"):
         if getattr(args, name) < 1:
             ap.error(f"--{name} must be at least 1")
+    configs = args.config or [DEFAULT_CONFIG]
+    for config in configs:
+        if not Path(config).is_file():
+            ap.error(f"--config {config}: no such file")
+    configs = [str(Path(c).resolve()) for c in configs]  # the servers start in the repo root
     load = Load(args.concurrency, args.requests, args.isl, args.osl)
+    runs = servers(systems, configs)
     m = machine(load_avg_before=load_avg_1m())
-    print(f"machine: {m}\nload: {load}", flush=True)
+    print(f"machine: {m}\nload: {load}\nservers: {[asdict(s) for s in runs]}", flush=True)
     bin_dir = tool_venv("aiperf", AIPERF)
     results: list[Result] = []
     with tempfile.TemporaryDirectory(prefix="bench-serving-") as tmp:
@@ -253,9 +295,9 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = workdir / "tokenizer"
         load_tokenizer(MODEL).save_pretrained(str(tokenizer))
         for rnd in range(args.rounds):
-            order = systems if rnd % 2 == 0 else systems[::-1]
-            for system in order:
-                r = run_one(system, rnd, load, tokenizer, bin_dir, workdir)
+            order = runs if rnd % 2 == 0 else runs[::-1]
+            for server in order:
+                r = run_one(server, rnd, load, tokenizer, bin_dir, workdir)
                 print("  " + fmt(r), flush=True)
                 results.append(r)
     summary = summarize(results)
@@ -265,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
         print("targets: " + json.dumps(summary["targets"]))
     if args.json:
         Path(args.json).write_text(json.dumps({
-            "machine": m, "load": asdict(load), "runs": [asdict(r) for r in results],
+            "machine": m, "load": asdict(load), "servers": [asdict(s) for s in runs],
+            "runs": [asdict(r) for r in results],
             "summary": summary}, indent=1))
     if args.plot:
         plot(summary, args.plot, m, load)

