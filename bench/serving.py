@@ -244,7 +244,8 @@ def plot(summary: dict[str, Any], path: str, m: dict[str, Any], load: Load) -> N
             xs = [i + j * width for i in range(len(systems))]
             ax.bar(xs, [summary[s][key] for s in systems], width, label=key.split("_")[-2]
                    if len(keys) > 1 else None)
-        ax.set_xticks([i + width * (len(keys) - 1) / 2 for i in range(len(systems))], systems)
+        ax.set_xticks([i + width * (len(keys) - 1) / 2 for i in range(len(systems))],
+                      [s.replace(":", "\n") for s in systems], fontsize=7)
         ax.set_title(title, fontsize=9)
         if len(keys) > 1:
             ax.legend(fontsize=7)

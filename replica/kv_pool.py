@@ -10,9 +10,11 @@ own block ids: one source of truth for how many blocks exist.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kernels.metadata import slots_for
@@ -99,6 +101,22 @@ def choose_num_blocks(
     return n
 
 
+ALIGN_BYTES = 64  # a cache line, and one AVX-512 register
+
+
+def zeroed(dims: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed tensor. On the CPU its memory comes zeroed from the allocator (``calloc``: for a
+    large block the OS's fresh pages, zeroed when first touched) instead of being written with
+    zeros at start-up, as ``torch.zeros`` does (about 0.3 s for a 512 MiB pool); 64-byte
+    aligned like torch's own CPU allocations."""
+    if device.type != "cpu":
+        return torch.zeros(dims, dtype=dtype, device=device)
+    nbytes = math.prod(dims) * dtype.itemsize
+    raw = np.zeros(nbytes + ALIGN_BYTES, dtype=np.uint8)  # calloc; kept alive by the tensor
+    start = -raw.ctypes.data % ALIGN_BYTES
+    return torch.from_numpy(raw[start:start + nbytes]).view(dtype).view(dims)
+
+
 class KVPool:
     """Per-layer ``(k_cache, v_cache)``, each ``[num_blocks, block_tokens, kv_heads, head_dim]``."""
 
@@ -110,10 +128,7 @@ class KVPool:
         self.device = torch.device(device)
         dims = (num_blocks, shape.block_tokens, shape.kv_heads, shape.head_dim)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (
-                torch.zeros(dims, dtype=shape.dtype, device=self.device),
-                torch.zeros(dims, dtype=shape.dtype, device=self.device),
-            )
+            (zeroed(dims, shape.dtype, self.device), zeroed(dims, shape.dtype, self.device))
             for _ in range(shape.layers)
         ]
 

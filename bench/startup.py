@@ -1,0 +1,193 @@
+"""Start-up, side by side with Ray Serve's own floor: ``python -m bench.startup``.
+
+Each round starts, one after the other on this machine, as ``make serve`` does
+(``python -m cluster.launch CONFIG``, which starts a local Ray instance and runs the config):
+
+- ``tierserve``: ``CONFIG`` (default ``configs/cluster.yaml``);
+- ``floor``: the same launcher on a config made from ``CONFIG`` whose deployments keep their
+  names, replica counts and resources but do nothing: an ``Ingress`` that answers ``GET /`` by
+  calling one ``LLMServer`` replica, which returns a string (no model, no tokenizer, Serve's own
+  request router). What this takes is Ray's and Serve's part of the start-up: the Ray instance,
+  the Serve controller and proxy, the application's build and one worker process per replica.
+
+Times, from the launcher's start: ``http`` (the proxy answers the app's route: ``GET
+/v1/models``, or ``GET /`` for the floor) and ``ready`` (the first answered request through a
+model replica: a one-token completion, or ``GET /`` for the floor). tierserve's time above the
+floor is what its own code adds. ``--rounds R`` (3; the order alternates), ``--config PATH``,
+``--json PATH``. Nothing here asserts on time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from bench.common import load_avg_1m, machine
+from bench.tools import ROOT
+
+MODEL = "smollm2-135m-instruct"
+DEFAULT_CONFIG = "configs/cluster.yaml"
+FLOOR_IMPORT_PATH = "bench.startup:floor_app"
+TIMEOUT_S = 300.0
+
+
+def floor_app(args: dict[str, Any] | None = None) -> Any:
+    """The floor's Serve application: ``Ingress`` -> ``LLMServer``, both trivial (the config
+    supplies replicas and resources)."""
+    from ray import serve
+    from ray.serve.handle import DeploymentHandle
+
+    @serve.deployment(name="LLMServer")
+    class Echo:
+        async def __call__(self) -> str:
+            return "ok"
+
+    @serve.deployment(name="Ingress")
+    class Front:
+        def __init__(self, llm: DeploymentHandle) -> None:
+            self.llm = llm
+
+        async def __call__(self, request: Any) -> str:
+            return str(await self.llm.remote())
+
+    return Front.bind(Echo.bind())
+
+
+def floor_config(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` (a Serve deploy config) with its application replaced by ``floor_app``: the
+    same HTTP options and, per deployment, the same name, replica count and actor resources."""
+    out = {k: v for k, v in config.items() if k != "applications"}
+    apps = []
+    for app in config.get("applications") or []:
+        deployments = [
+            {k: d[k] for k in ("name", "num_replicas", "ray_actor_options") if k in d}
+            for d in app.get("deployments") or []
+        ]
+        apps.append({"name": app.get("name", "default"), "route_prefix": app.get("route_prefix", "/"),
+                     "import_path": FLOOR_IMPORT_PATH, "deployments": deployments})
+    if not apps:
+        raise ValueError("the config has no applications")
+    out["applications"] = apps
+    return out
+
+
+@dataclass(slots=True)
+class Start:
+    system: str  # tierserve or floor
+    round: int
+    http_s: float
+    ready_s: float
+
+
+def _port(config: dict[str, Any]) -> int:
+    return int((config.get("http_options") or {}).get("port", 8000))
+
+
+def _ok(call: Any) -> bool:
+    try:
+        return bool(call().status_code == 200)
+    except httpx.HTTPError:
+        return False
+
+
+def measure(system: str, rnd: int, config_path: Path, port: int, log: Path) -> Start:
+    """Start the launcher on ``config_path``; the times until HTTP and the first request answer.
+    The launcher is stopped (Ctrl-C) before returning."""
+    from bench.serving import stop  # Ctrl-C to the process group, then wait
+
+    url = f"http://127.0.0.1:{port}"
+    if system == "floor":
+        http = ready = lambda: httpx.get(f"{url}/", timeout=30)
+    else:
+        http = lambda: httpx.get(f"{url}/v1/models", timeout=30)  # noqa: E731
+        ready = lambda: httpx.post(f"{url}/v1/completions", timeout=30,  # noqa: E731
+                                   json={"model": MODEL, "prompt": "Hi", "max_tokens": 1})
+    with open(log, "wb") as out:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen([sys.executable, "-m", "cluster.launch", str(config_path)],
+                                cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        http_s = ready_s = None
+        while time.perf_counter() - t0 < TIMEOUT_S:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the launcher exited ({proc.returncode}):\n"
+                                   f"{log.read_text(errors='replace')[-3000:]}")
+            if http_s is None and _ok(http):
+                http_s = time.perf_counter() - t0
+            if http_s is not None and _ok(ready):
+                ready_s = time.perf_counter() - t0
+                break
+            time.sleep(0.1)
+        if http_s is None or ready_s is None:
+            raise RuntimeError(f"{system} was not ready within {TIMEOUT_S:.0f} s:\n"
+                               f"{log.read_text(errors='replace')[-3000:]}")
+    finally:
+        stop(proc)
+    return Start(system, rnd, http_s, ready_s)
+
+
+def summarize(starts: list[Start]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for system in sorted({s.system for s in starts}):
+        mine = [s for s in starts if s.system == system]
+        out[system] = {"http_s": statistics.median(s.http_s for s in mine),
+                       "ready_s": statistics.median(s.ready_s for s in mine)}
+    if {"tierserve", "floor"} <= out.keys():
+        out["above_floor_s"] = out["tierserve"]["ready_s"] - out["floor"]["ready_s"]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    ap.add_argument("--config", default=DEFAULT_CONFIG)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
+    config_path = Path(args.config).resolve()
+    if not config_path.is_file():
+        ap.error(f"--config {args.config}: no such file")
+    config = yaml.safe_load(config_path.read_text())
+    try:
+        floor = floor_config(config)
+    except (ValueError, AttributeError, TypeError) as e:
+        ap.error(f"--config {args.config}: not a Serve deploy config ({e})")
+    m = machine(load_avg_before=load_avg_1m())
+    print(f"machine: {m}\nconfig: {config_path}", flush=True)
+    starts: list[Start] = []
+    with tempfile.TemporaryDirectory(prefix="bench-startup-") as tmp:
+        floor_path = Path(tmp) / "floor.yaml"
+        floor_path.write_text(yaml.safe_dump(floor))
+        paths = {"tierserve": config_path, "floor": floor_path}
+        for rnd in range(args.rounds):
+            order = ["tierserve", "floor"] if rnd % 2 == 0 else ["floor", "tierserve"]
+            for system in order:
+                s = measure(system, rnd, paths[system], _port(config), Path(tmp) / f"{system}.log")
+                print(f"  {system:9s} round {rnd}: HTTP after {s.http_s:.1f} s, first answer "
+                      f"after {s.ready_s:.1f} s", flush=True)
+                starts.append(s)
+    summary = summarize(starts)
+    m["load_avg_after"] = load_avg_1m()
+    print("medians: " + json.dumps(summary))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"machine": m, "config": str(config_path),
+                                               "starts": [asdict(s) for s in starts],
+                                               "summary": summary}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
