@@ -48,12 +48,10 @@ def floor_app(args: dict[str, Any] | None = None) -> Any:
     from ray import serve
     from ray.serve.handle import DeploymentHandle
 
-    @serve.deployment(name="LLMServer")
     class Echo:
         async def __call__(self) -> str:
             return "ok"
 
-    @serve.deployment(name="Ingress")
     class Front:
         def __init__(self, llm: DeploymentHandle) -> None:
             self.llm = llm
@@ -61,7 +59,9 @@ def floor_app(args: dict[str, Any] | None = None) -> Any:
         async def __call__(self, request: Any) -> str:
             return str(await self.llm.remote())
 
-    return Front.bind(Echo.bind())
+    echo = serve.deployment(name="LLMServer")(Echo)
+    front = serve.deployment(name="Ingress")(Front)
+    return front.bind(echo.bind())
 
 
 def floor_config(config: dict[str, Any]) -> dict[str, Any]:
