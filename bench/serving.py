@@ -5,8 +5,9 @@ this machine, on the same model.
 Run: ``python -m bench.serving`` (about 15 minutes on 2 cores, vLLM's start-up a good part of
 it); ``--concurrency C`` (default 8), ``--requests N`` (64), ``--isl``/``--osl`` (prompt and
 output tokens: 256 and 64), ``--rounds R`` (1; the order of the systems alternates), ``--systems
-tierserve,vllm``, ``--json PATH``, ``--plot PATH.png``. Nothing here asserts on time: the
-targets are printed as met or not.
+tierserve,vllm``, ``--config PATH`` (tierserve's cluster config; repeated, tierserve runs once
+per config, each labelled ``tierserve:<file stem>`` and compared with vLLM on its own), ``--json
+PATH``, ``--plot PATH.png``. Nothing here asserts on time: the targets are printed as met or not.
 
 - The servers: tierserve as ``make serve`` starts it (``python -m cluster.launch
   configs/cluster.yaml``, the default config: SmolLM2-135M-Instruct from the packaged GGUF, on
