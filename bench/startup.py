@@ -34,10 +34,9 @@ import httpx
 import yaml
 
 from bench.common import load_avg_1m, machine
+from bench.serving import DEFAULT_CONFIG, MODEL, stop
 from bench.tools import ROOT
 
-MODEL = "smollm2-135m-instruct"
-DEFAULT_CONFIG = "configs/cluster.yaml"
 FLOOR_IMPORT_PATH = "bench.startup:floor_app"
 TIMEOUT_S = 300.0
 
@@ -103,9 +102,7 @@ def _ok(call: Any) -> bool:
 
 def measure(system: str, rnd: int, config_path: Path, port: int, log: Path) -> Start:
     """Start the launcher on ``config_path``; the times until HTTP and the first request answer.
-    The launcher is stopped (Ctrl-C) before returning."""
-    from bench.serving import stop  # Ctrl-C to the process group, then wait
-
+    The launcher is stopped (Ctrl-C to its process group) before returning."""
     url = f"http://127.0.0.1:{port}"
     if system == "floor":
         http = ready = lambda: httpx.get(f"{url}/", timeout=30)
