@@ -12,11 +12,13 @@ directly (see the README).
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import os
 import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Mapping
 
 import ray
 
@@ -29,6 +31,39 @@ def _default_sigint() -> None:  # in the child: Ctrl-C stops `serve run` even if
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+OUR_PACKAGES = ("cluster", "replica", "kernels", "router", "bench")
+OUR_DISTRIBUTION = "tierserve"
+
+
+def package_clashes(owners: Mapping[str, list[str]] | None = None) -> dict[str, list[str]]:
+    """Our top-level packages that another installed distribution also ships, each with those
+    distributions' names. Two distributions with one top-level name overwrite each other's files
+    (or shadow each other on ``sys.path``), so imports then fail far from the cause: for example
+    ``transformers`` >= 5.25 requires the PyPI package ``kernels``. ``owners`` defaults to
+    ``importlib.metadata.packages_distributions()``."""
+    found = importlib.metadata.packages_distributions() if owners is None else owners
+    clashes: dict[str, list[str]] = {}
+    for name in OUR_PACKAGES:
+        others = sorted({d for d in found.get(name, []) if d.lower() != OUR_DISTRIBUTION})
+        if others:
+            clashes[name] = others
+    return clashes
+
+
+def clash_message(clashes: dict[str, list[str]]) -> str:
+    lines = [
+        f"tierserve: another installed package also provides the top-level module `{name}`: "
+        f"{', '.join(dists)}" for name, dists in clashes.items()
+    ]
+    lines.append(
+        "tierserve: the two cannot be imported side by side. Uninstall it "
+        f"(`{sys.executable} -m pip uninstall {' '.join(sorted({d for v in clashes.values() for d in v}))}`)"
+        " and, where `transformers` pulled it in, install a release below 5.25 "
+        "(`pip install 'transformers<5.25'`), or use a fresh virtual environment (`make install`)."
+    )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cluster.launch", description=__doc__)
     parser.add_argument("config", nargs="?", default="configs/cluster.yaml")
@@ -36,6 +71,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not os.path.exists(args.config):
         print(f"tierserve: no config file at {args.config}", file=sys.stderr)
+        return 2
+    clashes = package_clashes()
+    if clashes:
+        print(clash_message(clashes), file=sys.stderr)
         return 2
     serve_bin = shutil.which("serve", path=os.path.dirname(sys.executable)) or shutil.which("serve")
     if serve_bin is None:
