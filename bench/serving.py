@@ -4,7 +4,8 @@ this machine, on the same model.
 
 Run: ``python -m bench.serving`` (about 15 minutes on 2 cores, vLLM's start-up a good part of
 it); ``--concurrency C`` (default 8), ``--requests N`` (64), ``--isl``/``--osl`` (prompt and
-output tokens: 256 and 64), ``--rounds R`` (1; the order of the systems alternates), ``--systems
+output tokens: 256 and 64), ``--pace R`` (new requests per second at most, 20; 0 for aiperf's
+unpaced mode), ``--rounds R`` (1; the order of the systems alternates), ``--systems
 tierserve,vllm``, ``--config PATH`` (tierserve's cluster config; repeated, tierserve runs once
 per config, each labelled ``tierserve:<file stem>`` and compared with vLLM on its own), ``--json
 PATH``, ``--plot PATH.png``. Nothing here asserts on time: the targets are printed as met or not.
@@ -19,7 +20,11 @@ PATH``, ``--plot PATH.png``. Nothing here asserts on time: the targets are print
 - The load (``aiperf profile``, installed under ``.venv-tools/`` on first use): the chat
   endpoint, streaming, synthetic prompts of ``--isl`` tokens under the served tokenizer,
   ``--osl`` new tokens each with ``ignore_eos`` (both servers take it) and temperature 0, a
-  closed loop of ``--concurrency`` clients, two warm-up requests first.
+  closed loop of ``--concurrency`` clients, two warm-up requests first. New requests are paced
+  (``--pace``, default 20 per second, constant intervals, aiperf's ``--request-rate`` under the
+  concurrency cap): a freed slot is filled at the next tick, within 50 ms. Without a rate
+  (``--pace 0``) aiperf's timing process polls for a free slot without sleeping and takes a
+  whole core for the run, half of a 2-core machine, which the server under test then lacks.
 - The figures, aiperf's: TTFT p50/p99, inter-token latency p50/p99, requests/s, output tokens/s,
   errors. Targets: tierserve's TTFT p99 and ITL p50 no worse than vLLM's at the same
   concurrency, and its start-up under 10 s.
@@ -58,6 +63,7 @@ class Load:
     requests: int = 64
     isl: int = 256
     osl: int = 64
+    pace: float = 20.0  # new requests per second at most; 0: aiperf's unpaced mode (it spins)
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,9 +147,8 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait()
 
 
-def aiperf(bin_dir: Path, url: str, tokenizer: Path, load: Load, out: Path) -> dict[str, Any]:
-    """One aiperf run against ``url``; its JSON export."""
-    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}  # it takes a folder
+def aiperf_command(bin_dir: Path, url: str, tokenizer: Path, load: Load, out: Path) -> list[str]:
+    """The aiperf command line of one run (``load.pace`` > 0: paced under the concurrency cap)."""
     cmd = [
         str(bin_dir / "aiperf"), "profile", "--model", MODEL, "--url", url,
         "--endpoint-type", "chat", "--streaming", "--tokenizer", str(tokenizer),
@@ -153,6 +158,15 @@ def aiperf(bin_dir: Path, url: str, tokenizer: Path, load: Load, out: Path) -> d
         "--warmup-request-count", "2",
         "--ui-type", "none", "--no-gpu-telemetry", "--output-artifact-dir", str(out),
     ]
+    if load.pace > 0:
+        cmd += ["--request-rate", f"{load.pace:g}", "--arrival-pattern", "constant"]
+    return cmd
+
+
+def aiperf(bin_dir: Path, url: str, tokenizer: Path, load: Load, out: Path) -> dict[str, Any]:
+    """One aiperf run against ``url``; its JSON export."""
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}  # it takes a folder
+    cmd = aiperf_command(bin_dir, url, tokenizer, load, out)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"aiperf failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n"
@@ -250,8 +264,8 @@ def plot(summary: dict[str, Any], path: str, m: dict[str, Any], load: Load) -> N
         ax.set_title(title, fontsize=9)
         if len(keys) > 1:
             ax.legend(fontsize=7)
-    fig.suptitle(f"bench.serving: aiperf chat, concurrency {load.concurrency}, "
-                 f"{load.requests} requests, {load.isl}+{load.osl} tokens; "
+    fig.suptitle(f"bench.serving: aiperf chat, concurrency {load.concurrency}"
+                 f"{f' (paced, {load.pace:g}/s)' if load.pace > 0 else ''}, {load.requests} requests, {load.isl}+{load.osl} tokens; "
                  f"{m.get('cpu', '?')}, {m.get('cores', '?')} cores", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -264,6 +278,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=Load.requests)
     ap.add_argument("--isl", type=int, default=Load.isl)
     ap.add_argument("--osl", type=int, default=Load.osl)
+    ap.add_argument("--pace", type=float, default=Load.pace,
+                    help="new requests per second at most under the concurrency cap "
+                         "(0: aiperf's unpaced mode, whose timing process takes a core)")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--config", action="append", default=None,
@@ -279,12 +296,14 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("concurrency", "requests", "isl", "osl", "rounds"):
         if getattr(args, name) < 1:
             ap.error(f"--{name} must be at least 1")
+    if not args.pace >= 0 or args.pace == float("inf"):
+        ap.error(f"--pace must be a finite number of requests per second, 0 or more; got {args.pace}")
     configs = args.config or [DEFAULT_CONFIG]
     for config in configs:
         if not Path(config).is_file():
             ap.error(f"--config {config}: no such file")
     configs = [str(Path(c).resolve()) for c in configs]  # the servers start in the repo root
-    load = Load(args.concurrency, args.requests, args.isl, args.osl)
+    load = Load(args.concurrency, args.requests, args.isl, args.osl, args.pace)
     runs = servers(systems, configs)
     m = machine(load_avg_before=load_avg_1m())
     print(f"machine: {m}\nload: {load}\nservers: {[asdict(s) for s in runs]}", flush=True)

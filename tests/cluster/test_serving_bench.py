@@ -5,6 +5,7 @@ anything starts."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
@@ -68,6 +69,9 @@ def test_each_tierserve_config_is_its_own_server_compared_with_vllm() -> None:
     (["--systems", ","], "--systems takes"),
     (["--concurrency", "0"], "--concurrency must be at least 1"),
     (["--rounds", "0"], "--rounds must be at least 1"),
+    (["--pace", "-1"], "--pace must be a finite number of requests per second, 0 or more"),
+    (["--pace", "nan"], "--pace must be a finite number"),
+    (["--pace", "inf"], "--pace must be a finite number"),
 ])
 def test_bad_arguments_are_refused_before_anything_starts(
         argv: list[str], message: str, capsys: pytest.CaptureFixture[str],
@@ -76,3 +80,18 @@ def test_bad_arguments_are_refused_before_anything_starts(
     with pytest.raises(SystemExit) as exc:
         serving.main(argv)
     assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_aiperf_is_paced_under_the_concurrency_cap_unless_told_not_to(tmp_path: Path) -> None:
+    def cmd(load: serving.Load) -> list[str]:
+        return serving.aiperf_command(tmp_path, "http://127.0.0.1:8000", tmp_path / "tok", load,
+                                      tmp_path / "out")
+
+    paced = cmd(serving.Load())
+    assert paced[paced.index("--concurrency") + 1] == "8"
+    assert paced[paced.index("--request-rate") + 1] == "20"
+    assert paced[paced.index("--arrival-pattern") + 1] == "constant"
+    assert cmd(serving.Load(pace=2.5))[paced.index("--request-rate") + 1] == "2.5"
+    unpaced = cmd(serving.Load(pace=0))
+    assert "--request-rate" not in unpaced and "--arrival-pattern" not in unpaced
+    assert unpaced == paced[:paced.index("--request-rate")]
