@@ -27,16 +27,22 @@ tied head). Three models of the same weights, timed side by side:
 
 The header records the machine (CPU model, torch's CPU capability) and threads; the footer the
 load average before and after (other processes on a shared machine slow every figure down; 2
-threads on 2 busy cores suffer most).
+threads on 2 busy cores suffer most). ``--busy F`` runs, for the whole measurement, another process
+that keeps a CPU busy for the fraction F of every 10 ms, as a server's other processes (the
+HTTP proxy, the client) do: run it with ``--threads 1`` and ``--threads 2`` to see how much each
+layout loses to a neighbour.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
+import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
 import torch
@@ -192,6 +198,33 @@ def _format(r: Row) -> str:
     )
 
 
+_BUSY_CODE = """
+import sys, time
+on, period = float(sys.argv[1]) * 0.01, 0.01
+while True:
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < on:
+        pass
+    time.sleep(period - on)
+"""
+
+
+@contextlib.contextmanager
+def busy_neighbour(fraction: float) -> Iterator[subprocess.Popen[bytes] | None]:
+    """Another process that spins ``fraction`` of every 10 ms while the block runs (none for 0)."""
+    if not 0.0 <= fraction < 1.0:
+        raise ValueError(f"the busy fraction must be in [0, 1), got {fraction}")
+    if fraction == 0.0:
+        yield None
+        return
+    proc = subprocess.Popen([sys.executable, "-c", _BUSY_CODE, str(fraction)])
+    try:
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer repetitions, a shorter run")
@@ -200,21 +233,34 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ctx", type=int, default=128, help="cached positions per decode sequence")
     ap.add_argument("--prefill", type=int, default=512, help="prefill prompt length")
     ap.add_argument("--json", default=None, help="write the figures to this path")
+    ap.add_argument("--batches", default=None,
+                    help="decode batch sizes, a comma list (default 1,8,32,64; --quick: 1,8)")
+    ap.add_argument("--busy", type=float, default=0.0,
+                    help="a neighbour process busy this fraction of the time, in [0, 1)")
     args = ap.parse_args(argv)
+    if not 0.0 <= args.busy < 1.0:
+        ap.error(f"--busy takes a fraction in [0, 1), got {args.busy}")
+    try:
+        chosen = [int(b) for b in args.batches.split(",")] if args.batches else None
+    except ValueError:
+        ap.error(f"--batches takes a comma list of sizes, got {args.batches!r}")
+    if chosen is not None and (not chosen or min(chosen) < 1):
+        ap.error(f"--batches takes sizes of 1 or more, got {args.batches!r}")
     if args.threads:
         torch.set_num_threads(args.threads)
     repeats = 3 if args.quick else 7
     info = machine()  # after --threads: the record says how many threads ran
+    info["busy_neighbour"] = args.busy
     print("machine: " + ", ".join(f"{k}={v}" for k, v in info.items()))
     print(HEADER)
     configs = {"tiny": embedded_config(), "smollm2": smollm2_shaped_config()}
     rows: list[Row] = []
-    with torch.inference_mode():
+    with torch.inference_mode(), busy_neighbour(args.busy):
         for name in args.models.split(","):
             if name not in configs:
                 ap.error(f"unknown model {name!r}; choose from {', '.join(configs)}")
             quick_big = args.quick and name != "tiny"
-            batches = [1, 8] if quick_big else [1, 8, 32, 64]
+            batches = chosen or ([1, 8] if quick_big else [1, 8, 32, 64])
             prefill = min(args.prefill, 128) if quick_big else args.prefill
             rows += bench_model(name, configs[name], batches, args.ctx, prefill, repeats)
     info["load_avg_1m_after"] = load_avg_1m()
