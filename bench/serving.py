@@ -21,10 +21,11 @@ PATH``, ``--plot PATH.png``. Nothing here asserts on time: the targets are print
   endpoint, streaming, synthetic prompts of ``--isl`` tokens under the served tokenizer,
   ``--osl`` new tokens each with ``ignore_eos`` (both servers take it) and temperature 0, a
   closed loop of ``--concurrency`` clients, two warm-up requests first. New requests are paced
-  (``--pace``, default 20 per second, constant intervals, aiperf's ``--request-rate`` under the
-  concurrency cap): a freed slot is filled at the next tick, within 50 ms. Without a rate
-  (``--pace 0``) aiperf's timing process polls for a free slot without sleeping and takes a
-  whole core for the run, half of a 2-core machine, which the server under test then lacks.
+  (``--pace R``, default 20 per second, constant intervals, aiperf's ``--request-rate`` under
+  the concurrency cap): a freed slot is filled at the next tick, within 1/R s (50 ms at the
+  default). Without a rate (``--pace 0``) aiperf's timing process polls for a free slot
+  without sleeping and takes a whole core for the run, half of a 2-core machine, which the
+  server under test then lacks.
 - The figures, aiperf's: TTFT p50/p99, inter-token latency p50/p99, requests/s, output tokens/s,
   errors. Targets: tierserve's TTFT p99 and ITL p50 no worse than vLLM's at the same
   concurrency, and its start-up under 10 s.
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import statistics
@@ -159,7 +161,7 @@ def aiperf_command(bin_dir: Path, url: str, tokenizer: Path, load: Load, out: Pa
         "--ui-type", "none", "--no-gpu-telemetry", "--output-artifact-dir", str(out),
     ]
     if load.pace > 0:
-        cmd += ["--request-rate", f"{load.pace:g}", "--arrival-pattern", "constant"]
+        cmd += ["--request-rate", repr(load.pace), "--arrival-pattern", "constant"]
     return cmd
 
 
@@ -167,7 +169,9 @@ def aiperf(bin_dir: Path, url: str, tokenizer: Path, load: Load, out: Path) -> d
     """One aiperf run against ``url``; its JSON export."""
     env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}  # it takes a folder
     cmd = aiperf_command(bin_dir, url, tokenizer, load, out)
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, env=env)
+    # An hour, or more where the pace alone takes longer to send every request.
+    timeout = max(3600.0, 2 * load.requests / load.pace + 600) if load.pace > 0 else 3600.0
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"aiperf failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n"
                            f"{proc.stderr[-2000:]}")
@@ -296,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("concurrency", "requests", "isl", "osl", "rounds"):
         if getattr(args, name) < 1:
             ap.error(f"--{name} must be at least 1")
-    if not args.pace >= 0 or args.pace == float("inf"):
+    if not math.isfinite(args.pace) or args.pace < 0:
         ap.error(f"--pace must be a finite number of requests per second, 0 or more; got {args.pace}")
     configs = args.config or [DEFAULT_CONFIG]
     for config in configs:

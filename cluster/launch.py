@@ -12,15 +12,15 @@ directly (see the README).
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import os
 import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Mapping
 
 import ray
+
+from cluster.environment import clash_message, package_clashes
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -29,39 +29,6 @@ def _interrupt(signum: int, frame: object) -> None:
 
 def _default_sigint() -> None:  # in the child: Ctrl-C stops `serve run` even if we inherited SIG_IGN
     signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
-OUR_PACKAGES = ("cluster", "replica", "kernels", "router", "bench")
-OUR_DISTRIBUTION = "tierserve"
-
-
-def package_clashes(owners: Mapping[str, list[str]] | None = None) -> dict[str, list[str]]:
-    """Our top-level packages that another installed distribution also ships, each with those
-    distributions' names. Two distributions with one top-level name overwrite each other's files
-    (or shadow each other on ``sys.path``), so imports then fail far from the cause: for example
-    ``transformers`` >= 5.25 requires the PyPI package ``kernels``. ``owners`` defaults to
-    ``importlib.metadata.packages_distributions()``."""
-    found = importlib.metadata.packages_distributions() if owners is None else owners
-    clashes: dict[str, list[str]] = {}
-    for name in OUR_PACKAGES:
-        others = sorted({d for d in found.get(name, []) if d.lower() != OUR_DISTRIBUTION})
-        if others:
-            clashes[name] = others
-    return clashes
-
-
-def clash_message(clashes: dict[str, list[str]]) -> str:
-    lines = [
-        f"tierserve: another installed package also provides the top-level module `{name}`: "
-        f"{', '.join(dists)}" for name, dists in clashes.items()
-    ]
-    lines.append(
-        "tierserve: the two cannot be imported side by side. Uninstall it "
-        f"(`{sys.executable} -m pip uninstall {' '.join(sorted({d for v in clashes.values() for d in v}))}`)"
-        " and, where `transformers` pulled it in, install a release below 5.25 "
-        "(`pip install 'transformers<5.25'`), or use a fresh virtual environment (`make install`)."
-    )
-    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -89,9 +89,10 @@ def test_aiperf_is_paced_under_the_concurrency_cap_unless_told_not_to(tmp_path: 
 
     paced = cmd(serving.Load())
     assert paced[paced.index("--concurrency") + 1] == "8"
-    assert paced[paced.index("--request-rate") + 1] == "20"
+    assert paced[paced.index("--request-rate") + 1] == "20.0"
     assert paced[paced.index("--arrival-pattern") + 1] == "constant"
-    assert cmd(serving.Load(pace=2.5))[paced.index("--request-rate") + 1] == "2.5"
+    slow = cmd(serving.Load(pace=2.5))
+    assert slow[slow.index("--request-rate") + 1] == "2.5"
     unpaced = cmd(serving.Load(pace=0))
     assert "--request-rate" not in unpaced and "--arrival-pattern" not in unpaced
     assert unpaced == paced[:paced.index("--request-rate")]

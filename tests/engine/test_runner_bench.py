@@ -5,31 +5,36 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from bench import runner
-
-
-def _cpu_ticks(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return int(fields[11]) + int(fields[12])
+from bench.common import process_cpu_seconds
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads /proc")
 def test_the_busy_neighbour_spins_while_the_block_runs_and_is_gone_after() -> None:
     with runner.busy_neighbour(0.5) as proc:
         assert proc is not None and proc.poll() is None
-        start = _cpu_ticks(proc.pid)
-        for _ in range(200):  # it uses CPU (half of every 10 ms): wait until some is counted
-            if _cpu_ticks(proc.pid) > start:
-                break
-            time.sleep(0.05)
-        assert _cpu_ticks(proc.pid) > start
+        time.sleep(1.0)  # past its interpreter's start-up, which uses CPU of its own
+        start, t0 = process_cpu_seconds(proc.pid), time.perf_counter()
+        time.sleep(1.0)
+        share = (process_cpu_seconds(proc.pid) - start) / (time.perf_counter() - t0)
+        # Half of every 10 ms on a machine with a core to spare; well above nothing even when
+        # the machine is busy (a loop that never spun would use next to no CPU).
+        assert share > 0.1, share
     assert proc.poll() is not None  # killed and reaped at the end of the block
+
+
+def test_the_busy_neighbour_stops_when_the_block_raises() -> None:
+    with pytest.raises(RuntimeError, match="inside"), runner.busy_neighbour(0.3) as proc:
+        raise RuntimeError("inside")
+    assert proc is not None and proc.poll() is not None
 
 
 def test_no_neighbour_for_zero_and_bad_fractions_refused() -> None:
@@ -46,6 +51,7 @@ def test_no_neighbour_for_zero_and_bad_fractions_refused() -> None:
     (["--batches", "1,x"], "--batches takes a comma list of sizes"),
     (["--batches", "0,8"], "--batches takes sizes of 1 or more"),
     (["--models", "nope"], "unknown model 'nope'"),
+    (["--models", "tiny,nope"], "unknown model 'nope'"),
 ])
 def test_bad_arguments_are_refused(argv: list[str], message: str,
                                    capsys: pytest.CaptureFixture[str]) -> None:
@@ -63,3 +69,33 @@ def test_a_quick_run_on_the_tiny_model_writes_its_figures(tmp_path: Path) -> Non
     cases = [r["case"] for r in data["rows"]]
     assert cases == ["decode x1 (ctx 128)", "decode x2 (ctx 128)", "prefill 16"]
     assert all(r["default_ms"] > 0 and r["det_ms"] > 0 for r in data["rows"])
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads /proc")
+def test_the_busy_neighbour_stops_by_itself_when_the_benchmark_is_killed() -> None:
+    code = ("import sys, time\nfrom bench import runner\n"
+            "with runner.busy_neighbour(0.2) as p:\n"
+            "    print(p.pid, flush=True)\n    time.sleep(60)\n")
+    bench = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                             cwd=Path(__file__).resolve().parents[2])
+    try:
+        assert bench.stdout is not None
+        neighbour = int(bench.stdout.readline())
+        assert _running(neighbour)
+        bench.send_signal(signal.SIGKILL)  # no finally runs in the benchmark
+        bench.wait()
+        for _ in range(100):
+            if not _running(neighbour):
+                break
+            time.sleep(0.05)
+        assert not _running(neighbour)
+    finally:
+        bench.kill()
