@@ -43,6 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -121,22 +122,35 @@ def server_command(system: str, config: str = DEFAULT_CONFIG) -> tuple[list[str]
     return cmd, worker_env(kv_cache_gib=4.0)
 
 
+def answers(call: Callable[[], httpx.Response]) -> bool:
+    """Whether ``call`` (one HTTP request) is answered with 200; a connection error is a no."""
+    try:
+        return call().status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def wait_for(proc: subprocess.Popen[bytes], ok: Callable[[], bool], log: Path, start: float,
+             timeout_s: float, name: str = "the server", poll_s: float = 0.25) -> None:
+    """Poll ``ok`` until it is true, within ``timeout_s`` of ``start`` (``time.perf_counter``);
+    a RuntimeError with ``log``'s tail if ``proc`` exits first or the time runs out."""
+    while time.perf_counter() - start < timeout_s:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited ({proc.returncode}):\n"
+                               f"{log.read_text(errors='replace')[-3000:]}")
+        if ok():
+            return
+        time.sleep(poll_s)
+    raise RuntimeError(f"{name} did not answer within {timeout_s:.0f} s:\n"
+                       f"{log.read_text(errors='replace')[-3000:]}")
+
+
 def wait_ready(proc: subprocess.Popen[bytes], url: str, log: Path, timeout_s: float) -> None:
     """Until a one-token completion is answered with 200; the log's tail if the server dies."""
-    deadline = time.monotonic() + timeout_s
     body = {"model": MODEL, "prompt": "Hello", "max_tokens": 1}
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited ({proc.returncode}):\n"
-                               f"{log.read_text(errors='replace')[-3000:]}")
-        try:
-            if httpx.post(f"{url}/v1/completions", json=body, timeout=30).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    raise RuntimeError(f"the server did not answer within {timeout_s:.0f} s:\n"
-                       f"{log.read_text(errors='replace')[-3000:]}")
+    wait_for(proc, lambda: answers(lambda: httpx.post(f"{url}/v1/completions", json=body,
+                                                      timeout=30)),
+             log, time.perf_counter(), timeout_s)
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
@@ -268,8 +282,9 @@ def plot(summary: dict[str, Any], path: str, m: dict[str, Any], load: Load) -> N
         ax.set_title(title, fontsize=9)
         if len(keys) > 1:
             ax.legend(fontsize=7)
-    fig.suptitle(f"bench.serving: aiperf chat, concurrency {load.concurrency}"
-                 f"{f' (paced, {load.pace:g}/s)' if load.pace > 0 else ''}, {load.requests} requests, {load.isl}+{load.osl} tokens; "
+    paced = f" (paced, {load.pace:g}/s)" if load.pace > 0 else ""
+    fig.suptitle(f"bench.serving: aiperf chat, concurrency {load.concurrency}{paced}, "
+                 f"{load.requests} requests, {load.isl}+{load.osl} tokens; "
                  f"{m.get('cpu', '?')}, {m.get('cores', '?')} cores", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -34,7 +34,7 @@ import httpx
 import yaml
 
 from bench.common import load_avg_1m, machine
-from bench.serving import DEFAULT_CONFIG, MODEL, stop
+from bench.serving import DEFAULT_CONFIG, MODEL, answers, stop, wait_for
 from bench.tools import ROOT
 
 FLOOR_IMPORT_PATH = "bench.startup:floor_app"
@@ -93,13 +93,6 @@ def _port(config: dict[str, Any]) -> int:
     return int((config.get("http_options") or {}).get("port", 8000))
 
 
-def _ok(call: Any) -> bool:
-    try:
-        return bool(call().status_code == 200)
-    except httpx.HTTPError:
-        return False
-
-
 def measure(system: str, rnd: int, config_path: Path, port: int, log: Path) -> Start:
     """Start the launcher on ``config_path``; the times until HTTP and the first request answer.
     The launcher is stopped (Ctrl-C to its process group) before returning."""
@@ -116,20 +109,11 @@ def measure(system: str, rnd: int, config_path: Path, port: int, log: Path) -> S
                                 cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     try:
-        http_s = ready_s = None
-        while time.perf_counter() - t0 < TIMEOUT_S:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the launcher exited ({proc.returncode}):\n"
-                                   f"{log.read_text(errors='replace')[-3000:]}")
-            if http_s is None and _ok(http):
-                http_s = time.perf_counter() - t0
-            if http_s is not None and _ok(ready):
-                ready_s = time.perf_counter() - t0
-                break
-            time.sleep(0.1)
-        if http_s is None or ready_s is None:
-            raise RuntimeError(f"{system} was not ready within {TIMEOUT_S:.0f} s:\n"
-                               f"{log.read_text(errors='replace')[-3000:]}")
+        name = f"{system} (the launcher)"
+        wait_for(proc, lambda: answers(http), log, t0, TIMEOUT_S, name, poll_s=0.1)
+        http_s = time.perf_counter() - t0
+        wait_for(proc, lambda: answers(ready), log, t0, TIMEOUT_S, name, poll_s=0.1)
+        ready_s = time.perf_counter() - t0
     finally:
         stop(proc)
     return Start(system, rnd, http_s, ready_s)

@@ -5,8 +5,11 @@ anything starts."""
 from __future__ import annotations
 
 import math
+import subprocess
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from bench import serving
@@ -96,3 +99,34 @@ def test_aiperf_is_paced_under_the_concurrency_cap_unless_told_not_to(tmp_path: 
     unpaced = cmd(serving.Load(pace=0))
     assert "--request-rate" not in unpaced and "--arrival-pattern" not in unpaced
     assert unpaced == paced[:paced.index("--request-rate")]
+
+
+def test_answers_is_a_200_and_a_connection_error_is_a_no() -> None:
+    assert serving.answers(lambda: httpx.Response(200))
+    assert not serving.answers(lambda: httpx.Response(503))
+
+    def refused() -> httpx.Response:
+        raise httpx.ConnectError("refused")
+
+    assert not serving.answers(refused)
+
+
+def test_wait_for_returns_once_ready_and_says_why_it_gave_up(tmp_path: Path) -> None:
+    log = tmp_path / "server.log"
+    log.write_text("line one\nthe last words\n")
+    alive = subprocess.Popen(["sleep", "30"])
+    try:
+        calls = iter([False, False, True])
+        serving.wait_for(alive, lambda: next(calls), log, time.perf_counter(), 30, poll_s=0.01)
+        with pytest.raises(RuntimeError, match=r"the launcher did not answer within 0 s:\n"
+                                               r"line one\nthe last words"):
+            serving.wait_for(alive, lambda: False, log, time.perf_counter(), 0.2,
+                             "the launcher", poll_s=0.01)
+    finally:
+        alive.kill()
+        alive.wait()
+    dead = subprocess.Popen(["sh", "-c", "exit 3"])
+    dead.wait()
+    with pytest.raises(RuntimeError, match=r"(?s)the server exited \(3\):\n.*the last words"):
+        serving.wait_for(dead, lambda: pytest.fail("polled a dead server"), log,
+                         time.perf_counter(), 30)
