@@ -14,12 +14,16 @@ tokens or more: one run, no warm-up), for
 - ``prefill N``: one prompt of N (512) tokens from position 0; the head runs on the last row
   only; tokens/s = N / step time.
 
-Models: the embedded default ``tierserve-tiny`` and a SmolLM2-135M-shaped model with random
-weights (30 layers, hidden 576, 9 heads, 3 KV heads, head_dim 64, MLP 1536, vocabulary 49152,
-tied head). Three models of the same weights, timed side by side:
+Models: the embedded default ``tierserve-tiny`` (random weights) and SmolLM2-135M-Instruct,
+the default model, with its real weights (the packaged Q4_1 GGUF, as a replica loads it: 30
+layers, hidden 576, 9 heads, 3 KV heads, head_dim 64, MLP 1536, vocabulary 49152, tied head).
+Models of the same weights, timed side by side:
 
 - ``default``: the default mode as a replica runs it (linear weights packed for the native
-  kernel at start-up, as ``ModelRunner`` does);
+  kernel at start-up, as ``ModelRunner`` does; weights that are a quantized checkpoint's exact
+  dequantization, as SmolLM2's are, kept quantized);
+- ``fp32``: the same with every linear weight in fp32 panels (``TIERSERVE_QUANTIZED_WEIGHTS=off``);
+  ``fp32/def`` above 1 is what the quantized panels gain (the same output bits);
 - ``det``: the deterministic mode (every layer on the native kernels, no library fallback);
   ``det/def`` is what batch- and chunk-invariance costs;
 - ``torch-lin``: the default mode with the linear layers left to torch (``F.linear``, the BLAS
@@ -50,9 +54,10 @@ from dataclasses import asdict, dataclass
 import torch
 
 from bench.common import load_avg_1m, machine
+from kernels import cpu_native
 from kernels.metadata import AttentionMetadata, SeqSpec, build_metadata
 from replica.models.config import ModelConfig
-from replica.models.embedded import build_model, embedded_config
+from replica.models.embedded import build_model
 from replica.models.llama import LlamaForCausalLM, ModelOptions
 
 BLOCK = 16
@@ -61,7 +66,7 @@ BLOCK = 16
 @dataclass(frozen=True, slots=True)
 class Row:
     """Step times in ms: the default mode (packed native linears); the deterministic mode; the
-    default mode with torch's linears."""
+    default mode with torch's linears; the default mode with fp32 panels only."""
 
     model: str
     case: str
@@ -69,6 +74,7 @@ class Row:
     default_ms: float
     det_ms: float
     torch_linear_ms: float
+    fp32_panels_ms: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,37 +85,33 @@ class Batch:
     tokens: int
 
 
-def smollm2_shaped_config() -> ModelConfig:
-    """SmolLM2-135M's shapes (its weights are not used: nothing is downloaded)."""
-    return ModelConfig(
-        architecture="LlamaForCausalLM",
-        vocab_size=49152,
-        hidden_size=576,
-        num_layers=30,
-        num_heads=9,
-        num_kv_heads=3,
-        head_dim=64,
-        intermediate_size=1536,
-        rms_norm_eps=1e-5,
-        rope_theta=100000.0,
-        rope_scaling=None,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-    )
+MODELS = ("tiny", "smollm2")
 
 
-def random_model(cfg: ModelConfig, options: ModelOptions, seed: int = 0) -> LlamaForCausalLM:
-    """``cfg`` with uniform random weights of std 1/sqrt(fan_in) (norm weights one)."""
-    model = LlamaForCausalLM(cfg, options)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in sorted(model.named_parameters()):
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            else:
-                a = (3.0 / p.shape[1]) ** 0.5
-                p.uniform_(-a, a, generator=gen)
-    return model.eval()
+def build(name: str, options: ModelOptions, pack: str = "quantized") -> LlamaForCausalLM:
+    """Model ``name`` (one of ``MODELS``), packed for the native kernels as a replica packs it
+    (``pack="quantized"``), with every linear weight in fp32 panels (``"fp32"``), or not packed
+    (``"none"``: torch's linears; not for the deterministic mode, which needs the packing)."""
+    if name == "tiny":
+        torch.manual_seed(0)
+        model = build_model(options)
+    else:
+        from replica.models.catalog import SMOLLM2
+        from replica.models.loader import load_model
+
+        model = load_model(SMOLLM2.name, options=options)[0]  # packed already if deterministic
+    if pack == "none":
+        return model
+    saved = os.environ.get(cpu_native.ENV_QUANTIZED)
+    os.environ[cpu_native.ENV_QUANTIZED] = "auto" if pack == "quantized" else "off"
+    try:
+        model.pack_for_cpu()
+    finally:
+        if saved is None:
+            del os.environ[cpu_native.ENV_QUANTIZED]
+        else:
+            os.environ[cpu_native.ENV_QUANTIZED] = saved
+    return model
 
 
 def kv_caches(cfg: ModelConfig, blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -156,19 +158,12 @@ def step_seconds(
     return statistics.median(times)
 
 
-def bench_model(
-    name: str, cfg: ModelConfig, batches: list[int], ctx: int, prefill: int, repeats: int
-) -> list[Row]:
-    torch.manual_seed(0)
-    if name == "tiny":
-        fast, det = build_model(ModelOptions()), build_model(ModelOptions(deterministic=True))
-        plain = build_model(ModelOptions())
-    else:
-        fast = random_model(cfg, ModelOptions())
-        det = random_model(cfg, ModelOptions(deterministic=True))
-        plain = random_model(cfg, ModelOptions())
-    fast.pack_for_cpu()
-    det.pack_for_cpu()
+def bench_model(name: str, batches: list[int], ctx: int, prefill: int, repeats: int) -> list[Row]:
+    fast = build(name, ModelOptions())
+    det = build(name, ModelOptions(deterministic=True))
+    plain = build(name, ModelOptions(), pack="none")
+    fp32 = build(name, ModelOptions(), pack="fp32")
+    cfg = fast.config
     per_seq = -(-(ctx + 1) // BLOCK)
     caches = kv_caches(cfg, max(max(batches) * per_seq, -(-prefill // BLOCK)))
     cases = [(f"decode x{b} (ctx {ctx})", decode_batch(b, ctx, cfg.vocab_size)) for b in batches]
@@ -180,14 +175,16 @@ def bench_model(
         a = step_seconds(fast, caches, batch, reps, warm)
         b = step_seconds(det, caches, batch, reps, warm)
         c = step_seconds(plain, caches, batch, reps, warm)
-        rows.append(Row(name, label, batch.tokens, a * 1e3, b * 1e3, c * 1e3))
+        d = step_seconds(fp32, caches, batch, reps, warm)
+        rows.append(Row(name, label, batch.tokens, a * 1e3, b * 1e3, c * 1e3, d * 1e3))
         print(_format(rows[-1]), flush=True)
     return rows
 
 
 HEADER = (
     f"{'model':8s} {'case':22s} {'tokens':>6s} {'default ms':>10s} {'tok/s':>8s} "
-    f"{'det ms':>10s} {'tok/s':>8s} {'det/def':>7s} {'torch-lin ms':>12s} {'torch-lin/def':>13s}"
+    f"{'det ms':>10s} {'tok/s':>8s} {'det/def':>7s} {'torch-lin ms':>12s} {'torch-lin/def':>13s} "
+    f"{'fp32 ms':>9s} {'fp32/def':>8s}"
 )
 
 
@@ -196,7 +193,8 @@ def _format(r: Row) -> str:
         f"{r.model:8s} {r.case:22s} {r.tokens:6d} {r.default_ms:10.2f} "
         f"{r.tokens / r.default_ms * 1e3:8.0f} {r.det_ms:10.2f} "
         f"{r.tokens / r.det_ms * 1e3:8.0f} {r.det_ms / r.default_ms:7.2f} "
-        f"{r.torch_linear_ms:12.2f} {r.torch_linear_ms / r.default_ms:13.2f}"
+        f"{r.torch_linear_ms:12.2f} {r.torch_linear_ms / r.default_ms:13.2f} "
+        f"{r.fp32_panels_ms:9.2f} {r.fp32_panels_ms / r.default_ms:8.2f}"
     )
 
 
@@ -254,11 +252,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--batches takes a comma list of sizes, got {args.batches!r}")
     if chosen is not None and min(chosen) < 1:
         ap.error(f"--batches takes sizes of 1 or more, got {args.batches!r}")
-    configs = {"tiny": embedded_config(), "smollm2": smollm2_shaped_config()}
     names = args.models.split(",")
     for name in names:
-        if name not in configs:
-            ap.error(f"unknown model {name!r}; choose from {', '.join(configs)}")
+        if name not in MODELS:
+            ap.error(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
     if args.threads:
         torch.set_num_threads(args.threads)
     repeats = 3 if args.quick else 7
@@ -272,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
             quick_big = args.quick and name != "tiny"
             batches = chosen or ([1, 8] if quick_big else [1, 8, 32, 64])
             prefill = min(args.prefill, 128) if quick_big else args.prefill
-            rows += bench_model(name, configs[name], batches, args.ctx, prefill, repeats)
+            rows += bench_model(name, batches, args.ctx, prefill, repeats)
     info["load_avg_1m_after"] = load_avg_1m()
     print(
         f"load average (1 min) before {info['load_avg_1m_before']:.2f}, "

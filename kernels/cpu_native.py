@@ -338,6 +338,10 @@ PROTOTYPES: tuple[str, ...] = (
     "i32 ts_pack_linear_f32(const f32* w, i64 n, i64 k, f32* packed, i32 num_threads)",
     "i32 ts_linear_f32(strided const f32* x, i64 x_stride, i64 m, i64 k, const f32* packed, "
     "i64 n, const f32*? bias, strided f32* y, i64 y_stride, i32 num_threads)",
+    "i32 ts_pack_linear_q(const f32* w, i64 n, i64 k, i32 bits, u8* packed, i32 num_threads)",
+    "i32 ts_unpack_linear_q(const u8* packed, i64 n, i64 k, i32 bits, f32* out, i32 num_threads)",
+    "i32 ts_linear_q(strided const f32* x, i64 x_stride, i64 m, i64 k, const u8* packed, "
+    "i32 bits, i64 n, const f32*? bias, strided f32* y, i64 y_stride, i32 num_threads)",
 )
 
 # kind -> (the ctypes type of the argument, the dtype of the tensor a pointer kind takes)
@@ -349,6 +353,8 @@ _KINDS: dict[str, tuple[type, torch.dtype | None]] = {
     "const f32*": (ctypes.c_void_p, torch.float32),
     "const i32*": (ctypes.c_void_p, torch.int32),
     "const i64*": (ctypes.c_void_p, torch.int64),
+    "u8*": (ctypes.c_void_p, torch.uint8),
+    "const u8*": (ctypes.c_void_p, torch.uint8),
 }
 _PROTOTYPE = re.compile(r"(?P<ret>\w+) (?P<name>\w+)\((?P<args>[^()]*)\)")
 
@@ -859,6 +865,119 @@ def linear(
     return y
 
 
+# ----------------------------------------------------------------------------- quantized weights
+#
+# A decode step's few rows meet every weight once: its time is the time to stream the weights
+# from memory. Most small models ship quantized (a GGUF's Q4_1, Q8_0, ...), and their loader
+# dequantizes them to fp32, 4-6x the bytes. A layer whose fp32 weight is exactly such a
+# dequantization (every block of 32 inputs of an output ``fma(d, q, m)``, d and m fp16, q 4-bit;
+# or ``d * q``, q 8-bit) keeps it in that form, and the kernel dequantizes as it goes. ``d * q`` is
+# exact in fp32, so the weight the kernel uses is the fp32 weight, bit for bit, and each output is
+# the same FMA chain over k as on the fp32 panels: the same bits as ``linear`` (the deterministic
+# mode and batch invariance hold). ``pack_linear_quantized`` finds d, m and q and checks every
+# weight; a layer with any block that is not such a dequantization stays fp32.
+
+ENV_QUANTIZED = "TIERSERVE_QUANTIZED_WEIGHTS"
+QUANT_BLOCK = 32  # inputs per block (the kernel's kQBlock)
+QUANT_BLOCK_BYTES = {4: 320, 8: 544}  # bytes per block of a panel (16 outputs x 32 inputs)
+
+
+def quantized_enabled() -> bool:
+    """Whether ``pack_for_cpu`` may keep weights quantized: ``TIERSERVE_QUANTIZED_WEIGHTS`` is
+    ``auto`` (the default) or ``off`` (always fp32 panels, e.g. to compare the two)."""
+    setting = os.environ.get(ENV_QUANTIZED, "auto").strip().lower()
+    if setting in ("", "auto", "on", "1"):
+        return True
+    if setting in ("off", "0", "never"):
+        return False
+    raise ValueError(f"{ENV_QUANTIZED} must be auto or off, got {setting!r}")
+
+
+def quantized_shape(out_features: int, in_features: int, bits: int) -> tuple[int, int]:
+    """The shape (bytes) ``pack_linear_quantized`` gives an ``[out, in]`` weight at ``bits``."""
+    if bits not in QUANT_BLOCK_BYTES:
+        raise NativeKernelError(f"quantized weights are 4 or 8 bits, got {bits}")
+    return (-(-out_features // PANEL), in_features // QUANT_BLOCK * QUANT_BLOCK_BYTES[bits])
+
+
+def pack_linear_quantized(
+    weight: torch.Tensor, bits_tried: Sequence[int] = (4, 8)
+) -> tuple[torch.Tensor, int] | None:
+    """``weight`` ``[out, in]`` (fp32, CPU) as quantized panels (``(packed, bits)``, the first of
+    ``bits_tried`` that gives back every weight exactly), or None when it is no such
+    dequantization (or ``in`` is not a multiple of 32)."""
+    lib = _lib_or_raise()
+    if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
+        raise NativeKernelError(
+            f"pack_linear_quantized takes an fp32 CPU [out, in] weight, got {weight.dtype} "
+            f"{tuple(weight.shape)} on {weight.device}"
+        )
+    n, k = weight.shape
+    if n == 0 or k == 0 or k % QUANT_BLOCK:
+        return None
+    w = weight.contiguous()
+    for bits in bits_tried:
+        packed = torch.empty(quantized_shape(n, k, bits), dtype=torch.uint8)
+        rc = lib.ts_pack_linear_q(w, n, k, bits, packed, torch.get_num_threads())
+        if rc == 0:
+            return packed, bits
+        if rc != 1:
+            raise NativeKernelError(f"pack_linear_quantized refused its arguments (code {rc})")
+    return None
+
+
+def _check_quantized(packed: torch.Tensor, bits: int, out_features: int, k: int) -> None:
+    if packed.dtype != torch.uint8 or tuple(packed.shape) != quantized_shape(out_features, k, bits):
+        raise NativeKernelError(
+            f"the quantized weight {packed.dtype} {tuple(packed.shape)} is not "
+            f"[{out_features} outputs, {k} inputs] at {bits} bits (expected uint8 "
+            f"{quantized_shape(out_features, k, bits)})"
+        )
+
+
+def unpack_linear_quantized(packed: torch.Tensor, bits: int, out_features: int,
+                            in_features: int) -> torch.Tensor:
+    """The ``[out_features, in_features]`` fp32 weight back from ``pack_linear_quantized``."""
+    lib = _lib_or_raise()
+    _check_quantized(packed, bits, out_features, in_features)
+    panels = torch.empty(packed_shape(out_features, in_features), dtype=torch.float32)
+    rc = lib.ts_unpack_linear_q(
+        packed, out_features, in_features, bits, panels, torch.get_num_threads()
+    )
+    if rc != 0:
+        raise NativeKernelError(f"unpack_linear_quantized refused its arguments (code {rc})")
+    return unpack_linear(panels, out_features)
+
+
+def linear_quantized(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    bits: int,
+    out_features: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``linear`` on a weight packed by ``pack_linear_quantized``: the same bits."""
+    lib = _lib_or_raise()
+    if x.dim() != 2 or x.dtype is not torch.float32 or not x.is_cpu:
+        raise NativeKernelError(
+            f"linear takes fp32 CPU x [M, in], got {x.dtype} {tuple(x.shape)} on {x.device}"
+        )
+    m, k = x.shape
+    _check_quantized(packed, bits, out_features, k)
+    if bias is not None and bias.shape != (out_features,):
+        raise NativeKernelError(f"bias must be fp32 [{out_features}], got {tuple(bias.shape)}")
+    if (k > 1 and x.stride(1) != 1) or (m > 1 and x.stride(0) < k):
+        x = x.contiguous()
+    y = torch.empty((m, out_features), dtype=torch.float32)
+    rc = lib.ts_linear_q(
+        x, x.stride(0), m, k, packed, bits, out_features, bias, y, out_features,
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise NativeKernelError(f"linear refused its arguments (code {rc})")
+    return y
+
+
 
 # ----------------------------------------------------------------------------- native or library
 #
@@ -883,15 +1002,20 @@ CALIBRATION_ROWS = (16, 64, 256)
 CLEAR_WIN = 1.15
 _CALIBRATION_MACS = 1 << 23  # multiply-adds per timed sample (repeats small products) ...
 _CALIBRATION_REPEATS = 32  # ... at most this many times (a tiny layer is all call overhead)
-_library_rows: dict[tuple[int, int, bool, int], int | None] = {}
+# (out, in, has a bias, threads, quantized bits or None)
+_ShapeKey = tuple[int, int, bool, int, int | None]
+_library_rows: dict[_ShapeKey, int | None] = {}
 
 
 def library_rows(
-    weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
+    weight: torch.Tensor,
+    packed: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    bits: int | None = None,
 ) -> int | None:
     """From how many rows the library GEMM (``F.linear`` on ``weight`` ``[out, in]``) is clearly
-    faster than the native kernel (on ``packed``, from ``pack_linear(weight)``) for this shape
-    on this CPU, or None if never. Timed once per shape, bias and thread count on a machine (a
+    faster than the native kernel (on ``packed``, from ``pack_linear(weight)``, or from
+    ``pack_linear_quantized`` with ``bits``) for this shape on this CPU, or None if never. Timed once per shape, bias and thread count on a machine (a
     few seconds for SmolLM2-135M's five shapes, most of it its output head), then kept beside
     the built library (``_calibration_file``);
     ``TIERSERVE_LINEAR_LIBRARY_ROWS`` overrides it: ``never``, a row count, or ``auto`` (the
@@ -910,11 +1034,11 @@ def library_rows(
             )
         return rows
     n, k = weight.shape
-    key = (n, k, bias is not None, torch.get_num_threads())
+    key = (n, k, bias is not None, torch.get_num_threads(), bits)
     if key not in _library_rows:
         found, threshold = _stored_threshold(key)
         if not found:
-            threshold = _calibrate(weight, packed, bias)
+            threshold = _calibrate(weight, packed, bias, bits)
             _store_threshold(key, threshold)
         _library_rows[key] = threshold
     return _library_rows[key]
@@ -932,13 +1056,13 @@ def _calibration_file() -> Path | None:
     return _lib_path.with_name(_lib_path.stem + ".calibration.json")
 
 
-def _calibration_key(key: tuple[int, int, bool, int]) -> str:
-    n, k, bias, threads = key
-    return (f"{n}x{k}{'+bias' if bias else ''}|threads={threads}|torch={torch.__version__}"
-            f"|cpu={_cpuinfo('model name')}")
+def _calibration_key(key: _ShapeKey) -> str:
+    n, k, bias, threads, bits = key
+    return (f"{n}x{k}{'+bias' if bias else ''}{'' if bits is None else f'|q{bits}'}"
+            f"|threads={threads}|torch={torch.__version__}|cpu={_cpuinfo('model name')}")
 
 
-def _stored_threshold(key: tuple[int, int, bool, int]) -> tuple[bool, int | None]:
+def _stored_threshold(key: _ShapeKey) -> tuple[bool, int | None]:
     """``(True, rows)`` when the calibration file holds a valid threshold for ``key``."""
     file = _calibration_file()
     if file is None:
@@ -953,7 +1077,7 @@ def _stored_threshold(key: tuple[int, int, bool, int]) -> tuple[bool, int | None
     return False, None
 
 
-def _store_threshold(key: tuple[int, int, bool, int], rows: int | None) -> None:
+def _store_threshold(key: _ShapeKey, rows: int | None) -> None:
     file = _calibration_file()
     if file is None:
         return
@@ -985,7 +1109,9 @@ def threshold_from(ratios: Sequence[float]) -> int | None:
     return threshold
 
 
-def _calibrate(weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> int | None:
+def _calibrate(
+    weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, bits: int | None
+) -> int | None:
     n, k = weight.shape
     gen = torch.Generator().manual_seed(0)
     ratios = []
@@ -994,6 +1120,8 @@ def _calibrate(weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | 
         reps = max(1, min(_CALIBRATION_REPEATS, _CALIBRATION_MACS // (rows * n * k)))
 
         def native(x: torch.Tensor = x) -> object:
+            if bits is not None:
+                return linear_quantized(x, packed, bits, n, bias)
             return linear(x, packed, n, bias)
 
         def library(x: torch.Tensor = x) -> object:

@@ -37,6 +37,7 @@
 // deterministic mode (docs/determinism.md) rests on this; tests/kernels check it on this CPU and
 // on a portable build.
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -642,7 +643,6 @@ struct LinearArgs {
   const float* x;
   int64_t x_stride;
   int64_t k;
-  const float* packed;
   int64_t n;
   const float* bias;
   float* y;
@@ -661,20 +661,94 @@ inline void store_tile(const LinearArgs& a, const float (&acc)[R][kPanel * NP], 
   }
 }
 
-template <int R, int NP>
-inline void linear_tile(const LinearArgs& a, int64_t row, int64_t panel) {
-  const float* x = a.x + row * a.x_stride;
-  const float* w = a.packed + panel * a.k * kPanel;
-  const int64_t pstride = a.k * kPanel;
-  const int64_t col = panel * kPanel;
-  alignas(64) float acc[R][kPanel * NP];
+// The accumulators of a tile, by ISA: AVX-512 one register per panel, AVX2 two, else floats.
 #if defined(__AVX512F__)
+template <int R, int NP>
+struct Acc {
   __m512 v[R][NP];
+  void zero() {
 #pragma GCC unroll 14
-  for (int r = 0; r < R; ++r)
+    for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
-    for (int q = 0; q < NP; ++q) v[r][q] = _mm512_setzero_ps();
+      for (int q = 0; q < NP; ++q) v[r][q] = _mm512_setzero_ps();
+  }
+  // Row r, panel q += x * w (w: the panel's 16 weights at one k).
+  void fma(int r, int q, float x, __m512 w) { v[r][q] = _mm512_fmadd_ps(_mm512_set1_ps(x), w, v[r][q]); }
+  void store(const LinearArgs& a, int64_t row, int64_t col) {
+    if (col + kPanel * NP <= a.n) {  // whole panels: straight to y
+#pragma GCC unroll 14
+      for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+        for (int q = 0; q < NP; ++q) {
+          __m512 out = v[r][q];
+          if (a.bias) out = _mm512_add_ps(out, _mm512_loadu_ps(a.bias + col + kPanel * q));
+          _mm512_storeu_ps(a.y + (row + r) * a.y_stride + col + kPanel * q, out);
+        }
+      return;
+    }
+    alignas(64) float acc[R][kPanel * NP];
+    for (int r = 0; r < R; ++r)
+      for (int q = 0; q < NP; ++q) _mm512_store_ps(&acc[r][kPanel * q], v[r][q]);
+    store_tile<R, NP>(a, acc, row, col);
+  }
+};
+#elif defined(__AVX2__) && defined(__FMA__)
+template <int R, int NP>
+struct Acc {
+  __m256 v[R][2 * NP];
+  void zero() {
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int j = 0; j < 2 * NP; ++j) v[r][j] = _mm256_setzero_ps();
+  }
+  // Row r, half j of the tile's panels (8 outputs) += x * w.
+  void fma(int r, int j, float x, __m256 w) { v[r][j] = _mm256_fmadd_ps(_mm256_set1_ps(x), w, v[r][j]); }
+  void store(const LinearArgs& a, int64_t row, int64_t col) {
+    if (col + kPanel * NP <= a.n) {
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+        for (int j = 0; j < 2 * NP; ++j) {
+          __m256 out = v[r][j];
+          if (a.bias) out = _mm256_add_ps(out, _mm256_loadu_ps(a.bias + col + 8 * j));
+          _mm256_storeu_ps(a.y + (row + r) * a.y_stride + col + 8 * j, out);
+        }
+      return;
+    }
+    alignas(64) float acc[R][kPanel * NP];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < 2 * NP; ++j) _mm256_store_ps(&acc[r][8 * j], v[r][j]);
+    store_tile<R, NP>(a, acc, row, col);
+  }
+};
+#else
+template <int R, int NP>
+struct Acc {
+  float v[R][kPanel * NP];
+  void zero() {
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < kPanel * NP; ++c) v[r][c] = 0.0f;
+  }
+  // Row r, panel q += x * w[0 .. 15].
+  void fma(int r, int q, float x, const float* w) {
+#pragma omp simd
+    for (int j = 0; j < kPanel; ++j) v[r][q * kPanel + j] = fmadd(x, w[j], v[r][q * kPanel + j]);
+  }
+  void store(const LinearArgs& a, int64_t row, int64_t col) { store_tile<R, NP>(a, v, row, col); }
+};
+#endif
+
+// R rows x NP panels of y from fp32 panels: w is the first panel's weights ([k][16]), the next
+// panel pstride floats on; col the first panel's first output.
+template <int R, int NP>
+inline void linear_tile(const LinearArgs& a, int64_t row, const float* w, int64_t col) {
+  const float* x = a.x + row * a.x_stride;
+  const int64_t pstride = a.k * kPanel;
+  Acc<R, NP> acc;
+  acc.zero();
   for (int64_t k = 0; k < a.k; ++k) {
+#if defined(__AVX512F__)
     __m512 wv[NP];
 #pragma GCC unroll 4
     for (int q = 0; q < NP; ++q) {
@@ -682,34 +756,10 @@ inline void linear_tile(const LinearArgs& a, int64_t row, int64_t panel) {
       __builtin_prefetch(w + q * pstride + (k + kPrefetchK) * kPanel);  // no fault past the end
     }
 #pragma GCC unroll 14
-    for (int r = 0; r < R; ++r) {
-      const __m512 xv = _mm512_set1_ps(x[r * a.x_stride + k]);
-#pragma GCC unroll 4
-      for (int q = 0; q < NP; ++q) v[r][q] = _mm512_fmadd_ps(xv, wv[q], v[r][q]);
-    }
-  }
-  if (col + kPanel * NP <= a.n) {  // whole panels: straight to y
-#pragma GCC unroll 14
     for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
-      for (int q = 0; q < NP; ++q) {
-        __m512 out = v[r][q];
-        if (a.bias) out = _mm512_add_ps(out, _mm512_loadu_ps(a.bias + col + kPanel * q));
-        _mm512_storeu_ps(a.y + (row + r) * a.y_stride + col + kPanel * q, out);
-      }
-    return;
-  }
-#pragma GCC unroll 14
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int q = 0; q < NP; ++q) _mm512_store_ps(&acc[r][kPanel * q], v[r][q]);
+      for (int q = 0; q < NP; ++q) acc.fma(r, q, x[r * a.x_stride + k], wv[q]);
 #elif defined(__AVX2__) && defined(__FMA__)
-  __m256 v[R][2 * NP];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int j = 0; j < 2 * NP; ++j) v[r][j] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < a.k; ++k) {
     __m256 wv[2 * NP];
 #pragma GCC unroll 2
     for (int q = 0; q < NP; ++q) {
@@ -718,105 +768,488 @@ inline void linear_tile(const LinearArgs& a, int64_t row, int64_t panel) {
       __builtin_prefetch(w + q * pstride + (k + kPrefetchK) * kPanel);
     }
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const __m256 xv = _mm256_broadcast_ss(x + r * a.x_stride + k);
-#pragma GCC unroll 4
-      for (int j = 0; j < 2 * NP; ++j) v[r][j] = _mm256_fmadd_ps(xv, wv[j], v[r][j]);
-    }
-  }
-  if (col + kPanel * NP <= a.n) {  // whole panels: straight to y
-#pragma GCC unroll 8
     for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
-      for (int j = 0; j < 2 * NP; ++j) {
-        __m256 out = v[r][j];
-        if (a.bias) out = _mm256_add_ps(out, _mm256_loadu_ps(a.bias + col + 8 * j));
-        _mm256_storeu_ps(a.y + (row + r) * a.y_stride + col + 8 * j, out);
-      }
-    return;
-  }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int j = 0; j < 2 * NP; ++j) _mm256_store_ps(&acc[r][8 * j], v[r][j]);
+      for (int j = 0; j < 2 * NP; ++j) acc.fma(r, j, x[r * a.x_stride + k], wv[j]);
 #else
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < kPanel * NP; ++c) acc[r][c] = 0.0f;
-  for (int64_t k = 0; k < a.k; ++k)
-    for (int r = 0; r < R; ++r) {
-      const float xv = x[r * a.x_stride + k];
-      for (int q = 0; q < NP; ++q) {
-        const float* wk = w + q * pstride + k * kPanel;
-#pragma omp simd
-        for (int j = 0; j < kPanel; ++j)
-          acc[r][q * kPanel + j] = fmadd(xv, wk[j], acc[r][q * kPanel + j]);
-      }
-    }
+    for (int r = 0; r < R; ++r)
+      for (int q = 0; q < NP; ++q) acc.fma(r, q, x[r * a.x_stride + k], w + q * pstride + k * kPanel);
 #endif
-  store_tile<R, NP>(a, acc, row, col);
+  }
+  acc.store(a, row, col);
 }
 
 #if defined(__AVX512F__)
 // The last rows % kTileRows rows (0 < rem < R): the tile of exactly rem rows.
 template <int R>
-inline void linear_rest(const LinearArgs& a, int64_t row, int rem, int64_t p, bool pair) {
+inline void linear_rest(const LinearArgs& a, int64_t row, int rem, const float* w, int64_t col,
+                        bool pair) {
   if constexpr (R > 1) {
     if (rem == R - 1) {
-      if (pair) linear_tile<R - 1, 2>(a, row, p); else linear_tile<R - 1, 1>(a, row, p);
+      if (pair) linear_tile<R - 1, 2>(a, row, w, col); else linear_tile<R - 1, 1>(a, row, w, col);
       return;
     }
-    linear_rest<R - 1>(a, row, rem, p, pair);
+    linear_rest<R - 1>(a, row, rem, w, col, pair);
   }
 }
 
-// Rows row .. row + rows - 1 against panels p0 .. p1 - 1: tiles of kTileRows rows x 2 panels,
-// the rows left over in one tile of their count.
-void linear_rows(const LinearArgs& a, int64_t row, int64_t rows, int64_t p0, int64_t p1) {
+// Rows row .. row + rows - 1 against panel p (weights at w) and, with pair, panel p + 1: tiles
+// of kTileRows rows x 2 panels, the rows left over in one tile of their count.
+void pair_rows(const LinearArgs& a, int64_t row, int64_t rows, const float* w, int64_t p,
+               bool pair) {
   const int64_t end = row + rows;
   const int64_t tail = end - (rows % kTileRows);  // the first row past the whole tiles
-  for (int64_t p = p0; p < p1; p += 2) {
-    const bool pair = p + 1 < p1;
-    for (int64_t r = row; r < tail; r += kTileRows) {
-      if (pair) linear_tile<kTileRows, 2>(a, r, p); else linear_tile<kTileRows, 1>(a, r, p);
-    }
-    if (end > tail) linear_rest<kTileRows>(a, tail, static_cast<int>(end - tail), p, pair);
+  const int64_t col = p * kPanel;
+  for (int64_t r = row; r < tail; r += kTileRows) {
+    if (pair) linear_tile<kTileRows, 2>(a, r, w, col); else linear_tile<kTileRows, 1>(a, r, w, col);
   }
+  if (end > tail) linear_rest<kTileRows>(a, tail, static_cast<int>(end - tail), w, col, pair);
 }
 #else
-// Rows row .. row + rows - 1 against panels p0 .. p1 - 1: blocks of 6 rows per panel (12
-// accumulators), a short remainder against two panels at once (more FMAs per broadcast).
-void linear_rows(const LinearArgs& a, int64_t row, int64_t rows, int64_t p0, int64_t p1) {
-  for (int64_t p = p0; p < p1; p += 2) {
-    const bool pair = p + 1 < p1;
-    const int64_t end = row + rows;
-    const int64_t tail = end - (rows % 6);  // the first row past the blocks of 6
-    for (int pp = 0; pp < (pair ? 2 : 1); ++pp)
-      for (int64_t r = row; r < tail; r += 6) linear_tile<6, 1>(a, r, p + pp);
-    const int64_t m = tail;
-    switch (end - m) {
-      case 5:
-        linear_tile<5, 1>(a, m, p);
-        if (pair) linear_tile<5, 1>(a, m, p + 1);
-        break;
-      case 4:
-        linear_tile<4, 1>(a, m, p);
-        if (pair) linear_tile<4, 1>(a, m, p + 1);
-        break;
-      case 3:
-        if (pair) linear_tile<3, 2>(a, m, p); else linear_tile<3, 1>(a, m, p);
-        break;
-      case 2:
-        if (pair) linear_tile<2, 2>(a, m, p); else linear_tile<2, 1>(a, m, p);
-        break;
-      case 1:
-        if (pair) linear_tile<1, 2>(a, m, p); else linear_tile<1, 1>(a, m, p);
-        break;
-      default:
-        break;
-    }
+// Rows row .. row + rows - 1 against panel p (weights at w) and, with pair, panel p + 1: blocks
+// of 6 rows per panel (12 accumulators), a short remainder against both panels at once (more
+// FMAs per broadcast).
+void pair_rows(const LinearArgs& a, int64_t row, int64_t rows, const float* w, int64_t p,
+               bool pair) {
+  const int64_t pstride = a.k * kPanel;
+  const int64_t col = p * kPanel;
+  const int64_t end = row + rows;
+  const int64_t tail = end - (rows % 6);  // the first row past the blocks of 6
+  for (int pp = 0; pp < (pair ? 2 : 1); ++pp)
+    for (int64_t r = row; r < tail; r += 6) linear_tile<6, 1>(a, r, w + pp * pstride, col + pp * kPanel);
+  const int64_t m = tail;
+  const float* w1 = w + pstride;
+  switch (end - m) {
+    case 5:
+      linear_tile<5, 1>(a, m, w, col);
+      if (pair) linear_tile<5, 1>(a, m, w1, col + kPanel);
+      break;
+    case 4:
+      linear_tile<4, 1>(a, m, w, col);
+      if (pair) linear_tile<4, 1>(a, m, w1, col + kPanel);
+      break;
+    case 3:
+      if (pair) linear_tile<3, 2>(a, m, w, col); else linear_tile<3, 1>(a, m, w, col);
+      break;
+    case 2:
+      if (pair) linear_tile<2, 2>(a, m, w, col); else linear_tile<2, 1>(a, m, w, col);
+      break;
+    case 1:
+      if (pair) linear_tile<1, 2>(a, m, w, col); else linear_tile<1, 1>(a, m, w, col);
+      break;
+    default:
+      break;
   }
 }
 #endif
+
+// Panels p0 .. p1 - 1 (the calling thread's share) for rows in blocks of row_block, each pair of
+// panels through pair_rows with its weights from weights(p, pair): the packed fp32 panels
+// themselves, or the quantized ones dequantized into a scratch buffer.
+template <typename Weights>
+void linear_panels(const LinearArgs& a, int64_t m, int64_t row_block, int64_t p0, int64_t p1,
+                   Weights weights) {
+  for (int64_t row = 0; row < m; row += row_block) {
+    const int64_t rows = std::min(row_block, m - row);
+    for (int64_t p = p0; p < p1; p += 2) {
+      const bool pair = p + 1 < p1;
+      pair_rows(a, row, rows, weights(p, pair), p, pair);
+    }
+  }
+}
+
+// ----------------------------------------------------------------------------- quantized weights
+//
+// Most small models ship quantized (a GGUF's Q4_1 or Q8_0, ...), and the engine runs them in
+// fp32 as their loader dequantizes them. A decode step multiplies a few rows by every weight, so
+// its time is the time to stream the weights from memory: 540 MB of fp32 a step for
+// SmolLM2-135M, against about 100 MB as the file stores them. So a layer whose fp32 weight is
+// exactly such a dequantization keeps it in that form, and the kernel dequantizes as it goes.
+//
+// A block is 32 consecutive inputs of one output. Q4: w = fma(d, q, m) with d and m fp16 and q
+// in 0 .. 15, m the block's least weight (GGUF's Q4_1). Q8: w = d * q with d fp16
+// and q in -128 .. 127 (Q8_0). d * q is exact in fp32 (11 significant bits times 4 or 8), so the
+// one rounding of the FMA gives what the loader's dequantization (d * q + m in fp32) gave: the
+// same fp32 weight, and the kernel then runs the same FMA chain over k on it as on the fp32
+// panels (same bits). ts_pack_linear_q finds d, m and q from the fp32 weight and checks that
+// they give back every weight exactly, or refuses the layer (which stays fp32).
+//
+// Layout: panels of 16 outputs as for fp32; a panel is k / 32 blocks, a block is
+//   Q4: d[16], m[16] (fp16), then 16 lines of 16 bytes: byte j of line i holds output j's q for
+//       input 2i (low nibble) and 2i + 1 (high nibble)     (320 bytes: 6.4x smaller than fp32)
+//   Q8: d[16] (fp16), then 32 lines of 16 int8: line i output j's q for input i   (544 bytes)
+// Zero weights pad the last panel (d = m = 0).
+constexpr int kQBlock = 32;
+constexpr int64_t kQ4Bytes = 2 * 2 * kPanel + kQBlock / 2 * kPanel;
+constexpr int64_t kQ8Bytes = 2 * kPanel + kQBlock * kPanel;
+// Up to this many rows a step's products dequantize in registers as they go (each tile pays the
+// dequantization: right for the few rows of a decode step); more rows dequantize each pair of
+// panels into a scratch buffer once and run the fp32 tiles on it.
+#if defined(__AVX512F__)
+constexpr int kQFusedRows = 8;  // 2 x 8 accumulators, d, m and the weights within 32 registers
+#else
+constexpr int kQFusedRows = 4;
+#endif
+
+inline int64_t q_block_bytes(int bits) { return bits == 4 ? kQ4Bytes : kQ8Bytes; }
+
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+  uint32_t bits;
+  if (exp == 0) {
+    const float mag = static_cast<float>(man) * 5.9604644775390625e-08f;  // man * 2^-24, exact
+    std::memcpy(&bits, &mag, sizeof bits);
+    bits |= sign;
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// f as fp16 if it is one exactly (finite), else false.
+inline bool half_exact(float f, uint16_t* out) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  const uint16_t sign = static_cast<uint16_t>((bits >> 16) & 0x8000u);
+  const int e = static_cast<int>((bits >> 23) & 0xffu) - 127;
+  const uint32_t man = bits & 0x7fffffu;
+  if ((bits & 0x7fffffffu) == 0) {
+    *out = sign;
+    return true;
+  }
+  if (e == 128) return false;  // inf, nan
+  if (e >= -14 && e <= 15) {
+    if (man & 0x1fffu) return false;
+    *out = static_cast<uint16_t>(sign | ((e + 15) << 10) | (man >> 13));
+    return true;
+  }
+  if (e < -24 || e > 15) return false;
+  const float scaled = std::fabs(f) * 16777216.0f;  // a subnormal fp16: an integer of 2^-24
+  const float whole = std::floor(scaled);
+  if (scaled != whole || whole >= 1024.0f) return false;
+  *out = static_cast<uint16_t>(sign | static_cast<uint16_t>(whole));
+  return true;
+}
+
+// The fp16 at or below the positive finite f (round toward zero), or 0 when f is below fp16's
+// least subnormal, or 0x7bff (the largest) above its range.
+inline uint16_t half_below(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  const int e = static_cast<int>((bits >> 23) & 0xffu) - 127;
+  if (e > 15) return 0x7bffu;
+  if (e >= -14) return static_cast<uint16_t>(((e + 15) << 10) | ((bits & 0x7fffffu) >> 13));
+  const float scaled = std::floor(f * 16777216.0f);
+  return static_cast<uint16_t>(scaled < 1024.0f ? scaled : 1023.0f);
+}
+
+inline bool same_bits(float a, float b) {
+  uint32_t x, y;
+  std::memcpy(&x, &a, sizeof x);
+  std::memcpy(&y, &b, sizeof y);
+  return x == y;
+}
+
+// One block of 32 weights w (output j of a panel, inputs b * 32 ..) as Q4 or Q8 into the
+// panel's block: true if d, m and q give back every weight exactly.
+bool quantize_block(const float* w, int bits, int j, uint8_t* blk) {
+  float lo = w[0], hi = w[0], amax = 0.0f;
+  for (int i = 0; i < kQBlock; ++i) {
+    if (!(std::fabs(w[i]) <= 3.4e38f)) return false;  // inf, nan
+    lo = std::min(lo, w[i]);
+    hi = std::max(hi, w[i]);
+    amax = std::max(amax, std::fabs(w[i]));
+  }
+  uint16_t* d16 = reinterpret_cast<uint16_t*>(blk);
+  int q[kQBlock];
+  if (bits == 4) {
+    uint16_t mh;
+    if (!half_exact(lo, &mh)) return false;
+    const float m = half_to_float(mh);
+    // w = fma(d, q, m): the least weight is q = 0 (m itself), the greatest q = 15 for the
+    // quantizers seen (a quantizer that leaves 15 unused fails the check: the layer stays fp32).
+    const uint16_t base = hi > lo ? half_below((hi - lo) / 15.0f) : 0;
+    bool found = false;
+    uint16_t dh = 0;
+    for (int c = -1; c <= 2 && !found; ++c) {
+      if (hi == lo && c) continue;
+      const int cand = static_cast<int>(base) + c;
+      if (cand < 0 || cand > 0x7bff) continue;
+      dh = static_cast<uint16_t>(cand);
+      const float d = half_to_float(dh);
+      found = true;
+      for (int i = 0; i < kQBlock && found; ++i) {
+        const float t = d > 0.0f ? (w[i] - m) / d : 0.0f;
+        const int qi = std::min(15, std::max(0, static_cast<int>(t + 0.5f)));
+        q[i] = qi;
+        found = same_bits(fmadd(d, static_cast<float>(qi), m), w[i]);
+      }
+    }
+    if (!found) return false;
+    d16[j] = dh;
+    d16[kPanel + j] = mh;
+    uint8_t* lines = blk + 4 * kPanel;
+    for (int i = 0; i < kQBlock; i += 2)
+      lines[i / 2 * kPanel + j] = static_cast<uint8_t>(q[i] | (q[i + 1] << 4));
+    return true;
+  }
+  // Q8: w = d * q; the greatest magnitude is q = 127 (or -128).
+  for (const float div : {127.0f, 128.0f}) {
+    uint16_t dh;
+    if (!half_exact(amax / div, &dh)) continue;
+    const float d = half_to_float(dh);
+    bool ok = true;
+    for (int i = 0; i < kQBlock && ok; ++i) {
+      const float t = d > 0.0f ? w[i] / d : 0.0f;
+      const float r = std::nearbyint(t);
+      ok = r >= -128.0f && r <= 127.0f && same_bits(d * r, w[i]);
+      q[i] = static_cast<int>(r);
+    }
+    if (!ok) continue;
+    d16[j] = dh;
+    int8_t* lines = reinterpret_cast<int8_t*>(blk + 2 * kPanel);
+    for (int i = 0; i < kQBlock; ++i) lines[i * kPanel + j] = static_cast<int8_t>(q[i]);
+    return true;
+  }
+  return false;
+}
+
+// Panel p's weights ([k / 32 blocks]) dequantized into out[k][16], the fp32 panel layout: each
+// weight fma(d, q, m) (Q4) or d * q (Q8), as the fused tiles compute it.
+void dequant_panel(const uint8_t* wq, int64_t k, int bits, float* out) {
+  const int64_t blocks = k / kQBlock, bb = q_block_bytes(bits);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* blk = wq + b * bb;
+    float* o = out + b * kQBlock * kPanel;
+#if defined(__AVX512F__)
+    const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
+    if (bits == 4) {
+      const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)));
+      const __m512i low = _mm512_set1_epi32(15);
+      for (int i = 0; i < kQBlock / 2; ++i) {
+        const __m512i qs = _mm512_cvtepu8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4 * kPanel + i * kPanel)));
+        _mm512_storeu_ps(o + 2 * i * kPanel,
+                         _mm512_fmadd_ps(dv, _mm512_cvtepi32_ps(_mm512_and_si512(qs, low)), mv));
+        _mm512_storeu_ps(o + (2 * i + 1) * kPanel,
+                         _mm512_fmadd_ps(dv, _mm512_cvtepi32_ps(_mm512_srli_epi32(qs, 4)), mv));
+      }
+    } else {
+      for (int i = 0; i < kQBlock; ++i) {
+        const __m512i qs = _mm512_cvtepi8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2 * kPanel + i * kPanel)));
+        _mm512_storeu_ps(o + i * kPanel, _mm512_mul_ps(dv, _mm512_cvtepi32_ps(qs)));
+      }
+    }
+#else
+    const uint16_t* d16 = reinterpret_cast<const uint16_t*>(blk);
+    float d[kPanel], m[kPanel];
+    for (int j = 0; j < kPanel; ++j) {
+      d[j] = half_to_float(d16[j]);
+      m[j] = bits == 4 ? half_to_float(d16[kPanel + j]) : 0.0f;
+    }
+    if (bits == 4) {
+      const uint8_t* lines = blk + 4 * kPanel;
+      for (int i = 0; i < kQBlock / 2; ++i)
+#pragma omp simd
+        for (int j = 0; j < kPanel; ++j) {
+          const int byte = lines[i * kPanel + j];
+          o[(2 * i) * kPanel + j] = fmadd(d[j], static_cast<float>(byte & 15), m[j]);
+          o[(2 * i + 1) * kPanel + j] = fmadd(d[j], static_cast<float>(byte >> 4), m[j]);
+        }
+    } else {
+      const int8_t* lines = reinterpret_cast<const int8_t*>(blk + 2 * kPanel);
+      for (int i = 0; i < kQBlock; ++i)
+#pragma omp simd
+        for (int j = 0; j < kPanel; ++j) o[i * kPanel + j] = d[j] * static_cast<float>(lines[i * kPanel + j]);
+    }
+#endif
+  }
+}
+
+// R rows x NP panels of y straight from quantized panels (wq: the first panel; the next
+// qstride bytes on), dequantizing each weight as it is used: the same FMA chain per output as
+// linear_tile on the dequantized panel.
+template <int R, int NP, int BITS>
+inline void linear_tile_q(const LinearArgs& a, int64_t row, const uint8_t* wq, int64_t qstride,
+                          int64_t col) {
+  const float* x = a.x + row * a.x_stride;
+  constexpr int64_t bb = BITS == 4 ? kQ4Bytes : kQ8Bytes;
+  const int64_t blocks = a.k / kQBlock;
+  Acc<R, NP> acc;
+  acc.zero();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t k0 = b * kQBlock;
+#if defined(__AVX512F__)
+    __m512 dv[NP], mv[NP];
+#pragma GCC unroll 4
+    for (int q = 0; q < NP; ++q) {
+      const uint8_t* blk = wq + q * qstride + b * bb;
+      for (int64_t off = 0; off < bb; off += 64) __builtin_prefetch(blk + 4 * bb + off);
+      dv[q] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
+      mv[q] = BITS == 4
+                  ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)))
+                  : _mm512_setzero_ps();
+    }
+    if constexpr (BITS == 4) {
+      const __m512i low = _mm512_set1_epi32(15);
+      for (int i = 0; i < kQBlock / 2; ++i) {
+        __m512 w0[NP], w1[NP];
+#pragma GCC unroll 4
+        for (int q = 0; q < NP; ++q) {
+          const uint8_t* line = wq + q * qstride + b * bb + 4 * kPanel + i * kPanel;
+          const __m512i qs = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(line)));
+          w0[q] = _mm512_fmadd_ps(dv[q], _mm512_cvtepi32_ps(_mm512_and_si512(qs, low)), mv[q]);
+          w1[q] = _mm512_fmadd_ps(dv[q], _mm512_cvtepi32_ps(_mm512_srli_epi32(qs, 4)), mv[q]);
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+          for (int q = 0; q < NP; ++q) acc.fma(r, q, x[r * a.x_stride + k0 + 2 * i], w0[q]);
+#pragma GCC unroll 4
+          for (int q = 0; q < NP; ++q) acc.fma(r, q, x[r * a.x_stride + k0 + 2 * i + 1], w1[q]);
+        }
+      }
+    } else {
+      for (int i = 0; i < kQBlock; ++i) {
+        __m512 w0[NP];
+#pragma GCC unroll 4
+        for (int q = 0; q < NP; ++q) {
+          const uint8_t* line = wq + q * qstride + b * bb + 2 * kPanel + i * kPanel;
+          const __m512i qs = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(line)));
+          w0[q] = _mm512_mul_ps(dv[q], _mm512_cvtepi32_ps(qs));
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+          for (int q = 0; q < NP; ++q) acc.fma(r, q, x[r * a.x_stride + k0 + i], w0[q]);
+      }
+    }
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    __m256 dv[2 * NP], mv[2 * NP];
+#pragma GCC unroll 4
+    for (int q = 0; q < NP; ++q) {
+      const uint8_t* blk = wq + q * qstride + b * bb;
+      for (int64_t off = 0; off < bb; off += 64) __builtin_prefetch(blk + 4 * bb + off);
+      dv[2 * q] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+      dv[2 * q + 1] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16)));
+      mv[2 * q] = BITS == 4 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32)))
+                            : _mm256_setzero_ps();
+      mv[2 * q + 1] = BITS == 4
+                          ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 48)))
+                          : _mm256_setzero_ps();
+    }
+    if constexpr (BITS == 4) {
+      const __m256i low = _mm256_set1_epi32(15);
+      for (int i = 0; i < kQBlock / 2; ++i) {
+        __m256 w0[2 * NP], w1[2 * NP];
+#pragma GCC unroll 4
+        for (int q = 0; q < NP; ++q) {
+          const __m128i bytes = _mm_loadu_si128(
+              reinterpret_cast<const __m128i*>(wq + q * qstride + b * bb + 4 * kPanel + i * kPanel));
+          const __m256i lo = _mm256_cvtepu8_epi32(bytes);
+          const __m256i hi = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));
+          w0[2 * q] = _mm256_fmadd_ps(dv[2 * q], _mm256_cvtepi32_ps(_mm256_and_si256(lo, low)), mv[2 * q]);
+          w0[2 * q + 1] =
+              _mm256_fmadd_ps(dv[2 * q + 1], _mm256_cvtepi32_ps(_mm256_and_si256(hi, low)), mv[2 * q + 1]);
+          w1[2 * q] = _mm256_fmadd_ps(dv[2 * q], _mm256_cvtepi32_ps(_mm256_srli_epi32(lo, 4)), mv[2 * q]);
+          w1[2 * q + 1] =
+              _mm256_fmadd_ps(dv[2 * q + 1], _mm256_cvtepi32_ps(_mm256_srli_epi32(hi, 4)), mv[2 * q + 1]);
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+          for (int j = 0; j < 2 * NP; ++j) acc.fma(r, j, x[r * a.x_stride + k0 + 2 * i], w0[j]);
+#pragma GCC unroll 4
+          for (int j = 0; j < 2 * NP; ++j) acc.fma(r, j, x[r * a.x_stride + k0 + 2 * i + 1], w1[j]);
+        }
+      }
+    } else {
+      for (int i = 0; i < kQBlock; ++i) {
+        __m256 w0[2 * NP];
+#pragma GCC unroll 4
+        for (int q = 0; q < NP; ++q) {
+          const __m128i bytes = _mm_loadu_si128(
+              reinterpret_cast<const __m128i*>(wq + q * qstride + b * bb + 2 * kPanel + i * kPanel));
+          w0[2 * q] = _mm256_mul_ps(dv[2 * q], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)));
+          w0[2 * q + 1] = _mm256_mul_ps(dv[2 * q + 1],
+                                        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8))));
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+          for (int j = 0; j < 2 * NP; ++j) acc.fma(r, j, x[r * a.x_stride + k0 + i], w0[j]);
+      }
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    // AVX2 without F16C (no such CPU is known): dequantize the block, then the fp32 loop.
+    alignas(32) float wb[NP][kQBlock * kPanel];
+    for (int q = 0; q < NP; ++q) {
+      // A one-block panel: dequant_panel of k = 32 from this block.
+      dequant_panel(wq + q * qstride + b * bb, kQBlock, BITS, wb[q]);
+    }
+    for (int i = 0; i < kQBlock; ++i)
+      for (int r = 0; r < R; ++r)
+        for (int q = 0; q < NP; ++q) {
+          acc.fma(r, 2 * q, x[r * a.x_stride + k0 + i], _mm256_load_ps(wb[q] + i * kPanel));
+          acc.fma(r, 2 * q + 1, x[r * a.x_stride + k0 + i], _mm256_load_ps(wb[q] + i * kPanel + 8));
+        }
+#else
+    float wb[NP][kQBlock * kPanel];
+    for (int q = 0; q < NP; ++q) dequant_panel(wq + q * qstride + b * bb, kQBlock, BITS, wb[q]);
+    for (int i = 0; i < kQBlock; ++i)
+      for (int r = 0; r < R; ++r)
+        for (int q = 0; q < NP; ++q) acc.fma(r, q, x[r * a.x_stride + k0 + i], wb[q] + i * kPanel);
+#endif
+  }
+  acc.store(a, row, col);
+}
+
+// The fused tile of exactly rem rows (0 < rem <= R), against one panel or a pair.
+template <int R, int BITS>
+inline void linear_fused_q(const LinearArgs& a, int64_t row, int rem, const uint8_t* wq,
+                           int64_t qstride, int64_t col, bool pair) {
+  if constexpr (R >= 1) {
+    if (rem == R) {
+      if (pair) linear_tile_q<R, 2, BITS>(a, row, wq, qstride, col);
+      else linear_tile_q<R, 1, BITS>(a, row, wq, qstride, col);
+      return;
+    }
+    linear_fused_q<R - 1, BITS>(a, row, rem, wq, qstride, col, pair);
+  }
+}
+
+// Panels p0 .. p1 - 1 of a quantized weight for all m rows (one thread's share).
+template <int BITS>
+void linear_q_panels(const LinearArgs& a, int64_t m, int64_t row_block, const uint8_t* packed,
+                     int64_t p0, int64_t p1) {
+  const int64_t qstride = a.k / kQBlock * q_block_bytes(BITS);
+  if (m <= 2 * kQFusedRows) {  // one or two tiles, each dequantizing in registers
+    const int first = static_cast<int>(m <= kQFusedRows ? m : (m + 1) / 2);
+    for (int64_t p = p0; p < p1; p += 2) {
+      linear_fused_q<kQFusedRows, BITS>(a, 0, first, packed + p * qstride, qstride, p * kPanel,
+                                        p + 1 < p1);
+      if (m > first)
+        linear_fused_q<kQFusedRows, BITS>(a, first, static_cast<int>(m - first),
+                                          packed + p * qstride, qstride, p * kPanel, p + 1 < p1);
+    }
+    return;
+  }
+  // A pair of panels dequantized at a time, then the fp32 tiles over every row of the block.
+  static thread_local std::vector<float> scratch;
+  scratch.resize(static_cast<size_t>(2 * a.k * kPanel));
+  float* s = scratch.data();
+  linear_panels(a, m, row_block, p0, p1, [&](int64_t p, bool pair) {
+    for (int q = 0; q < (pair ? 2 : 1); ++q)
+      dequant_panel(packed + (p + q) * qstride, a.k, BITS, s + q * a.k * kPanel);
+    return static_cast<const float*>(s);
+  });
+}
 
 }  // namespace
 
@@ -1035,7 +1468,7 @@ int ts_linear_f32(const float* x, int64_t x_stride, int64_t m, int64_t k, const 
                   int64_t n, const float* bias, float* y, int64_t y_stride, int num_threads) {
   if (m < 0 || k <= 0 || n <= 0 || (m > 1 && (x_stride < k || y_stride < n))) return -1;
   if (m == 0) return 0;
-  const LinearArgs a{x, x_stride, k, packed, n, bias, y, y_stride};
+  const LinearArgs a{x, x_stride, k, n, bias, y, y_stride};
   const int64_t panels = (n + kPanel - 1) / kPanel;
   const int64_t pairs = (panels + 1) / 2;
   // A multiple of 48 rows: whole tiles of 6, 12 or 16 rows.
@@ -1046,8 +1479,67 @@ int ts_linear_f32(const float* x, int64_t x_stride, int64_t m, int64_t k, const 
     // Each thread a contiguous run of panel pairs (its own stretch of the weights).
     const int64_t p0 = std::min(panels, 2 * (pairs * t / nt));
     const int64_t p1 = std::min(panels, 2 * (pairs * (t + 1) / nt));
-    for (int64_t row = 0; row < m; row += row_block)
-      linear_rows(a, row, std::min(row_block, m - row), p0, p1);
+    linear_panels(a, m, row_block, p0, p1,
+                  [&](int64_t p, bool) { return packed + p * k * kPanel; });
+  }
+  return 0;
+}
+
+// w: [n, k] row-major fp32 -> packed: its quantized panels (see "quantized weights"), bits 4 or
+// 8; packed holds ceil(n / 16) * (k / 32) blocks of 320 (Q4) or 544 (Q8) bytes. Returns 0; 1
+// when some block of w is not such a dequantization exactly (packed is then of no use); -1 on
+// sizes that do not fit (k not a multiple of 32, bits not 4 or 8).
+int ts_pack_linear_q(const float* w, int64_t n, int64_t k, int32_t bits, uint8_t* packed,
+                     int num_threads) {
+  if (n <= 0 || k <= 0 || k % kQBlock || (bits != 4 && bits != 8)) return -1;
+  const int64_t panels = (n + kPanel - 1) / kPanel, blocks = k / kQBlock;
+  const int64_t bb = q_block_bytes(bits);
+  int failed = 0;
+#pragma omp parallel for schedule(static) num_threads(num_threads) reduction(| : failed)
+  for (int64_t p = 0; p < panels; ++p) {
+    uint8_t* panel = packed + p * blocks * bb;
+    std::memset(panel, 0, static_cast<size_t>(blocks * bb));  // padding outputs: d = m = q = 0
+    for (int j = 0; j < kPanel && !failed; ++j) {
+      const int64_t row = p * kPanel + j;
+      if (row >= n) break;
+      for (int64_t b = 0; b < blocks && !failed; ++b)
+        if (!quantize_block(w + row * k + b * kQBlock, bits, j, panel + b * bb)) failed = 1;
+    }
+  }
+  return failed ? 1 : 0;
+}
+
+// The fp32 panels (ts_pack_linear_f32's layout, [ceil(n / 16), k, 16]) of a quantized weight.
+int ts_unpack_linear_q(const uint8_t* packed, int64_t n, int64_t k, int32_t bits, float* out,
+                       int num_threads) {
+  if (n <= 0 || k <= 0 || k % kQBlock || (bits != 4 && bits != 8)) return -1;
+  const int64_t panels = (n + kPanel - 1) / kPanel;
+  const int64_t qstride = k / kQBlock * q_block_bytes(bits);
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+  for (int64_t p = 0; p < panels; ++p) dequant_panel(packed + p * qstride, k, bits, out + p * k * kPanel);
+  return 0;
+}
+
+// ts_linear_f32 on a weight packed by ts_pack_linear_q: the same bits as ts_linear_f32 on
+// its fp32 panels. Returns 0, or -1 on sizes or strides that do not fit.
+int ts_linear_q(const float* x, int64_t x_stride, int64_t m, int64_t k, const uint8_t* packed,
+                int32_t bits, int64_t n, const float* bias, float* y, int64_t y_stride,
+                int num_threads) {
+  if (m < 0 || k <= 0 || n <= 0 || k % kQBlock || (bits != 4 && bits != 8) ||
+      (m > 1 && (x_stride < k || y_stride < n)))
+    return -1;
+  if (m == 0) return 0;
+  const LinearArgs a{x, x_stride, k, n, bias, y, y_stride};
+  const int64_t panels = (n + kPanel - 1) / kPanel;
+  const int64_t pairs = (panels + 1) / 2;
+  const int64_t row_block = std::max(kRowBlockMin, kRowBlockBytes / (4 * k) / 48 * 48);
+#pragma omp parallel num_threads(num_threads) if (pairs > 1 && m * n * k >= kParallelMacs)
+  {
+    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t p0 = std::min(panels, 2 * (pairs * t / nt));
+    const int64_t p1 = std::min(panels, 2 * (pairs * (t + 1) / nt));
+    if (bits == 4) linear_q_panels<4>(a, m, row_block, packed, p0, p1);
+    else linear_q_panels<8>(a, m, row_block, packed, p0, p1);
   }
   return 0;
 }
@@ -1075,6 +1567,8 @@ template <> struct Kind<float*> { static constexpr const char* name = "f32*"; };
 template <> struct Kind<const float*> { static constexpr const char* name = "const f32*"; };
 template <> struct Kind<const int32_t*> { static constexpr const char* name = "const i32*"; };
 template <> struct Kind<const int64_t*> { static constexpr const char* name = "const i64*"; };
+template <> struct Kind<uint8_t*> { static constexpr const char* name = "u8*"; };
+template <> struct Kind<const uint8_t*> { static constexpr const char* name = "const u8*"; };
 
 // One line per function: "name ret(arg, arg, ...)".
 template <typename R, typename... A>
@@ -1102,7 +1596,10 @@ void describe(std::string& out, const char* name, R (*)(A...)) {
   X(ts_silu_mul_f32)           \
   X(ts_rope_store_f32)         \
   X(ts_pack_linear_f32)        \
-  X(ts_linear_f32)
+  X(ts_linear_f32)             \
+  X(ts_pack_linear_q)          \
+  X(ts_unpack_linear_q)        \
+  X(ts_linear_q)
 
 extern "C" const char* ts_signatures() {
   static const std::string table = [] {

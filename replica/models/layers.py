@@ -34,6 +34,10 @@ class Linear(nn.Module):
     row count, the library from it on when it wins there (then the layer keeps its ``[out, in]``
     weight beside the packed one: ``out x in`` floats more), or the library throughout (the
     layer then stays unpacked: one copy).
+
+    A weight that is exactly the dequantization of a quantized checkpoint (a GGUF's Q4_1 or
+    Q8_0: ``cpu_native.pack_linear_quantized``) is packed in that form instead (``bits`` 4 or
+    8): a fifth to a quarter of the bytes for a decode step to stream, the same output bits.
     """
 
     def __init__(
@@ -64,12 +68,18 @@ class Linear(nn.Module):
         # weight instead (default mode, where it is clearly faster here); None: never. A plain
         # attribute, not a parameter: the weights as loaded are ``weight`` alone.
         self.library: tuple[int, torch.Tensor] | None = None
+        # 4 or 8 once packed as quantized panels (``weight`` then uint8), else None.
+        self.bits: int | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed:
             lib = self.library
             if lib is not None and x.shape[0] >= lib[0]:
                 return F.linear(x, lib[1], self.bias)
+            if self.bits is not None:
+                return cpu_native.linear_quantized(
+                    x, self.weight, self.bits, self.out_features, self.bias
+                )
             return cpu_native.linear(x, self.weight, self.out_features, self.bias)
         if self.deterministic:
             raise cpu_native.DeterministicModeUnavailable(
@@ -84,8 +94,9 @@ class Linear(nn.Module):
         some row count; returns whether it did. A deterministic layer that the kernel cannot
         take raises ``DeterministicModeUnavailable``.
 
-        The packed weight replaces the original (``weight`` becomes ``[out / 16, in, 16]``), so
-        load weights first; ``dense_weight()`` gives the ``[out, in]`` matrix back. A second copy
+        The packed weight replaces the original (``weight`` becomes ``[out / 16, in, 16]``, or
+        the quantized panels' bytes), so load weights first; ``dense_weight()`` gives the
+        ``[out, in]`` matrix back. A second copy
         is kept only where the library takes over from some row count (see the class). A weight
         shared with another module (tied embeddings) is copied: this layer stops sharing it.
         """
@@ -96,19 +107,25 @@ class Linear(nn.Module):
         elif not cpu_native.fused_ok(self.weight):  # fp32 on CPU, kernels built and enabled
             return False
         dense = self.weight.data
-        packed = cpu_native.pack_linear(dense)
+        quantized = cpu_native.pack_linear_quantized(dense) if cpu_native.quantized_enabled() else None
+        packed, bits = quantized if quantized is not None else (cpu_native.pack_linear(dense), None)
         if not self.deterministic:
-            rows = cpu_native.library_rows(dense, packed, self.bias)
+            rows = cpu_native.library_rows(dense, packed, self.bias, bits)
             if rows is not None and rows <= 1:  # the library at every row count: stay as is
                 return False
             if rows is not None:
                 self.library = (rows, dense)
         self.weight = nn.Parameter(packed, requires_grad=False)
         self.packed = True
+        self.bits = bits
         return True
 
     def dense_weight(self) -> torch.Tensor:
         """The weight as ``[out_features, in_features]`` (a copy when packed)."""
+        if self.packed and self.bits is not None:
+            return cpu_native.unpack_linear_quantized(
+                self.weight.data, self.bits, self.out_features, self.in_features
+            )
         if self.packed:
             return cpu_native.unpack_linear(self.weight.data, self.out_features)
         return self.weight.data
@@ -118,6 +135,7 @@ class Linear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, deterministic={self.deterministic}, "
             f"packed={self.packed}"
+            + ("" if self.bits is None else f", quantized={self.bits}-bit")
             + ("" if self.library is None else f", library_from_rows={self.library[0]}")
         )
 

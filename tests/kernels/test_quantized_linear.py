@@ -1,0 +1,231 @@
+"""Quantized panels (``cpu_native.pack_linear_quantized``): a weight that is exactly a GGUF Q4_1 or
+Q8_0 dequantization is kept in that form, and the kernel gives the same bits as on its fp32
+panels, for every row count, tile and path; anything else is refused and stays fp32."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from kernels import cpu_native
+from replica.models.layers import Linear
+from tests.kernels.test_cpu_native import _has_avx512
+
+needs_native = pytest.mark.skipif(not cpu_native.available(), reason="native kernels not built")
+
+ROWS = (*range(1, 19), 24, 25, 40, 97, 433, 500)  # fused tiles (1-16), scratch, row blocks
+
+
+def dequantized(shape: tuple[int, int], qtype: str, seed: int) -> torch.Tensor:
+    """A random weight as the loader gives it: quantized by the ``gguf`` package, dequantized back
+    (fp32)."""
+    gen = np.random.default_rng(seed)
+    w = (gen.standard_normal(shape) * 0.05).astype(np.float32)
+    q = gguf.GGMLQuantizationType[qtype]
+    back = gguf.quants.dequantize(gguf.quants.quantize(w, q), q).reshape(shape)
+    return torch.from_numpy(np.ascontiguousarray(back, dtype=np.float32))
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+@needs_native
+@pytest.mark.parametrize(("qtype", "bits"), [("Q4_1", 4), ("Q8_0", 8)])
+@pytest.mark.parametrize(("n", "k"), [(40, 64), (17, 32), (960, 576), (96, 1536)])
+def test_quantized_panels_give_the_fp32_bits(qtype: str, bits: int, n: int, k: int) -> None:
+    w = dequantized((n, k), qtype, seed=n + k)
+    found = cpu_native.pack_linear_quantized(w)
+    assert found is not None
+    packed, got_bits = found
+    assert got_bits == bits and packed.dtype == torch.uint8
+    assert tuple(packed.shape) == cpu_native.quantized_shape(n, k, bits)
+    # A fifth (Q4) or a quarter (Q8) of the fp32 panels' bytes, or less.
+    assert packed.numel() * (5 if bits == 4 else 3.7) <= 4 * np.prod(cpu_native.packed_shape(n, k))
+    assert same_bits(cpu_native.unpack_linear_quantized(packed, bits, n, k), w)
+    fp32 = cpu_native.pack_linear(w)
+    gen = torch.Generator().manual_seed(n)
+    bias = torch.randn(n, generator=gen)
+    for m in ROWS:
+        x = torch.randn(m, k, generator=gen)
+        for b in (None, bias):
+            want = cpu_native.linear(x, fp32, n, b)
+            assert same_bits(cpu_native.linear_quantized(x, packed, bits, n, b), want), (m, b)
+    # Strided rows (a view into a wider buffer) take the same path.
+    wide = torch.randn(7, k + 32, generator=gen)
+    assert same_bits(
+        cpu_native.linear_quantized(wide[:, :k], packed, bits, n), cpu_native.linear(wide[:, :k], fp32, n)
+    )
+
+
+@needs_native
+def test_rows_do_not_depend_on_the_batch() -> None:
+    """A row's bits are the same alone, in a fused tile, in the scratch path and in any row block."""
+    n, k = 72, 576
+    packed, bits = cpu_native.pack_linear_quantized(dequantized((n, k), "Q4_1", 5)) or (None, 0)
+    assert packed is not None
+    x = torch.randn(600, k, generator=torch.Generator().manual_seed(6))
+    whole = cpu_native.linear_quantized(x, packed, bits, n)
+    for start, stop in ((0, 1), (3, 11), (20, 36), (431, 433), (95, 97), (500, 600), (1, 600)):
+        got = cpu_native.linear_quantized(x[start:stop], packed, bits, n)
+        assert same_bits(got, whole[start:stop]), (start, stop)
+
+
+@needs_native
+def test_weights_of_no_such_form_stay_fp32() -> None:
+    gen = torch.Generator().manual_seed(7)
+    assert cpu_native.pack_linear_quantized(torch.randn(48, 64, generator=gen)) is None
+    q4 = dequantized((48, 64), "Q4_1", 8)
+    assert cpu_native.pack_linear_quantized(q4[:, :40].contiguous()) is None  # k not a multiple of 32
+    for bad in (float("nan"), float("inf")):
+        broken = q4.clone()
+        broken[47, 63] = bad
+        assert cpu_native.pack_linear_quantized(broken) is None
+    one_off = q4.clone()  # one weight one ulp away from its block's grid: the whole layer stays fp32
+    one_off[30, 17] = torch.nextafter(one_off[30, 17], torch.tensor(1.0))
+    assert cpu_native.pack_linear_quantized(one_off, bits_tried=(4,)) is None
+    # A Q8_0 weight is no Q4 one; Q4_1 weights with 8 bits only are refused, not misread.
+    q8 = dequantized((48, 64), "Q8_0", 9)
+    assert cpu_native.pack_linear_quantized(q8, bits_tried=(4,)) is None
+    assert cpu_native.pack_linear_quantized(q8) is not None
+
+
+@needs_native
+def test_quantized_refusals_say_what_is_wrong() -> None:
+    n, k = 40, 64
+    packed, bits = cpu_native.pack_linear_quantized(dequantized((n, k), "Q4_1", 10)) or (None, 0)
+    assert packed is not None
+    x = torch.randn(3, k)
+    with pytest.raises(cpu_native.NativeKernelError, match="is not \\[49 outputs"):
+        cpu_native.linear_quantized(x, packed, bits, 49)
+    with pytest.raises(cpu_native.NativeKernelError, match="4 or 8 bits, got 5"):
+        cpu_native.linear_quantized(x, packed, 5, n)
+    with pytest.raises(cpu_native.NativeKernelError, match="at 8 bits"):
+        cpu_native.linear_quantized(x, packed, 8, n)
+    with pytest.raises(cpu_native.NativeKernelError, match="fp32 CPU x"):
+        cpu_native.linear_quantized(x.double(), packed, bits, n)
+    with pytest.raises(cpu_native.NativeKernelError, match="bias must be"):
+        cpu_native.linear_quantized(x, packed, bits, n, torch.zeros(n + 1))
+    with pytest.raises(cpu_native.NativeKernelError, match="is not \\[40 outputs, 32 inputs"):
+        cpu_native.linear_quantized(torch.randn(3, 32), packed, bits, n)
+    with pytest.raises(cpu_native.NativeKernelError, match="fp32 CPU \\[out, in\\]"):
+        cpu_native.pack_linear_quantized(torch.zeros(4, 32, dtype=torch.float64))
+    # The library itself refuses sizes that do not fit, without touching its output.
+    lib = cpu_native._lib_or_raise()
+    y = torch.full((3, n), 7.0)
+    assert lib.ts_linear_q(x, k, 3, k - 1, packed, bits, n, None, y, n, 1) == -1  # k % 32
+    assert lib.ts_linear_q(x, k, 3, k, packed, 6, n, None, y, n, 1) == -1
+    assert lib.ts_linear_q(x, k - 1, 3, k, packed, bits, n, None, y, n, 1) == -1  # rows overlap
+    assert torch.equal(y, torch.full((3, n), 7.0))
+    out = torch.empty(cpu_native.quantized_shape(n, k, 4), dtype=torch.uint8)
+    assert lib.ts_pack_linear_q(torch.zeros(n, k), n, k, 3, out, 1) == -1
+    assert lib.ts_pack_linear_q(torch.zeros(n, 40), n, 40, 4, out, 1) == -1
+    assert lib.ts_unpack_linear_q(packed, n, 40, 4, torch.empty(3, 40, 16), 1) == -1
+
+
+@needs_native
+def test_linear_layer_keeps_quantized_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Linear.pack_for_cpu`` keeps a quantized weight quantized (default and deterministic
+    modes), with the same outputs and ``dense_weight``; ``TIERSERVE_QUANTIZED_WEIGHTS=off``
+    keeps fp32 panels; a bad setting is refused."""
+    monkeypatch.setenv(cpu_native.ENV_LIBRARY_ROWS, "never")
+    w = dequantized((40, 64), "Q4_1", 11)
+    bias = torch.randn(40)
+    x = torch.randn(5, 64)
+
+    def layer(deterministic: bool) -> Linear:
+        lin = Linear(64, 40, bias=True, deterministic=deterministic)
+        lin.weight.data.copy_(w)
+        assert lin.bias is not None
+        lin.bias.data.copy_(bias)
+        assert lin.pack_for_cpu()
+        return lin
+
+    fp32 = cpu_native.linear(x, cpu_native.pack_linear(w), 40, bias)
+    for det in (False, True):
+        lin = layer(det)
+        assert lin.bits == 4 and lin.weight.dtype == torch.uint8 and "quantized=4-bit" in repr(lin)
+        assert same_bits(lin(x), fp32) and same_bits(lin.dense_weight(), w)
+    monkeypatch.setenv(cpu_native.ENV_QUANTIZED, "off")
+    lin = layer(False)
+    assert lin.bits is None and lin.weight.dtype == torch.float32 and same_bits(lin(x), fp32)
+    monkeypatch.setenv(cpu_native.ENV_QUANTIZED, "sometimes")
+    with pytest.raises(ValueError, match="TIERSERVE_QUANTIZED_WEIGHTS must be auto or off"):
+        layer(False)
+
+
+@needs_native
+def test_a_q4_1_model_runs_quantized_with_the_fp32_bits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tiny tied model written as Q4_1 (as the default model ships): every linear layer packs
+    quantized (the tied head too), and its logits are the fp32 panels' logits, bit for bit, in the
+    default and the deterministic mode."""
+    from replica.models.llama import ModelOptions
+    from replica.models.loader import load_model
+    from tests.models.gguf_helpers import write_gguf
+    from tests.models.helpers import PagedHarness, Work, tiny_hf_model
+
+    monkeypatch.setenv("TIERSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv(cpu_native.ENV_LIBRARY_ROWS, "never")
+    src = tiny_hf_model("llama-tied", seed=3, hidden_size=256, intermediate_size=512, vocab_size=300)
+    path = write_gguf(src, tmp_path / "tied-q4_1.gguf", "Q4_1")
+    prompts = [Work(0, 0, [256, 72, 101, 108, 108, 111]), Work(1, 0, [256, 44, 32, 119])]
+
+    def logits(quantized: str, deterministic: bool) -> tuple[torch.Tensor, set[int | None]]:
+        monkeypatch.setenv(cpu_native.ENV_QUANTIZED, quantized)
+        net, _, _ = load_model(str(path), options=ModelOptions(deterministic=deterministic))
+        net.pack_for_cpu()
+        bits = {m.bits for m in net.modules() if isinstance(m, Linear)}
+        return torch.cat(PagedHarness(net, 2, 64).step(prompts, all_rows=True)), bits
+
+    for det in (False, True):
+        q, q_bits = logits("auto", det)
+        f, f_bits = logits("off", det)
+        assert q_bits == {4} and f_bits == {None}
+        assert same_bits(q, f)
+
+
+def _variant_bits(lib: cpu_native.NativeLib, fused_like_this_build: bool) -> None:
+    """``lib`` (another build of the source) computes the quantized product with its own fp32
+    panels' bits, fused and scratch paths, Q4 and Q8; a build that fuses its multiply-adds as this
+    process's build does (every FMA build) gives this build's bits too."""
+    for qtype in ("Q4_1", "Q8_0"):
+        n, k = 40, 96
+        w = dequantized((n, k), qtype, 12)
+        packed, bits = cpu_native.pack_linear_quantized(w) or (None, 0)
+        assert packed is not None
+        other = torch.empty_like(packed)
+        assert lib.ts_pack_linear_q(w, n, k, bits, other, 2) == 0
+        assert torch.equal(other, packed)  # the same layout
+        fp32 = cpu_native.pack_linear(w)
+        bias = torch.randn(n)
+        for m in (1, 3, 4, 5, 8, 9, 16, 17, 40):
+            x = torch.randn(m, k)
+            y, want = torch.empty(m, n), torch.empty(m, n)
+            assert lib.ts_linear_q(x, k, m, k, packed, bits, n, bias, y, n, 2) == 0
+            assert lib.ts_linear_f32(x, k, m, k, fp32, n, bias, want, n, 2) == 0
+            assert same_bits(y, want), (qtype, m)
+            if fused_like_this_build:
+                assert same_bits(y, cpu_native.linear_quantized(x, packed, bits, n, bias)), (qtype, m)
+
+
+@needs_native
+@pytest.mark.parametrize(
+    "flags",
+    [("-march=x86-64",), ("-mno-avx512f",), ("-mno-avx512f", "-mno-f16c")],
+    ids=["portable", "avx2", "avx2-without-f16c"],
+)
+def test_other_builds_give_the_same_bits(tmp_path: Path, flags: tuple[str, ...]) -> None:
+    import platform
+
+    if cpu_native._compiler() is None or platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("needs a C++ compiler on x86-64")
+    if "-mno-avx512f" in flags and not _has_avx512():
+        pytest.skip("this CPU's own build is the AVX2 one")
+    drop = ("-march=native",) if "-march=x86-64" in flags else ()
+    _variant_bits(cpu_native.load_variant(tmp_path, add=flags, drop=drop), not drop)
