@@ -984,8 +984,8 @@ bool quantize_block(const float* w, int bits, int j, uint8_t* blk) {
       const float d = half_to_float(dh);
       found = true;
       for (int i = 0; i < kQBlock && found; ++i) {
-        const float t = d > 0.0f ? (w[i] - m) / d : 0.0f;
-        const int qi = std::min(15, std::max(0, static_cast<int>(t + 0.5f)));
+        const float t = d > 0.0f ? (w[i] - m) / d : 0.0f;  // may be inf: clamped before the cast
+        const int qi = static_cast<int>(std::min(15.0f, std::max(0.0f, t)) + 0.5f);
         q[i] = qi;
         found = same_bits(fmadd(d, static_cast<float>(qi), m), w[i]);
       }
@@ -1008,7 +1008,7 @@ bool quantize_block(const float* w, int bits, int j, uint8_t* blk) {
       const float t = d > 0.0f ? w[i] / d : 0.0f;
       const float r = std::nearbyint(t);
       ok = r >= -128.0f && r <= 127.0f && same_bits(d * r, w[i]);
-      q[i] = static_cast<int>(r);
+      if (ok) q[i] = static_cast<int>(r);  // (only in range: a cast out of range is undefined)
     }
     if (!ok) continue;
     d16[j] = dh;

@@ -85,6 +85,9 @@ def test_weights_of_no_such_form_stay_fp32() -> None:
         broken = q4.clone()
         broken[47, 63] = bad
         assert cpu_native.pack_linear_quantized(broken) is None
+    huge = q4.clone()  # a range that overflows fp32 (w - m = inf): refused, not misread
+    huge[5, :2] = torch.tensor([-3e38, 3e38])
+    assert cpu_native.pack_linear_quantized(huge) is None
     one_off = q4.clone()  # one weight one ulp away from its block's grid: the whole layer stays fp32
     one_off[30, 17] = torch.nextafter(one_off[30, 17], torch.tensor(1.0))
     assert cpu_native.pack_linear_quantized(one_off, bits_tried=(4,)) is None
