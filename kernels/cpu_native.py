@@ -11,6 +11,8 @@ plain torch):
   16 in AVX2 ones, a portable loop otherwise), threads splitting the panels.
   ``replica.models.layers.Linear.pack_for_cpu`` switches a layer to it; in the default mode only
   where it is the faster path on this CPU (``library_rows``: timed per layer shape at pack time).
+- ``linear_quantized``: the same, bit for bit, on a weight that ``pack_linear_quantized`` found to
+  be an exact Q4_1/Q8_0 dequantization and keeps in that form (1/6.4 or 1/3.8 of the bytes).
 - ``rms_norm`` (optionally adding the previous block's output into the residual first),
   ``silu_and_mul`` and ``rope_store`` (rotary embedding of q and k, then k and v into the
   cache): one pass over the rows each, where torch runs several ops with temporaries.
@@ -869,7 +871,7 @@ def linear(
 #
 # A decode step's few rows meet every weight once: its time is the time to stream the weights
 # from memory. Most small models ship quantized (a GGUF's Q4_1, Q8_0, ...), and their loader
-# dequantizes them to fp32, 4-6x the bytes. A layer whose fp32 weight is exactly such a
+# dequantizes them to fp32, 3.8-6.4x the bytes. A layer whose fp32 weight is exactly such a
 # dequantization (every block of 32 inputs of an output ``fma(d, q, m)``, d and m fp16, q 4-bit;
 # or ``d * q``, q 8-bit) keeps it in that form, and the kernel dequantizes as it goes. ``d * q`` is
 # exact in fp32, so the weight the kernel uses is the fp32 weight, bit for bit, and each output is
@@ -927,6 +929,11 @@ def pack_linear_quantized(
 
 
 def _check_quantized(packed: torch.Tensor, bits: int, out_features: int, k: int) -> None:
+    if k % QUANT_BLOCK:
+        raise NativeKernelError(
+            f"quantized weights take inputs in blocks of {QUANT_BLOCK}; {k} inputs is not a "
+            "multiple"
+        )
     if packed.dtype != torch.uint8 or tuple(packed.shape) != quantized_shape(out_features, k, bits):
         raise NativeKernelError(
             f"the quantized weight {packed.dtype} {tuple(packed.shape)} is not "

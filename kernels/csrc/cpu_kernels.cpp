@@ -23,7 +23,9 @@
 // temporaries; rows in parallel): ts_rms_norm_f32 (optionally adding a delta into the residual
 // first), ts_silu_mul_f32 (SwiGLU's silu(gate) * up) and ts_rope_store_f32 (rotary embedding of
 // q and k in place, then k and v stored at their cache slots). ts_linear_f32 multiplies rows by
-// a weight that ts_pack_linear_f32 laid out in panels of 16 output features (see below).
+// a weight that ts_pack_linear_f32 laid out in panels of 16 output features (see below);
+// ts_linear_q does the same on a weight that ts_pack_linear_q found to be an exact Q4_1/Q8_0
+// dequantization and keeps in that form (see "quantized weights"), with the same bits.
 // ts_signatures describes every export's argument kinds from its C++ type, for the loader to
 // check its own declarations against (see "the boundary", at the end).
 //
@@ -882,9 +884,11 @@ void linear_panels(const LinearArgs& a, int64_t m, int64_t row_block, int64_t p0
 constexpr int kQBlock = 32;
 constexpr int64_t kQ4Bytes = 2 * 2 * kPanel + kQBlock / 2 * kPanel;
 constexpr int64_t kQ8Bytes = 2 * kPanel + kQBlock * kPanel;
-// Up to this many rows a step's products dequantize in registers as they go (each tile pays the
-// dequantization: right for the few rows of a decode step); more rows dequantize each pair of
-// panels into a scratch buffer once and run the fp32 tiles on it.
+// Up to twice this many rows (one or two tiles) a step's products dequantize as they go, in
+// registers with AVX-512 or AVX2 and F16C, else a block at a time into a small buffer (each tile
+// pays the dequantization: right for the few rows of a decode step); more rows dequantize each
+// pair of panels into a per-thread scratch buffer (2 k 16 floats, kept for the thread's life)
+// once per block of rows and run the fp32 tiles on it.
 #if defined(__AVX512F__)
 constexpr int kQFusedRows = 8;  // 2 x 8 accumulators, d, m and the weights within 32 registers
 #else
@@ -971,8 +975,9 @@ bool quantize_block(const float* w, int bits, int j, uint8_t* blk) {
     uint16_t mh;
     if (!half_exact(lo, &mh)) return false;
     const float m = half_to_float(mh);
-    // w = fma(d, q, m): the least weight is q = 0 (m itself), the greatest q = 15 for the
-    // quantizers seen (a quantizer that leaves 15 unused fails the check: the layer stays fp32).
+    // w = fma(d, q, m): the least weight is q = 0 (m itself), the greatest q = 15, as the
+    // reference quantizer (llama.cpp without an importance matrix, the gguf package) writes
+    // them. A quantizer that leaves 0 or 15 unused fails the check: the layer stays fp32.
     const uint16_t base = hi > lo ? half_below((hi - lo) / 15.0f) : 0;
     bool found = false;
     uint16_t dh = 0;
@@ -984,7 +989,8 @@ bool quantize_block(const float* w, int bits, int j, uint8_t* blk) {
       const float d = half_to_float(dh);
       found = true;
       for (int i = 0; i < kQBlock && found; ++i) {
-        const float t = d > 0.0f ? (w[i] - m) / d : 0.0f;  // may be inf: clamped before the cast
+        // Clamped before the cast: t is far out of int range where the range dwarfs d.
+        const float t = d > 0.0f ? (w[i] - m) / d : 0.0f;
         const int qi = static_cast<int>(std::min(15.0f, std::max(0.0f, t)) + 0.5f);
         q[i] = qi;
         found = same_bits(fmadd(d, static_cast<float>(qi), m), w[i]);
@@ -1007,8 +1013,13 @@ bool quantize_block(const float* w, int bits, int j, uint8_t* blk) {
     for (int i = 0; i < kQBlock && ok; ++i) {
       const float t = d > 0.0f ? w[i] / d : 0.0f;
       const float r = std::nearbyint(t);
-      ok = r >= -128.0f && r <= 127.0f && same_bits(d * r, w[i]);
-      if (ok) q[i] = static_cast<int>(r);  // (only in range: a cast out of range is undefined)
+      if (!(r >= -128.0f && r <= 127.0f)) {  // (a cast out of range is undefined)
+        ok = false;
+        break;
+      }
+      q[i] = static_cast<int>(r);
+      // What the kernel computes from the stored integer: a -0 weight (d * -0) is not d * 0.
+      ok = same_bits(d * static_cast<float>(q[i]), w[i]);
     }
     if (!ok) continue;
     d16[j] = dh;
@@ -1497,6 +1508,7 @@ int ts_pack_linear_q(const float* w, int64_t n, int64_t k, int32_t bits, uint8_t
   int failed = 0;
 #pragma omp parallel for schedule(static) num_threads(num_threads) reduction(| : failed)
   for (int64_t p = 0; p < panels; ++p) {
+    if (failed) continue;  // this thread has already found a block of no such form
     uint8_t* panel = packed + p * blocks * bb;
     std::memset(panel, 0, static_cast<size_t>(blocks * bb));  // padding outputs: d = m = q = 0
     for (int j = 0; j < kPanel && !failed; ++j) {

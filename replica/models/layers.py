@@ -37,7 +37,8 @@ class Linear(nn.Module):
 
     A weight that is exactly the dequantization of a quantized checkpoint (a GGUF's Q4_1 or
     Q8_0: ``cpu_native.pack_linear_quantized``) is packed in that form instead (``bits`` 4 or
-    8): a fifth to a quarter of the bytes for a decode step to stream, the same output bits.
+    8): 1/6.4 (Q4) or 1/3.8 (Q8) of the bytes for a decode step to stream, the same output
+    bits.
     """
 
     def __init__(

@@ -5,6 +5,7 @@ panels, for every row count, tile and path; anything else is refused and stays f
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -20,11 +21,13 @@ needs_native = pytest.mark.skipif(not cpu_native.available(), reason="native ker
 ROWS = (*range(1, 19), 24, 25, 40, 97, 433, 500)  # fused tiles (1-16), scratch, row blocks
 
 
-def dequantized(shape: tuple[int, int], qtype: str, seed: int) -> torch.Tensor:
-    """A random weight as the loader gives it: quantized by the ``gguf`` package, dequantized back
-    (fp32)."""
+def dequantized(
+    shape: tuple[int, int], qtype: str, seed: int, scale: float = 0.05, values: Any = None
+) -> torch.Tensor:
+    """A random weight (or ``values``) as the loader gives it: quantized by the ``gguf``
+    package, dequantized back (fp32)."""
     gen = np.random.default_rng(seed)
-    w = (gen.standard_normal(shape) * 0.05).astype(np.float32)
+    w = (gen.standard_normal(shape) * scale if values is None else values).astype(np.float32)
     q = gguf.GGMLQuantizationType[qtype]
     back = gguf.quants.dequantize(gguf.quants.quantize(w, q), q).reshape(shape)
     return torch.from_numpy(np.ascontiguousarray(back, dtype=np.float32))
@@ -63,6 +66,26 @@ def test_quantized_panels_give_the_fp32_bits(qtype: str, bits: int, n: int, k: i
 
 
 @needs_native
+def test_edge_blocks_pack_exactly() -> None:
+    """Blocks of one value (d = 0), all zeros (padded rows), and tiny weights whose d and m are
+    fp16 subnormals: packed, and given back bit for bit."""
+    gen = torch.Generator().manual_seed(13)
+    for qtype, bits in (("Q4_1", 4), ("Q8_0", 8)):
+        w = dequantized((32, 96), qtype, 14)
+        w[0] = 0.0
+        w[1] = dequantized((1, 96), qtype, 0, values=np.full((1, 96), 0.0371))[0]  # one value
+        w[2] = dequantized((1, 96), qtype, 15, scale=5e-5)[0]  # d: fp16 subnormals (< 6.1e-5)
+        assert 0 < w[2].abs().max() < 15 * 6.1e-5 and int((w[2] != 0).sum()) > 48
+        found = cpu_native.pack_linear_quantized(w)
+        assert found is not None and found[1] == bits
+        packed, got = found
+        assert same_bits(cpu_native.unpack_linear_quantized(packed, got, 32, 96), w)
+        x = torch.randn(5, 96, generator=gen)
+        want = cpu_native.linear(x, cpu_native.pack_linear(w), 32)
+        assert same_bits(cpu_native.linear_quantized(x, packed, got, 32), want)
+
+
+@needs_native
 def test_rows_do_not_depend_on_the_batch() -> None:
     """A row's bits are the same alone, in a fused tile, in the scratch path and in any row block."""
     n, k = 72, 576
@@ -85,14 +108,20 @@ def test_weights_of_no_such_form_stay_fp32() -> None:
         broken = q4.clone()
         broken[47, 63] = bad
         assert cpu_native.pack_linear_quantized(broken) is None
-    huge = q4.clone()  # a range that overflows fp32 (w - m = inf): refused, not misread
-    huge[5, :2] = torch.tensor([-3e38, 3e38])
+    huge = q4.clone()  # (w - m) / d far outside int range: refused, not cast out of range
+    huge[5, :32] = 0.0
+    huge[5, 1] = 3e38
     assert cpu_native.pack_linear_quantized(huge) is None
+    # A -0 weight: d * -0 is -0, but the stored integer gives d * 0 = +0: refused (Q8), and Q4's
+    # fma(d, 0, m) is never -0 either.
+    q8 = dequantized((48, 64), "Q8_0", 9)
+    signed = q8.clone()
+    signed[3, 7] = -0.0
+    assert signed[3, 7].item() == 0.0 and cpu_native.pack_linear_quantized(signed) is None
     one_off = q4.clone()  # one weight one ulp away from its block's grid: the whole layer stays fp32
     one_off[30, 17] = torch.nextafter(one_off[30, 17], torch.tensor(1.0))
     assert cpu_native.pack_linear_quantized(one_off, bits_tried=(4,)) is None
-    # A Q8_0 weight is no Q4 one; Q4_1 weights with 8 bits only are refused, not misread.
-    q8 = dequantized((48, 64), "Q8_0", 9)
+    # A Q8_0 weight is no Q4 one.
     assert cpu_native.pack_linear_quantized(q8, bits_tried=(4,)) is None
     assert cpu_native.pack_linear_quantized(q8) is not None
 
@@ -117,6 +146,12 @@ def test_quantized_refusals_say_what_is_wrong() -> None:
         cpu_native.linear_quantized(torch.randn(3, 32), packed, bits, n)
     with pytest.raises(cpu_native.NativeKernelError, match="fp32 CPU \\[out, in\\]"):
         cpu_native.pack_linear_quantized(torch.zeros(4, 32, dtype=torch.float64))
+    with pytest.raises(cpu_native.NativeKernelError, match="4 or 8 bits, got 5"):
+        cpu_native.pack_linear_quantized(torch.zeros(4, 32), bits_tried=(5,))
+    with pytest.raises(cpu_native.NativeKernelError, match="40 inputs is not a multiple"):
+        cpu_native.linear_quantized(torch.randn(3, 40), packed, bits, n)
+    with pytest.raises(cpu_native.NativeKernelError, match="at 8 bits"):
+        cpu_native.unpack_linear_quantized(packed, 8, n, k)
     # The library itself refuses sizes that do not fit, without touching its output.
     lib = cpu_native._lib_or_raise()
     y = torch.full((3, n), 7.0)
