@@ -10,7 +10,8 @@ tiers mixed 10% interactive, 30% standard, 60% batch. What must hold:
 - the queue stays bounded: no replica ever reports more than ``max_waiting`` waiting;
 - the lowest tier is refused first: the share of 429s is highest for batch and lowest for
   interactive; the interactive tier's time to first token stays bounded: its p90 over the last
-  20 s is at most three times that over the 20 s before (no growth once the queues are full);
+  20 s is at most three times that over the 20 s before, or twice the time the sustainable rate
+  takes to serve the ingress's in-flight cap (no growth once the queues are full);
 - afterwards the cluster is back at its baseline: nothing waiting or running, every block free,
   and it serves a normal request.
 """
@@ -170,7 +171,11 @@ def test_ten_times_the_sustainable_rate_for_a_minute(burst_app: ServeApp) -> Non
 
     middle, last = p90(20.0, 40.0), p90(40.0, 60.0)
     print(f"interactive p90 TTFT, 20-40 s: {middle:.2f} s, 40-60 s: {last:.2f} s")
-    assert last <= 3.0 * middle, (middle, last)
+    # Three times the window before, or (on a machine whose speed moves during the minute) the
+    # time to serve every request the ingress lets in twice over: an unbounded queue would be
+    # past both (here 25 requests a second more than served pile up: minutes by the end).
+    drain = 2.0 * ARGS["max_inflight_requests"] / sustainable
+    assert last <= max(3.0 * middle, drain), (middle, last, drain)
     # Back to baseline.
     stats = burst_app.wait_idle()
     assert {k: s["free_blocks"] for k, s in stats.items()} == burst_app.baseline
