@@ -11,6 +11,7 @@ own block ids: one source of truth for how many blocks exist.
 from __future__ import annotations
 
 import math
+import mmap
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -102,19 +103,38 @@ def choose_num_blocks(
 
 
 ALIGN_BYTES = 64  # a cache line, and one AVX-512 register
+HUGE_PAGE_BYTES = 2 << 20  # x86-64's transparent huge page
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault every page of a range in, writable, now
 
 
-def zeroed(dims: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed tensor. On the CPU its memory comes zeroed from the allocator (``calloc``: for a
-    large block the OS's fresh pages, zeroed when first touched) instead of being written with
-    zeros at start-up, as ``torch.zeros`` does (about 0.3 s for a 512 MiB pool); 64-byte
-    aligned like torch's own CPU allocations."""
+def zeroed(
+    dims: tuple[int, ...], dtype: torch.dtype, device: torch.device, *, populate: bool = True
+) -> torch.Tensor:
+    """A zeroed tensor. On the CPU its memory is an anonymous mapping of its own (the OS's zeroed
+    pages), aligned to a huge page and advised for transparent huge pages (used where the kernel
+    runs them in ``madvise`` mode, as is common; elsewhere the advice is ignored).
+
+    ``populate`` (the default) faults every page in now: a page touched for the first time costs a
+    fault and its zeroing, some microseconds per 4 KiB page, and a lazily mapped pool would pay
+    that inside the serving steps that first write each block (measured at 6% of an offline run
+    on the real model). Reserving the pool at start-up also means a machine without the memory
+    fails then, not under load. ``populate=False`` leaves the pages to the first touch."""
     if device.type != "cpu":
         return torch.zeros(dims, dtype=dtype, device=device)
-    nbytes = math.prod(dims) * dtype.itemsize
-    raw = np.zeros(nbytes + ALIGN_BYTES, dtype=np.uint8)  # calloc; kept alive by the tensor
-    start = -raw.ctypes.data % ALIGN_BYTES
-    return torch.from_numpy(raw[start:start + nbytes]).view(dtype).view(dims)
+    nbytes = max(1, math.prod(dims) * dtype.itemsize)
+    region = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    raw = np.frombuffer(region, dtype=np.uint8)  # keeps the mapping alive with the tensor
+    start = -raw.ctypes.data % HUGE_PAGE_BYTES
+    for advice in (getattr(mmap, "MADV_HUGEPAGE", None),) + ((_MADV_POPULATE_WRITE,) if populate else ()):
+        if advice is None:
+            continue
+        try:
+            region.madvise(advice, start, nbytes)
+        except (OSError, ValueError):  # an older kernel, or THP compiled out
+            if advice == _MADV_POPULATE_WRITE:
+                raw[start:start + nbytes : mmap.PAGESIZE] = 0  # touch one byte per page
+    body = raw[start:start + math.prod(dims) * dtype.itemsize]
+    return torch.from_numpy(body).view(dtype).view(dims)
 
 
 class KVPool:

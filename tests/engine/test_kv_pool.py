@@ -37,3 +37,31 @@ def test_a_pool_without_blocks_is_refused() -> None:
     shape = KVShape(layers=1, kv_heads=1, head_dim=8, block_tokens=4, dtype=torch.float32)
     with pytest.raises(ValueError, match="num_blocks must be positive, got 0"):
         KVPool(shape, num_blocks=0)
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("Rss:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no Rss line in /proc/self/smaps_rollup")
+
+
+def test_zeroed_reserves_its_memory_at_once_unless_told_not_to() -> None:
+    dims = (512, 16, 4, 64)  # 8 MiB of fp32
+    nbytes = 512 * 16 * 4 * 64 * 4
+    before = _rss_bytes()
+    lazy = zeroed(dims, torch.float32, torch.device("cpu"), populate=False)
+    assert _rss_bytes() - before < nbytes // 2  # mapped, not yet resident
+    before = _rss_bytes()
+    eager = zeroed(dims, torch.float32, torch.device("cpu"))
+    assert _rss_bytes() - before >= nbytes * 9 // 10  # resident before the first write
+    for t in (lazy, eager):
+        assert not t.any() and t.data_ptr() % ALIGN_BYTES == 0
+        t[-1] = 3.0  # the last element of the mapping is writable
+        assert t.sum().item() == pytest.approx(3.0 * 16 * 4 * 64)
+
+
+def test_zeroed_of_no_elements_is_an_empty_tensor() -> None:
+    t = zeroed((0, 16, 2, 8), torch.float32, torch.device("cpu"))
+    assert t.shape == (0, 16, 2, 8) and t.numel() == 0
