@@ -10,6 +10,7 @@ own block ids: one source of truth for how many blocks exist.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import mmap
 from collections.abc import Sequence
@@ -121,19 +122,19 @@ def zeroed(
     fails then, not under load. ``populate=False`` leaves the pages to the first touch."""
     if device.type != "cpu":
         return torch.zeros(dims, dtype=dtype, device=device)
-    nbytes = max(1, math.prod(dims) * dtype.itemsize)
+    nbytes = math.prod(dims) * dtype.itemsize
     region = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     raw = np.frombuffer(region, dtype=np.uint8)  # keeps the mapping alive with the tensor
     start = -raw.ctypes.data % HUGE_PAGE_BYTES
-    for advice in (getattr(mmap, "MADV_HUGEPAGE", None),) + ((_MADV_POPULATE_WRITE,) if populate else ()):
-        if advice is None:
-            continue
-        try:
-            region.madvise(advice, start, nbytes)
-        except (OSError, ValueError):  # an older kernel, or THP compiled out
-            if advice == _MADV_POPULATE_WRITE:
-                raw[start:start + nbytes : mmap.PAGESIZE] = 0  # touch one byte per page
-    body = raw[start:start + math.prod(dims) * dtype.itemsize]
+    body = raw[start:start + nbytes]
+    if nbytes:
+        with contextlib.suppress(OSError):  # a kernel built without transparent huge pages
+            region.madvise(mmap.MADV_HUGEPAGE, start, nbytes)
+        if populate:
+            try:
+                region.madvise(_MADV_POPULATE_WRITE, start, nbytes)
+            except OSError:  # a kernel older than 5.14
+                body[:: mmap.PAGESIZE] = 0  # touch one byte per page
     return torch.from_numpy(body).view(dtype).view(dims)
 
 

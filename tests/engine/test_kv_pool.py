@@ -65,3 +65,17 @@ def test_zeroed_reserves_its_memory_at_once_unless_told_not_to() -> None:
 def test_zeroed_of_no_elements_is_an_empty_tensor() -> None:
     t = zeroed((0, 16, 2, 8), torch.float32, torch.device("cpu"))
     assert t.shape == (0, 16, 2, 8) and t.numel() == 0
+
+
+def test_zeroed_touches_every_page_where_the_kernel_cannot_populate(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import replica.kv_pool as kv_pool
+
+    monkeypatch.setattr(kv_pool, "_MADV_POPULATE_WRITE", -1)  # refused with EINVAL, as by an old kernel
+    dims = (512, 16, 4, 64)
+    nbytes = 512 * 16 * 4 * 64 * 4
+    before = _rss_bytes()
+    t = zeroed(dims, torch.float32, torch.device("cpu"))
+    assert _rss_bytes() - before >= nbytes * 9 // 10
+    assert not t.any()
