@@ -7,7 +7,8 @@ Nothing here asserts on time.
 
 One engine (``replica.llm.LLM``, the benchmark's options) generates the mix once after a short
 warm-up, with every op of the model wrapped by a timer: each linear layer by its shape (``in x
-out``), attention split into steps of decode rows only and steps with prefill rows, the native
+out``, then ``decode`` in steps of decode rows only, ``prefill`` in steps with prefill rows),
+attention split the same way (steps of decode rows only, steps with prefill rows), the native
 RMSNorm (with its residual add), SiLU-and-mul and rotary-with-KV-store. It prints each op's
 seconds and share of the forward's time, the calls, and for the linear layers the GFLOP/s they
 ran at (2 x in x out per row); what is left of the forward (embedding, index ops, glue) is
@@ -103,6 +104,13 @@ def instrumented(timer: OpTimer, runner: Any) -> Iterator[None]:
         undo.append(lambda: setattr(owner, name, old))
 
     lin_forward = layers.Linear.forward
+    model_forward = llama.LlamaModel.forward
+    step = {"kind": "decode"}  # the kind of the step being run: its linears are named by it
+
+    def model(self: Any, input_ids: torch.Tensor, positions: torch.Tensor, kv: Any,
+              meta: Any) -> Any:
+        step["kind"] = "decode" if meta.num_tokens == meta.num_seqs else "prefill"
+        return model_forward(self, input_ids, positions, kv, meta)
 
     def linear(self: Any, x: torch.Tensor) -> torch.Tensor:
         t = time.perf_counter()
@@ -110,7 +118,7 @@ def instrumented(timer: OpTimer, runner: Any) -> Iterator[None]:
             return lin_forward(self, x)
         finally:
             flops = 2.0 * x.shape[0] * self.in_features * self.out_features
-            timer.add(f"linear {self.in_features}x{self.out_features}",
+            timer.add(f"linear {self.in_features}x{self.out_features}, {step['kind']}",
                       time.perf_counter() - t, flops)
 
     attend = llama.attention
@@ -124,6 +132,7 @@ def instrumented(timer: OpTimer, runner: Any) -> Iterator[None]:
             kind = "decode rows only" if meta.num_tokens == meta.num_seqs else "with prefill rows"
             timer.add(f"attention, {kind}", time.perf_counter() - t)
 
+    patch(llama.LlamaModel, "forward", model)
     patch(layers.Linear, "forward", linear)
     patch(llama, "attention", attention)
     for name, op in (("rms_norm", "rms_norm (+ residual add)"), ("silu_and_mul", "silu_and_mul"),

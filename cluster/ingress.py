@@ -9,9 +9,10 @@ large, 429 full queue or shed load (with ``Retry-After``), 503 no replica can se
 
 
 import asyncio
+import contextlib
 import json
 import logging
-from collections.abc import AsyncIterable, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -130,6 +131,23 @@ class _Call:
     logprobs: bool = False
     include_usage: bool = False
     continuous_usage: bool = False
+
+
+@dataclass(slots=True)
+class _Route:
+    """One request's sends to the replicas: what every send carries, how many more sends a
+    replica failure allows, the replicas that failed it, and whether any of its answer has gone
+    to the client (then it is not sent again)."""
+
+    sampling: SamplingParams
+    caller: Caller
+    retries_left: int
+    avoid: list[str] = field(default_factory=list)
+    committed: bool = False
+
+    @property
+    def can_resend(self) -> bool:
+        return self.retries_left > 0 and not self.committed
 
 
 @dataclass(slots=True)
@@ -400,31 +418,22 @@ class Ingress:
 
     async def _generate(self, stream_out: bool, call: _Call, sampling: SamplingParams,
                         caller: Caller) -> Response:
-        stream, first = await self._start(call, sampling, caller)
-        if first is None:
-            raise ApiError(503, "the replica ended the request without an answer", "no_answer")
-        if isinstance(first, ErrorRecord):
-            raise ApiError(first.status, first.message, first.code, first.param)
+        route = _Route(sampling, caller, self.cfg.replica_retries)
+        stream, first = await self._start(call, route)
         rid = new_id("chatcmpl" if call.chat else "cmpl")
         if stream_out:
-            gen = self._sse(stream, first, rid, call)
+            gen = self._sse(self._items(call, route, stream, first), rid, call, route)
             return StreamingResponse(gen, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         choices = [_Choice() for _ in range(call.n)]
-        try:
-            item: RequestOutput | ErrorRecord | None = first
-            while True:
-                if not isinstance(item, RequestOutput):
-                    raise ApiError(503, "the replica sent a malformed stream", "replica_failed")
+        async with contextlib.aclosing(self._items(call, route, stream, first)) as items:
+            async for item in items:
+                if item is None:  # sent again: start over
+                    choices = [_Choice() for _ in range(call.n)]
+                    continue
                 choices[item.index].add(item)
                 if all(c.finish_reason is not None for c in choices):
                     break
-                item = await self._next(stream)
-                if item is None:
-                    raise ApiError(503, "the replica stopped streaming", "replica_failed")
-        except BaseException:
-            stream.cancel()
-            raise
         failed = next((c for c in choices if c.finish_reason == "error"), None)
         if failed is not None:
             raise ApiError(503, failed.failure or "the replica failed", "replica_failed")
@@ -464,40 +473,85 @@ class Ingress:
             entries = list(c.prompt_logprobs or [None] * len(call.ids)) + entries
         return completion_logprobs(entries, self.token_text, offset, call.ids if first else ())
 
-    async def _start(self, call: _Call, sampling: SamplingParams, caller: Caller
-                     ) -> tuple[Any, RequestOutput | ErrorRecord | None]:
-        """Send the request and wait for its first item. A replica that fails before it (its
+    async def _start(self, call: _Call, route: _Route) -> tuple[Any, RequestOutput]:
+        """Send the request and wait for its first delta. A replica that fails before it (its
         actor died or is unreachable, or its engine has failed) has produced nothing for this
-        request, so the request is sent again (the router drops a dead replica, and Serve an
-        unhealthy one) up to ``replica_retries`` times."""
+        request, so the request is sent again while ``route`` allows (Serve's router drops a dead
+        actor; a replica whose engine failed names itself and is avoided). A refusal
+        (``ErrorRecord``) is raised as the HTTP error it names."""
         prefixes: tuple[int, ...] = ()
-        if self.prefix_root is not None and sampling.prompt_logprobs is None:
+        if self.prefix_root is not None and route.sampling.prompt_logprobs is None:
             prefixes = tuple(block_hashes(call.ids, self.cfg.engine.block_size, self.prefix_root))
-        for attempt in range(self.cfg.replica_retries + 1):
+        caller = route.caller
+        while True:
             stream = self.llm.generate.remote(GenerateRequest(
-                prompt_ids=tuple(call.ids), sampling=sampling, priority=caller.priority,
+                prompt_ids=tuple(call.ids), sampling=route.sampling, priority=caller.priority,
                 tier=caller.tier.name, queue_share=caller.tier.queue_share, n=call.n,
-                latency=caller.latency, prefix_hashes=prefixes))
+                latency=caller.latency, prefix_hashes=prefixes,
+                avoid_replicas=tuple(route.avoid)))
             try:
                 first = await self._next(stream)
-                if isinstance(first, ErrorRecord) and first.code == "replica_unavailable":
-                    raise ApiError(503, first.message, "replica_unavailable")
-                if (isinstance(first, RequestOutput) and first.finish_reason == "error"
-                        and not first.completion_tokens):  # failed before its first token
+                if first is None:
+                    raise ApiError(503, "the replica ended the request without an answer",
+                                   "no_answer")
+                if isinstance(first, ErrorRecord):
+                    if first.code == "replica_unavailable" and first.replica:
+                        route.avoid.append(first.replica)
+                    raise ApiError(first.status, first.message, first.code, first.param)
+                if first.finish_reason == "error" and not first.completion_tokens:
                     raise ApiError(503, str(first.failure), "replica_unavailable")
                 return stream, first
             except ApiError as e:
                 stream.cancel()
-                if e.code != "replica_unavailable" or attempt == self.cfg.replica_retries:
+                if e.code != "replica_unavailable" or route.retries_left <= 0:
                     raise
-                log.warning("retrying a request whose replica failed before answering "
-                            "(attempt %d of %d)", attempt + 2, self.cfg.replica_retries + 1)
+                route.retries_left -= 1
+                attempt = self.cfg.replica_retries - route.retries_left
+                log.warning("sending again a request whose replica failed before answering "
+                            "(send %d of %d): %s", attempt + 1, self.cfg.replica_retries + 1,
+                            e.message)
                 # Give the router and Serve time to see the failure (a report, a health check).
-                await asyncio.sleep(0.5 * 2**attempt)
+                await asyncio.sleep(0.5 * 2 ** (attempt - 1))
             except BaseException:
                 stream.cancel()
                 raise
-        raise AssertionError("unreachable")
+
+    async def _items(self, call: _Call, route: _Route, stream: Any, first: RequestOutput
+                     ) -> AsyncGenerator[RequestOutput | None, None]:
+        """The request's deltas, ``first`` first. When its replica fails (the actor dies or the
+        engine fails) before any of the answer has gone to the client, the request is sent
+        again while ``route`` allows, and None is yielded: the answer starts over. Otherwise a
+        failed actor raises ``ApiError`` and a failed engine's delta (``finish_reason`` "error")
+        is yielded as it is."""
+        item: RequestOutput | ErrorRecord | None = first
+        try:
+            while True:
+                if item is None:
+                    raise ApiError(503, "the replica stopped streaming", "replica_failed")
+                if not isinstance(item, RequestOutput):
+                    raise ApiError(503, "the replica sent a malformed stream", "replica_failed")
+                if item.finish_reason == "error" and route.can_resend:
+                    stream, item = await self._resend(call, route, stream, str(item.failure))
+                    yield None
+                    continue
+                yield item
+                try:
+                    item = await self._next(stream)
+                except ApiError as e:
+                    if e.code != "replica_unavailable" or not route.can_resend:
+                        raise
+                    stream, item = await self._resend(call, route, stream, e.message)
+                    yield None
+        finally:
+            stream.cancel()
+
+    async def _resend(self, call: _Call, route: _Route, stream: Any, why: str
+                      ) -> tuple[Any, RequestOutput]:
+        stream.cancel()
+        route.retries_left -= 1
+        log.warning("sending again a request whose replica failed before any of its answer "
+                    "went out: %s", why)
+        return await self._start(call, route)
 
     async def _next(self, stream: Any) -> RequestOutput | ErrorRecord | None:
         try:
@@ -512,15 +566,15 @@ class Ingress:
             raise ApiError(503, f"no replica could serve the request ({type(e).__name__})",
                            "replica_unavailable") from None
 
-    async def _sse(self, stream: Any, first: RequestOutput, rid: str,
-                   call: _Call) -> AsyncIterator[str]:
+    async def _sse(self, items: AsyncGenerator[RequestOutput | None, None], rid: str, call: _Call,
+                   route: _Route) -> AsyncIterator[str]:
         """One SSE event per delta, as each engine step makes it: the text and (when asked)
         the log-probabilities of that step's tokens, per choice; usage in every chunk with
-        ``continuous_usage_stats``, in a last chunk with ``include_usage``."""
+        ``continuous_usage_stats``, in a last chunk with ``include_usage``. Until the first of
+        them goes out, a failed replica's request may be sent again (``_items``)."""
         created = now()
         model = self.cfg.model_name
         choices = [_Choice() for _ in range(call.n)]
-        item: RequestOutput | ErrorRecord | None = first
         try:
             if call.chat:
                 for i in range(call.n):
@@ -530,9 +584,10 @@ class Ingress:
                                                  delta=ChatDelta(role="assistant", content=""))],
                         usage=self._usage(call, choices) if call.continuous_usage else None)
                     yield sse_event(head.model_dump_json())
-            while item is not None:
-                if not isinstance(item, RequestOutput):
-                    raise ApiError(503, "the replica sent a malformed stream", "replica_failed")
+            async for item in items:
+                if item is None:  # sent again before any of the answer went out: start over
+                    choices = [_Choice() for _ in range(call.n)]
+                    continue
                 index = item.index
                 c = choices[index]
                 first_of_choice = not c.started
@@ -544,6 +599,7 @@ class Ingress:
                     err = {"error": {"message": c.failure or "the replica failed",
                                      "type": "service_unavailable", "code": "replica_failed",
                                      "param": None}}
+                    route.committed = True
                     yield f"data: {json.dumps(err)}\n\n"
                     break
                 lps = c.logprobs[new_logprobs:]
@@ -567,6 +623,7 @@ class Ingress:
                                 index=index, text=echo + item.text, finish_reason=reason,
                                 logprobs=self._completion_logprobs(
                                     call, part, offset, first_of_choice))])
+                    route.committed = True
                     yield sse_event(chunk.model_dump_json(exclude_none=False))
                 if all(ch.finish_reason is not None for ch in choices):
                     if call.include_usage:
@@ -575,12 +632,11 @@ class Ingress:
                             usage=self._usage(call, choices))
                         yield sse_event(tail.model_dump_json())
                     break
-                item = await self._next(stream)
             yield "data: [DONE]\n\n"
         except ApiError as e:
-            err = {"error": {"message": e.message, "type": "service_unavailable", "code": e.code,
-                             "param": None}}
+            err = {"error": {"message": e.message, "type": _TYPES.get(e.status, "server_error"),
+                             "code": e.code, "param": e.param}}
             yield f"data: {json.dumps(err)}\n\n"
             yield "data: [DONE]\n\n"
         finally:
-            stream.cancel()
+            await items.aclose()

@@ -154,6 +154,8 @@ class GenerateRequest:
     ``prefix_hashes``: the names of the prompt's full blocks in the replicas' prefix caches
     (``replica.prefix_cache.block_hashes``), for the router's prefix affinity; empty when the
     cache is off. The replica does not read them (it names its blocks itself).
+    ``avoid_replicas``: unique ids of replicas that failed this request before it produced
+    anything (``ErrorRecord.replica``): the router sends a retry elsewhere while it can.
     """
 
     prompt_ids: tuple[int, ...]
@@ -164,6 +166,7 @@ class GenerateRequest:
     n: int = 1
     latency: bool = False
     prefix_hashes: tuple[int, ...] = ()
+    avoid_replicas: tuple[str, ...] = ()
 
     @property
     def prompt_tokens(self) -> int:
@@ -210,6 +213,7 @@ class ErrorRecord:
     code: str  # machine-readable reason (``queue_full``, ``never_fits``, ...)
     message: str
     param: str | None = None
+    replica: str = ""  # the refusing replica's unique id, where Serve runs it
 
 
 StreamItem = RequestOutput | ErrorRecord

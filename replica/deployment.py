@@ -47,6 +47,14 @@ def _cpu_share() -> int | None:
         return None
 
 
+def _replica_id() -> str:
+    """This replica's unique id within its deployment ("" outside a Serve replica)."""
+    try:
+        return str(serve.get_replica_context().replica_id.unique_id)
+    except Exception:  # built directly (tests, tools): no Serve context
+        return ""
+
+
 class LLMServer:
     """One replica: scheduler, KV pool and runner of one model."""
 
@@ -71,6 +79,7 @@ class LLMServer:
         self.engine.start()
         self.metrics.start(self.stats)
         self.started = time.time()
+        self.replica_id = _replica_id()
         log.info("replica ready: %s", self.engine.stats())
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[StreamItem]:
@@ -92,15 +101,24 @@ class LLMServer:
         stream = self.engine.generate(
             list(request.prompt_ids), request.sampling, request.priority, request.tier, n=request.n
         )
+        produced = False
         try:
             async for out in stream:
+                if not produced and out.finish_reason == "error" and not out.completion_tokens:
+                    # The engine failed before this request produced anything: refuse it, so the
+                    # ingress sends it to another replica (the rest of its samples are aborted).
+                    yield ErrorRecord(503, "replica_unavailable",
+                                      out.failure or "the replica's engine failed",
+                                      replica=self.replica_id)
+                    return
+                produced = True
                 yield out
         except AdmitError as e:
             yield refusal(e)
         except InvalidToken as e:
             yield ErrorRecord(400, "invalid_token", str(e), e.param)
         except EngineDead as e:
-            yield ErrorRecord(503, "replica_unavailable", str(e))
+            yield ErrorRecord(503, "replica_unavailable", str(e), replica=self.replica_id)
         except ValueError as e:
             yield ErrorRecord(400, "invalid_request", str(e))
         finally:
@@ -140,6 +158,8 @@ class LLMServer:
         try:
             import ray
 
+            if not ray.is_initialized():  # (asking would start a Ray instance)
+                return ""
             return str(ray.get_runtime_context().get_actor_name())
         except Exception:
             return ""

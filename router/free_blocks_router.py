@@ -24,6 +24,10 @@ inherits that request's id. Charges are therefore kept as a list per (replica, i
 router mixes in ``FIFOMixin``: with Serve's default exact-id matching, concurrent calls that
 share an id never get a replica (they hang).
 
+A retry (``GenerateRequest.avoid_replicas`` names the replicas that failed it) is ranked among
+the other candidates only, while there are any: a replica whose engine failed keeps reporting
+itself alive until its next routing-stats report reaches us.
+
 Serve pickles this module by value (see ``router.registry``): keep process-wide state out of it.
 """
 
@@ -62,6 +66,19 @@ def request_shape(pending_request: PendingRequest) -> RequestShape:
     if args and isinstance(args[0], GenerateRequest):
         return RequestShape.from_request(args[0])
     return RequestShape(prompt_tokens=0)
+
+
+def avoiding(
+    candidates: list[RunningReplica], pending_request: PendingRequest
+) -> list[RunningReplica]:
+    """``candidates`` less the replicas the request asks to avoid (``avoid_replicas``: they
+    failed it before), unless that leaves none."""
+    args = pending_request.args
+    if not (args and isinstance(args[0], GenerateRequest) and args[0].avoid_replicas):
+        return candidates
+    avoid = set(args[0].avoid_replicas)
+    others = [r for r in candidates if r.replica_id.unique_id not in avoid]
+    return others or candidates
 
 
 class FreeKVBlocksRouter(FIFOMixin, RequestRouter):
@@ -121,6 +138,7 @@ class FreeKVBlocksRouter(FIFOMixin, RequestRouter):
 
         pending_request.routing_context.should_backoff = True
         request = request_shape(pending_request)
+        candidate_replicas = avoiding(candidate_replicas, pending_request)
         with self._lock:
             ranked = self._state.route(
                 id(pending_request),

@@ -259,3 +259,23 @@ def test_a_call_without_a_generate_request_is_ranked_as_an_empty_request() -> No
         assert outstanding(router) == {"a": 0, "b": 1}
 
     run(body, FakeReplica("a", 64, total=64), FakeReplica("b", 10, total=256))
+
+
+def test_a_retry_avoids_the_replicas_that_failed_it_while_another_remains() -> None:
+    async def body(router: FreeKVBlocksRouter, reps: list[FakeReplica]) -> None:
+        def retry(*avoid: str) -> PendingRequest:
+            sent = GenerateRequest((1,) * 255, SamplingParams(max_tokens=32), latency=True,
+                                   avoid_replicas=avoid)
+            return PendingRequest(args=[sent], kwargs={}, metadata=metadata(f"r{id(sent)}"))
+
+        candidates = list(router.curr_replicas.values())
+        # b has the most free blocks (its stale report still says alive): avoided, c is next.
+        groups = await router.choose_replicas(candidates, retry("b"))
+        assert [g[0].replica_id.unique_id for g in groups] == ["c", "a"]
+        groups = await router.choose_replicas(candidates, retry("b", "c"))
+        assert [g[0].replica_id.unique_id for g in groups] == ["a"]
+        # Every replica failed it: the ranking of all (a send somewhere beats none).
+        groups = await router.choose_replicas(candidates, retry("a", "b", "c"))
+        assert [g[0].replica_id.unique_id for g in groups] == ["b", "c", "a"]
+
+    run(body, FakeReplica("a", 10), FakeReplica("b", 200), FakeReplica("c", 100))
