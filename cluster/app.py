@@ -35,6 +35,9 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     llm = LLMDeployment.bind(engine=engine, fault_injection=cfg.fault_injection,
                              tiers=[t.name for t in cfg.tiers])
     return cast(Deployment, Ingress).bind(llm, cfg.model_dump(mode="python", exclude={"tiers"}) | {
-        "tiers": [t.model_dump() | {"api_keys": [k.get_secret_value() for k in t.api_keys]}
+        "tiers": [t.model_dump() | {
+            "api_keys": [k.get_secret_value() for k in t.api_keys],
+            "tenants": [n.model_dump() | {"api_keys": [k.get_secret_value() for k in n.api_keys]}
+                        for n in t.tenants]}
                   for t in cfg.tiers]
     })

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
@@ -16,6 +17,19 @@ from replica.config import EngineConfig
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+TENANT_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+
+
+class TenantConfig(_Strict):
+    """A tenant of a tier: its name (in metrics), its weight in the tier's fair share (a tenant
+    of weight 2 gets twice the tokens of one of weight 1 while both are backlogged) and the API
+    keys that identify it (written as a tier's ``api_keys`` are)."""
+
+    name: str = Field(pattern=TENANT_NAME)
+    weight: float = Field(default=1.0, gt=0.0, le=1000.0)
+    api_keys: list[SecretStr] = Field(default_factory=list)
 
 
 class TierConfig(_Strict):
@@ -28,7 +42,16 @@ class TierConfig(_Strict):
     base_priority: the priority of a request that asks for none. max_priority: the highest the
     ``X-TL-Priority`` header may ask for. queue_share: the fraction of a replica's waiting queue
     this tier may fill before its requests are refused with 429 (lower tiers get smaller shares,
-    so under overload they are refused first).
+    so under overload they are refused first); with flow control, also the share of the
+    ingress's dispatch window (``FlowConfig``) its requests may occupy.
+
+    ttft_target_s, tpot_target_s: the latency the tier promises (time to first token, time per
+    output token after it; None: no target). The replicas' SLO-aware steps keep the TPOT
+    target (docs/scheduler.md §8); both are counted as met or missed per request
+    (``tierserve_slo_requests``). max_held, held_ttl_s: with flow control, how many of its
+    requests the ingress may hold while no replica can start them, and for how long one may be
+    held, before it is shed. tenants: named tenants with weights and keys; each key of
+    ``api_keys`` is a tenant of its own (named ``<tier>-key<N>``, weight 1).
     """
 
     name: str = Field(pattern=r"^[a-z][a-z0-9_-]{0,31}$")
@@ -36,6 +59,11 @@ class TierConfig(_Strict):
     max_priority: int = Field(ge=-1000, le=1000)
     queue_share: float = Field(default=1.0, gt=0.0, le=1.0)
     api_keys: list[SecretStr] = Field(default_factory=list)
+    ttft_target_s: float | None = Field(default=None, gt=0.0, le=3600.0)
+    tpot_target_s: float | None = Field(default=None, gt=0.0, le=60.0)
+    max_held: int = Field(default=256, ge=0)
+    held_ttl_s: float = Field(default=30.0, gt=0.0, le=3600.0)
+    tenants: list[TenantConfig] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _ordered(self) -> TierConfig:
@@ -44,15 +72,51 @@ class TierConfig(_Strict):
                 f"tier {self.name!r}: max_priority ({self.max_priority}) is below base_priority "
                 f"({self.base_priority})"
             )
+        names = [t.name for t in self.tenants]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tier {self.name!r}: tenant names must be unique, got {names}")
         return self
+
+    def all_keys(self) -> list[tuple[str, str]]:
+        """(tenant name, key reference) of every key of this tier."""
+        keys = [(f"{self.name}-key{i}", k.get_secret_value()) for i, k in enumerate(self.api_keys)]
+        return keys + [(t.name, k.get_secret_value()) for t in self.tenants for k in t.api_keys]
+
+    def weight_of(self, tenant: str) -> float:
+        return next((t.weight for t in self.tenants if t.name == tenant), 1.0)
 
 
 def _default_tiers() -> list[TierConfig]:
+    """The default config's tiers and targets (sized for SmolLM2-135M on a CPU core, where a
+    lone request's time per output token is about 25 ms and its p99 about 50 ms)."""
     return [
-        TierConfig(name="interactive", base_priority=10, max_priority=15, queue_share=1.0),
-        TierConfig(name="standard", base_priority=5, max_priority=9, queue_share=0.8),
-        TierConfig(name="batch", base_priority=0, max_priority=4, queue_share=0.5),
+        TierConfig(name="interactive", base_priority=10, max_priority=15, queue_share=1.0,
+                   ttft_target_s=3.0, tpot_target_s=0.1, max_held=256, held_ttl_s=10.0),
+        TierConfig(name="standard", base_priority=5, max_priority=9, queue_share=0.8,
+                   ttft_target_s=15.0, tpot_target_s=0.5, max_held=256, held_ttl_s=30.0),
+        TierConfig(name="batch", base_priority=0, max_priority=4, queue_share=0.5,
+                   ttft_target_s=60.0, max_held=128, held_ttl_s=60.0),
     ]
+
+
+class FlowConfig(_Strict):
+    """Flow control at the ingress (``cluster/flow.py``).
+
+    enabled: hold requests at the ingress while the replicas cannot start them (off: every
+    request goes straight to a replica, as before). starting_per_replica: requests dispatched
+    to a replica and not yet answering (no first token yet) at most, per replica: the dispatch
+    window (a tier may use its ``queue_share`` of it). max_held: requests held at most, all
+    tiers (a full queue evicts from the lowest tier first). shed_status: the status of a shed
+    request (429 with ``Retry-After``, or 503). tenant_header: a header naming the tenant
+    inside the caller's tier (for gateways that authenticate upstream); None: tenants are API
+    keys.
+    """
+
+    enabled: bool = True
+    starting_per_replica: int = Field(default=8, ge=1, le=4096)
+    max_held: int = Field(default=1024, ge=0)
+    shed_status: Literal[429, 503] = 429
+    tenant_header: str | None = Field(default=None, pattern=r"^[A-Za-z0-9-]{1,64}$")
 
 
 class ClusterConfig(_Strict):
@@ -66,7 +130,8 @@ class ClusterConfig(_Strict):
     through the ingress at most (a tier may use its ``queue_share`` of them); beyond, 429.
     max_n: the most samples (``n``) one request may ask for. replica_retries: how many times a request whose
     replica failed before its first token is sent again (to another replica). fault_injection:
-    lets ``LLMServer.inject_fault`` break a replica (for the fault tests only).
+    lets ``LLMServer.inject_fault`` break a replica (for the fault tests only). flow: flow
+    control at the ingress (``FlowConfig``).
     """
 
     engine: EngineConfig = Field(default_factory=EngineConfig)
@@ -81,6 +146,7 @@ class ClusterConfig(_Strict):
     max_inflight_requests: int = Field(default=1024, gt=0)
     max_n: int = Field(default=8, ge=1, le=128)
     fault_injection: bool = False
+    flow: FlowConfig = Field(default_factory=FlowConfig)
 
     @field_validator("tiers")
     @classmethod
@@ -88,7 +154,7 @@ class ClusterConfig(_Strict):
         names = [t.name for t in tiers]
         if len(set(names)) != len(names):
             raise ValueError(f"tier names must be unique, got {names}")
-        keys = [k.get_secret_value() for t in tiers for k in t.api_keys]
+        keys = [k for t in tiers for _, k in t.all_keys()]
         if len(set(keys)) != len(keys):
             raise ValueError("an API key is listed in more than one tier")
         return tiers
@@ -100,7 +166,7 @@ class ClusterConfig(_Strict):
                 f"default_tier {self.default_tier!r} is not one of the tiers "
                 f"{[t.name for t in self.tiers]}"
             )
-        if self.default_tier is None and not any(t.api_keys for t in self.tiers):
+        if self.default_tier is None and not any(t.all_keys() for t in self.tiers):
             raise ValueError(
                 "default_tier is null (an API key is required) but no tier has api_keys: no "
                 "request could ever be served; add keys or name a default tier"

@@ -1,8 +1,11 @@
 """The HTTP front door: FastAPI under ``@serve.ingress``, an OpenAI-compatible subset.
 
-One request: validate the body (pydantic, strict), resolve the caller's tier and priority, tokenize,
-then call the engine deployment's streaming ``generate`` through a handle whose router is
-``router.free_blocks_router.FreeKVBlocksRouter``. Errors are OpenAI-shaped JSON
+One request: validate the body (pydantic, strict), resolve the caller's tier, priority and
+tenant, tokenize, pass the flow-control gate (``cluster.gate``: held while no replica can start
+it, fair between tenants, shed from the lowest tier first), then call the engine deployment's
+streaming ``generate`` through a handle whose router is
+``router.free_blocks_router.FreeKVBlocksRouter``. When it ends, whether it met its tier's targets
+is counted (goodput). Errors are OpenAI-shaped JSON
 (``{"error": {"message", "type", "code", "param"}}``): 400 bad input, 401 bad key, 413 body too
 large, 429 full queue or shed load (with ``Retry-After``), 503 no replica can serve.
 """
@@ -12,6 +15,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +27,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.config import ClusterConfig
+from cluster.gate import FlowGate, Shed, Ticket
 from cluster.logprobs import TokenText, chat_logprobs, completion_logprobs
 from cluster.metrics import IngressMetrics
 from cluster.openapi import openapi_schema
@@ -45,7 +50,7 @@ from cluster.protocol import (
     now,
     usage,
 )
-from cluster.tiers import AuthError, Caller, PriorityError, TierResolver
+from cluster.tiers import AuthError, Caller, PriorityError, TenantError, TierResolver
 from replica.api import (
     ErrorRecord,
     GenerateRequest,
@@ -56,6 +61,7 @@ from replica.api import (
 )
 from replica.models.meta import load_model_config, load_tokenizer
 from replica.prefix_cache import block_hashes
+from router import registry
 
 log = logging.getLogger("tierserve.ingress")
 
@@ -144,6 +150,14 @@ class _Route:
     retries_left: int
     avoid: list[str] = field(default_factory=list)
     committed: bool = False
+    # Goodput: when the ingress took the request, its first sample's first and last token
+    # times and tokens; the flow-control ticket (None with flow control off).
+    arrival: float = field(default_factory=time.monotonic)
+    first: float | None = None
+    last: float | None = None
+    tokens: int = 0
+    ticket: Ticket | None = None
+    counted: bool = False
 
     @property
     def can_resend(self) -> bool:
@@ -193,7 +207,7 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
 
 @app.exception_handler(ApiError)
 async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-    retry = request.app.state.retry_after if exc.status == 429 else None
+    retry = request.app.state.retry_after if exc.status == 429 or exc.code == "shed" else None
     return error_response(exc.status, exc.message, exc.code, exc.param, retry)
 
 
@@ -210,6 +224,8 @@ class Ingress:
         self.special_ids = frozenset(self.tokenizer.all_special_ids)
         self.token_text = TokenText(self.tokenizer)
         self.metrics = IngressMetrics([t.name for t in self.cfg.tiers])
+        self.gate = (FlowGate(self.cfg, self.metrics, self._replica_count)
+                     if self.cfg.flow.enabled else None)
         self.inflight = 0  # requests between admission and their last byte
         self.created = now()
         self.openapi_doc = openapi_schema(app, {
@@ -317,13 +333,22 @@ class Ingress:
             raise ApiError(400, msg, "invalid_request", param) from None
 
     def _caller(self, request: Request) -> Caller:
+        header = self.cfg.flow.tenant_header
         try:
             return self.tiers.resolve(request.headers.get("authorization"),
-                                      request.headers.get("x-tl-priority"))
+                                      request.headers.get("x-tl-priority"),
+                                      request.headers.get(header) if header else None)
         except AuthError as e:
             raise ApiError(401, str(e), "invalid_api_key") from None
         except PriorityError as e:
             raise ApiError(400, str(e), "invalid_priority", "X-TL-Priority") from None
+        except TenantError as e:
+            raise ApiError(400, str(e), "invalid_tenant", header) from None
+
+    def _replica_count(self) -> int:
+        """The engine replicas this process's router sees (1 before it has seen any)."""
+        views = registry.routers(self.llm.app_name, self.llm.deployment_name)
+        return max((v.replica_count() for v in views), default=1)
 
     def _sampling(self, body: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
         if body.model != self.cfg.model_name:
@@ -385,8 +410,15 @@ class Ingress:
         self._admit(caller)
         self.inflight += 1
         handed_off = False
+        route = _Route(sampling, caller, self.cfg.replica_retries)
         try:
-            response = await self._generate(body.stream, call, sampling, caller)
+            if self.gate is not None:
+                try:
+                    route.ticket = await self.gate.enter(caller, len(call.ids) * call.n)
+                except Shed as e:
+                    self._count_slo(route, failed=True)
+                    raise ApiError(e.status, e.message, "shed") from None
+            response = await self._generate(body.stream, call, route)
             if isinstance(response, StreamingResponse):  # in flight until its stream ends
                 response.body_iterator = self._release_after(response.body_iterator)
                 handed_off = True
@@ -416,10 +448,37 @@ class Ingress:
             if aclose is not None:
                 await aclose()
 
-    async def _generate(self, stream_out: bool, call: _Call, sampling: SamplingParams,
-                        caller: Caller) -> Response:
-        route = _Route(sampling, caller, self.cfg.replica_retries)
-        stream, first = await self._start(call, route)
+    def _count_slo(self, route: _Route, failed: bool = False) -> None:
+        """Count the request against its tier's targets, once (``failed``: it got no answer)."""
+        if route.counted:
+            return
+        route.counted = True
+        tier = route.caller.tier
+        ttft_met = tpot_met = None
+        if tier.ttft_target_s is not None:
+            ttft_met = (not failed and route.first is not None
+                        and route.first - route.arrival <= tier.ttft_target_s)
+        if tier.tpot_target_s is not None and failed:
+            tpot_met = None
+        elif tier.tpot_target_s is not None and route.tokens > 1:
+            assert route.first is not None and route.last is not None
+            tpot_met = (route.last - route.first) / (route.tokens - 1) <= tier.tpot_target_s
+        self.metrics.slo(tier.name, ttft_met, tpot_met)
+
+    def _release(self, route: _Route) -> None:
+        """The request's dispatch-window slot, if it still holds one."""
+        if self.gate is not None and route.ticket is not None:
+            self.gate.started(route.ticket)
+
+    async def _generate(self, stream_out: bool, call: _Call, route: _Route) -> Response:
+        try:
+            stream, first = await self._start(call, route)
+        except ApiError as e:
+            if e.status in (429, 503):
+                self._count_slo(route, failed=True)
+            raise
+        finally:
+            self._release(route)
         rid = new_id("chatcmpl" if call.chat else "cmpl")
         if stream_out:
             gen = self._sse(self._items(call, route, stream, first), rid, call, route)
@@ -488,7 +547,8 @@ class Ingress:
                 prompt_ids=tuple(call.ids), sampling=route.sampling, priority=caller.priority,
                 tier=caller.tier.name, queue_share=caller.tier.queue_share, n=call.n,
                 latency=caller.latency, prefix_hashes=prefixes,
-                avoid_replicas=tuple(route.avoid)))
+                avoid_replicas=tuple(route.avoid), ttft_target_s=caller.tier.ttft_target_s,
+                tpot_target_s=caller.tier.tpot_target_s))
             try:
                 first = await self._next(stream)
                 if first is None:
@@ -524,6 +584,7 @@ class Ingress:
         failed actor raises ``ApiError`` and a failed engine's delta (``finish_reason`` "error")
         is yielded as it is."""
         item: RequestOutput | ErrorRecord | None = first
+        failed = True
         try:
             while True:
                 if item is None:
@@ -534,6 +595,9 @@ class Ingress:
                     stream, item = await self._resend(call, route, stream, str(item.failure))
                     yield None
                     continue
+                self._timed(route, item)
+                if item.finished and item.finish_reason != "error":
+                    failed = False
                 yield item
                 try:
                     item = await self._next(stream)
@@ -544,11 +608,31 @@ class Ingress:
                     yield None
         finally:
             stream.cancel()
+            if route.first is not None or failed:
+                self._count_slo(route, failed=failed and route.first is None)
+
+    def _timed(self, route: _Route, item: RequestOutput) -> None:
+        """Note a delta's tokens: the first sample's token times (goodput), every sample's
+        tokens to its tenant (fair share)."""
+        n = len(item.token_ids)
+        if not n:
+            return
+        now = time.monotonic()
+        if item.index == 0:
+            if route.first is None:
+                route.first = now
+                route.tokens = 0
+            route.last = now
+            route.tokens += n
+        if self.gate is not None and route.ticket is not None:
+            self.gate.charge(route.ticket, n)
 
     async def _resend(self, call: _Call, route: _Route, stream: Any, why: str
                       ) -> tuple[Any, RequestOutput]:
         stream.cancel()
         route.retries_left -= 1
+        route.first = route.last = None  # the answer starts over
+        route.tokens = 0
         log.warning("sending again a request whose replica failed before any of its answer "
                     "went out: %s", why)
         return await self._start(call, route)

@@ -1,28 +1,81 @@
-"""The ingress's metric: the requests it refuses itself, on the definitions of
-``replica.metrics`` (the one place every tierserve metric is defined)."""
+"""The ingress's metrics, on the definitions of ``replica.metrics`` (the one place every tierserve
+metric is defined): what it refuses itself, goodput per tier, flow control."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from replica.metrics import COUNTERS, INGRESS_REJECTIONS, NO_TIER, zero_counters
+from replica.metrics import (
+    COUNTERS,
+    INGRESS_COUNTERS,
+    INGRESS_GAUGES,
+    INGRESS_REJECTIONS,
+    NO_TIER,
+    SHED_REASONS,
+    SLO_OUTCOMES,
+    SLO_TARGETS,
+    _zero,
+    zero_counters,
+)
 
 
 class IngressMetrics:
     """What the ingress refuses before any replica sees the request: ``shed`` (a tier past its
-    share of ``max_inflight_requests``) and ``queue_full`` (``max_inflight_requests`` reached).
+    share of ``max_inflight_requests``, or shed by flow control) and ``queue_full``
+    (``max_inflight_requests`` reached); whether each request met its tier's targets; what flow
+    control holds and sheds; tokens served per tenant.
 
     The same ``tierserve_rejections`` series as the replicas' (Serve's ``deployment`` label tells
     them apart), so a dashboard's ``sum by (reason)`` counts every refusal once.
     """
 
     def __init__(self, tiers: Sequence[str] = ()) -> None:
-        from ray.serve.metrics import Counter
+        from ray.serve.metrics import Counter, Gauge
 
         doc, tags = COUNTERS["tierserve_rejections"]
         self.rejections = Counter("tierserve_rejections", description=doc,
                                   tag_keys=tags)  # type: ignore[arg-type]
         zero_counters({"tierserve_rejections": self.rejections}, tiers, INGRESS_REJECTIONS)
+        self.counters = {
+            name: Counter(name, description=doc, tag_keys=tags)  # type: ignore[arg-type]
+            for name, (doc, tags) in INGRESS_COUNTERS.items()}
+        self.gauges = {
+            name: Gauge(name, description=doc, tag_keys=tags)  # type: ignore[arg-type]
+            for name, (doc, tags) in INGRESS_GAUGES.items()}
+        for tier in tiers:
+            for target in SLO_TARGETS:
+                for outcome in SLO_OUTCOMES:
+                    _zero(self.counters["tierserve_slo_requests"],
+                          {"tier": tier, "target": target, "outcome": outcome})
+            for reason in SHED_REASONS:
+                _zero(self.counters["tierserve_flow_shed"], {"tier": tier, "reason": reason})
 
     def rejected(self, reason: str, tier: str) -> None:
         self.rejections.inc(1, tags={"reason": reason, "tier": tier or NO_TIER})
+
+    def slo(self, tier: str, ttft_met: bool | None, tpot_met: bool | None) -> None:
+        """One request against its tier's targets (None: the tier has no such target, or the
+        request made too few tokens to have a time per output token)."""
+        c = self.counters["tierserve_slo_requests"]
+        for target, met in (("ttft", ttft_met), ("tpot", tpot_met)):
+            if met is not None:
+                c.inc(1, tags={"tier": tier, "target": target,
+                               "outcome": "met" if met else "missed"})
+        if ttft_met is not None or tpot_met is not None:
+            both = ttft_met is not False and tpot_met is not False
+            c.inc(1, tags={"tier": tier, "target": "both", "outcome": "met" if both else "missed"})
+
+    def shed(self, tier: str, reason: str) -> None:
+        self.counters["tierserve_flow_shed"].inc(1, tags={"tier": tier, "reason": reason})
+        self.rejected("shed", tier)
+
+    def tenant_tokens(self, tier: str, tenant: str, tokens: int) -> None:
+        if tokens > 0:
+            self.counters["tierserve_tenant_tokens"].inc(tokens,
+                                                         tags={"tier": tier, "tenant": tenant})
+
+    def flow(self, held: dict[str, int], starting: int, window: int) -> None:
+        for tier, n in held.items():
+            self.gauges["tierserve_flow_held"].set(n, tags={"tier": tier})
+        self.gauges["tierserve_flow_starting"].set(starting)
+        self.gauges["tierserve_flow_window"].set(window)

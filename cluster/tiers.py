@@ -6,6 +6,10 @@ tier. With keys, a key must be one of them (else 401) and no key means the defau
 Keys are compared in constant time (``hmac.compare_digest`` against every configured key, no early
 exit) and never logged. A caller never gets above its tier: the header may choose any priority
 from the tier's ``base_priority`` to its ``max_priority``; a value outside that range is a 400.
+
+The tenant (fairness inside a tier, ``cluster/flow.py``): the tenant whose key was sent (a key of
+a tier's ``api_keys`` is a tenant of its own), else, when the operator names a tenant header
+(``flow.tenant_header``), the header's value, else ``default``.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import hmac
 import re
 from dataclasses import dataclass
 
-from cluster.config import ClusterConfig, TierConfig, resolve_key
+from cluster.config import TENANT_NAME, ClusterConfig, TierConfig, resolve_key
 
 
 class AuthError(Exception):
@@ -26,6 +30,14 @@ class PriorityError(ValueError):
     """A bad ``X-TL-Priority`` header (400)."""
 
 
+class TenantError(ValueError):
+    """A bad tenant header (400)."""
+
+
+DEFAULT_TENANT = "default"
+_TENANT = re.compile(TENANT_NAME)
+
+
 @dataclass(frozen=True, slots=True)
 class Caller:
     """A resolved caller. ``latency``: its requests are routed for their first token: its
@@ -34,6 +46,8 @@ class Caller:
     tier: TierConfig
     priority: int
     latency: bool = False
+    tenant: str = DEFAULT_TENANT
+    weight: float = 1.0
 
 
 # What X-TL-Priority may hold (also the pattern in the OpenAPI document).
@@ -49,33 +63,48 @@ class TierResolver:
     def __init__(self, config: ClusterConfig) -> None:
         self._tiers = {t.name: t for t in config.tiers}
         self._default = self._tiers.get(config.default_tier) if config.default_tier else None
-        self._keys = [(_digest(resolve_key(k.get_secret_value())), t)
-                      for t in config.tiers for k in t.api_keys]
-        if len({d for d, _ in self._keys}) != len(self._keys):
+        self._keys = [(_digest(resolve_key(k)), t, tenant)
+                      for t in config.tiers for tenant, k in t.all_keys()]
+        if len({d for d, _, _ in self._keys}) != len(self._keys):
             raise ValueError("an API key is listed more than once (after resolving env:/file:)")
         self.latency_floor = config.latency_floor
 
-    def resolve(self, authorization: str | None, priority_header: str | None) -> Caller:
-        """The caller's tier and priority; raises ``AuthError`` or ``PriorityError``."""
-        tier = self._tier(authorization)
+    def resolve(self, authorization: str | None, priority_header: str | None,
+                tenant_header: str | None = None) -> Caller:
+        """The caller's tier, priority and tenant; raises ``AuthError``, ``PriorityError`` or
+        ``TenantError``."""
+        tier, tenant = self._tier(authorization)
         priority = self._priority(tier, priority_header)
-        return Caller(tier, priority, priority >= self.latency_floor)
+        if tenant is None:
+            tenant = self._tenant(tenant_header)
+        return Caller(tier, priority, priority >= self.latency_floor, tenant,
+                      tier.weight_of(tenant))
 
-    def _tier(self, authorization: str | None) -> TierConfig:
+    @staticmethod
+    def _tenant(header: str | None) -> str:
+        if header is None or not header.strip():
+            return DEFAULT_TENANT
+        text = header.strip()
+        if not _TENANT.fullmatch(text):
+            raise TenantError("the tenant header must be 1 to 64 letters, digits, '.', '_' or "
+                              f"'-', starting with a letter or digit; got {text[:32]!r}")
+        return text
+
+    def _tier(self, authorization: str | None) -> tuple[TierConfig, str | None]:
         if not self._keys and self._default is not None:
-            return self._default  # no keys configured: whatever the client sends is ignored
+            return self._default, None  # no keys configured: whatever the client sends is ignored
         if not authorization:
             if self._default is None:
                 raise AuthError("this server needs an API key: send 'Authorization: Bearer <key>'")
-            return self._default
+            return self._default, None
         scheme, _, token = authorization.partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
             raise AuthError("the Authorization header must be 'Bearer <key>'")
         probe = _digest(token.strip())
-        found: TierConfig | None = None
-        for digest, tier in self._keys:  # no early exit: the time does not depend on the match
+        found: tuple[TierConfig, str] | None = None
+        for digest, tier, tenant in self._keys:  # no early exit: time independent of the match
             if hmac.compare_digest(probe, digest):
-                found = tier
+                found = (tier, tenant)
         if found is None:
             raise AuthError("the API key is not valid")
         return found

@@ -156,6 +156,9 @@ class GenerateRequest:
     cache is off. The replica does not read them (it names its blocks itself).
     ``avoid_replicas``: unique ids of replicas that failed this request before it produced
     anything (``ErrorRecord.replica``): the router sends a retry elsewhere while it can.
+    ``ttft_target_s``, ``tpot_target_s``: the latency its tier promises (None: no target); the
+    replica's SLO-aware steps keep the TPOT target, the router prefers a replica with a seat
+    for it.
     """
 
     prompt_ids: tuple[int, ...]
@@ -167,6 +170,8 @@ class GenerateRequest:
     latency: bool = False
     prefix_hashes: tuple[int, ...] = ()
     avoid_replicas: tuple[str, ...] = ()
+    ttft_target_s: float | None = None
+    tpot_target_s: float | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -247,6 +252,11 @@ class EngineStats:
     overhead: float = 0.0
     rss_bytes: int = 0
     cached_blocks: int = 0
+    # SLO-aware steps (docs/scheduler.md §8): the last step's limit (0: none), the running
+    # requests it left out, and how many more decoding requests the step could carry.
+    step_limit_s: float = 0.0
+    paused: int = 0
+    seats: int = 0
 
 
 class EngineDead(RuntimeError):

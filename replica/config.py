@@ -41,6 +41,11 @@ class EngineConfig(BaseModel):
     - ``max_waiting``: waiting requests at most; beyond, 429 (``QueueFull``).
     - ``scheduling_policy``: ``priority`` (higher first, with aging) or ``fcfs``.
     - ``aging_steps``: steps per level of aging; 0: strict priority.
+    - ``slo_scheduling``: SLO-aware steps (docs/scheduler.md §8): while requests with a time
+      per output token target are unfinished, each step is sized by a cost model learned from
+      the engine's own step times to take at most ``slo_headroom`` of the strictest target; off
+      (or without targets) the scheduler is exactly §1 to §7.
+    - ``slo_headroom``: the share of the strictest TPOT target a step may be predicted to take.
     - ``prefill_chunk_tokens``: a prompt's chunk per step at most (chunked prefill; vLLM's
       ``long_prefill_token_threshold``); None: whole prompts.
     - ``enable_prefix_caching``: share the KV blocks of common prompt prefixes between requests
@@ -66,6 +71,8 @@ class EngineConfig(BaseModel):
     max_waiting: int = Field(default=256, gt=0)
     scheduling_policy: SchedulingPolicy = "priority"
     aging_steps: int = Field(default=100, ge=0)
+    slo_scheduling: bool = True
+    slo_headroom: float = Field(default=0.8, gt=0.0, le=1.0)
     prefill_chunk_tokens: int | None = Field(default=256, gt=0)
     enable_prefix_caching: bool = True
     dtype: DType = "auto"

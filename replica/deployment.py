@@ -99,7 +99,8 @@ class LLMServer:
             )
             return
         stream = self.engine.generate(
-            list(request.prompt_ids), request.sampling, request.priority, request.tier, n=request.n
+            list(request.prompt_ids), request.sampling, request.priority, request.tier,
+            n=request.n, tpot_target_s=request.tpot_target_s,
         )
         produced = False
         try:

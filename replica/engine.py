@@ -188,8 +188,12 @@ class Engine:
         tier: str = "",
         stream_text: bool = True,
         index: int = 0,
+        tpot_target_s: float | None = None,
     ) -> RequestId:
         """Queue a request; raises ``ValueError``/``AdmitError`` for bad input or a full queue.
+
+        ``tpot_target_s``: the time per output token its tier promises; with SLO-aware steps
+        (``EngineConfig.slo_scheduling``) it bounds every step while the request is unfinished.
 
         ``stream_text=False``: the caller wants the text only with the final output (each delta
         still carries its token ids); without stop strings the text is then decoded once, at
@@ -200,7 +204,7 @@ class Engine:
         ids = list(prompt_ids)
         try:
             self.validate(ids, params.max_tokens, priority, params)
-            return self._add(ids, params, priority, sink, tier, stream_text, index)
+            return self._add(ids, params, priority, sink, tier, stream_text, index, tpot_target_s)
         except AdmitError as e:  # empty, too_long, never_fits, queue_full
             if self.observer is not None:
                 self.observer.rejected(e.reason, tier)
@@ -215,6 +219,7 @@ class Engine:
         tier: str,
         stream_text: bool = True,
         index: int = 0,
+        tpot_target_s: float | None = None,
     ) -> RequestId:
         stop_ids = frozenset(params.stop_token_ids or ())
         if not params.ignore_eos:
@@ -224,7 +229,8 @@ class Engine:
                 raise EngineDead(f"the engine's step loop died: {self.error!r}")
             # Scoring a prompt needs every position's logits: no cached prefix for it.
             rid = self.scheduler.add(Request(ids, max(params.max_tokens, 1), priority,
-                                             reuse_cache=params.prompt_logprobs is None))
+                                             reuse_cache=params.prompt_logprobs is None,
+                                             tpot_target_s=tpot_target_s))
             self._live[rid] = _Live(
                 id=rid,
                 prompt_len=len(ids),
@@ -286,6 +292,9 @@ class Engine:
             steps=s.step,
             overhead=self.times.overhead,
             cached_blocks=cached,
+            step_limit_s=s.limit_s or 0.0,
+            paused=s.paused,
+            seats=s.seats,
         )
 
     # ------------------------------------------------------------------ the step
@@ -322,6 +331,8 @@ class Engine:
             self._score_prompts(result.prompt_logits, prompt_targets)
         outputs = self._finish_step(plan, states, tokens, logprobs)
         t3 = time.perf_counter()
+        with self._lock:
+            self.scheduler.observe_step(plan.shape, t3 - t0)
         self.times.steps += 1
         self.times.forward_s += t2 - t1
         self.times.total_s += t3 - t0
@@ -500,6 +511,7 @@ class Engine:
         priority: int = 0,
         tier: str = "",
         n: int = 1,
+        tpot_target_s: float | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream the deltas of ``n`` samples of one prompt (``RequestOutput.index`` tells them
         apart; with a seed, sample ``i`` draws from ``seed + i``); leaving the iterator early
@@ -520,7 +532,8 @@ class Engine:
                 seed = None if params.seed is None else params.seed + i
                 child = params if i == 0 else replace(params, seed=seed)
                 rids.append(
-                    self.add_request(prompt_ids, child, priority, sink=sink, tier=tier, index=i)
+                    self.add_request(prompt_ids, child, priority, sink=sink, tier=tier, index=i,
+                                     tpot_target_s=tpot_target_s)
                 )
         except BaseException:
             for rid in rids:

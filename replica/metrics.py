@@ -41,6 +41,10 @@ GAUGES = {
     "tierserve_kv_blocks_total": "KV blocks of the replica's pool.",
     "tierserve_kv_blocks_cached": "Free KV blocks that keep a cached prefix (evictable).",
     "tierserve_replica_resident_memory_bytes": "Resident memory of the replica's process.",
+    "tierserve_step_limit_seconds": (
+        "The SLO-aware step's limit: the strictest TPOT target present times the headroom "
+        "(0: no target present)."),
+    "tierserve_requests_paused": "Running requests the last step left out to keep its limit.",
 }
 COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "tierserve_preemptions": ("Requests preempted (blocks freed, recomputed later).", ()),
@@ -67,6 +71,29 @@ REJECTION_REASONS = ("queue_full", "empty", "too_long", "never_fits", "shed")
 FINISH_REASONS = ("stop", "length", "abort", "error")
 # What the ingress itself refuses, at its in-flight bound (the rest is refused by the replicas).
 INGRESS_REJECTIONS = ("shed", "queue_full")
+# The ingress's own series (cluster/metrics.py): goodput per tier, flow control.
+INGRESS_COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "tierserve_slo_requests": (
+        "Requests that met or missed their tier's targets (target: ttft, tpot or both; a "
+        "request shed or failed before its first token misses ttft and both).",
+        ("tier", "target", "outcome")),
+    "tierserve_flow_shed": (
+        "Requests the ingress's flow control shed, by reason (ttl, band_full, queue_full, "
+        "evicted).", ("tier", "reason")),
+    "tierserve_tenant_tokens": (
+        "Tokens (prompt and output) served per tenant of a tier (fair share).",
+        ("tier", "tenant")),
+}
+INGRESS_GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "tierserve_flow_held": ("Requests held at the ingress, per tier.", ("tier",)),
+    "tierserve_flow_starting": (
+        "Requests dispatched to a replica that have not answered their first token.", ()),
+    "tierserve_flow_window": (
+        "The dispatch window: requests that may be starting at once.", ()),
+}
+SLO_TARGETS = ("ttft", "tpot", "both")
+SLO_OUTCOMES = ("met", "missed")
+SHED_REASONS = ("ttl", "band_full", "queue_full", "evicted")
 NO_TIER = "none"  # the tier label of a request that came without one (direct handle calls)
 
 
@@ -111,6 +138,8 @@ def exported_names() -> set[str]:
     """The names a Prometheus scrape shows (``ray_`` prefix, ``_total``, histogram series)."""
     names = {f"ray_{g}" for g in GAUGES}
     names |= {f"ray_{c}_total" for c in COUNTERS}
+    names |= {f"ray_{g}" for g in INGRESS_GAUGES}
+    names |= {f"ray_{c}_total" for c in INGRESS_COUNTERS}
     for h in HISTOGRAMS:
         names |= {f"ray_{h}_bucket", f"ray_{h}_sum", f"ray_{h}_count"}
     return names
@@ -190,6 +219,8 @@ class ReplicaMetrics:
         g["tierserve_kv_blocks_cached"].set(s.cached_blocks)
         if s.rss_bytes:
             g["tierserve_replica_resident_memory_bytes"].set(s.rss_bytes)
+        g["tierserve_step_limit_seconds"].set(s.step_limit_s)
+        g["tierserve_requests_paused"].set(s.paused)
 
     def stop(self) -> None:
         self._stop.set()

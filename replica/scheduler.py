@@ -17,8 +17,9 @@ equals. Note: vLLM's ``priority`` runs lower values first; ours runs higher valu
 from __future__ import annotations
 
 import bisect
+import contextlib
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -32,6 +33,7 @@ from replica.block_space import (
 from replica.config import EngineConfig
 from replica.lazy_heap import Handle, LazyHeap
 from replica.prefill_policy import Chunked, PrefillPolicy, WholePrompt
+from replica.step_cost import StepCostModel, StepShape, chunk_attention, decode_attention
 
 __all__ = [
     "AdmitError",
@@ -76,12 +78,18 @@ class Request:
     # False: compute every prompt position, never starting after a cached prefix (a request
     # that scores its prompt needs the logits of every position).
     reuse_cache: bool = True
+    # The time per output token its tier promises (docs/scheduler.md §8); None: no target.
+    tpot_target_s: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
             raise TypeError(f"max_tokens must be an int, got {type(self.max_tokens).__name__}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        t = self.tpot_target_s
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float))
+                              or not 0.0 < t < float("inf")):
+            raise ValueError(f"tpot_target_s must be a positive number of seconds, got {t!r}")
 
 
 class AdmitError(Exception):
@@ -156,6 +164,11 @@ class ScheduleOutput:
     prefill: list[Chunk] = field(default_factory=list)
     decode: list[RequestId] = field(default_factory=list)
     preempted: list[RequestId] = field(default_factory=list)
+    # The step's work, for the cost model (docs/scheduler.md §8).
+    shape: StepShape = field(default_factory=StepShape)
+    # With a step limit: the seconds the step may take, and running requests it leaves out.
+    limit_s: float | None = None
+    paused: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -205,6 +218,11 @@ class SchedStats:
     preemptions: int
     rejected: dict[str, int]
     step: int
+    # With SLO-aware steps (§8): the last step's limit in seconds (None: no target present),
+    # running requests it left out, and how many more decoding requests it could carry.
+    limit_s: float | None = None
+    paused: int = 0
+    seats: int = 0
 
 
 class _Seq:
@@ -220,6 +238,7 @@ class _Seq:
         "prompt_len",
         "rank",
         "reuse",
+        "target",
         "tokens",
     )
 
@@ -230,6 +249,7 @@ class _Seq:
         self.max_tokens = req.max_tokens
         self.priority = req.priority
         self.reuse = req.reuse_cache
+        self.target = req.tpot_target_s
         self.rank = rank  # ascending = better; fixed at arrival, kept across preemption
         self.computed = 0  # positions whose K/V are in the cache
         self.cached: int | None = None  # prompt positions found cached at first admission
@@ -238,6 +258,16 @@ class _Seq:
 
 def _rank_of(seq: _Seq) -> tuple[int, int]:
     return seq.rank
+
+
+def _shape_of(fed: Sequence[tuple[_Seq, int]]) -> StepShape:
+    """The work of a plan's (request, positions fed) entries."""
+    shape = StepShape()
+    for seq, n in fed:
+        start = seq.computed
+        shape = shape.plus(n, 1, decode_attention(start + 1) if n == 1
+                           else chunk_attention(start, n))
+    return shape
 
 
 class Scheduler:
@@ -249,12 +279,14 @@ class Scheduler:
         blocks: BlockSpace,
         prefill_policy: PrefillPolicy | None = None,
         max_model_len: int | None = None,
+        cost: StepCostModel | None = None,
     ) -> None:
         """Caps from ``cfg`` (``max_num_seqs``, ``max_num_batched_tokens``, ``max_waiting``,
         ``scheduling_policy``, ``aging_steps``); the context is ``max_model_len`` (the engine
         resolves it from the model) or else ``cfg.max_model_len``; the prefill policy is
         ``prefill_policy`` or else chunks of ``cfg.prefill_chunk_tokens`` (whole prompts when
-        None)."""
+        None). ``cost``: the step cost model of SLO-aware steps (§8), when ``cfg.slo_scheduling``
+        is on (a default one when None); requests' ``tpot_target_s`` then bound each step."""
         context = max_model_len if max_model_len is not None else cfg.max_model_len
         if context is None or context < 2:
             raise ValueError(
@@ -276,6 +308,13 @@ class Scheduler:
         self._preemptions = 0
         self._rejected: dict[str, int] = {}
         self._last: list[tuple[_Seq, int]] = []  # (seq, positions fed) of the last schedule()
+        self.cost: StepCostModel | None = None
+        if cfg.slo_scheduling:
+            self.cost = cost or StepCostModel()
+        self._targets: dict[float, int] = {}  # TPOT target -> unfinished requests holding it
+        self._limit: float | None = None
+        self._paused = 0
+        self._seats = 0
 
     # ------------------------------------------------------------------ admission
 
@@ -300,6 +339,8 @@ class Scheduler:
             key = self._step - req.priority * self.cfg.aging_steps
         seq = _Seq(rid, req, (key, rid))
         self._seqs[rid] = seq
+        if seq.target is not None:
+            self._targets[seq.target] = self._targets.get(seq.target, 0) + 1
         self._enqueue(seq)
         return rid
 
@@ -327,6 +368,7 @@ class Scheduler:
         seq = self._seqs.pop(id, None)
         if seq is None:
             return False
+        self._untarget(seq)
         if seq.handle is not None:
             self._waiting.remove(seq.handle)
             seq.handle = None
@@ -337,33 +379,68 @@ class Scheduler:
 
     # ------------------------------------------------------------------ the step
 
+    def _untarget(self, seq: _Seq) -> None:
+        t = seq.target
+        if t is not None:
+            left = self._targets[t] - 1
+            if left:
+                self._targets[t] = left
+            else:
+                del self._targets[t]
+
+    def step_limit(self) -> float | None:
+        """The seconds the next step may take (§8): the strictest TPOT target of the unfinished
+        requests times ``slo_headroom``; None without SLO-aware steps or without targets."""
+        if self.cost is None or not self._targets:
+            return None
+        return min(self._targets) * self.cfg.slo_headroom
+
     def schedule(self) -> ScheduleOutput:
-        """Plan one step: decodes, prefills in progress, admissions (docs/scheduler.md §2)."""
+        """Plan one step: decodes, prefills in progress, admissions (docs/scheduler.md §2; with
+        a step limit, §8)."""
         cfg = self.cfg
         blocks = self._blocks
         out = ScheduleOutput()
         fed: list[tuple[_Seq, int]] = []
         budget = cfg.max_num_batched_tokens
         running = self._running
+        limit = self.step_limit()
+        cost = self.cost
+        strict = min(self._targets) if limit is not None else 0.0
+        shape = StepShape()
+        paused: list[_Seq] = []
 
-        # Phase 1: decodes, highest rank first. Requests after index i are not yet scheduled.
-        i = 0
+        def protected(seq: _Seq) -> bool:
+            """Of the strictest tier present: never left out or preempted for another."""
+            return seq.target is not None and seq.target <= strict
+
+        # With a limit, part of the step is kept for the strictest tier's prompts (their first
+        # token has a target too): lower tiers' decodes fill the rest.
+        reserve = self._reserve(limit, protected) if limit is not None else StepShape()
+
+        # Phase 1: decodes, highest rank first. ``running`` is re-read: _grow may preempt from
+        # its bottom, never a request already scheduled.
         partial = False  # a prefill in progress was seen (only with chunked prefill)
-        while i < len(running):
-            seq = running[i]
+        for seq in list(running):
+            if seq.handle is not None:
+                continue  # preempted for a request above it
             n = len(seq.tokens)
             if n - seq.computed != 1:
                 partial = True
-                i += 1  # a prefill in progress: phase 2
-                continue
+                continue  # a prefill in progress: phase 2
             if budget == 0:
                 break
-            if not self._grow(seq, n, out):
+            if (limit is not None and cost is not None and not protected(seq)
+                    and cost.predict(shape.plus(reserve.tokens + 1, reserve.sequences + 1,
+                                                reserve.attention + n)) > limit):
+                paused.append(seq)  # left out of this step, keeping its blocks
+                continue
+            if not self._grow(seq, n, out, paused if limit is not None else None, protected):
                 break  # seq preempted itself: nothing ranks lower
             out.decode.append(seq.id)
             fed.append((seq, 1))
             budget -= 1
-            i += 1
+            shape = shape.plus(1, 1, decode_attention(n))
 
         # Phase 2: prefills in progress (chunked prefill), rank order. Blocks were allocated at
         # admission for every position, so no allocation happens here.
@@ -373,29 +450,44 @@ class Scheduler:
             if remaining <= 1 or budget == 0:
                 continue
             take = policy.chunk_len(remaining, budget, not fed)
+            if take > 0 and limit is not None and cost is not None:
+                take = self._timed_chunk(seq.computed, take, shape, limit, protected(seq))
+                if take == 0:
+                    paused.append(seq)
             if take > 0:
                 out.prefill.append(Chunk(seq.id, seq.computed, take, take == remaining))
                 fed.append((seq, take))
                 budget -= take
+                shape = shape.plus(take, 1, chunk_attention(seq.computed, take))
 
         # Phase 3: admissions in rank order, all or nothing, no skipping ahead.
         waiting = self._waiting
-        victims = set(out.preempted)
-        while waiting and len(running) < cfg.max_num_seqs and budget > 0:
+        while waiting and budget > 0:
             head = waiting.peek()
             assert head is not None
-            if head.id in victims:
+            if head.id in out.preempted:
                 # Preempted this step for room: not back before the next one (a prefix cache
                 # would otherwise hand it its own blocks back at once, and it would thrash).
                 break
-            try:
-                alloc = blocks.allocate(head.id, head.tokens, head.reuse)
-            except NoCapacity:
+            full = len(running) >= cfg.max_num_seqs
+            alloc = None
+            if not full:
+                with contextlib.suppress(NoCapacity):
+                    alloc = blocks.allocate(head.id, head.tokens, head.reuse)
+            if alloc is None:
+                if limit is not None and self._make_room(head, out, fed, paused, protected):
+                    budget = cfg.max_num_batched_tokens - sum(k for _, k in fed)
+                    shape = _shape_of(fed)
+                    continue
                 break
             # Only what is not cached costs budget (the last position is always computed).
             cached = min(alloc.cached_tokens, len(head.tokens) - 1)
             remaining = len(head.tokens) - cached
             take = policy.chunk_len(remaining, budget, not fed)
+            if take > 0 and limit is not None and cost is not None:
+                take = self._timed_chunk(cached, take, shape, limit, protected(head))
+                if take and not protected(head) and not self._carries(head, fed, limit):
+                    take = 0  # it would slow the decodes past the limit once it decodes
             if take == 0:
                 blocks.release(head.id, ())  # all or nothing: it waits, holding nothing
                 break
@@ -408,19 +500,110 @@ class Scheduler:
             out.prefill.append(Chunk(head.id, head.computed, take, take == remaining))
             fed.append((head, take))
             budget -= take
+            shape = shape.plus(take, 1, chunk_attention(cached, take))
 
+        out.shape = shape
+        out.limit_s = limit
+        out.paused = sum(1 for seq in paused if seq.handle is None)
+        self._limit, self._paused = limit, out.paused
+        self._seats = self._free_seats(fed, limit)
         self._last = fed
         self._step += 1
         return out
 
-    def _grow(self, seq: _Seq, n: int, out: ScheduleOutput) -> bool:
-        """Room for ``n`` positions, preempting from the bottom; False when ``seq`` was the victim."""
+    # ------------------------------------------------------------------ SLO-aware steps (§8)
+
+    def _reserve(self, limit: float, protected: Callable[[_Seq], bool]) -> StepShape:
+        """The part of a step kept for prompts of the strictest tier: their remaining positions
+        (those running and the head of the queue), at most half of what an empty step holds
+        within ``limit``."""
+        assert self.cost is not None
+        want = sum(len(s.tokens) - s.computed for s in self._running
+                   if protected(s) and len(s.tokens) - s.computed > 1)
+        head = self._waiting.peek()
+        if head is not None and protected(head):
+            want += len(head.tokens)
+        if want == 0:
+            return StepShape()
+        cap = self.cost.max_tokens(StepShape(), limit, 0, self.cfg.max_num_batched_tokens,
+                                   new_sequence=True)
+        take = min(want, cap // 2)
+        return StepShape(take, 1, chunk_attention(0, take))
+
+    def _timed_chunk(self, start: int, take: int, shape: StepShape, limit: float,
+                     protect: bool) -> int:
+        """The part of a ``take``-token chunk (after ``start`` computed positions) that keeps the
+        step within ``limit``; a request of the strictest tier gets at least a block's worth
+        (its first token has a target too)."""
+        assert self.cost is not None
+        fit = self.cost.max_tokens(shape, limit, start, take, new_sequence=True)
+        if protect:
+            fit = max(fit, min(take, self._blocks.block_tokens))
+        return fit
+
+    def _carries(self, head: _Seq, fed: list[tuple[_Seq, int]], limit: float) -> bool:
+        """Whether a step decoding every request of this plan and ``head`` fits ``limit``."""
+        assert self.cost is not None
+        decoding = StepShape()
+        for seq, _ in fed:
+            decoding = decoding.plus(1, 1, decode_attention(len(seq.tokens)))
+        decoding = decoding.plus(1, 1, decode_attention(len(head.tokens)))
+        return self.cost.predict(decoding) <= limit
+
+    def _free_seats(self, fed: list[tuple[_Seq, int]], limit: float | None) -> int:
+        """More decoding requests the step could carry: at the limit, or by ``max_num_seqs``."""
+        free = max(self.cfg.max_num_seqs - len(self._running), 0)
+        if limit is None or self.cost is None:
+            return free
+        decoding = StepShape()
+        for seq, _ in fed:
+            decoding = decoding.plus(1, 1, decode_attention(len(seq.tokens)))
+        per = decoding.attention / decoding.sequences if decoding.sequences else 256.0
+        seats = 0
+        while seats < free and self.cost.predict(decoding.plus(seats + 1, seats + 1,
+                                                               per * (seats + 1))) <= limit:
+            seats += 1
+        return seats
+
+    def _make_room(self, head: _Seq, out: ScheduleOutput, fed: list[tuple[_Seq, int]],
+                   paused: list[_Seq], protected: Callable[[_Seq], bool]) -> bool:
+        """Preempt one running request for ``head`` (§8): the lowest-ranked one that ranks below
+        it and is not of the strictest tier, among those left out of this step, or (for a head of
+        the strictest tier) among any; False when there is none."""
+        below = [s for s in self._running if s.rank > head.rank and not protected(s)]
+        idle = [s for s in below if s in paused]
+        pool = idle or (below if protected(head) else [])
+        if not pool:
+            return False
+        victim = pool[-1]
+        for k, (seq, _) in enumerate(fed):
+            if seq is victim:
+                del fed[k]
+                break
+        if victim.id in out.decode:
+            out.decode.remove(victim.id)
+        out.prefill = [c for c in out.prefill if c.id != victim.id]
+        self._preempt(victim, out)
+        return True
+
+    def _grow(self, seq: _Seq, n: int, out: ScheduleOutput, paused: list[_Seq] | None = None,
+              protected: Callable[[_Seq], bool] | None = None) -> bool:
+        """Room for ``n`` positions, preempting from the bottom; False when ``seq`` was the victim.
+        With a step limit (``paused`` given), requests left out of this step go first, then the
+        lowest-ranked not of the strictest tier, before the plain bottom of §2."""
         while True:
             try:
                 self._blocks.append_slot(seq.id, n)
                 return True
             except NoCapacity:
                 victim = self._running[-1]
+                if paused is not None and protected is not None:
+                    idle = [s for s in paused if s.handle is None and s is not seq]
+                    if idle:
+                        victim = idle[-1]
+                    elif protected(victim) and victim is not seq:
+                        victim = next((s for s in reversed(self._running)
+                                       if not protected(s) and s.id not in out.decode), victim)
                 self._preempt(victim, out)
                 if victim is seq:
                     return False
@@ -465,6 +648,7 @@ class Scheduler:
         if finished:
             for f in finished:
                 del seqs[f.id]
+                self._untarget(f)
                 self._blocks.release(f.id, f.tokens[: f.computed])
             done = {f.id for f in finished}
             self._running = [s for s in self._running if s.id not in done]
@@ -537,7 +721,15 @@ class Scheduler:
             preemptions=self._preemptions,
             rejected=dict(self._rejected),
             step=self._step,
+            limit_s=self._limit,
+            paused=self._paused,
+            seats=self._seats,
         )
+
+    def observe_step(self, shape: StepShape, seconds: float) -> None:
+        """Teach the cost model (§8) what a step of ``shape`` took; nothing without one."""
+        if self.cost is not None:
+            self.cost.observe(shape, seconds)
 
     @property
     def blocks(self) -> BlockSpace:

@@ -201,6 +201,11 @@ class FreeKVBlocksRouter(FIFOMixin, RequestRouter):
             self._state.forget_replicas(set(self._replicas))
             self._bad_reports.discard(replica_id)
 
+    def replica_count(self) -> int:
+        """Replicas this router can send to (the ingress sizes its dispatch window by it)."""
+        with self._lock:
+            return len(self._replicas)
+
     def serves(self, app_name: str, deployment_name: str) -> bool:
         return (
             self._deployment_id.app_name == app_name and self._deployment_id.name == deployment_name

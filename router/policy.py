@@ -77,6 +77,9 @@ class RequestShape:
     # of the prompt the request runs (each holds the prompt; cached blocks are shared).
     prefix: tuple[int, ...] = ()
     samples: int = 1
+    # The time per output token its tier promises (None: none): a replica whose SLO-aware step
+    # has no seat left for it ranks after those that have one.
+    tpot_target_s: float | None = None
 
     @classmethod
     def from_request(cls, request: GenerateRequest) -> RequestShape:
@@ -88,6 +91,7 @@ class RequestShape:
             latency=request.latency,
             prefix=request.prefix_hashes,
             samples=max(request.n, 1),
+            tpot_target_s=request.tpot_target_s,
         )
 
     def usable_prefix(self, block_tokens: int) -> int:
@@ -171,6 +175,9 @@ class Ranked(Generic[K]):
     # Prefill positions before this request's first token there: the queue's, then its own
     # uncached ones.
     prefill_ahead: int = 0
+    # Its last report leaves no seat within its step limit for this request (one with a TPOT
+    # target), counting what was sent since the report.
+    no_seat: bool = False
 
 
 def charged_since_report(stats: RoutingStats | None, charges: Sequence[Charge]) -> list[Charge]:
@@ -193,7 +200,9 @@ def rank_replicas(
 
     Before either ranking: replicas whose engine has failed go last, then those whose pool can
     never hold ``prompt + max_tokens``, then saturated ones (the estimated free blocks cannot
-    hold the request and the estimated queue is at least ``saturation_waiting``). Remaining ties
+    hold the request and the estimated queue is at least ``saturation_waiting``), then, for a
+    request with a TPOT target, those whose SLO-aware step has no seat left for it (its
+    reported ``seats`` less the requests sent since the report). Remaining ties
     at random (``rng``). A replica without a report is never saturated, never too small and never
     dead (nothing is known against it). ``affinity`` None: ``Affinity()``.
     """
@@ -241,6 +250,8 @@ def rank_replicas(
             short=free_now < need,
             prefill_ahead=pending * block_tokens + request.prompt_tokens
             - hit_blocks * block_tokens * samples,
+            no_seat=stats is not None and request.tpot_target_s is not None
+            and stats.seats - len(unseen) < samples,
         ))
 
     eligible = [r for r in entries if not (r.dead or r.never_fits or r.saturated)]
@@ -251,7 +262,7 @@ def rank_replicas(
     )
 
     def order(r: Ranked[K]) -> tuple[Any, ...]:
-        head = (r.dead, r.never_fits, r.saturated)
+        head = (r.dead, r.never_fits, r.saturated, r.no_seat)
         if latency:
             if balanced:
                 return (*head, r.short, r.prefill_ahead, -r.est_free, rng.random())

@@ -40,6 +40,10 @@ class RoutingStats:
     rss_bytes: int = 0
     # Free blocks that hold a cached prefix (evictable; counted in free_blocks).
     cached_blocks: int = 0
+    # SLO-aware steps: the last step's limit in ms (0: no target present) and how many more
+    # decoding requests the step could carry within it (by max_num_seqs without a limit).
+    step_limit_ms: int = 0
+    seats: int = 0
 
     @classmethod
     def from_engine(cls, stats: EngineStats, report_time: float, alive: bool) -> RoutingStats:
@@ -58,6 +62,8 @@ class RoutingStats:
             steps=stats.steps,
             rss_bytes=stats.rss_bytes,
             cached_blocks=stats.cached_blocks,
+            step_limit_ms=round(stats.step_limit_s * 1000),
+            seats=stats.seats,
         )
 
     def to_dict(self) -> dict[str, Any]:

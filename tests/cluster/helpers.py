@@ -56,10 +56,12 @@ MAIN_ENGINE: dict[str, Any] = {"num_kv_blocks": 96, "kv_cache_memory_bytes": Non
 MAIN_ARGS: dict[str, Any] = {"max_tokens_limit": 2048}
 # The solo app: one replica running at most 2 requests, a queue of 8 (the YAML's tiers shed
 # batch at 4 waiting, standard at 6, interactive is refused at 8), a pool that holds two
-# requests of 2000 tokens, and no default tier (a key is required).
+# requests of 2000 tokens, and no default tier (a key is required). Flow control is off: its
+# tests are of what the replica itself refuses (tests/cluster/test_flow.py has the ingress's).
 SOLO_ENGINE: dict[str, Any] = {"num_kv_blocks": 260, "kv_cache_memory_bytes": None, "max_num_seqs": 2,
                                "max_waiting": 8, "deterministic": True, "device": "cpu"}
-SOLO_ARGS: dict[str, Any] = {"default_tier": None, "max_tokens_limit": 2048}
+SOLO_ARGS: dict[str, Any] = {"default_tier": None, "max_tokens_limit": 2048,
+                             "flow": {"enabled": False}}
 
 T = TypeVar("T")
 

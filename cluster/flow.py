@@ -1,0 +1,182 @@
+"""Flow control at the ingress: requests held per tier until a replica can start them, tenants of a
+tier served fairly, overload shed from the lowest tier first. Pure: no Ray, no asyncio (the
+ingress drives it; its unit tests drive it in virtual time).
+
+- **Bands.** One band per tier, in priority order (band 0 is the highest ``base_priority``).
+  ``pop`` serves the highest band that has a held request and is allowed to dispatch (strict
+  priority between bands).
+- **Fairness inside a band** (the Virtual Token Counter): every tenant has a counter of the
+  service it received, in tokens (prompt and output) divided by its weight. ``pop`` takes the
+  oldest request of the backlogged tenant with the smallest counter. A tenant that was not
+  backlogged has its counter lifted, when a request of it arrives, to the smallest counter of the
+  backlogged tenants (or to the band's virtual time when none is), so idle time banks no credit;
+  a tenant asking less than its share is never behind anyone and gets all it asks for.
+- **Capacity and TTL.** A band holds at most its tier's ``max_held`` requests, the whole queue
+  ``max_held``; a request held longer than its tier's ``held_ttl_s`` is shed (``expire``).
+  When the whole queue is full, a request evicts the newest held request of the lowest band
+  below its own; only when there is none is it refused itself.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class Refused(Exception):
+    """The request cannot be held; ``reason``: ``band_full`` or ``queue_full``."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass(frozen=True, slots=True)
+class BandSpec:
+    """One tier's flow settings: its name, how many requests it may hold, and for how long."""
+
+    name: str
+    max_held: int
+    ttl_s: float
+
+
+@dataclass(eq=False, slots=True)
+class Held(Generic[T]):
+    """One held request: its band, tenant and weight, when it arrived, and the caller's
+    ``item`` (what the ingress wakes when it is dispatched or shed)."""
+
+    band: int
+    tenant: str
+    weight: float
+    arrival: float
+    item: T
+    seq: int = 0
+
+
+@dataclass(slots=True)
+class _Band(Generic[T]):
+    spec: BandSpec
+    queues: dict[str, deque[Held[T]]] = field(default_factory=dict)  # backlogged tenants only
+    counters: dict[str, float] = field(default_factory=dict)
+    vtime: float = 0.0
+    held: int = 0
+
+
+class FlowQueues(Generic[T]):
+    """The held requests of every band (see the module docstring)."""
+
+    def __init__(self, bands: Sequence[BandSpec], max_held: int) -> None:
+        if not bands:
+            raise ValueError("flow control needs at least one band")
+        if max_held < 0:
+            raise ValueError(f"max_held must be >= 0, got {max_held}")
+        self._bands: list[_Band[T]] = [_Band(spec) for spec in bands]
+        self.max_held = max_held
+        self._seq = itertools.count()
+        self._held = 0
+
+    def __len__(self) -> int:
+        return self._held
+
+    def held(self, band: int) -> int:
+        return self._bands[band].held
+
+    def counter(self, band: int, tenant: str) -> float:
+        """The tenant's weighted service so far (0 for one never served)."""
+        return self._bands[band].counters.get(tenant, 0.0)
+
+    def push(self, held: Held[T]) -> list[Held[T]]:
+        """Hold ``held``; returns the requests evicted for it (shed: the caller answers them).
+        Raises ``Refused`` when it cannot be held."""
+        b = self._bands[held.band]
+        if b.held >= b.spec.max_held:
+            raise Refused("band_full", f"tier {b.spec.name!r} already holds {b.held} requests "
+                                       f"(its max_held)")
+        evicted: list[Held[T]] = []
+        if self._held >= self.max_held:
+            victim = self._newest_below(held.band)
+            if victim is None:
+                raise Refused("queue_full", f"the ingress already holds {self._held} requests "
+                                            "(max_held) and none of a lower tier")
+            self.remove(victim)
+            evicted.append(victim)
+        held.seq = next(self._seq)
+        q = b.queues.get(held.tenant)
+        if q is None:
+            backlogged = [b.counters.get(t, 0.0) for t in b.queues]
+            floor = min(backlogged) if backlogged else b.vtime
+            b.counters[held.tenant] = max(b.counters.get(held.tenant, 0.0), floor)
+            q = b.queues[held.tenant] = deque()
+        q.append(held)
+        b.held += 1
+        self._held += 1
+        return evicted
+
+    def _newest_below(self, band: int) -> Held[T] | None:
+        for b in reversed(self._bands[band + 1:]):
+            newest = max((q[-1] for q in b.queues.values()), key=lambda h: h.seq, default=None)
+            if newest is not None:
+                return newest
+        return None
+
+    def pop(self, allowed: Callable[[int], bool]) -> Held[T] | None:
+        """The next request to dispatch: from the highest band with a held request that
+        ``allowed(band)``, the oldest of its backlogged tenant with the least service."""
+        for i, b in enumerate(self._bands):
+            if not b.queues or not allowed(i):
+                continue
+            tenant = min(b.queues, key=lambda t: (b.counters.get(t, 0.0), b.queues[t][0].seq))
+            q = b.queues[tenant]
+            held = q.popleft()
+            if not q:
+                del b.queues[tenant]
+            b.vtime = max(b.vtime, b.counters.get(tenant, 0.0))
+            b.held -= 1
+            self._held -= 1
+            return held
+        return None
+
+    def remove(self, held: Held[T]) -> bool:
+        """Drop a held request (its client left, or it was shed); False if not held."""
+        b = self._bands[held.band]
+        q = b.queues.get(held.tenant)
+        if q is None:
+            return False
+        try:
+            q.remove(held)
+        except ValueError:
+            return False
+        if not q:
+            del b.queues[held.tenant]
+        b.held -= 1
+        self._held -= 1
+        return True
+
+    def expire(self, now: float) -> list[Held[T]]:
+        """Remove and return the requests held longer than their band's TTL."""
+        out: list[Held[T]] = []
+        for b in self._bands:
+            for q in list(b.queues.values()):
+                out.extend(h for h in q if now - h.arrival > b.spec.ttl_s)
+        for h in out:
+            self.remove(h)
+        return out
+
+    def charge(self, band: int, tenant: str, tokens: int, weight: float) -> None:
+        """Count ``tokens`` of service (prompt or output) to a tenant of ``band``."""
+        if tokens > 0:
+            b = self._bands[band]
+            b.counters[tenant] = b.counters.get(tenant, 0.0) + tokens / weight
+
+    def forget_idle(self, keep: int = 4096) -> None:
+        """Bound the counters kept for tenants that hold nothing (header-named tenants can be
+        many): beyond ``keep`` per band, the idle ones are dropped (they come back at the
+        floor, as any returning tenant does)."""
+        for b in self._bands:
+            if len(b.counters) > keep:
+                b.counters = {t: c for t, c in b.counters.items() if t in b.queues}

@@ -1,0 +1,330 @@
+"""Flow control at the ingress without Ray: the held queues (strict priority, the tenants' fair
+share, capacity, eviction, TTL) and the asyncio gate around them (dispatch window, shedding,
+clients that leave while held)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from typing import Any
+
+import pytest
+
+from cluster.config import ClusterConfig, FlowConfig, TenantConfig, TierConfig
+from cluster.flow import BandSpec, FlowQueues, Held, Refused
+from cluster.gate import FlowGate, Shed, Ticket
+from cluster.tiers import Caller
+
+BANDS = [BandSpec("interactive", 10_000, 10.0), BandSpec("standard", 10_000, 30.0),
+         BandSpec("batch", 10_000, 60.0)]
+
+
+def held(band: int, tenant: str = "t", at: float = 0.0, weight: float = 1.0,
+         item: Any = None) -> Held[Any]:
+    return Held(band, tenant, weight, at, item)
+
+
+def everything(_: int) -> bool:
+    return True
+
+
+def jain(xs: list[float]) -> float:
+    return sum(xs) ** 2 / (len(xs) * sum(x * x for x in xs))
+
+
+# ---------------------------------------------------------------------- the queues
+
+
+def test_higher_bands_go_first_and_arrival_order_holds_inside_a_tenant() -> None:
+    q: FlowQueues[str] = FlowQueues(BANDS, 100)
+    q.push(held(2, item="b1"))
+    q.push(held(1, item="s1"))
+    q.push(held(2, item="b2"))
+    q.push(held(0, item="i1"))
+    q.push(held(1, item="s2"))
+    order = []
+    while (h := q.pop(everything)) is not None:
+        order.append(h.item)
+    assert order == ["i1", "s1", "s2", "b1", "b2"]
+    assert len(q) == 0
+
+
+def test_a_band_not_allowed_is_skipped() -> None:
+    q: FlowQueues[str] = FlowQueues(BANDS, 100)
+    q.push(held(0, item="i"))
+    q.push(held(2, item="b"))
+    got = q.pop(lambda band: band == 2)
+    assert got is not None and got.item == "b"
+    assert q.pop(lambda band: False) is None
+    assert len(q) == 1
+
+
+def test_two_backlogged_tenants_of_equal_weight_get_equal_tokens() -> None:
+    """Tenant A offers 5x what B offers, both always backlogged: served tokens stay within 10%
+    of each other (Jain's index >= 0.95), whatever the request sizes."""
+    rng = random.Random(1)
+    q: FlowQueues[int] = FlowQueues(BANDS, 10_000)
+    for i in range(600):
+        q.push(held(1, "A", item=rng.randint(64, 320)))
+        if i % 5 == 0:
+            q.push(held(1, "B", item=rng.randint(64, 320)))
+    served = {"A": 0, "B": 0}
+    for _ in range(150):
+        h = q.pop(everything)
+        assert h is not None
+        served[h.tenant] += h.item
+        q.charge(1, h.tenant, h.item, 1.0)
+    assert abs(served["A"] - served["B"]) <= 0.1 * max(served.values())
+    assert jain(list(served.values())) >= 0.95
+
+
+def test_weights_set_the_shares() -> None:
+    q: FlowQueues[int] = FlowQueues(BANDS, 10_000)
+    for _ in range(300):
+        q.push(held(1, "heavy", weight=3.0, item=100))
+        q.push(held(1, "light", weight=1.0, item=100))
+    served = {"heavy": 0, "light": 0}
+    for _ in range(200):
+        h = q.pop(everything)
+        assert h is not None
+        served[h.tenant] += h.item
+        q.charge(1, h.tenant, h.item, h.weight)
+    assert served["heavy"] / served["light"] == pytest.approx(3.0, rel=0.05)
+
+
+def test_a_tenant_below_its_share_gets_all_it_asks_and_banks_no_credit() -> None:
+    """B sends one request now and then while A is backlogged: each of B's is served within
+    two dispatches of its arrival. After a long idle spell B's counter is lifted to A's, so B
+    does not take the band over: the two alternate."""
+    q: FlowQueues[str] = FlowQueues(BANDS, 10_000)
+    for _ in range(200):
+        q.push(held(1, "A", item="a"))
+
+    def pop() -> str:
+        h = q.pop(everything)
+        assert h is not None
+        q.charge(1, h.tenant, 100, 1.0)
+        return h.tenant
+
+    for _ in range(10):
+        q.push(held(1, "B", item="b"))
+        assert "B" in (pop(), pop())
+        pop()
+        pop()
+    for _ in range(40):  # B idle: A alone
+        pop()
+    for _ in range(6):
+        q.push(held(1, "B", item="b"))
+    got = [pop() for _ in range(8)]
+    assert got.count("B") == 4 and got.count("A") == 4
+
+
+def test_a_full_band_refuses_and_a_full_queue_evicts_the_newest_of_the_lowest_band() -> None:
+    q: FlowQueues[str] = FlowQueues([BandSpec("i", 2, 10), BandSpec("s", 8, 10),
+                                     BandSpec("b", 8, 10)], 4)
+    q.push(held(0, item="i1"))
+    q.push(held(0, item="i2"))
+    with pytest.raises(Refused) as e:
+        q.push(held(0, item="i3"))
+    assert e.value.reason == "band_full"
+    q.push(held(2, item="b1"))
+    q.push(held(2, item="b2"))
+    evicted = q.push(held(1, item="s1"))  # full: the newest batch request goes
+    assert [h.item for h in evicted] == ["b2"]
+    evicted = q.push(held(1, item="s2"))
+    assert [h.item for h in evicted] == ["b1"]
+    with pytest.raises(Refused) as e:  # nothing below standard is left
+        q.push(held(1, item="s3"))
+    assert e.value.reason == "queue_full"
+    assert len(q) == 4
+
+
+def test_ttl_expires_only_what_outlived_its_band() -> None:
+    q: FlowQueues[str] = FlowQueues(BANDS, 100)
+    q.push(held(0, at=0.0, item="i-old"))
+    q.push(held(0, at=5.0, item="i-new"))
+    q.push(held(2, at=0.0, item="b-old"))
+    gone = q.expire(12.0)
+    assert [h.item for h in gone] == ["i-old"]
+    assert [h.item for h in q.expire(61.0)] == ["i-new", "b-old"]
+    assert len(q) == 0
+
+
+def test_remove_is_exact_and_idempotent() -> None:
+    q: FlowQueues[str] = FlowQueues(BANDS, 100)
+    a, b = held(1, item="a"), held(1, item="b")
+    q.push(a)
+    q.push(b)
+    assert q.remove(a) and not q.remove(a)
+    got = q.pop(everything)
+    assert got is b and len(q) == 0
+
+
+def test_bad_settings_are_refused() -> None:
+    with pytest.raises(ValueError, match="band"):
+        FlowQueues([], 4)
+    with pytest.raises(ValueError, match="max_held"):
+        FlowQueues(BANDS, -1)
+
+
+# ---------------------------------------------------------------------- the gate
+
+
+class FakeMetrics:
+    def __init__(self) -> None:
+        self.sheds: list[tuple[str, str]] = []
+        self.tokens: dict[tuple[str, str], int] = {}
+
+    def shed(self, tier: str, reason: str) -> None:
+        self.sheds.append((tier, reason))
+
+    def tenant_tokens(self, tier: str, tenant: str, tokens: int) -> None:
+        self.tokens[(tier, tenant)] = self.tokens.get((tier, tenant), 0) + tokens
+
+    def flow(self, held: dict[str, int], starting: int, window: int) -> None:
+        pass
+
+
+def config(**flow: Any) -> ClusterConfig:
+    tiers = [
+        TierConfig(name="interactive", base_priority=10, max_priority=15, queue_share=1.0,
+                   max_held=4, held_ttl_s=0.3),
+        TierConfig(name="standard", base_priority=5, max_priority=9, queue_share=0.75,
+                   max_held=4, held_ttl_s=5.0,
+                   tenants=[TenantConfig(name="acme", weight=2.0)]),
+        TierConfig(name="batch", base_priority=0, max_priority=4, queue_share=0.5,
+                   max_held=4, held_ttl_s=5.0),
+    ]
+    return ClusterConfig(tiers=tiers, flow=FlowConfig(starting_per_replica=4, **flow))
+
+
+def caller(cfg: ClusterConfig, tier: str, tenant: str = "default") -> Caller:
+    t = next(x for x in cfg.tiers if x.name == tier)
+    return Caller(t, t.base_priority, False, tenant, t.weight_of(tenant))
+
+
+def gate_of(cfg: ClusterConfig) -> tuple[FlowGate, FakeMetrics]:
+    m = FakeMetrics()
+    return FlowGate(cfg, m, lambda: 1), m  # type: ignore[arg-type]
+
+
+def test_gate_dispatches_at_once_within_each_tiers_share_of_the_window() -> None:
+    async def go() -> None:
+        cfg = config()
+        gate, _ = gate_of(cfg)
+        # window 4: batch may fill 2 slots, standard 3, interactive all 4.
+        t1 = await gate.enter(caller(cfg, "batch"), 10)
+        await gate.enter(caller(cfg, "batch"), 10)
+        held_batch = asyncio.create_task(gate.enter(caller(cfg, "batch"), 10))
+        await asyncio.sleep(0.01)
+        assert not held_batch.done() and gate.queues.held(2) == 1
+        await gate.enter(caller(cfg, "standard"), 10)
+        await gate.enter(caller(cfg, "interactive"), 10)
+        assert gate.starting == 4
+        gate.started(t1)
+        gate.started(t1)  # twice is once
+        assert gate.starting == 3
+        await asyncio.sleep(0.01)
+        assert not held_batch.done()  # 3 starting: still past batch's share (2)
+        held_batch.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await held_batch
+        assert len(gate.queues) == 0
+    asyncio.run(go())
+
+
+def test_gate_serves_held_requests_by_tier_when_slots_free() -> None:
+    async def go() -> None:
+        cfg = config()
+        gate, _ = gate_of(cfg)
+        first = [await gate.enter(caller(cfg, "interactive"), 1) for _ in range(4)]
+        order: list[str] = []
+
+        async def one(tier: str) -> Ticket:
+            t = await gate.enter(caller(cfg, tier), 1)
+            order.append(tier)
+            gate.started(t)  # answers at once
+            return t
+
+        tasks = [asyncio.create_task(one(t)) for t in ("batch", "standard", "interactive")]
+        await asyncio.sleep(0.01)
+        assert order == []
+        for t in first:
+            gate.started(t)
+            await asyncio.sleep(0.12)
+        await asyncio.gather(*tasks)
+        assert order == ["interactive", "standard", "batch"]
+    asyncio.run(go())
+
+
+def test_gate_sheds_by_ttl_and_by_capacity_with_the_configured_status() -> None:
+    async def go() -> None:
+        cfg = config(shed_status=503)
+        gate, metrics = gate_of(cfg)
+        for _ in range(4):
+            await gate.enter(caller(cfg, "interactive"), 1)
+        held = [asyncio.create_task(gate.enter(caller(cfg, "interactive"), 1))
+                for _ in range(4)]
+        await asyncio.sleep(0.01)
+        with pytest.raises(Shed) as e:
+            await gate.enter(caller(cfg, "interactive"), 1)
+        assert e.value.reason == "band_full" and e.value.status == 503
+        results = await asyncio.gather(*held, return_exceptions=True)
+        assert all(isinstance(r, Shed) and r.reason == "ttl" for r in results)
+        assert "held_ttl_s" in str(results[0])
+        assert metrics.sheds.count(("interactive", "ttl")) == 4
+        assert len(gate.queues) == 0
+    asyncio.run(go())
+
+
+def test_gate_evicts_a_lower_tier_for_a_higher_one_when_full() -> None:
+    async def go() -> None:
+        cfg = config(max_held=2)
+        gate, metrics = gate_of(cfg)
+        for _ in range(4):
+            await gate.enter(caller(cfg, "interactive"), 1)
+        low = [asyncio.create_task(gate.enter(caller(cfg, "batch"), 1)) for _ in range(2)]
+        await asyncio.sleep(0.01)
+        top = asyncio.create_task(gate.enter(caller(cfg, "interactive"), 1))
+        await asyncio.sleep(0.01)
+        assert low[1].done() and isinstance(low[1].exception(), Shed)
+        assert not low[0].done() and not top.done()
+        assert ("batch", "evicted") in metrics.sheds
+        for t in (low[0], top):
+            t.cancel()
+        await asyncio.gather(low[0], top, return_exceptions=True)
+        assert len(gate.queues) == 0
+    asyncio.run(go())
+
+
+def test_gate_charges_tenants_and_names_unknown_ones_other() -> None:
+    async def go() -> None:
+        cfg = config()
+        gate, metrics = gate_of(cfg)
+        t = await gate.enter(caller(cfg, "standard", "acme"), 30)
+        gate.charge(t, 10)
+        u = await gate.enter(caller(cfg, "standard", "someone-else"), 5)
+        assert metrics.tokens[("standard", "acme")] == 40
+        assert metrics.tokens[("standard", "other")] == 5
+        assert gate.queues.counter(1, "acme") == pytest.approx(20.0)  # weight 2
+        assert u.weight == 1.0
+    asyncio.run(go())
+
+
+def test_flow_config_is_validated() -> None:
+    with pytest.raises(ValueError, match="starting_per_replica"):
+        FlowConfig(starting_per_replica=0)
+    with pytest.raises(ValueError, match="shed_status"):
+        FlowConfig(shed_status=500)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="tenant_header"):
+        FlowConfig(tenant_header="bad header")
+    with pytest.raises(ValueError, match="tenant names must be unique"):
+        TierConfig(name="x", base_priority=0, max_priority=0,
+                   tenants=[TenantConfig(name="a"), TenantConfig(name="a")])
+    with pytest.raises(ValueError, match="more than one tier"):
+        ClusterConfig(tiers=[
+            TierConfig(name="a", base_priority=0, max_priority=0, api_keys=["k1"]),
+            TierConfig(name="b", base_priority=1, max_priority=1,
+                       tenants=[TenantConfig(name="t", api_keys=["k1"])])])
+    with pytest.raises(ValueError, match="ttft_target_s"):
+        TierConfig(name="x", base_priority=0, max_priority=0, ttft_target_s=0)

@@ -1,0 +1,259 @@
+"""SLO-aware steps (docs/scheduler.md §8) and the step cost model they use.
+
+The scheduler tests drive the fake model with a cost model that only has its prior (nothing
+observed), so every prediction is a known linear function of the step's shape.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from replica.block_space import FreeListBlocks
+from replica.prefill_policy import Chunked
+from replica.scheduler import FinishedEvent, Request, SchedPolicy, Scheduler, TokenEvent
+from replica.step_cost import CostPrior, StepCostModel, StepShape, chunk_attention
+from tests.fake_model import VOCAB, FakeModel, drive, expected_output
+from tests.scheduler.harness import caps
+
+# 10 ms a step plus 1 ms a token: a limit of 80 ms holds 70 tokens.
+PRIOR = CostPrior(base_s=0.01, per_token_s=0.001, per_sequence_s=0.0, per_pair_s=0.0)
+
+
+def make(total_blocks: int = 256, *, slo: bool = True, max_seqs: int = 16, chunk: int = 32,
+         budget: int = 256, headroom: float = 0.8) -> tuple[Scheduler, FakeModel]:
+    cfg = caps(max_seqs=max_seqs, max_batch_tokens=budget, policy=SchedPolicy.PRIORITY,
+               aging_steps=0, max_model_len=512).model_copy(
+        update={"slo_scheduling": slo, "slo_headroom": headroom})
+    s = Scheduler(cfg, FreeListBlocks(4, range(total_blocks)), Chunked(chunk),
+                  cost=StepCostModel(PRIOR))
+    return s, FakeModel(s)
+
+
+def req(prompt_len: int, max_tokens: int, priority: int, target: float | None,
+        seed: int) -> Request:
+    prompt = [(seed * 7919 + i * 31) % VOCAB for i in range(prompt_len)]
+    return Request(prompt, max_tokens, priority, tpot_target_s=target)
+
+
+# ---------------------------------------------------------------------- the cost model
+
+
+def test_cost_model_learns_a_linear_cost() -> None:
+    rng = random.Random(0)
+    model = StepCostModel(CostPrior(base_s=0.5, per_token_s=0.05))
+    truth = (0.012, 0.0025, 0.0004, 3e-8)
+    for _ in range(400):
+        shape = StepShape(rng.randint(1, 512), rng.randint(1, 64), rng.uniform(0, 2e5))
+        t = truth[0] + truth[1] * shape.tokens + truth[2] * shape.sequences
+        t += truth[3] * shape.attention
+        model.observe(shape, t * rng.uniform(0.995, 1.005))
+    for shape in (StepShape(1, 1, 100), StepShape(64, 64, 2e4), StepShape(512, 3, 1.5e5)):
+        expect = truth[0] + truth[1] * shape.tokens + truth[2] * shape.sequences
+        expect += truth[3] * shape.attention
+        assert model.predict(shape) == pytest.approx(expect, rel=0.06)
+    assert all(c >= 0.0 for c in model.coefficients)
+
+
+def test_cost_model_never_learns_a_negative_cost() -> None:
+    model = StepCostModel(refit_every=1)
+    for tokens in range(1, 200):  # time falls as tokens grow: no cost can say that
+        model.observe(StepShape(tokens, 1, 0.0), max(0.2 - tokens * 0.001, 0.001))
+    assert all(c >= 0.0 for c in model.coefficients)
+    assert model.predict(StepShape(400, 1, 0.0)) >= model.predict(StepShape(1, 1, 0.0))
+
+
+def test_one_slow_step_counts_as_at_most_three_predictions() -> None:
+    model = StepCostModel(CostPrior(base_s=0.01, per_token_s=0.001), refit_every=1)
+    shape = StepShape(10, 2, 100.0)
+    for _ in range(64):
+        model.observe(shape, 0.02)
+    before = model.predict(shape)
+    model.observe(shape, 50.0)  # a 50 s stall
+    assert model.predict(shape) < 1.2 * before
+
+
+def test_cost_model_refuses_bad_settings_and_ignores_empty_steps() -> None:
+    with pytest.raises(ValueError, match="forget"):
+        StepCostModel(forget=0.1)
+    with pytest.raises(ValueError, match="refit_every"):
+        StepCostModel(refit_every=0)
+    model = StepCostModel()
+    model.observe(StepShape(0, 0, 0.0), 1.0)
+    model.observe(StepShape(3, 1, 3.0), float("nan"))
+    assert model.observed == 0
+
+
+def test_max_tokens_is_the_largest_chunk_within_the_limit() -> None:
+    model = StepCostModel(PRIOR)
+    base = StepShape(10, 10, 0.0)  # 20 ms
+    assert model.max_tokens(base, 0.08, 0, 500, new_sequence=True) == 60
+    assert model.max_tokens(base, 0.019, 0, 500, new_sequence=True) == 0
+    assert model.max_tokens(base, 1.0, 0, 25, new_sequence=True) == 25
+    quad = StepCostModel(CostPrior(base_s=0.0, per_token_s=0.0, per_sequence_s=0.0,
+                                   per_pair_s=1e-6))
+    fit = quad.max_tokens(StepShape(), 0.01, 100, 1000, new_sequence=True)
+    assert chunk_attention(100, fit) * 1e-6 <= 0.01 < chunk_attention(100, fit + 1) * 1e-6
+
+
+def test_request_refuses_a_bad_target() -> None:
+    for bad in (0.0, -1.0, float("inf"), True, "0.1"):
+        with pytest.raises(ValueError, match="tpot_target_s"):
+            Request([1, 2], 4, tpot_target_s=bad)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------- the step
+
+
+def test_without_targets_the_plans_are_those_of_section_2() -> None:
+    """On and off give the same plans, step by step, when no request carries a target."""
+    rng = random.Random(3)
+    specs = [(rng.randint(1, 60), rng.randint(1, 30), rng.randint(0, 3)) for _ in range(40)]
+    plans = []
+    for slo in (True, False):
+        s, m = make(48, slo=slo, max_seqs=6, budget=40)
+        for i, (p, n, prio) in enumerate(specs):
+            s.add(req(p, n, prio, None, i))
+        trace = []
+        while s.has_unfinished():
+            plan, _ = m.step()
+            trace.append((plan.decode, plan.prefill, plan.preempted))
+            assert plan.limit_s is None and plan.paused == 0
+        plans.append(trace)
+    assert plans[0] == plans[1]
+
+
+def test_a_top_tier_request_keeps_every_step_within_its_limit() -> None:
+    """Twelve batch requests and one interactive (TPOT target 0.1 s: steps of at most 80 ms,
+    70 tokens): every step stays within the limit once the interactive request is there, it
+    decodes every step, the batch requests are left out instead, and every output is what the
+    request gives alone."""
+    s, m = make(slo=True, chunk=64, budget=256)
+    prompts = {}
+    tokens: dict[int, list[int]] = {}
+    for i in range(12):
+        r = req(40, 30, 0, None, i)
+        prompts[s.add(r)] = r
+    for _ in range(3):
+        for e in m.step()[1]:
+            if isinstance(e, TokenEvent):
+                tokens.setdefault(e.id, []).append(e.token)
+    top = req(50, 20, 10, 0.1, 99)
+    top_id = s.add(top)
+    prompts[top_id] = top
+    decoded_steps = 0
+    first = None
+    while s.has_unfinished():
+        plan, events = m.step()
+        predicted = s.cost.predict(plan.shape) if s.cost else 0.0
+        if s.tokens(top_id) is not None or any(
+                isinstance(e, FinishedEvent) and e.id == top_id for e in events):
+            assert plan.limit_s == pytest.approx(0.08)
+            assert predicted <= 0.08 + 1e-9
+            if first is not None:
+                assert top_id in plan.decode
+                decoded_steps += 1
+        for e in events:
+            if isinstance(e, TokenEvent):
+                tokens.setdefault(e.id, []).append(e.token)
+                if e.id == top_id and first is None:
+                    first = s._step
+    assert decoded_steps == 19
+    for rid, r in prompts.items():
+        assert tokens[rid] == expected_output(list(r.prompt), r.max_tokens, 512)[0]
+    assert s.step_limit() is None  # the target left with its request
+
+
+def test_lower_tiers_are_paused_not_preempted_while_blocks_last() -> None:
+    s, m = make(2000, slo=True, max_seqs=64, chunk=64, budget=256, headroom=0.5)
+    for i in range(60):
+        s.add(req(40, 60, 0, None, i))
+    for _ in range(12):  # all 60 decoding: 70 ms a step, past the 50 ms limit to come
+        m.step()
+    s.add(req(20, 40, 10, 0.1, 99))
+    paused = []
+    for _ in range(10):
+        plan, _ = m.step()
+        paused.append(plan.paused)
+        assert not plan.preempted
+    assert max(paused) > 0
+    assert s.stats().preemptions == 0
+
+
+def test_a_top_tier_request_takes_a_seat_from_a_lower_tier_one() -> None:
+    """max_num_seqs full of batch requests: the interactive request preempts the lowest-ranked
+    one (recompute later, same output) instead of waiting for a batch request to finish."""
+    s, m = make(slo=True, max_seqs=4, chunk=64)
+    reqs = {}
+    tokens: dict[int, list[int]] = {}
+    for i in range(4):
+        r = req(10, 50, 0, None, i)
+        reqs[s.add(r)] = r
+    _, events = m.step()
+    top = req(10, 5, 10, 0.1, 50)
+    top_id = s.add(top)
+    reqs[top_id] = top
+    plan, more = m.step()
+    assert len(plan.preempted) == 1 and plan.preempted[0] != top_id
+    assert any(c.id == top_id for c in plan.prefill)
+    rest, _ = drive(s, m)
+    for e in events + more:
+        if isinstance(e, TokenEvent):
+            tokens.setdefault(e.id, []).append(e.token)
+    for rid, r in reqs.items():
+        got = tokens.get(rid, []) + rest.get(rid, [])
+        assert got == expected_output(list(r.prompt), r.max_tokens, 512)[0]
+
+
+def test_a_top_tier_request_is_never_preempted_for_a_lower_one() -> None:
+    """A pool that two interactive requests fill at their full length: neither
+    interactive request is preempted for it; blocks run out mid-decode and the batch one, not
+    an interactive one, is the victim."""
+    s, m = make(14, slo=True, max_seqs=8, chunk=64)
+    a = s.add(req(16, 12, 10, 0.1, 1))
+    b = s.add(req(16, 12, 10, 0.1, 2))
+    c = s.add(req(8, 12, 0, None, 3))
+    preempted: list[int] = []
+    while s.has_unfinished():
+        plan, _ = m.step()
+        preempted += plan.preempted
+    assert a not in preempted and b not in preempted
+    assert preempted and set(preempted) <= {c}
+
+
+def test_a_lower_tier_request_is_not_admitted_past_the_limit() -> None:
+    """With an interactive request running, a batch request is admitted only while a step
+    decoding every admitted request still fits the limit."""
+    s, m = make(slo=True, max_seqs=64, chunk=64, budget=512)
+    s.add(req(8, 200, 10, 0.1, 1))
+    m.step()
+    for i in range(100):
+        s.add(req(4, 200, 0, None, 10 + i))
+    for _ in range(20):
+        m.step()
+    # 10 ms + 1 ms per decode <= 80 ms: at most 70 decoding.
+    assert s.stats().running <= 70
+    assert s.stats().seats >= 0
+    assert s.stats().limit_s == pytest.approx(0.08)
+
+
+def test_abort_and_finish_release_the_target() -> None:
+    s, m = make(slo=True)
+    a = s.add(req(8, 3, 10, 0.1, 1))
+    b = s.add(req(8, 3, 5, 0.5, 2))
+    assert s.step_limit() == pytest.approx(0.08)
+    s.abort(a)
+    assert s.step_limit() == pytest.approx(0.4)
+    drive(s, m)
+    assert s.step_limit() is None and not s.has_unfinished()
+    assert s.tokens(b) is None
+    assert s.blocks.free_blocks == s.blocks.total_blocks
+
+
+def test_off_ignores_targets() -> None:
+    s, m = make(slo=False)
+    s.add(req(8, 3, 10, 0.1, 1))
+    assert s.step_limit() is None and s.cost is None
+    plan, _ = m.step()
+    assert plan.limit_s is None
