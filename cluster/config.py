@@ -109,7 +109,9 @@ class FlowConfig(_Strict):
     tiers (a full queue evicts from the lowest tier first). shed_status: the status of a shed
     request (429 with ``Retry-After``, or 503). tenant_header: a header naming the tenant
     inside the caller's tier (for gateways that authenticate upstream); None: tenants are API
-    keys.
+    keys. aging_s, aged_share: a request held longer than ``aging_s`` goes ahead of higher
+    tiers, for at most ``aged_share`` of the dispatches (no tier starves; under overload the
+    lower tiers still absorb it); ``aging_s`` None: strict priority.
     """
 
     enabled: bool = True
@@ -117,6 +119,8 @@ class FlowConfig(_Strict):
     max_held: int = Field(default=1024, ge=0)
     shed_status: Literal[429, 503] = 429
     tenant_header: str | None = Field(default=None, pattern=r"^[A-Za-z0-9-]{1,64}$")
+    aging_s: float | None = Field(default=20.0, gt=0.0)
+    aged_share: float = Field(default=0.05, ge=0.0, le=1.0)
 
 
 class ClusterConfig(_Strict):

@@ -11,6 +11,10 @@ ingress drives it; its unit tests drive it in virtual time).
   backlogged has its counter lifted, when a request of it arrives, to the smallest counter of the
   backlogged tenants (or to the band's virtual time when none is), so idle time banks no credit;
   a tenant asking less than its share is never behind anyone and gets all it asks for.
+- **Aging.** Strict priority alone starves a lower band behind a steady stream above it: a
+  request held longer than ``aging_s`` goes ahead of the bands above it, the oldest such first,
+  but such aged dispatches are at most ``aged_share`` of all dispatches, so that under overload
+  the lower bands still absorb it.
 - **Capacity and TTL.** A band holds at most its tier's ``max_held`` requests, the whole queue
   ``max_held``; a request held longer than its tier's ``held_ttl_s`` is shed (``expire``).
   When the whole queue is full, a request evicts the newest held request of the lowest band
@@ -70,11 +74,20 @@ class _Band(Generic[T]):
 class FlowQueues(Generic[T]):
     """The held requests of every band (see the module docstring)."""
 
-    def __init__(self, bands: Sequence[BandSpec], max_held: int) -> None:
+    def __init__(self, bands: Sequence[BandSpec], max_held: int, aging_s: float | None = None,
+                 aged_share: float = 0.05) -> None:
         if not bands:
             raise ValueError("flow control needs at least one band")
         if max_held < 0:
             raise ValueError(f"max_held must be >= 0, got {max_held}")
+        if aging_s is not None and aging_s <= 0:
+            raise ValueError(f"aging_s must be positive, got {aging_s}")
+        if not 0.0 <= aged_share <= 1.0:
+            raise ValueError(f"aged_share must be in [0, 1], got {aged_share}")
+        self.aging_s = aging_s
+        self.aged_share = aged_share
+        self._dispatched = 0
+        self._aged = 0
         self._bands: list[_Band[T]] = [_Band(spec) for spec in bands]
         self.max_held = max_held
         self._seq = itertools.count()
@@ -124,22 +137,47 @@ class FlowQueues(Generic[T]):
                 return newest
         return None
 
-    def pop(self, allowed: Callable[[int], bool]) -> Held[T] | None:
+    def pop(self, allowed: Callable[[int], bool], now: float | None = None) -> Held[T] | None:
         """The next request to dispatch: from the highest band with a held request that
-        ``allowed(band)``, the oldest of its backlogged tenant with the least service."""
+        ``allowed(band)``, the oldest of its backlogged tenant with the least service; with
+        ``now``, an aged request of a lower band first while aged dispatches are within their
+        share (the module docstring)."""
+        aged = self._aged_candidate(allowed, now)
+        if aged is not None:
+            self._aged += 1
+            return self._take(aged.band, aged.tenant)
         for i, b in enumerate(self._bands):
             if not b.queues or not allowed(i):
                 continue
             tenant = min(b.queues, key=lambda t: (b.counters.get(t, 0.0), b.queues[t][0].seq))
-            q = b.queues[tenant]
-            held = q.popleft()
-            if not q:
-                del b.queues[tenant]
-            b.vtime = max(b.vtime, b.counters.get(tenant, 0.0))
-            b.held -= 1
-            self._held -= 1
-            return held
+            return self._take(i, tenant)
         return None
+
+    def _aged_candidate(self, allowed: Callable[[int], bool],
+                        now: float | None) -> Held[T] | None:
+        if now is None or self.aging_s is None or self._aged >= self.aged_share * (
+                self._dispatched + 1):
+            return None
+        top = next((i for i, b in enumerate(self._bands) if b.queues and allowed(i)), None)
+        if top is None:
+            return None
+        oldest = min((q[0] for b in self._bands[top + 1:] for q in b.queues.values()),
+                     key=lambda h: h.seq, default=None)
+        if oldest is None or now - oldest.arrival < self.aging_s or not allowed(oldest.band):
+            return None
+        return oldest
+
+    def _take(self, band: int, tenant: str) -> Held[T]:
+        b = self._bands[band]
+        q = b.queues[tenant]
+        held = q.popleft()
+        if not q:
+            del b.queues[tenant]
+        b.vtime = max(b.vtime, b.counters.get(tenant, 0.0))
+        b.held -= 1
+        self._held -= 1
+        self._dispatched += 1
+        return held
 
     def remove(self, held: Held[T]) -> bool:
         """Drop a held request (its client left, or it was shed); False if not held."""

@@ -67,7 +67,8 @@ class FlowGate:
         self.tiers = tiers
         self.band_of = {t.name: i for i, t in enumerate(tiers)}
         self.queues: FlowQueues[tuple[Ticket, asyncio.Future[Shed | None]]] = FlowQueues(
-            [BandSpec(t.name, t.max_held, t.held_ttl_s) for t in tiers], self.cfg.max_held)
+            [BandSpec(t.name, t.max_held, t.held_ttl_s) for t in tiers], self.cfg.max_held,
+            self.cfg.aging_s, self.cfg.aged_share)
         self.known_tenants = {
             t.name: {name for name, _ in t.all_keys()} | {n.name for n in t.tenants}
             | {DEFAULT_TENANT} for t in tiers}
@@ -182,7 +183,7 @@ class FlowGate:
             self._drop(held, "ttl", f"held {spec.held_ttl_s:g} s, its tier's held_ttl_s, while "
                                     "no replica could start it")
         while True:
-            nxt = self.queues.pop(self.allowed)
+            nxt = self.queues.pop(self.allowed, now)
             if nxt is None:
                 return
             ticket, fut = nxt.item

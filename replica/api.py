@@ -257,6 +257,7 @@ class EngineStats:
     step_limit_s: float = 0.0
     paused: int = 0
     seats: int = 0
+    tpot_target_s: float = 0.0  # the strictest TPOT target of its unfinished requests (0: none)
 
 
 class EngineDead(RuntimeError):

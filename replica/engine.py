@@ -295,6 +295,7 @@ class Engine:
             step_limit_s=s.limit_s or 0.0,
             paused=s.paused,
             seats=s.seats,
+            tpot_target_s=self.scheduler.strictest_target() or 0.0,
         )
 
     # ------------------------------------------------------------------ the step

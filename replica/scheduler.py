@@ -388,6 +388,12 @@ class Scheduler:
             else:
                 del self._targets[t]
 
+    def strictest_target(self) -> float | None:
+        """The strictest TPOT target of the unfinished requests (None: none, or steps off)."""
+        if self.cost is None or not self._targets:
+            return None
+        return min(self._targets)
+
     def step_limit(self) -> float | None:
         """The seconds the next step may take (§8): the strictest TPOT target of the unfinished
         requests times ``slo_headroom``; None without SLO-aware steps or without targets."""

@@ -178,6 +178,11 @@ class Ranked(Generic[K]):
     # Its last report leaves no seat within its step limit for this request (one with a TPOT
     # target), counting what was sent since the report.
     no_seat: bool = False
+    # Its step does not already keep this request's own target (the strictest target present
+    # there is another or none): the request would shorten every step there, where a replica
+    # keeping that target loses nothing more. Requests with a target gather first where their
+    # target is already kept, seats allowing.
+    unconstrained: bool = False
 
 
 def charged_since_report(stats: RoutingStats | None, charges: Sequence[Charge]) -> list[Charge]:
@@ -202,7 +207,10 @@ def rank_replicas(
     never hold ``prompt + max_tokens``, then saturated ones (the estimated free blocks cannot
     hold the request and the estimated queue is at least ``saturation_waiting``), then, for a
     request with a TPOT target, those whose SLO-aware step has no seat left for it (its
-    reported ``seats`` less the requests sent since the report). Remaining ties
+    reported ``seats`` less the requests sent since the report), then those whose step does not
+    already keep the request's own target as its strictest (a replica keeping a top tier's
+    target loses nothing more by one more such request, where another would shorten all its
+    steps for it: a tier's requests gather where their target is already kept). Remaining ties
     at random (``rng``). A replica without a report is never saturated, never too small and never
     dead (nothing is known against it). ``affinity`` None: ``Affinity()``.
     """
@@ -252,6 +260,9 @@ def rank_replicas(
             - hit_blocks * block_tokens * samples,
             no_seat=stats is not None and request.tpot_target_s is not None
             and stats.seats - len(unseen) < samples,
+            unconstrained=request.tpot_target_s is not None and not (
+                stats is not None
+                and stats.tpot_target_ms == round(request.tpot_target_s * 1000)),
         ))
 
     eligible = [r for r in entries if not (r.dead or r.never_fits or r.saturated)]
@@ -262,7 +273,7 @@ def rank_replicas(
     )
 
     def order(r: Ranked[K]) -> tuple[Any, ...]:
-        head = (r.dead, r.never_fits, r.saturated, r.no_seat)
+        head = (r.dead, r.never_fits, r.saturated, r.no_seat, r.unconstrained)
         if latency:
             if balanced:
                 return (*head, r.short, r.prefill_ahead, -r.est_free, rng.random())

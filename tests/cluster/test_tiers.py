@@ -157,3 +157,43 @@ def test_keys_configured_an_unknown_key_is_still_401() -> None:
 def test_a_mandatory_key_with_no_keys_anywhere_is_a_config_error() -> None:
     with pytest.raises(ValueError, match="no tier has api_keys"):
         ClusterConfig(default_tier=None)
+
+
+# ---------------------------------------------------------------- tenants
+
+
+def tenant_resolver() -> TierResolver:
+    from cluster.config import TenantConfig
+
+    cfg = ClusterConfig(tiers=[
+        TierConfig(name="interactive", base_priority=10, max_priority=15, api_keys=["k-int"]),
+        TierConfig(name="standard", base_priority=5, max_priority=9, api_keys=["k-std"],
+                   tenants=[TenantConfig(name="acme", weight=3.0, api_keys=["k-acme"])]),
+    ])
+    return TierResolver(cfg)
+
+
+def test_a_key_names_its_tenant_and_weight() -> None:
+    r = tenant_resolver()
+    acme = r.resolve("Bearer k-acme", None)
+    assert (acme.tier.name, acme.tenant, acme.weight) == ("standard", "acme", 3.0)
+    plain = r.resolve("Bearer k-std", None)
+    assert (plain.tier.name, plain.tenant, plain.weight) == ("standard", "standard-key0", 1.0)
+    # A key's tenant wins over the header.
+    assert r.resolve("Bearer k-acme", None, "someone").tenant == "acme"
+
+
+def test_the_tenant_header_names_the_tenant_of_a_keyless_caller() -> None:
+    r = tenant_resolver()
+    assert r.resolve(None, None).tenant == "default"
+    c = r.resolve(None, None, " team-7 ")
+    assert (c.tenant, c.weight) == ("team-7", 1.0)
+    assert r.resolve(None, None, "acme").weight == 3.0
+
+
+@pytest.mark.parametrize("value", ["-x", "a b", "x" * 65, "é"])
+def test_a_bad_tenant_header_is_a_clear_error(value: str) -> None:
+    from cluster.tiers import TenantError
+
+    with pytest.raises(TenantError, match="tenant header"):
+        tenant_resolver().resolve(None, None, value)

@@ -328,3 +328,29 @@ def test_flow_config_is_validated() -> None:
                        tenants=[TenantConfig(name="t", api_keys=["k1"])])])
     with pytest.raises(ValueError, match="ttft_target_s"):
         TierConfig(name="x", base_priority=0, max_priority=0, ttft_target_s=0)
+
+
+def test_aging_lets_a_starved_band_through_within_its_share() -> None:
+    """A steady stream of standard requests: a batch request held past aging_s goes ahead of
+    them, but aged dispatches stay within aged_share (here 1 in 4)."""
+    q: FlowQueues[str] = FlowQueues(BANDS, 10_000, aging_s=10.0, aged_share=0.25)
+    for i in range(8):
+        q.push(held(2, at=float(i), item=f"b{i}"))
+    for i in range(40):
+        q.push(held(1, at=100.0, item=f"s{i}"))
+    young = [q.pop(everything, now=5.0) for _ in range(4)]
+    assert all(h is not None and h.band == 1 for h in young)  # not aged yet
+    out = [q.pop(everything, now=100.0) for _ in range(36)]
+    bands = [h.band for h in out if h is not None]
+    assert 0 < bands.count(2) <= 0.25 * 40 + 1
+    assert [h.item for h in out if h is not None and h.band == 2] == [
+        f"b{i}" for i in range(bands.count(2))]  # the oldest first
+    strict: FlowQueues[str] = FlowQueues(BANDS, 10_000)  # aging_s None: strict priority
+    strict.push(held(2, at=0.0, item="b"))
+    strict.push(held(1, at=50.0, item="s"))
+    got = strict.pop(everything, now=100.0)
+    assert got is not None and got.item == "s"
+    with pytest.raises(ValueError, match="aging_s"):
+        FlowQueues(BANDS, 4, aging_s=0.0)
+    with pytest.raises(ValueError, match="aged_share"):
+        FlowQueues(BANDS, 4, aged_share=1.5)

@@ -230,3 +230,51 @@ def test_a_replica_whose_engine_failed_ranks_last() -> None:
     for latency in (False, True):
         ranked = rank_replicas(loads, RequestShape(31, 8, latency=latency), random.Random(0))
         assert [(r.key, r.dead) for r in ranked] == [("busy", False), ("dead", True)]
+
+
+# ---------------------------------------------------------------- seats within a step limit
+
+
+def test_a_request_with_a_tpot_target_goes_where_a_seat_is_left() -> None:
+    """The replica with more free blocks has no seat left within its SLO-aware step: a request
+    with a TPOT target goes to the other; one without a target still goes by blocks."""
+    loads = [ReplicaLoad("full", stats(90, seats=0, step_limit_ms=80)),
+             ReplicaLoad("room", stats(40, seats=3, step_limit_ms=80))]
+    with_target = RequestShape(31, 0, latency=True, tpot_target_s=0.1)
+    ranked = rank_replicas(loads, with_target, random.Random(0))
+    assert [r.key for r in ranked] == ["room", "full"]
+    assert ranked[1].no_seat and not ranked[0].no_seat
+    assert order(loads) == ["full", "room"]
+
+
+def test_seats_count_what_was_sent_since_the_report() -> None:
+    charges = [Charge(blocks=2, routed_at=T0 + 1), Charge(blocks=2, routed_at=T0 + 2)]
+    loads = [ReplicaLoad("a", stats(90, seats=2), charges),
+             ReplicaLoad("b", stats(40, seats=1))]
+    shape = RequestShape(31, 0, latency=True, tpot_target_s=0.1)
+    assert [r.key for r in rank_replicas(loads, shape, random.Random(0))] == ["b", "a"]
+
+
+def test_a_stats_report_carries_the_step_limit_and_seats() -> None:
+    from replica.api import EngineStats
+
+    s = RoutingStats.from_engine(EngineStats(running=3, waiting=0, free_blocks=10, total_blocks=20,
+                                             block_tokens=16, step_limit_s=0.0804, seats=5),
+                                 T0, True)
+    assert (s.step_limit_ms, s.seats) == (80, 5)
+    assert RoutingStats.from_dict(json.loads(json.dumps(s.to_dict()))) == s
+
+
+def test_a_request_with_a_target_joins_a_replica_already_keeping_it() -> None:
+    """Of three replicas with seats, the one already keeping the 100 ms target takes a request
+    with that target, though the others have more free blocks; a request with a 500 ms target
+    goes to the one keeping 500 ms, not to the stricter one."""
+    loads = [ReplicaLoad("free", stats(90, seats=30)),
+             ReplicaLoad("loose", stats(80, seats=30, step_limit_ms=400, tpot_target_ms=500)),
+             ReplicaLoad("limited", stats(40, seats=3, step_limit_ms=80, tpot_target_ms=100))]
+    top = rank_replicas(loads, RequestShape(31, 0, latency=True, tpot_target_s=0.1),
+                        random.Random(0))
+    assert top[0].key == "limited" and not top[0].unconstrained
+    assert {r.key for r in top[1:]} == {"free", "loose"}
+    mid = rank_replicas(loads, RequestShape(31, 0, tpot_target_s=0.5), random.Random(0))
+    assert mid[0].key == "loose"
