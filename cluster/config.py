@@ -75,6 +75,10 @@ class TierConfig(_Strict):
         names = [t.name for t in self.tenants]
         if len(set(names)) != len(names):
             raise ValueError(f"tier {self.name!r}: tenant names must be unique, got {names}")
+        reserved = [n for n in names if n.startswith(f"{self.name}-key")]
+        if reserved:
+            raise ValueError(f"tier {self.name!r}: tenant names {reserved} are reserved for the "
+                             f"keys of api_keys ({self.name}-key<N>)")
         return self
 
     def all_keys(self) -> list[tuple[str, str]]:

@@ -86,8 +86,9 @@ class FlowQueues(Generic[T]):
             raise ValueError(f"aged_share must be in [0, 1], got {aged_share}")
         self.aging_s = aging_s
         self.aged_share = aged_share
-        self._dispatched = 0
-        self._aged = 0
+        # Aged dispatches earn ``aged_share`` of a dispatch each time one is made, up to one:
+        # at most that share of any run of dispatches, never a burst.
+        self._aged_credit = 0.0
         self._bands: list[_Band[T]] = [_Band(spec) for spec in bands]
         self.max_held = max_held
         self._seq = itertools.count()
@@ -144,7 +145,7 @@ class FlowQueues(Generic[T]):
         share (the module docstring)."""
         aged = self._aged_candidate(allowed, now)
         if aged is not None:
-            self._aged += 1
+            self._aged_credit -= 1.0
             return self._take(aged.band, aged.tenant)
         for i, b in enumerate(self._bands):
             if not b.queues or not allowed(i):
@@ -155,8 +156,7 @@ class FlowQueues(Generic[T]):
 
     def _aged_candidate(self, allowed: Callable[[int], bool],
                         now: float | None) -> Held[T] | None:
-        if now is None or self.aging_s is None or self._aged >= self.aged_share * (
-                self._dispatched + 1):
+        if now is None or self.aging_s is None or self._aged_credit < 1.0:
             return None
         top = next((i for i, b in enumerate(self._bands) if b.queues and allowed(i)), None)
         if top is None:
@@ -176,7 +176,7 @@ class FlowQueues(Generic[T]):
         b.vtime = max(b.vtime, b.counters.get(tenant, 0.0))
         b.held -= 1
         self._held -= 1
-        self._dispatched += 1
+        self._aged_credit = min(self._aged_credit + self.aged_share, 1.0)
         return held
 
     def remove(self, held: Held[T]) -> bool:

@@ -132,7 +132,8 @@ class FlowGate:
         """Service (prompt or output tokens) the request's tenant received."""
         if tokens > 0:
             self.queues.charge(ticket.band, ticket.tenant, tokens, ticket.weight)
-            self.metrics.tenant_tokens(ticket.tier, ticket.label, tokens)
+            with contextlib.suppress(Exception):  # a metric never fails a request
+                self.metrics.tenant_tokens(ticket.tier, ticket.label, tokens)
 
     def _dispatch(self, ticket: Ticket) -> None:
         ticket.starting = True
@@ -140,7 +141,8 @@ class FlowGate:
         self.charge(ticket, ticket.prompt_tokens)
 
     def _shed(self, tier: str, reason: str, why: str) -> Shed:
-        self.metrics.shed(tier, reason)
+        with contextlib.suppress(Exception):  # a metric never fails a request
+            self.metrics.shed(tier, reason)
         status = self.cfg.shed_status
         return Shed(status, reason, f"the server is overloaded: tier {tier!r} shed this request "
                                     f"({why}); retry later")
@@ -175,8 +177,10 @@ class FlowGate:
             self._metrics_at = now
             with contextlib.suppress(Exception):
                 self.replicas = max(self._replicas(), 1)
-            self.metrics.flow({t.name: self.queues.held(i) for i, t in enumerate(self.tiers)},
-                              self.starting, self.window())
+            with contextlib.suppress(Exception):  # a metric never stops the pump
+                self.metrics.flow(
+                    {t.name: self.queues.held(i) for i, t in enumerate(self.tiers)},
+                    self.starting, self.window())
             self.queues.forget_idle()
         for held in self.queues.expire(now):
             spec = self.tiers[held.band]
@@ -189,5 +193,5 @@ class FlowGate:
             ticket, fut = nxt.item
             if fut.done():
                 continue  # its client left
-            self._dispatch(ticket)
             fut.set_result(None)
+            self._dispatch(ticket)

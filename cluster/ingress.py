@@ -407,10 +407,14 @@ class Ingress:
     async def _serve(self, request: Request, body: CompletionRequest | ChatCompletionRequest,
                      call: _Call, caller: Caller) -> Response:
         sampling = self._sampling(body)
-        self._admit(caller)
+        route = _Route(sampling, caller, self.cfg.replica_retries)
+        try:
+            self._admit(caller)
+        except ApiError:
+            self._count_slo(route, failed=True)
+            raise
         self.inflight += 1
         handed_off = False
-        route = _Route(sampling, caller, self.cfg.replica_retries)
         try:
             if self.gate is not None:
                 try:
@@ -454,16 +458,17 @@ class Ingress:
             return
         route.counted = True
         tier = route.caller.tier
+        if tier.ttft_target_s is None and tier.tpot_target_s is None:
+            return
         ttft_met = tpot_met = None
         if tier.ttft_target_s is not None:
             ttft_met = (not failed and route.first is not None
                         and route.first - route.arrival <= tier.ttft_target_s)
-        if tier.tpot_target_s is not None and failed:
-            tpot_met = None
-        elif tier.tpot_target_s is not None and route.tokens > 1:
+        if tier.tpot_target_s is not None and not failed and route.tokens > 1:
             assert route.first is not None and route.last is not None
             tpot_met = (route.last - route.first) / (route.tokens - 1) <= tier.tpot_target_s
-        self.metrics.slo(tier.name, ttft_met, tpot_met)
+        both = not failed and ttft_met is not False and tpot_met is not False
+        self.metrics.slo(tier.name, ttft_met, tpot_met, both)
 
     def _release(self, route: _Route) -> None:
         """The request's dispatch-window slot, if it still holds one."""
@@ -584,7 +589,8 @@ class Ingress:
         failed actor raises ``ApiError`` and a failed engine's delta (``finish_reason`` "error")
         is yielded as it is."""
         item: RequestOutput | ErrorRecord | None = first
-        failed = True
+        ended = False  # a sample finished cleanly (not a client that left)
+        errored = False
         try:
             while True:
                 if item is None:
@@ -596,8 +602,9 @@ class Ingress:
                     yield None
                     continue
                 self._timed(route, item)
-                if item.finished and item.finish_reason != "error":
-                    failed = False
+                if item.finished:
+                    ended = True
+                    errored = errored or item.finish_reason == "error"
                 yield item
                 try:
                     item = await self._next(stream)
@@ -606,10 +613,14 @@ class Ingress:
                         raise
                     stream, item = await self._resend(call, route, stream, e.message)
                     yield None
+        except ApiError:
+            errored = True
+            raise
         finally:
             stream.cancel()
-            if route.first is not None or failed:
-                self._count_slo(route, failed=failed and route.first is None)
+            # Counted when it ended or failed; a client that left is not the server's miss.
+            if errored or ended:
+                self._count_slo(route, failed=errored)
 
     def _timed(self, route: _Route, item: RequestOutput) -> None:
         """Note a delta's tokens: the first sample's token times (goodput), every sample's

@@ -53,17 +53,16 @@ class IngressMetrics:
     def rejected(self, reason: str, tier: str) -> None:
         self.rejections.inc(1, tags={"reason": reason, "tier": tier or NO_TIER})
 
-    def slo(self, tier: str, ttft_met: bool | None, tpot_met: bool | None) -> None:
-        """One request against its tier's targets (None: the tier has no such target, or the
-        request made too few tokens to have a time per output token)."""
+    def slo(self, tier: str, ttft_met: bool | None, tpot_met: bool | None, both: bool) -> None:
+        """One request against its tier's targets (``ttft_met``/``tpot_met`` None: the tier has
+        no such target, the request made too few tokens to have a time per output token, or it
+        failed first; ``both``: it was answered and met every target it could be measured on)."""
         c = self.counters["tierserve_slo_requests"]
         for target, met in (("ttft", ttft_met), ("tpot", tpot_met)):
             if met is not None:
                 c.inc(1, tags={"tier": tier, "target": target,
                                "outcome": "met" if met else "missed"})
-        if ttft_met is not None or tpot_met is not None:
-            both = ttft_met is not False and tpot_met is not False
-            c.inc(1, tags={"tier": tier, "target": "both", "outcome": "met" if both else "missed"})
+        c.inc(1, tags={"tier": tier, "target": "both", "outcome": "met" if both else "missed"})
 
     def shed(self, tier: str, reason: str) -> None:
         self.counters["tierserve_flow_shed"].inc(1, tags={"tier": tier, "reason": reason})

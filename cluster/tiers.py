@@ -68,6 +68,8 @@ class TierResolver:
         if len({d for d, _, _ in self._keys}) != len(self._keys):
             raise ValueError("an API key is listed more than once (after resolving env:/file:)")
         self.latency_floor = config.latency_floor
+        # Tenants a key identifies: the tenant header may not claim them.
+        self._keyed = {t.name: {name for name, _ in t.all_keys()} for t in config.tiers}
 
     def resolve(self, authorization: str | None, priority_header: str | None,
                 tenant_header: str | None = None) -> Caller:
@@ -77,6 +79,9 @@ class TierResolver:
         priority = self._priority(tier, priority_header)
         if tenant is None:
             tenant = self._tenant(tenant_header)
+            if tenant in self._keyed.get(tier.name, ()):
+                raise TenantError(f"tenant {tenant!r} is identified by its API key, not by the "
+                                  "tenant header")
         return Caller(tier, priority, priority >= self.latency_floor, tenant,
                       tier.weight_of(tenant))
 

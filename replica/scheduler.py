@@ -441,7 +441,8 @@ class Scheduler:
                                                 reserve.attention + n)) > limit):
                 paused.append(seq)  # left out of this step, keeping its blocks
                 continue
-            if not self._grow(seq, n, out, paused if limit is not None else None, protected):
+            if not self._grow(seq, n, out, fed, paused if limit is not None else None,
+                              protected):
                 break  # seq preempted itself: nothing ranks lower
             out.decode.append(seq.id)
             fed.append((seq, 1))
@@ -466,8 +467,10 @@ class Scheduler:
                 budget -= take
                 shape = shape.plus(take, 1, chunk_attention(seq.computed, take))
 
-        # Phase 3: admissions in rank order, all or nothing, no skipping ahead.
+        # Phase 3: admissions in rank order, all or nothing, no skipping ahead (with a limit, the
+        # strictest tier's best-ranked request may pass a head the limit refuses, once a step).
         waiting = self._waiting
+        passed = False
         while waiting and budget > 0:
             head = waiting.peek()
             assert head is not None
@@ -475,16 +478,25 @@ class Scheduler:
                 # Preempted this step for room: not back before the next one (a prefix cache
                 # would otherwise hand it its own blocks back at once, and it would thrash).
                 break
-            full = len(running) >= cfg.max_num_seqs
-            alloc = None
-            if not full:
-                with contextlib.suppress(NoCapacity):
-                    alloc = blocks.allocate(head.id, head.tokens, head.reuse)
+            if (limit is not None and not protected(head)
+                    and not self._fits(head, fed, shape, limit)):
+                # It would take the step, or the decodes to come, past the limit: it waits.
+                found = None if passed else self._first_protected_waiting(protected, out)
+                passed = True
+                if found is None:
+                    break
+                head = found
+            while True:
+                alloc = None
+                if len(running) < cfg.max_num_seqs:
+                    with contextlib.suppress(NoCapacity):
+                        alloc = blocks.allocate(head.id, head.tokens, head.reuse)
+                if alloc is not None or limit is None or not self._make_room(
+                        head, out, fed, paused, protected):
+                    break
+                budget = cfg.max_num_batched_tokens - sum(k for _, k in fed)
+                shape = _shape_of(fed)
             if alloc is None:
-                if limit is not None and self._make_room(head, out, fed, paused, protected):
-                    budget = cfg.max_num_batched_tokens - sum(k for _, k in fed)
-                    shape = _shape_of(fed)
-                    continue
                 break
             # Only what is not cached costs budget (the last position is always computed).
             cached = min(alloc.cached_tokens, len(head.tokens) - 1)
@@ -497,7 +509,11 @@ class Scheduler:
             if take == 0:
                 blocks.release(head.id, ())  # all or nothing: it waits, holding nothing
                 break
-            waiting.pop()
+            if head is waiting.peek():
+                waiting.pop()
+            else:
+                assert head.handle is not None
+                waiting.remove(head.handle)
             head.handle = None
             head.computed = cached
             if head.cached is None:
@@ -507,6 +523,18 @@ class Scheduler:
             fed.append((head, take))
             budget -= take
             shape = shape.plus(take, 1, chunk_attention(cached, take))
+
+        if limit is not None and not fed and paused:
+            # Nothing fits the limit (a target below what one decode takes here): the
+            # best-ranked request left out runs anyway, so the replica never stalls.
+            first = next((s for s in paused if s.handle is None
+                          and len(s.tokens) - s.computed == 1), None)
+            if first is not None and self._grow(first, len(first.tokens), out, fed, paused,
+                                                protected):
+                out.decode.append(first.id)
+                fed.append((first, 1))
+                shape = shape.plus(1, 1, decode_attention(len(first.tokens)))
+                paused.remove(first)
 
         out.shape = shape
         out.limit_s = limit
@@ -547,6 +575,21 @@ class Scheduler:
             fit = max(fit, min(take, self._blocks.block_tokens))
         return fit
 
+    def _fits(self, head: _Seq, fed: list[tuple[_Seq, int]], shape: StepShape,
+              limit: float) -> bool:
+        """Whether ``head`` (not of the strictest tier) can be admitted within ``limit``: a
+        first position of it fits this step, and a step decoding the plan and it fits too."""
+        assert self.cost is not None
+        n = len(head.tokens)
+        return (self.cost.predict(shape.plus(1, 1, chunk_attention(0, 1))) <= limit
+                and self._carries(head, fed, limit)) if n else False
+
+    def _first_protected_waiting(self, protected: Callable[[_Seq], bool],
+                                 out: ScheduleOutput) -> _Seq | None:
+        """The best-ranked waiting request of the strictest tier (not preempted this step)."""
+        return min((s for s in self._waiting.items()
+                    if protected(s) and s.id not in out.preempted), key=_rank_of, default=None)
+
     def _carries(self, head: _Seq, fed: list[tuple[_Seq, int]], limit: float) -> bool:
         """Whether a step decoding every request of this plan and ``head`` fits ``limit``."""
         assert self.cost is not None
@@ -573,15 +616,33 @@ class Scheduler:
 
     def _make_room(self, head: _Seq, out: ScheduleOutput, fed: list[tuple[_Seq, int]],
                    paused: list[_Seq], protected: Callable[[_Seq], bool]) -> bool:
-        """Preempt one running request for ``head`` (§8): the lowest-ranked one that ranks below
-        it and is not of the strictest tier, among those left out of this step, or (for a head of
-        the strictest tier) among any; False when there is none."""
-        below = [s for s in self._running if s.rank > head.rank and not protected(s)]
-        idle = [s for s in below if s in paused]
-        pool = idle or (below if protected(head) else [])
-        if not pool:
+        """Preempt one running request for ``head`` (§8); False when there is none to take.
+        For a head of the strictest tier: any request not of that tier, those left out of this
+        step first, then the lowest-ranked. For another head: only one that ranks below it and
+        was left out of this step."""
+        victim = self._victim(head, paused, protected, protected(head))
+        if victim is None:
             return False
-        victim = pool[-1]
+        self._unplan(victim, out, fed)
+        self._preempt(victim, out)
+        return True
+
+    def _victim(self, seq: _Seq, paused: list[_Seq], protected: Callable[[_Seq], bool],
+                anyone: bool) -> _Seq | None:
+        """Whom ``seq`` may preempt under a step limit (see ``_make_room``)."""
+        idle = [s for s in paused if s.handle is None and s is not seq and not protected(s)]
+        if not anyone:
+            idle = [s for s in idle if s.rank > seq.rank]
+        if idle:
+            return max(idle, key=_rank_of)
+        if anyone:
+            return next((s for s in reversed(self._running)
+                         if s is not seq and not protected(s)), None)
+        return None
+
+    @staticmethod
+    def _unplan(victim: _Seq, out: ScheduleOutput, fed: list[tuple[_Seq, int]]) -> None:
+        """Take ``victim`` out of this step's plan, where it is in it."""
         for k, (seq, _) in enumerate(fed):
             if seq is victim:
                 del fed[k]
@@ -589,27 +650,27 @@ class Scheduler:
         if victim.id in out.decode:
             out.decode.remove(victim.id)
         out.prefill = [c for c in out.prefill if c.id != victim.id]
-        self._preempt(victim, out)
-        return True
 
-    def _grow(self, seq: _Seq, n: int, out: ScheduleOutput, paused: list[_Seq] | None = None,
+    def _grow(self, seq: _Seq, n: int, out: ScheduleOutput, fed: list[tuple[_Seq, int]],
+              paused: list[_Seq] | None = None,
               protected: Callable[[_Seq], bool] | None = None) -> bool:
         """Room for ``n`` positions, preempting from the bottom; False when ``seq`` was the victim.
-        With a step limit (``paused`` given), requests left out of this step go first, then the
-        lowest-ranked not of the strictest tier, before the plain bottom of §2."""
+        With a step limit (``paused`` given), a request left out of this step goes first; a
+        request of the strictest tier takes from any request not of that tier (taken out of the
+        plan if it is in it) before the plain bottom of §2."""
         while True:
             try:
                 self._blocks.append_slot(seq.id, n)
                 return True
             except NoCapacity:
-                victim = self._running[-1]
+                victim: _Seq | None = None
                 if paused is not None and protected is not None:
-                    idle = [s for s in paused if s.handle is None and s is not seq]
-                    if idle:
-                        victim = idle[-1]
-                    elif protected(victim) and victim is not seq:
-                        victim = next((s for s in reversed(self._running)
-                                       if not protected(s) and s.id not in out.decode), victim)
+                    victim = self._victim(seq, paused, protected, protected(seq))
+                if victim is None:
+                    victim = self._running[-1]
+                    if protected is not None and protected(victim) and not protected(seq):
+                        victim = seq  # never the strictest tier's for another: seq waits
+                self._unplan(victim, out, fed)
                 self._preempt(victim, out)
                 if victim is seq:
                     return False

@@ -207,10 +207,11 @@ def rank_replicas(
     never hold ``prompt + max_tokens``, then saturated ones (the estimated free blocks cannot
     hold the request and the estimated queue is at least ``saturation_waiting``), then, for a
     request with a TPOT target, those whose SLO-aware step has no seat left for it (its
-    reported ``seats`` less the requests sent since the report), then those whose step does not
-    already keep the request's own target as its strictest (a replica keeping a top tier's
-    target loses nothing more by one more such request, where another would shorten all its
-    steps for it: a tier's requests gather where their target is already kept). Remaining ties
+    reported ``seats`` less the requests sent since the report). Inside either ranking, while
+    the replicas are balanced and after whether the request fits there now, a replica whose
+    step already keeps the request's own target as its strictest goes first (a replica keeping a
+    top tier's target loses nothing more by one more such request, where another would shorten
+    all its steps for it: a tier's requests gather where their target is already kept). Remaining ties
     at random (``rng``). A replica without a report is never saturated, never too small and never
     dead (nothing is known against it). ``affinity`` None: ``Affinity()``.
     """
@@ -273,13 +274,15 @@ def rank_replicas(
     )
 
     def order(r: Ranked[K]) -> tuple[Any, ...]:
-        head = (r.dead, r.never_fits, r.saturated, r.no_seat, r.unconstrained)
+        head = (r.dead, r.never_fits, r.saturated, r.no_seat)
+        gather = balanced and r.unconstrained  # never past the balance rule
         if latency:
             if balanced:
-                return (*head, r.short, r.prefill_ahead, -r.est_free, rng.random())
+                return (*head, r.short, gather, r.prefill_ahead, -r.est_free, rng.random())
             return (*head, r.short, r.pending, -r.est_free, -r.cached, rng.random())
         if sticky:
-            return (*head, r.room < r.full, -r.cached, r.outstanding, -r.room, rng.random())
-        return (*head, r.room < r.full, r.outstanding, -r.cached, -r.room, rng.random())
+            return (*head, r.room < r.full, gather, -r.cached, r.outstanding, -r.room,
+                    rng.random())
+        return (*head, r.room < r.full, gather, r.outstanding, -r.cached, -r.room, rng.random())
 
     return sorted(entries, key=order)

@@ -188,7 +188,25 @@ def test_the_tenant_header_names_the_tenant_of_a_keyless_caller() -> None:
     assert r.resolve(None, None).tenant == "default"
     c = r.resolve(None, None, " team-7 ")
     assert (c.tenant, c.weight) == ("team-7", 1.0)
-    assert r.resolve(None, None, "acme").weight == 3.0
+
+
+@pytest.mark.parametrize("claimed", ["acme", "standard-key0"])
+def test_the_header_cannot_claim_a_tenant_that_a_key_identifies(claimed: str) -> None:
+    from cluster.tiers import TenantError
+
+    with pytest.raises(TenantError, match="identified by its API key"):
+        tenant_resolver().resolve(None, None, claimed)
+
+
+def test_a_keyless_named_tenant_takes_its_weight_from_the_header() -> None:
+    from cluster.config import TenantConfig
+
+    cfg = ClusterConfig(tiers=[TierConfig(name="standard", base_priority=5, max_priority=9,
+                                          tenants=[TenantConfig(name="gw-team", weight=2.0)])])
+    assert TierResolver(cfg).resolve(None, None, "gw-team").weight == 2.0
+    with pytest.raises(ValueError, match="reserved"):
+        TierConfig(name="standard", base_priority=5, max_priority=9,
+                   tenants=[TenantConfig(name="standard-key0")])
 
 
 @pytest.mark.parametrize("value", ["-x", "a b", "x" * 65, "é"])

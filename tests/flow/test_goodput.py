@@ -21,8 +21,8 @@ class Metrics:
     def __init__(self) -> None:
         self.calls: list[tuple[str, bool | None, bool | None]] = []
 
-    def slo(self, tier: str, ttft: bool | None, tpot: bool | None) -> None:
-        self.calls.append((tier, ttft, tpot))
+    def slo(self, tier: str, ttft: bool | None, tpot: bool | None, both: bool) -> None:
+        self.calls.append((tier, ttft, tpot, both))
 
 
 def route(tier: TierConfig, arrival: float, first: float | None, last: float | None,
@@ -40,22 +40,27 @@ def count(r: _Route, failed: bool = False) -> list[Any]:
 
 
 @pytest.mark.parametrize(("first", "last", "tokens", "want"), [
-    (1.0, 2.0, 21, (True, True)),     # TTFT 1 s, TPOT 50 ms
-    (4.0, 5.0, 21, (False, True)),    # TTFT 4 s
-    (1.0, 5.0, 21, (True, False)),    # TPOT 200 ms
-    (1.0, 1.0, 1, (True, None)),      # one token: no TPOT
+    (1.0, 2.0, 21, (True, True, True)),     # TTFT 1 s, TPOT 50 ms
+    (4.0, 5.0, 21, (False, True, False)),   # TTFT 4 s
+    (1.0, 5.0, 21, (True, False, False)),   # TPOT 200 ms
+    (1.0, 1.0, 1, (True, None, True)),      # one token: no TPOT
 ])
 def test_a_request_meets_or_misses_each_target(first: float, last: float, tokens: int,
-                                               want: tuple[bool, bool | None]) -> None:
+                                               want: tuple[bool, bool | None, bool]) -> None:
     assert count(route(TIER, 0.0, first, last, tokens)) == [("interactive", *want)]
 
 
 def test_a_shed_or_failed_request_misses_its_first_token_target() -> None:
-    assert count(route(TIER, 0.0, None, None, 0), failed=True) == [("interactive", False, None)]
+    assert count(route(TIER, 0.0, None, None, 0), failed=True) == [
+        ("interactive", False, None, False)]
+    tpot_only = TierConfig(name="x", base_priority=0, max_priority=0, tpot_target_s=0.1)
+    assert count(route(tpot_only, 0.0, None, None, 0), failed=True) == [("x", None, None, False)]
+    untargeted = TierConfig(name="y", base_priority=0, max_priority=0)
+    assert count(route(untargeted, 0.0, 1.0, 2.0, 5)) == []
 
 
 def test_a_tier_without_a_tpot_target_is_counted_on_ttft_alone() -> None:
-    assert count(route(BATCH, 0.0, 30.0, 90.0, 10)) == [("batch", True, None)]
+    assert count(route(BATCH, 0.0, 30.0, 90.0, 10)) == [("batch", True, None, True)]
 
 
 def test_only_the_first_samples_tokens_time_the_request() -> None:

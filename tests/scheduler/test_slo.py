@@ -257,3 +257,66 @@ def test_off_ignores_targets() -> None:
     assert s.step_limit() is None and s.cost is None
     plan, _ = m.step()
     assert plan.limit_s is None
+
+
+def test_a_lower_tier_head_refused_by_the_limit_preempts_nothing() -> None:
+    """Batch requests left out of a tight step, seats full: a standard request waiting for a
+    seat does not preempt a left-out batch request when it could not run within the limit
+    anyway (it would only turn "left out" into "preempted")."""
+    s, m = make(2000, slo=True, max_seqs=41, chunk=64, budget=256, headroom=0.5)
+    for i in range(40):
+        s.add(req(40, 200, 0, None, i))
+    for _ in range(12):
+        m.step()
+    s.add(req(20, 100, 10, 0.1, 99))  # takes the last seat; the limit is now 50 ms
+    for _ in range(3):
+        m.step()
+    assert s.stats().running == 41 and s.stats().paused > 0
+    for i in range(5):
+        s.add(req(20, 50, 5, None, 200 + i))
+    for _ in range(10):
+        m.step()
+    assert s.stats().preemptions == 0
+
+
+def test_a_top_tier_request_takes_a_seat_from_an_older_lower_tier_one() -> None:
+    """Aging ranks a long-running batch request above a new interactive one (500 steps at
+    aging 100 outweigh 5 levels): the interactive request still takes its seat."""
+    cfg = caps(max_seqs=2, max_batch_tokens=256, policy=SchedPolicy.PRIORITY, aging_steps=1,
+               max_model_len=512).model_copy(update={"slo_scheduling": True})
+    s = Scheduler(cfg, FreeListBlocks(4, range(256)), Chunked(64), cost=StepCostModel(PRIOR))
+    m = FakeModel(s)
+    old = [s.add(req(8, 300, 0, None, i)) for i in range(2)]
+    for _ in range(40):
+        m.step()
+    top = s.add(req(8, 4, 10, 0.1, 9))
+    plan, _ = m.step()
+    assert any(c.id == top for c in plan.prefill)
+    assert len(plan.preempted) == 1 and plan.preempted[0] in old
+
+
+def test_a_top_tier_request_passes_a_head_the_limit_refuses() -> None:
+    s, m = make(2000, slo=True, max_seqs=64, chunk=64, budget=256, headroom=0.5)
+    for i in range(45):
+        s.add(req(8, 300, 0, None, i))
+    for _ in range(6):
+        m.step()
+    s.add(req(8, 300, 5, 0.1, 98))  # an interactive request running sets the 50 ms limit
+    m.step()
+    m.step()
+    blocked = s.add(req(8, 50, 8, None, 100))  # ranks above the next one, but cannot fit
+    top = s.add(req(8, 5, 5, 0.1, 101))
+    plan, _ = m.step()
+    assert any(c.id == top for c in plan.prefill)
+    assert s.is_waiting(blocked)
+
+
+def test_a_target_no_step_can_meet_still_makes_progress() -> None:
+    """A 1 ms target where a step costs at least 10 ms: the replica keeps stepping (the
+    best-ranked request runs) and everything finishes."""
+    s, m = make(slo=True)
+    s.add(req(8, 5, 10, 0.001, 1))
+    for i in range(3):
+        s.add(req(8, 5, 0, None, 2 + i))
+    tokens, reasons = drive(s, m, max_steps=500)
+    assert len(reasons) == 4 and s.blocks.free_blocks == s.blocks.total_blocks
