@@ -16,7 +16,9 @@ ingress drives it; its unit tests drive it in virtual time).
   but such aged dispatches are at most ``aged_share`` of all dispatches, so that under overload
   the lower bands still absorb it.
 - **Capacity and TTL.** A band holds at most its tier's ``max_held`` requests, the whole queue
-  ``max_held``; a request held longer than its tier's ``held_ttl_s`` is shed (``expire``).
+  ``max_held``; a request held longer than its tier's ``held_ttl_s`` is shed (``expire``). A
+  full band evicts the newest request of the tenant holding the most for a tenant holding
+  fewer, so one tenant's flood cannot lock the others out of their tier.
   When the whole queue is full, a request evicts the newest held request of the lowest band
   below its own; only when there is none is it refused itself.
 """
@@ -108,10 +110,18 @@ class FlowQueues(Generic[T]):
         """Hold ``held``; returns the requests evicted for it (shed: the caller answers them).
         Raises ``Refused`` when it cannot be held."""
         b = self._bands[held.band]
-        if b.held >= b.spec.max_held:
-            raise Refused("band_full", f"tier {b.spec.name!r} already holds {b.held} requests "
-                                       f"(its max_held)")
         evicted: list[Held[T]] = []
+        if b.held >= b.spec.max_held:
+            # A full band is shared fairly: the newest request of the tenant holding the most
+            # makes room for a tenant holding fewer (a flood cannot lock the others out).
+            mine = len(b.queues.get(held.tenant, ()))
+            top = max(b.queues, key=lambda t: len(b.queues[t]), default=None)
+            if top is None or top == held.tenant or len(b.queues[top]) <= mine + 1:
+                raise Refused("band_full", f"tier {b.spec.name!r} already holds {b.held} "
+                                           "requests (its max_held)")
+            crowding = b.queues[top][-1]
+            self.remove(crowding)
+            evicted.append(crowding)
         if self._held >= self.max_held:
             victim = self._newest_below(held.band)
             if victim is None:

@@ -105,8 +105,9 @@ class FlowGate:
         except Refused as e:
             raise self._shed(ticket.tier, e.reason, str(e)) from None
         for victim in evicted:
-            self._drop(victim, "evicted", "a request of a higher tier took its place in the "
-                                          "ingress's full queue")
+            self._drop(victim, "evicted", "another request took its place in the ingress's "
+                                          "full queue: a higher tier's, or one of a tenant "
+                                          "holding fewer in this tier")
         assert self._wake is not None
         self._wake.set()
         try:

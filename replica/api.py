@@ -258,6 +258,7 @@ class EngineStats:
     paused: int = 0
     seats: int = 0
     tpot_target_s: float = 0.0  # the strictest TPOT target of its unfinished requests (0: none)
+    target_requests: int = 0  # unfinished requests holding that target
 
 
 class EngineDead(RuntimeError):

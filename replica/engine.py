@@ -296,6 +296,7 @@ class Engine:
             paused=s.paused,
             seats=s.seats,
             tpot_target_s=self.scheduler.strictest_target() or 0.0,
+            target_requests=self.scheduler.strictest_count(),
         )
 
     # ------------------------------------------------------------------ the step

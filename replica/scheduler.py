@@ -388,6 +388,11 @@ class Scheduler:
             else:
                 del self._targets[t]
 
+    def strictest_count(self) -> int:
+        """Unfinished requests holding the strictest TPOT target (0 without one)."""
+        t = self.strictest_target()
+        return self._targets[t] if t is not None else 0
+
     def strictest_target(self) -> float | None:
         """The strictest TPOT target of the unfinished requests (None: none, or steps off)."""
         if self.cost is None or not self._targets:
@@ -423,6 +428,7 @@ class Scheduler:
         # With a limit, part of the step is kept for the strictest tier's prompts (their first
         # token has a target too): lower tiers' decodes fill the rest.
         reserve = self._reserve(limit, protected) if limit is not None else StepShape()
+        floors = [1]  # a block's worth past the limit, for one protected prompt a step
 
         # Phase 1: decodes, highest rank first. ``running`` is re-read: _grow may preempt from
         # its bottom, never a request already scheduled.
@@ -458,7 +464,8 @@ class Scheduler:
                 continue
             take = policy.chunk_len(remaining, budget, not fed)
             if take > 0 and limit is not None and cost is not None:
-                take = self._timed_chunk(seq.computed, take, shape, limit, protected(seq))
+                take = self._timed_chunk(seq.computed, take, shape, limit,
+                                         protected(seq), floors)
                 if take == 0:
                     paused.append(seq)
             if take > 0:
@@ -503,7 +510,7 @@ class Scheduler:
             remaining = len(head.tokens) - cached
             take = policy.chunk_len(remaining, budget, not fed)
             if take > 0 and limit is not None and cost is not None:
-                take = self._timed_chunk(cached, take, shape, limit, protected(head))
+                take = self._timed_chunk(cached, take, shape, limit, protected(head), floors)
                 if take and not protected(head) and not self._carries(head, fed, limit):
                     take = 0  # it would slow the decodes past the limit once it decodes
             if take == 0:
@@ -549,8 +556,8 @@ class Scheduler:
 
     def _reserve(self, limit: float, protected: Callable[[_Seq], bool]) -> StepShape:
         """The part of a step kept for prompts of the strictest tier: their remaining positions
-        (those running and the head of the queue), at most half of what an empty step holds
-        within ``limit``."""
+        (those running and the head of the queue), at most three quarters of what an empty step
+        holds within ``limit``."""
         assert self.cost is not None
         want = sum(len(s.tokens) - s.computed for s in self._running
                    if protected(s) and len(s.tokens) - s.computed > 1)
@@ -561,18 +568,20 @@ class Scheduler:
             return StepShape()
         cap = self.cost.max_tokens(StepShape(), limit, 0, self.cfg.max_num_batched_tokens,
                                    new_sequence=True)
-        take = min(want, cap // 2)
+        take = min(want, cap * 3 // 4)
         return StepShape(take, 1, chunk_attention(0, take))
 
     def _timed_chunk(self, start: int, take: int, shape: StepShape, limit: float,
-                     protect: bool) -> int:
+                     protect: bool, floors: list[int]) -> int:
         """The part of a ``take``-token chunk (after ``start`` computed positions) that keeps the
-        step within ``limit``; a request of the strictest tier gets at least a block's worth
-        (its first token has a target too)."""
+        step within ``limit``; the first request of the strictest tier a step that fits nothing
+        gets a block's worth all the same (its first token has a target too), and uses up
+        ``floors``."""
         assert self.cost is not None
         fit = self.cost.max_tokens(shape, limit, start, take, new_sequence=True)
-        if protect:
-            fit = max(fit, min(take, self._blocks.block_tokens))
+        if protect and fit == 0 and floors[0] > 0:
+            floors[0] -= 1
+            fit = min(take, self._blocks.block_tokens)
         return fit
 
     def _fits(self, head: _Seq, fed: list[tuple[_Seq, int]], shape: StepShape,

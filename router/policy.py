@@ -53,6 +53,11 @@ from router.stats import RoutingStats
 K = TypeVar("K", bound=Hashable)
 
 
+# A tier's requests gather on a replica already keeping their target while it holds fewer than
+# this many of them: beyond, they spread (a replica's step carries only so many within a limit).
+GATHER_MAX = 4
+
+
 def blocks_for(tokens: int, block_tokens: int) -> int:
     """Blocks that hold ``tokens`` positions."""
     return -(-max(tokens, 0) // block_tokens)
@@ -211,7 +216,8 @@ def rank_replicas(
     the replicas are balanced and after whether the request fits there now, a replica whose
     step already keeps the request's own target as its strictest goes first (a replica keeping a
     top tier's target loses nothing more by one more such request, where another would shorten
-    all its steps for it: a tier's requests gather where their target is already kept). Remaining ties
+    all its steps for it: a tier's requests gather where their target is already kept, while
+    fewer than ``GATHER_MAX`` of them are there). Remaining ties
     at random (``rng``). A replica without a report is never saturated, never too small and never
     dead (nothing is known against it). ``affinity`` None: ``Affinity()``.
     """
@@ -263,7 +269,8 @@ def rank_replicas(
             and stats.seats - len(unseen) < samples,
             unconstrained=request.tpot_target_s is not None and not (
                 stats is not None
-                and stats.tpot_target_ms == round(request.tpot_target_s * 1000)),
+                and stats.tpot_target_ms == round(request.tpot_target_s * 1000)
+                and stats.target_requests + len(unseen) < GATHER_MAX),
         ))
 
     eligible = [r for r in entries if not (r.dead or r.never_fits or r.saturated)]

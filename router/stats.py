@@ -44,8 +44,9 @@ class RoutingStats:
     # decoding requests the step could carry within it (by max_num_seqs without a limit).
     step_limit_ms: int = 0
     seats: int = 0
-    # The strictest TPOT target of its unfinished requests, in ms (0: none).
+    # The strictest TPOT target of its unfinished requests, in ms (0: none), and how many hold it.
     tpot_target_ms: int = 0
+    target_requests: int = 0
 
     @classmethod
     def from_engine(cls, stats: EngineStats, report_time: float, alive: bool) -> RoutingStats:
@@ -67,6 +68,7 @@ class RoutingStats:
             step_limit_ms=round(stats.step_limit_s * 1000),
             seats=stats.seats,
             tpot_target_ms=round(stats.tpot_target_s * 1000),
+            target_requests=stats.target_requests,
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -354,3 +354,19 @@ def test_aging_lets_a_starved_band_through_within_its_share() -> None:
         FlowQueues(BANDS, 4, aging_s=0.0)
     with pytest.raises(ValueError, match="aged_share"):
         FlowQueues(BANDS, 4, aged_share=1.5)
+
+
+def test_a_full_band_makes_room_for_a_tenant_holding_fewer() -> None:
+    """Tenant A floods the band to its max_held: B's request evicts A's newest instead of
+    being refused; A's next one is refused."""
+    q: FlowQueues[str] = FlowQueues([BandSpec("s", 4, 30.0)], 100)
+    for i in range(4):
+        q.push(held(0, "A", item=f"a{i}"))
+    evicted = q.push(held(0, "B", item="b0"))
+    assert [h.item for h in evicted] == ["a3"]
+    with pytest.raises(Refused):
+        q.push(held(0, "A", item="a4"))
+    q.push(held(0, "B", item="b1"))  # A holds 3, B 1: A gives up another
+    with pytest.raises(Refused):  # A 2, B 2: nobody holds more than the other
+        q.push(held(0, "B", item="b2"))
+    assert q.held(0) == 4

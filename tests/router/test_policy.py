@@ -278,3 +278,9 @@ def test_a_request_with_a_target_joins_a_replica_already_keeping_it() -> None:
     assert {r.key for r in top[1:]} == {"free", "loose"}
     mid = rank_replicas(loads, RequestShape(31, 0, tpot_target_s=0.5), random.Random(0))
     assert mid[0].key == "loose"
+    crowded = [ReplicaLoad("free", stats(90, seats=30)),
+               ReplicaLoad("limited", stats(40, seats=9, step_limit_ms=80, tpot_target_ms=100,
+                                            target_requests=4))]
+    spread = rank_replicas(crowded, RequestShape(31, 0, latency=True, tpot_target_s=0.1),
+                           random.Random(0))
+    assert spread[0].key == "free"  # four there already: it spreads

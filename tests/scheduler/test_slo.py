@@ -318,5 +318,5 @@ def test_a_target_no_step_can_meet_still_makes_progress() -> None:
     s.add(req(8, 5, 10, 0.001, 1))
     for i in range(3):
         s.add(req(8, 5, 0, None, 2 + i))
-    tokens, reasons = drive(s, m, max_steps=500)
+    _, reasons = drive(s, m, max_steps=500)
     assert len(reasons) == 4 and s.blocks.free_blocks == s.blocks.total_blocks
