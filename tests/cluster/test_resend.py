@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -77,6 +78,8 @@ def ingress(handle: FakeHandle, retries: int = 2) -> Any:
     self.llm = handle
     self.prefix_root = None
     self.token_text = None
+    self.gate = None  # flow control is the gate's tests' (tests/flow)
+    self.metrics = SimpleNamespace(slo=lambda *args: None)
     return self
 
 
@@ -87,7 +90,8 @@ def generate(handle: FakeHandle, stream: bool, retries: int = 2) -> Any:
     async def go() -> Any:
         ing = ingress(handle, retries)
         call = _Call(chat=False, n=1, ids=[1, 2, 3])
-        response = await ing._generate(stream, call, SamplingParams(max_tokens=4), CALLER)
+        route = ingress_mod._Route(SamplingParams(max_tokens=4), CALLER, retries)
+        response = await ing._generate(stream, call, route)
         if isinstance(response, StreamingResponse):
             return [chunk async for chunk in response.body_iterator]
         assert isinstance(response, JSONResponse)
