@@ -72,7 +72,7 @@ class EngineConfig(BaseModel):
     scheduling_policy: SchedulingPolicy = "priority"
     aging_steps: int = Field(default=100, ge=0)
     slo_scheduling: bool = True
-    slo_headroom: float = Field(default=0.8, gt=0.0, le=1.0)
+    slo_headroom: float = Field(default=0.7, gt=0.0, le=1.0)
     prefill_chunk_tokens: int | None = Field(default=256, gt=0)
     enable_prefix_caching: bool = True
     dtype: DType = "auto"
