@@ -260,6 +260,14 @@ def _rank_of(seq: _Seq) -> tuple[int, int]:
     return seq.rank
 
 
+def _decoding(fed: Sequence[tuple[_Seq, int]]) -> StepShape:
+    """A plan's requests as one decode each (the steps to come once their prompts are in)."""
+    shape = StepShape()
+    for seq, _ in fed:
+        shape = shape.plus(1, 1, decode_attention(len(seq.tokens)))
+    return shape
+
+
 def _shape_of(fed: Sequence[tuple[_Seq, int]]) -> StepShape:
     """The work of a plan's (request, positions fed) entries."""
     shape = StepShape()
@@ -314,7 +322,7 @@ class Scheduler:
         self._targets: dict[float, int] = {}  # TPOT target -> unfinished requests holding it
         self._limit: float | None = None
         self._paused = 0
-        self._seats = 0
+        self._decoding: StepShape | None = None  # the last plan as decodes, with a limit
 
     # ------------------------------------------------------------------ admission
 
@@ -547,7 +555,7 @@ class Scheduler:
         out.limit_s = limit
         out.paused = sum(1 for seq in paused if seq.handle is None)
         self._limit, self._paused = limit, out.paused
-        self._seats = self._free_seats(fed, limit)
+        self._decoding = _decoding(fed) if limit is not None else None
         self._last = fed
         self._step += 1
         return out
@@ -602,20 +610,16 @@ class Scheduler:
     def _carries(self, head: _Seq, fed: list[tuple[_Seq, int]], limit: float) -> bool:
         """Whether a step decoding every request of this plan and ``head`` fits ``limit``."""
         assert self.cost is not None
-        decoding = StepShape()
-        for seq, _ in fed:
-            decoding = decoding.plus(1, 1, decode_attention(len(seq.tokens)))
-        decoding = decoding.plus(1, 1, decode_attention(len(head.tokens)))
+        decoding = _decoding(fed).plus(1, 1, decode_attention(len(head.tokens)))
         return self.cost.predict(decoding) <= limit
 
-    def _free_seats(self, fed: list[tuple[_Seq, int]], limit: float | None) -> int:
-        """More decoding requests the step could carry: at the limit, or by ``max_num_seqs``."""
+    def _free_seats(self) -> int:
+        """More decoding requests the last step could carry: within its limit, or by
+        ``max_num_seqs`` (computed when asked, not every step)."""
         free = max(self.cfg.max_num_seqs - len(self._running), 0)
-        if limit is None or self.cost is None:
+        decoding, limit = self._decoding, self._limit
+        if decoding is None or limit is None or self.cost is None:
             return free
-        decoding = StepShape()
-        for seq, _ in fed:
-            decoding = decoding.plus(1, 1, decode_attention(len(seq.tokens)))
         per = decoding.attention / decoding.sequences if decoding.sequences else 256.0
         seats = 0
         while seats < free and self.cost.predict(decoding.plus(seats + 1, seats + 1,
@@ -799,7 +803,7 @@ class Scheduler:
             step=self._step,
             limit_s=self._limit,
             paused=self._paused,
-            seats=self._seats,
+            seats=self._free_seats(),
         )
 
     def observe_step(self, shape: StepShape, seconds: float) -> None:

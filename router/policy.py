@@ -213,7 +213,8 @@ def rank_replicas(
     hold the request and the estimated queue is at least ``saturation_waiting``), then, for a
     request with a TPOT target, those whose SLO-aware step has no seat left for it (its
     reported ``seats`` less the requests sent since the report). Inside either ranking, while
-    the replicas are balanced and after whether the request fits there now, a replica whose
+    the replicas are balanced and after whether the request fits there now (and after prefix
+    hits where affinity applies), a replica whose
     step already keeps the request's own target as its strictest goes first (a replica keeping a
     top tier's target loses nothing more by one more such request, where another would shorten
     all its steps for it: a tier's requests gather where their target is already kept, while
@@ -288,7 +289,7 @@ def rank_replicas(
                 return (*head, r.short, gather, r.prefill_ahead, -r.est_free, rng.random())
             return (*head, r.short, r.pending, -r.est_free, -r.cached, rng.random())
         if sticky:
-            return (*head, r.room < r.full, gather, -r.cached, r.outstanding, -r.room,
+            return (*head, r.room < r.full, -r.cached, gather, r.outstanding, -r.room,
                     rng.random())
         return (*head, r.room < r.full, gather, r.outstanding, -r.cached, -r.room, rng.random())
 
