@@ -349,19 +349,56 @@ def groups(classes: Sequence[ClassDef] = CLASSES) -> dict[str, list[str]]:
     return out
 
 
+def window_tokens(results: Sequence[Result], start: float, end: float) -> float:
+    """The output tokens ``results`` delivered between ``start`` and ``end`` (run seconds): each
+    answer's first token at its first-token time, the rest spread evenly up to its last token
+    (an answer cut short counts what it delivered)."""
+    total = 0.0
+    for r in results:
+        n, first = r.completion_tokens or 0, r.first_token
+        if n <= 0 or first is None:
+            continue
+        if start <= first <= end:
+            total += 1.0
+        last = r.last_token if r.last_token is not None else first
+        if n > 1 and last > first:
+            overlap = min(last, end) - max(first, start)
+            total += (n - 1) * max(overlap, 0.0) / (last - first)
+        elif n > 1 and start <= first <= end:
+            total += n - 1
+    return total
+
+
 def fairness(figs: Mapping[str, Mapping[str, Any]],
-             classes: Sequence[ClassDef] = CLASSES) -> dict[str, Any]:
+             classes: Sequence[ClassDef] = CLASSES,
+             results: Sequence[Result] = (),
+             steady: tuple[float, float] | None = None) -> dict[str, Any]:
     """Jain's index between the tenants' classes (by ``group_figures``' rows): of their output
-    tokens per second, and of their served shares of what each offered."""
+    tokens per second over the level, and of their served shares of what each offered; with
+    ``steady`` (a window of run seconds), also of the tokens each received inside it
+    (``jain_steady``): the level's whole span counts the ramp before the queues fill and the
+    drain after arrivals stop, when one tenant is served alone because the other has nothing
+    left held, which is not a share between backlogged tenants."""
     mine = {c.tenant: figs[c.name] for c in classes if c.tenant is not None and c.name in figs}
     thr = [float(f["output_tokens_per_s"] or 0.0) for f in mine.values()]
     shares = [f["served_share"] for f in mine.values()]
-    return {
+    out: dict[str, Any] = {
         "jain_throughput": jain(thr),
         "jain_served_share": jain([float(s) for s in shares]) if None not in shares else None,
         "tenants": {t: {"output_tokens_per_s": f["output_tokens_per_s"],
                         "served_share": f["served_share"]} for t, f in mine.items()},
+        "steady_window_s": None, "jain_steady": None,
     }
+    if steady is not None and steady[1] > steady[0]:
+        w0, w1 = steady
+        names = {c.tenant: c.name for c in classes if c.tenant is not None and c.name in figs}
+        rates = {t: window_tokens([r for r in results if r.cls == cls], w0, w1) / (w1 - w0)
+                 for t, cls in names.items()}
+        for t, rate in rates.items():
+            out["tenants"][t]["steady_output_tokens_per_s"] = round(rate, 3)
+        out["steady_window_s"] = [round(w0, 3), round(w1, 3)]
+        out["jain_steady"] = jain(list(rates.values()))
+    return out
 
 
 def labelled_delta(before: Scrape | None, after: Scrape | None, name: str,
@@ -405,10 +442,12 @@ def goodput(slo: Mapping[str, Any] | None) -> dict[str, dict[str, float | None]]
 
 def level_figures(results: Sequence[Result], targets: Mapping[str, Targets],
                   offered: Mapping[int, int], span_s: float,
-                  classes: Sequence[ClassDef] = CLASSES) -> dict[str, Any]:
+                  classes: Sequence[ClassDef] = CLASSES,
+                  steady: tuple[float, float] | None = None) -> dict[str, Any]:
     """Every row of one level (``groups``: per class, per tier of several classes, all), the
     same per tier (``tiers``) and the tenants' fairness. ``targets`` by tier; ``offered``: each
-    request's ``max_tokens`` by index."""
+    request's ``max_tokens`` by index; ``steady``: the window of run seconds where the tenants'
+    shares are judged (``fairness``)."""
     by_class = {c.name: targets[c.tier] for c in classes}
     rows: dict[str, Any] = {}
     for row, members in groups(classes).items():
@@ -416,7 +455,8 @@ def level_figures(results: Sequence[Result], targets: Mapping[str, Targets],
         rows[row] = group_figures(sel, by_class, span_s, sum(offered.get(r.index, 0) for r in sel))
     tiers = {tier: rows[tier if tier in rows else f"tier:{tier}"]
              for tier in dict.fromkeys(c.tier for c in classes)}
-    return {"groups": rows, "tiers": tiers, "fairness": fairness(rows, classes)}
+    return {"groups": rows, "tiers": tiers,
+            "fairness": fairness(rows, classes, results, steady)}
 
 
 def _fmt(x: float | None, scale: float = 1.0, digits: int = 3) -> str:
@@ -424,6 +464,12 @@ def _fmt(x: float | None, scale: float = 1.0, digits: int = 3) -> str:
         return "-"
     v = x * scale
     return f"{v:.0f}" if abs(v) >= 10 ** digits else f"{v:.{digits}g}"
+
+
+def steady_text(f: Mapping[str, Any]) -> str:
+    """The tenants' steady-state token rates, ``a / b``, for the table's notes."""
+    rates = [t.get("steady_output_tokens_per_s") for t in f["tenants"].values()]
+    return " / ".join(_fmt(r, digits=4) for r in rates) if None not in rates else "-"
 
 
 def table_text(system: dict[str, Any]) -> str:
@@ -447,7 +493,8 @@ def table_text(system: dict[str, Any]) -> str:
         gp_text = ", ".join(f"{t} {_fmt(v.get('both'))}" for t, v in gp.items()) or "n/a"
         notes.append(
             f"  {lv['multiple']:g}x: Jain(tenant-a, tenant-b) tokens/s {_fmt(f['jain_throughput'])}, "
-            f"served shares {_fmt(f['jain_served_share'])}; preemptions "
+            f"served shares {_fmt(f['jain_served_share'])}, in steady state (tokens/s "
+            f"{steady_text(f)}) {_fmt(f.get('jain_steady'))}; preemptions "
             f"{_fmt(srv.get('preemptions'), digits=6)}; server goodput (both) {gp_text}")
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = [f"system {system['name']}: {system['description']}; both, ttft, tpot: the fraction "
@@ -654,6 +701,18 @@ def start_cluster(config_path: Path, env: Mapping[str, str], log: Path, url: str
     return proc, time.perf_counter() - t0
 
 
+STEADY_SKIP = 0.25  # the first quarter of a level's arrivals: its queues still filling
+
+
+def steady_window(results: Sequence[Result], duration_s: float | None) -> tuple[float, float] | None:
+    """The window where a level is in steady state: from a quarter into its arrivals (its
+    queues filled) to the end of its arrivals (before the drain); None without arrivals."""
+    if not results or not duration_s:
+        return None
+    t0 = min(r.start for r in results)
+    return t0 + STEADY_SKIP * duration_s, t0 + duration_s
+
+
 def summarize_level(run: RunData, cfg: LoadConfig, workload: Workload, multiple: float,
                     targets: Mapping[str, Targets], after: Scrape | None,
                     idle: bool) -> dict[str, Any]:
@@ -661,7 +720,7 @@ def summarize_level(run: RunData, cfg: LoadConfig, workload: Workload, multiple:
     rep = loadgen.build_report(run, cfg, workload)
     span = rep["throughput"]["span_s"] or cfg.duration_s
     offered = {r.index: workload.spec(r.index).max_tokens for r in run.results}
-    figs = level_figures(run.results, targets, offered, span)
+    figs = level_figures(run.results, targets, offered, span, steady=steady_window(run.results, cfg.duration_s))
     later = after or run.after
     server: dict[str, Any] = {
         "preemptions": None, "idle_before_next": idle,

@@ -50,7 +50,8 @@ class TierConfig(_Strict):
     target (docs/scheduler.md §8); both are counted as met or missed per request
     (``tierserve_slo_requests``). max_held, held_ttl_s: with flow control, how many of its
     requests the ingress may hold while no replica can start them, and for how long one may be
-    held, before it is shed. tenants: named tenants with weights and keys; each key of
+    held, before it is shed (best below ``ttft_target_s``: a request held past its target can
+    only miss it, and its place goes to one that can still keep it). tenants: named tenants with weights and keys; each key of
     ``api_keys`` is a tenant of its own (named ``<tier>-key<N>``, weight 1).
     """
 
@@ -97,9 +98,9 @@ def _default_tiers() -> list[TierConfig]:
         TierConfig(name="interactive", base_priority=10, max_priority=15, queue_share=1.0,
                    ttft_target_s=3.0, tpot_target_s=0.1, max_held=256, held_ttl_s=10.0),
         TierConfig(name="standard", base_priority=5, max_priority=9, queue_share=0.8,
-                   ttft_target_s=15.0, tpot_target_s=0.5, max_held=256, held_ttl_s=30.0),
+                   ttft_target_s=15.0, tpot_target_s=0.5, max_held=256, held_ttl_s=10.0),
         TierConfig(name="batch", base_priority=0, max_priority=4, queue_share=0.5,
-                   ttft_target_s=60.0, max_held=128, held_ttl_s=60.0),
+                   ttft_target_s=60.0, max_held=128, held_ttl_s=40.0),
     ]
 
 

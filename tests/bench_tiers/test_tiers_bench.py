@@ -185,6 +185,39 @@ def test_served_rate_counts_answers_in_the_window() -> None:
         tiers.served_rate(rs, 1.0, 1.0)
 
 
+def test_window_tokens_spreads_each_answer_over_its_streaming_time() -> None:
+    # 11 tokens: the first at 1.0, ten more evenly up to 2.0
+    r = ok(0, "std-a", 1.0, 0.1, n=11)
+    assert tiers.window_tokens([r], 0.0, 10.0) == pytest.approx(11)
+    assert tiers.window_tokens([r], 1.5, 10.0) == pytest.approx(5)
+    assert tiers.window_tokens([r], 0.0, 1.5) == pytest.approx(6)
+    assert tiers.window_tokens([r], 3.0, 4.0) == 0.0
+    one = ok(1, "std-a", 1.0, 0.1, n=1)  # a one-token answer: its token at its first-token time
+    assert tiers.window_tokens([one], 0.5, 1.5) == 1.0 and tiers.window_tokens([one], 2, 3) == 0
+    assert tiers.window_tokens([refused(2, "std-a"), failed(3, "std-a")], 0.0, 99.0) == 0.0
+
+
+def test_steady_fairness_leaves_out_the_ramp_and_the_drain() -> None:
+    # Equal shares while both are backlogged (10..30 s); tenant-a alone in the drain after 30 s.
+    rs = [ok(i, "std-a", 0.0, 0.1, n=11, start=10.0 + 2 * i) for i in range(10)]
+    rs += [ok(100 + i, "std-b", 0.0, 0.1, n=11, start=10.0 + 2 * i) for i in range(10)]
+    rs += [ok(200 + i, "std-a", 0.0, 0.1, n=11, start=31.0 + 2 * i) for i in range(10)]
+    offered = {r.index: 11 for r in rs}
+    window = tiers.steady_window(rs, 20.0)
+    assert window == (15.0, 30.0)
+    f = tiers.level_figures(rs, TARGETS, offered, span_s=40.0, steady=window)["fairness"]
+    assert f["jain_throughput"] < 0.95  # over the whole span: a's drain counts
+    assert f["jain_steady"] == 1.0
+    assert f["steady_window_s"] == [15.0, 30.0]
+    assert f["tenants"]["tenant-a"]["steady_output_tokens_per_s"] == pytest.approx(
+        f["tenants"]["tenant-b"]["steady_output_tokens_per_s"])
+    assert "1 / " not in tiers.steady_text(f) and tiers.steady_text(
+        {"tenants": {"a": {}, "b": {}}}) == "-"
+    assert tiers.steady_window([], 20.0) is None
+    none = tiers.level_figures(rs, TARGETS, offered, span_s=40.0)["fairness"]
+    assert none["jain_steady"] is None and none["steady_window_s"] is None
+
+
 def level_results() -> list[Result]:
     rs = [
         ok(0, "interactive", 0.5, 0.05, n=10), ok(1, "interactive", 5.0, 0.05, n=10),
