@@ -35,13 +35,8 @@ from replica.scheduler import (
     ScheduleOutput,
     StepOutput,
 )
-from replica.step_cost import StepShape
 
 log = logging.getLogger(__name__)
-
-# A gap between two steps longer than this (beyond the step's own time) is a pause of the
-# caller, not the loop's work between steps: the cost model learns the step's own time.
-IDLE_GAP_S = 0.25
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,11 +144,6 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.error: BaseException | None = None
-        # The last step's shape, start and end, until the cost model learns what it took: the
-        # time to the next step's start when the loop runs steps back to back (what a running
-        # request waits between two tokens, the loop's own work between steps included), its
-        # own time when the loop goes idle after it.
-        self._last: tuple[StepShape, float, float] | None = None
 
     # ------------------------------------------------------------------ requests
 
@@ -315,7 +305,6 @@ class Engine:
         """One iteration: schedule, forward, sample, on_step. Returns this step's deltas."""
         t0 = time.perf_counter()
         with self._lock:
-            self._observe_last(t0)
             plan = self.scheduler.schedule()
             if plan.is_empty:
                 return []
@@ -344,24 +333,14 @@ class Engine:
             self._score_prompts(result.prompt_logits, prompt_targets)
         outputs = self._finish_step(plan, states, tokens, logprobs)
         t3 = time.perf_counter()
-        self._last = (plan.shape, t0, t3)
+        with self._lock:
+            self.scheduler.observe_step(plan.shape, t3 - t0)
         self.times.steps += 1
         self.times.forward_s += t2 - t1
         self.times.total_s += t3 - t0
         if self.observer is not None:
             self.observer.step_done(t3 - t0, plan.num_tokens, len(plan.preempted))
         return outputs
-
-    def _observe_last(self, now: float | None = None) -> None:
-        """Teach the scheduler's cost model the last step: the time from its start to ``now``
-        (the next step's start), or without ``now`` (the loop goes idle) its own time."""
-        if self._last is None:
-            return
-        shape, t0, t3 = self._last
-        self._last = None
-        if now is None or now - t3 > IDLE_GAP_S + (t3 - t0):
-            now = t3  # the caller paused between the steps (offline use): not a step's cost
-        self.scheduler.observe_step(shape, now - t0)
 
     @staticmethod
     def _logprobs(
@@ -485,8 +464,6 @@ class Engine:
         try:
             while True:
                 with self._lock:
-                    if not self.scheduler.has_unfinished():
-                        self._observe_last()  # idle next: the step's own time
                     while not self._stopping and not self.scheduler.has_unfinished():
                         self._wake.wait(timeout=1.0)
                     if self._stopping:

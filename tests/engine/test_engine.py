@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
-import time
 
 import pytest
 
@@ -315,36 +314,3 @@ def test_text_decoded_at_the_finish_equals_the_streamed_text(roomy: LLM) -> None
 
         IncrementalDetokenizer(eng.tokenizer, [1, 2], stop=["ab"]).feed([3])
 
-
-
-def test_cost_model_learns_the_time_between_steps_not_a_callers_pause() -> None:
-    """Back to back, a step's cost is the time to the next step's start (the loop's own work
-    between steps included: what a running request waits between two tokens); after a pause
-    of the caller, or when the loop goes idle, it is the step's own time."""
-    engine = LLM(EMBEDDED_MODEL, num_kv_blocks=64, block_size=16, max_model_len=256).engine
-    seen: list[float] = []
-    engine.scheduler.observe_step = lambda shape, s: seen.append(s)  # type: ignore[method-assign]
-
-    def own() -> float:
-        assert engine._last is not None
-        return engine._last[2] - engine._last[1]
-
-    engine.add_request([5, 6, 7, 8], SamplingParams(max_tokens=6, temperature=0.0,
-                                                    ignore_eos=True))
-    engine.step()
-    assert seen == []  # learned when the next step starts
-    first = own()
-    time.sleep(0.05)  # the loop's work between two steps
-    engine.step()
-    assert len(seen) == 1 and seen[0] >= first + 0.05
-    second = own()
-    time.sleep(0.3 + second)  # a pause of the caller: not the step's cost
-    engine.step()
-    assert seen[1:] == [second]
-    while engine.has_unfinished():
-        engine.step()
-    n, last = len(seen), own()
-    engine._observe_last()  # going idle: the last step's own time
-    assert seen[n:] == [last]
-    engine._observe_last()
-    assert len(seen) == n + 1  # nothing pending
