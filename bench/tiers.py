@@ -349,17 +349,20 @@ def groups(classes: Sequence[ClassDef] = CLASSES) -> dict[str, list[str]]:
     return out
 
 
-def window_tokens(results: Sequence[Result], start: float, end: float) -> float:
+def window_tokens(results: Sequence[Result], start: float, end: float,
+                  prompt: bool = False) -> float:
     """The output tokens ``results`` delivered between ``start`` and ``end`` (run seconds): each
     answer's first token at its first-token time, the rest spread evenly up to its last token
-    (an answer cut short counts what it delivered)."""
+    (an answer cut short counts what it delivered). With ``prompt``, each answer's prompt tokens
+    too, at its first-token time (when its prefill had been done): the service the fair share
+    counts."""
     total = 0.0
     for r in results:
         n, first = r.completion_tokens or 0, r.first_token
         if n <= 0 or first is None:
             continue
         if start <= first <= end:
-            total += 1.0
+            total += 1.0 + (r.prompt_tokens or 0 if prompt else 0)
         last = r.last_token if r.last_token is not None else first
         if n > 1 and last > first:
             overlap = min(last, end) - max(first, start)
@@ -376,9 +379,11 @@ def fairness(figs: Mapping[str, Mapping[str, Any]],
     """Jain's index between the tenants' classes (by ``group_figures``' rows): of their output
     tokens per second over the level, and of their served shares of what each offered; with
     ``steady`` (a window of run seconds), also of the tokens each received inside it
-    (``jain_steady``): the level's whole span counts the ramp before the queues fill and the
-    drain after arrivals stop, when one tenant is served alone because the other has nothing
-    left held, which is not a share between backlogged tenants."""
+    (``jain_steady``), and of the service the fair share counts, prompt and output tokens
+    (``jain_steady_service``): the level's whole span counts the ramp before the queues fill
+    and the drain after arrivals stop, when one tenant is served alone because the other has
+    nothing left held, which is not a share between backlogged tenants; output tokens alone
+    also vary with the lengths each tenant's prompts happened to draw."""
     mine = {c.tenant: figs[c.name] for c in classes if c.tenant is not None and c.name in figs}
     thr = [float(f["output_tokens_per_s"] or 0.0) for f in mine.values()]
     shares = [f["served_share"] for f in mine.values()]
@@ -387,17 +392,21 @@ def fairness(figs: Mapping[str, Mapping[str, Any]],
         "jain_served_share": jain([float(s) for s in shares]) if None not in shares else None,
         "tenants": {t: {"output_tokens_per_s": f["output_tokens_per_s"],
                         "served_share": f["served_share"]} for t, f in mine.items()},
-        "steady_window_s": None, "jain_steady": None,
+        "steady_window_s": None, "jain_steady": None, "jain_steady_service": None,
     }
     if steady is not None and steady[1] > steady[0]:
         w0, w1 = steady
         names = {c.tenant: c.name for c in classes if c.tenant is not None and c.name in figs}
-        rates = {t: window_tokens([r for r in results if r.cls == cls], w0, w1) / (w1 - w0)
-                 for t, cls in names.items()}
-        for t, rate in rates.items():
-            out["tenants"][t]["steady_output_tokens_per_s"] = round(rate, 3)
+        mine_r = {t: [r for r in results if r.cls == cls] for t, cls in names.items()}
+        rates = {t: window_tokens(rs, w0, w1) / (w1 - w0) for t, rs in mine_r.items()}
+        service = {t: window_tokens(rs, w0, w1, prompt=True) / (w1 - w0)
+                   for t, rs in mine_r.items()}
+        for t in rates:
+            out["tenants"][t]["steady_output_tokens_per_s"] = round(rates[t], 3)
+            out["tenants"][t]["steady_service_tokens_per_s"] = round(service[t], 3)
         out["steady_window_s"] = [round(w0, 3), round(w1, 3)]
         out["jain_steady"] = jain(list(rates.values()))
+        out["jain_steady_service"] = jain(list(service.values()))
     return out
 
 
@@ -466,9 +475,9 @@ def _fmt(x: float | None, scale: float = 1.0, digits: int = 3) -> str:
     return f"{v:.0f}" if abs(v) >= 10 ** digits else f"{v:.{digits}g}"
 
 
-def steady_text(f: Mapping[str, Any]) -> str:
+def steady_text(f: Mapping[str, Any], key: str = "steady_output_tokens_per_s") -> str:
     """The tenants' steady-state token rates, ``a / b``, for the table's notes."""
-    rates = [t.get("steady_output_tokens_per_s") for t in f["tenants"].values()]
+    rates = [t.get(key) for t in f["tenants"].values()]
     return " / ".join(_fmt(r, digits=4) for r in rates) if None not in rates else "-"
 
 
@@ -494,7 +503,9 @@ def table_text(system: dict[str, Any]) -> str:
         notes.append(
             f"  {lv['multiple']:g}x: Jain(tenant-a, tenant-b) tokens/s {_fmt(f['jain_throughput'])}, "
             f"served shares {_fmt(f['jain_served_share'])}, in steady state (tokens/s "
-            f"{steady_text(f)}) {_fmt(f.get('jain_steady'))}; preemptions "
+            f"{steady_text(f)}) {_fmt(f.get('jain_steady'))}, of prompt and output tokens "
+            f"({steady_text(f, 'steady_service_tokens_per_s')}) "
+            f"{_fmt(f.get('jain_steady_service'))}; preemptions "
             f"{_fmt(srv.get('preemptions'), digits=6)}; server goodput (both) {gp_text}")
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = [f"system {system['name']}: {system['description']}; both, ttft, tpot: the fraction "

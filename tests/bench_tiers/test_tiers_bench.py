@@ -195,6 +195,9 @@ def test_window_tokens_spreads_each_answer_over_its_streaming_time() -> None:
     one = ok(1, "std-a", 1.0, 0.1, n=1)  # a one-token answer: its token at its first-token time
     assert tiers.window_tokens([one], 0.5, 1.5) == 1.0 and tiers.window_tokens([one], 2, 3) == 0
     assert tiers.window_tokens([refused(2, "std-a"), failed(3, "std-a")], 0.0, 99.0) == 0.0
+    # with the prompt (100 tokens), counted when the first token came
+    assert tiers.window_tokens([r], 0.0, 1.5, prompt=True) == pytest.approx(106)
+    assert tiers.window_tokens([r], 1.5, 10.0, prompt=True) == pytest.approx(5)
 
 
 def test_steady_fairness_leaves_out_the_ramp_and_the_drain() -> None:
@@ -207,7 +210,7 @@ def test_steady_fairness_leaves_out_the_ramp_and_the_drain() -> None:
     assert window == (15.0, 30.0)
     f = tiers.level_figures(rs, TARGETS, offered, span_s=40.0, steady=window)["fairness"]
     assert f["jain_throughput"] < 0.95  # over the whole span: a's drain counts
-    assert f["jain_steady"] == 1.0
+    assert f["jain_steady"] == 1.0 and f["jain_steady_service"] == 1.0
     assert f["steady_window_s"] == [15.0, 30.0]
     assert f["tenants"]["tenant-a"]["steady_output_tokens_per_s"] == pytest.approx(
         f["tenants"]["tenant-b"]["steady_output_tokens_per_s"])
@@ -216,6 +219,7 @@ def test_steady_fairness_leaves_out_the_ramp_and_the_drain() -> None:
     assert tiers.steady_window([], 20.0) is None
     none = tiers.level_figures(rs, TARGETS, offered, span_s=40.0)["fairness"]
     assert none["jain_steady"] is None and none["steady_window_s"] is None
+    assert none["jain_steady_service"] is None
 
 
 def level_results() -> list[Result]:
