@@ -11,7 +11,9 @@ the batch, on how a prompt was cut into chunks, or on whether a token is a decod
   Deterministic: the native kernel only (its every row is computed in an order fixed by the row
   alone); where it cannot run, ``DeterministicModeUnavailable`` says why.
 - triton: ``triton_attention.paged_attention``: a decode launch (split-KV when the grid is small)
-  plus a prefill launch, or, deterministic, one fixed-configuration launch for every row.
+  plus a prefill launch, or, deterministic, one fixed-configuration launch for every row. The
+  binaries these launches need depend on the model only (``kernels.aot.variants``); a GPU server
+  compiles them at start-up with ``kernels.aot.warmup`` rather than on a step's first launch.
 
 The two deterministic paths are each invariant; they are not bit-equal to each other.
 """

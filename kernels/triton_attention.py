@@ -1,7 +1,7 @@
 """Triton paged attention over the flat batch of ``kernels.metadata``.
 
 One kernel serves decodes and prefill chunks. A program owns one KV head of one "query block": up
-to ``BLOCK_M // GROUP_PAD`` consecutive query rows of one sequence times the ``GROUP`` query heads
+to ``BLOCK_M // group_pad`` consecutive query rows of one sequence times the ``group`` query heads
 that share the KV head, flattened into the ``BLOCK_M`` rows of a ``tl.dot`` (so each K/V tile is
 loaded once per KV-head group; decodes pad the group up to the 16 rows ``tl.dot`` needs). The
 program walks its sequence's keys ``BLOCK_N`` at a time through the block table with an online
@@ -16,6 +16,16 @@ Launch plans (``paged_attention``):
   in fixed ``BLOCK_N`` steps, keys a row may not see get score ``-inf`` and value 0 through
   ``where`` and masked loads, and a tile with no visible key leaves the row's state untouched.
 
+Compiled variants. Triton compiles one binary per distinct set of compile-time constants and per
+specialization of the other arguments (an int equal to 1 becomes a constant, one divisible by 16
+gets a divisibility hint, a pointer 16-byte aligned gets one too). Everything that changes from one
+batch to the next is a runtime argument excluded from specialization (``do_not_specialize``): the
+first sequence of a launch, the block table's row stride, the query group size and its padding,
+the context split count, and the index tensors' pointers. What is left is fixed by the model and
+the deployment (head_dim, block size, dtype, the launch's tile configuration), so a model reaches a
+small, known set of variants: ``kernels.aot.variants`` lists them and ``kernels.aot.warmup``
+compiles them at start-up instead of inside the serving loop.
+
 Under ``TRITON_INTERPRET=1`` (CPU) the interpreter's ``tl.dot`` cannot multiply bf16, so the kernel
 upcasts its dot operands to fp32 there (constexpr ``UPCAST``); on a GPU the dots run in the input
 dtype (fp32 inputs use exact ``ieee`` dots rather than tf32).
@@ -24,6 +34,7 @@ dtype (fp32 inputs use exact ``ieee`` dots rather than tf32).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -33,8 +44,26 @@ from kernels.metadata import AttentionMetadata
 
 _LOG2E = 1.4426950408889634
 
+# Arguments left out of Triton's specialization (see the module docstring). The strides that stay
+# specialized (q/out rows and heads, the caches' blocks/slots/heads) are products of head_dim and
+# head counts, fixed for a model, so each takes one specialization per model; their divisibility
+# by 16 is what lets the compiler prove a head's row is 16-byte aligned and load K, V and q with
+# 128-bit vector loads. The data pointers keep their alignment specialization for the same reason.
+# The index tensors are read with scalar or gathered loads, where alignment buys nothing.
+ATTN_DO_NOT_SPECIALIZE = (
+    "block_tables_ptr",
+    "seq_lens_ptr",
+    "cu_q_lens_ptr",
+    "seq_offset",
+    "group",
+    "group_pad",
+    "num_splits",
+    "stride_bt",
+)
+COMBINE_DO_NOT_SPECIALIZE = ("num_splits",)
 
-@triton.jit
+
+@triton.jit(do_not_specialize=ATTN_DO_NOT_SPECIALIZE)
 def _paged_attn_kernel(  # type: ignore[no-untyped-def]
     q_ptr,
     k_cache_ptr,
@@ -47,6 +76,9 @@ def _paged_attn_kernel(  # type: ignore[no-untyped-def]
     seq_lens_ptr,
     cu_q_lens_ptr,
     seq_offset,
+    group,
+    group_pad,
+    num_splits,
     qk_scale,
     stride_qt,
     stride_qh,
@@ -59,37 +91,36 @@ def _paged_attn_kernel(  # type: ignore[no-untyped-def]
     stride_vb,
     stride_vs,
     stride_vh,
-    GROUP: tl.constexpr,
-    GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    SPLIT: tl.constexpr,
     EXACT_SKIP: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
+    # group_pad: the group rounded up to a power of two <= BLOCK_M; block_q query rows per program.
+    block_q = BLOCK_M // group_pad
     seq = (tl.program_id(0) + seq_offset).to(tl.int64)
-    qblock = tl.program_id(1) // NUM_SPLITS
-    split = tl.program_id(1) % NUM_SPLITS
+    qblock = tl.program_id(1) // num_splits
+    split = tl.program_id(1) % num_splits
     kv_head = tl.program_id(2).to(tl.int64)
 
     q_start = tl.load(cu_q_lens_ptr + seq)
     q_len = tl.load(cu_q_lens_ptr + seq + 1) - q_start
-    if qblock * BLOCK_Q >= q_len:
+    if qblock * block_q >= q_len:
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     prefix = seq_len - q_len  # cached positions before this step's first query
 
     m_idx = tl.arange(0, BLOCK_M)
-    q_local = qblock * BLOCK_Q + m_idx // GROUP_PAD  # row within the sequence's queries
-    head_in_group = m_idx % GROUP_PAD
-    row_ok = (q_local < q_len) & (head_in_group < GROUP)
+    q_local = qblock * block_q + m_idx // group_pad  # row within the sequence's queries
+    head_in_group = m_idx % group_pad
+    row_ok = (q_local < q_len) & (head_in_group < group)
     row = (q_start + q_local).to(tl.int64)
-    head = kv_head * GROUP + head_in_group
+    head = kv_head * group + head_in_group
     pos = prefix + q_local  # each row sees keys 0..pos
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
@@ -102,10 +133,10 @@ def _paged_attn_kernel(  # type: ignore[no-untyped-def]
     if UPCAST:
         q = q.to(tl.float32)
 
-    # Keys this program may need: up to the last row's position; split evenly across NUM_SPLITS.
-    kv_end = prefix + tl.minimum(q_len, (qblock + 1) * BLOCK_Q)
+    # Keys this program may need: up to the last row's position; split evenly across num_splits.
+    kv_end = prefix + tl.minimum(q_len, (qblock + 1) * block_q)
     num_tiles = tl.cdiv(kv_end, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tiles_per_split = tl.cdiv(num_tiles, num_splits)
     tile_lo = split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
 
@@ -155,18 +186,10 @@ def _paged_attn_kernel(  # type: ignore[no-untyped-def]
             l_i = l_new
             acc = acc_new
 
-    if NUM_SPLITS == 1:
-        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-        o = acc / l_safe[:, None]
-        tl.store(
-            out_ptr + row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-            o.to(out_ptr.dtype.element_ty),
-            mask=row_ok[:, None] & d_ok[None, :],
-        )
-    else:
-        # Partial results [rows, q_heads, NUM_SPLITS(, HEAD_DIM)], indexed by the row of the batch.
-        num_q_heads = tl.num_programs(2) * GROUP
-        part = (row * num_q_heads + head) * NUM_SPLITS + split
+    if SPLIT:
+        # Partial results [rows, q_heads, num_splits(, HEAD_DIM)], indexed by the row of the batch.
+        num_q_heads = tl.num_programs(2) * group
+        part = (row * num_q_heads + head) * num_splits + split
         tl.store(part_m_ptr + part, m_i, mask=row_ok)
         tl.store(part_l_ptr + part, l_i, mask=row_ok)
         tl.store(
@@ -174,9 +197,17 @@ def _paged_attn_kernel(  # type: ignore[no-untyped-def]
             acc,
             mask=row_ok[:, None] & d_ok[None, :],
         )
+    else:
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        o = acc / l_safe[:, None]
+        tl.store(
+            out_ptr + row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & d_ok[None, :],
+        )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=COMBINE_DO_NOT_SPECIALIZE)
 def _combine_splits_kernel(  # type: ignore[no-untyped-def]
     out_ptr,
     part_m_ptr,
@@ -184,25 +215,29 @@ def _combine_splits_kernel(  # type: ignore[no-untyped-def]
     part_acc_ptr,
     stride_ot,
     stride_oh,
-    NUM_SPLITS: tl.constexpr,
+    num_splits,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
-    base = (row * tl.num_programs(1) + head) * NUM_SPLITS
-    sp = tl.arange(0, NUM_SPLITS)
+    base = (row * tl.num_programs(1) + head) * num_splits
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    m = tl.load(part_m_ptr + base + sp)
-    lsum = tl.load(part_l_ptr + base + sp)
-    acc = tl.load(
-        part_acc_ptr + (base + sp)[:, None] * HEAD_DIM + d[None, :], mask=d_ok[None, :], other=0.0
-    )
-    m_max = tl.max(m, 0)
-    w = tl.exp2(m - m_max)  # empty splits have m = -inf -> weight 0
-    total = tl.sum(w * lsum, 0)
-    o = tl.sum(w[:, None] * acc, 0) / total
+    # Split 0 always holds keys (it starts at key 0); later splits may be empty (m = -inf, l = 0,
+    # acc = 0), which weighs them 0.
+    m0 = tl.load(part_m_ptr + base)
+    m_max = m0
+    for s in range(1, num_splits):
+        m_max = tl.maximum(m_max, tl.load(part_m_ptr + base + s))
+    w = tl.exp2(m0 - m_max)
+    total = w * tl.load(part_l_ptr + base)
+    acc = w * tl.load(part_acc_ptr + base * HEAD_DIM + d, mask=d_ok, other=0.0)
+    for s in range(1, num_splits):
+        w = tl.exp2(tl.load(part_m_ptr + base + s) - m_max)
+        total += w * tl.load(part_l_ptr + base + s)
+        acc += w * tl.load(part_acc_ptr + (base + s) * HEAD_DIM + d, mask=d_ok, other=0.0)
+    o = acc / total
     tl.store(
         out_ptr + row * stride_ot + head * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d_ok
     )
@@ -231,6 +266,8 @@ class KernelConfig:
 # Deterministic mode: ONE configuration for every row, decode or prefill (changing it changes bits).
 DETERMINISTIC_BLOCK_M = 64
 DETERMINISTIC_BLOCK_N = 32
+# The most context splits a decode launch uses (``auto_kv_splits``; a forced count is checked).
+MAX_KV_SPLITS = 32
 
 
 def interpreted() -> bool:
@@ -238,24 +275,81 @@ def interpreted() -> bool:
     return _INTERPRETED
 
 
-def _decode_config(group_pad: int, head_dim: int) -> KernelConfig:
+def decode_config(group_pad: int, head_dim: int) -> KernelConfig:
+    """Tile configuration of the fast decode launch."""
     return KernelConfig(max(16, group_pad), 64 if head_dim <= 128 else 32, 4, 3)
 
 
-def _prefill_config(group_pad: int, head_dim: int) -> KernelConfig:
+def prefill_config(group_pad: int, head_dim: int, arch: int | None = None) -> KernelConfig:
+    """Tile configuration of the fast prefill launch on compute capability ``arch`` (e.g. 80, 90;
+    ``None``: unknown, e.g. the interpreter).
+
+    Before sm_90 (no wgmma: the query tile of a head_dim 128 block stays in registers) the
+    pipelined loop does not fit the 255 registers of a thread and spills, so it is not pipelined.
+    """
     if head_dim <= 128:
-        return KernelConfig(max(128, group_pad), 64, 8, 2)
+        stages = 1 if head_dim > 64 and arch is not None and arch < 90 else 2
+        return KernelConfig(max(128, group_pad), 64, 8, stages)
     return KernelConfig(max(64, group_pad), 32, 4, 2)
 
 
-def _deterministic_config(group_pad: int) -> KernelConfig:
+def deterministic_config(group_pad: int) -> KernelConfig:
+    """The one tile configuration of the deterministic mode."""
     return KernelConfig(max(DETERMINISTIC_BLOCK_M, group_pad), DETERMINISTIC_BLOCK_N, 4, 2)
+
+
+_ARCHS: dict[torch.device, int | None] = {}
+
+
+def device_arch(device: torch.device) -> int | None:
+    """The compute capability of ``device`` as ``major * 10 + minor`` (``None`` off CUDA or under
+    the interpreter); the launch configurations depend on it."""
+    if device not in _ARCHS:
+        if device.type != "cuda" or interpreted():
+            _ARCHS[device] = None
+        else:
+            major, minor = torch.cuda.get_device_capability(device)
+            _ARCHS[device] = major * 10 + minor
+    return _ARCHS[device]
+
+
+def attention_constexprs(
+    cfg: KernelConfig,
+    head_dim: int,
+    page: int,
+    dtype: torch.dtype,
+    split: bool,
+    exact: bool,
+    upcast: bool,
+) -> dict[str, Any]:
+    """The compile-time constants of one ``_paged_attn_kernel`` launch (shared with ``aot``)."""
+    return {
+        "HEAD_DIM": head_dim,
+        "BLOCK_M": cfg.block_m,
+        "BLOCK_N": cfg.block_n,
+        "BLOCK_D": max(16, triton.next_power_of_2(head_dim)),
+        "PAGE": page,
+        "SPLIT": split,
+        "EXACT_SKIP": exact,
+        "UPCAST": upcast,
+        "PRECISION": "ieee" if dtype == torch.float32 else "tf32",
+    }
+
+
+COMBINE_NUM_WARPS = 4
+COMBINE_NUM_STAGES = 3
+
+
+def combine_constexprs(head_dim: int) -> dict[str, Any]:
+    """The compile-time constants of one ``_combine_splits_kernel`` launch."""
+    return {"HEAD_DIM": head_dim, "BLOCK_D": triton.next_power_of_2(head_dim)}
 
 
 def auto_kv_splits(device: torch.device, programs: int, max_len: int) -> int:
     """Decode context splits (a power of two) for ``programs`` = decodes x KV heads.
 
-    1 unless the decode grid alone would leave most SMs idle; each split keeps >= 256 keys.
+    1 unless the decode grid alone would leave most SMs idle; each split keeps >= 256 keys. The
+    count is a runtime argument of the kernels: any value reuses the same compiled binaries.
     """
     if device.type != "cuda" or interpreted():
         return 1
@@ -263,7 +357,54 @@ def auto_kv_splits(device: torch.device, programs: int, max_len: int) -> int:
     if programs >= sms:
         return 1
     want = triton.next_power_of_2(triton.cdiv(2 * sms, programs))
-    return max(1, min(want, 32, triton.next_power_of_2(triton.cdiv(max_len, 256))))
+    return max(1, min(want, MAX_KV_SPLITS, triton.next_power_of_2(triton.cdiv(max_len, 256))))
+
+
+def max_split_rows(device: torch.device, group: int) -> int:
+    """An upper bound of ``decodes x q_heads x splits`` over the splits ``auto_kv_splits`` picks.
+
+    A split launch has ``programs = decodes x kv_heads < SMs`` and ``splits <= 2 * cdiv(2 SMs,
+    programs)``, so ``programs x splits <= 6 SMs``; each program holds ``group`` query heads.
+    """
+    if device.type != "cuda":
+        return 0
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return 6 * sms * group
+
+
+# Scratch for the split partials, one growing fp32 buffer per (device, role), reused by every
+# layer and step rather than allocated per launch. A launch's partials are read by the combine
+# kernel on the same stream before the next launch writes them, so reuse is safe for callers that
+# issue their attention calls on one stream per device (the engine does); two threads driving one
+# device on different streams would need their own buffers. A CUDA graph captures the buffer's
+# address, so a buffer that grows is kept alive (``_RETIRED``), never freed: a graph captured over
+# it keeps writing valid memory of its own. ``reserve_split_scratch`` before capturing avoids that.
+_SCRATCH: dict[tuple[torch.device, str], torch.Tensor] = {}
+_RETIRED: list[torch.Tensor] = []
+
+
+def split_scratch(device: torch.device, role: str, numel: int) -> torch.Tensor:
+    """A flat fp32 buffer of at least ``numel`` elements for ``role`` (``m``, ``l`` or ``acc``).
+
+    Grows to the next power of two when too small; otherwise returns the same tensor each time.
+    """
+    key = (device, role)
+    buf = _SCRATCH.get(key)
+    if buf is None or buf.numel() < numel:
+        if buf is not None:
+            _RETIRED.append(buf)
+        size = triton.next_power_of_2(max(numel, 1))
+        buf = torch.empty(size, dtype=torch.float32, device=device)
+        _SCRATCH[key] = buf
+    return buf
+
+
+def reserve_split_scratch(device: torch.device, rows: int, head_dim: int) -> None:
+    """Size the split scratch for ``rows`` (decodes x q_heads x splits) up front, e.g. at start-up
+    so that no step allocates it (a CUDA graph capture must not see it move)."""
+    split_scratch(device, "m", rows)
+    split_scratch(device, "l", rows)
+    split_scratch(device, "acc", rows * head_dim)
 
 
 def paged_attention(
@@ -278,9 +419,9 @@ def paged_attention(
     """Attention of ``q`` ``[T, q_heads, D]`` over the paged cache -> ``[T, q_heads, D]`` in ``q.dtype``.
 
     This step's K/V must already be stored. ``q``'s last dimension must be contiguous; the caches
-    contiguous. ``num_kv_splits`` forces the decode context split (a power of two; fast mode only);
-    ``None`` picks one from the GPU size. ``deterministic`` runs every row through one fixed
-    configuration (see the module docstring).
+    contiguous. ``num_kv_splits`` forces the decode context split (a power of two up to
+    ``MAX_KV_SPLITS``; fast mode only); ``None`` picks one from the GPU size. ``deterministic``
+    runs every row through one fixed configuration (see the module docstring).
     """
     t, hq, d = q.shape
     hkv = k_cache.shape[2]
@@ -293,22 +434,26 @@ def paged_attention(
         raise ValueError("paged_attention needs q with a contiguous last (head_dim) dimension")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("paged_attention needs contiguous K/V caches")
-    if num_kv_splits is not None and (num_kv_splits < 1 or num_kv_splits & (num_kv_splits - 1)):
-        raise ValueError(f"num_kv_splits must be a power of two >= 1, got {num_kv_splits}")
+    if num_kv_splits is not None and (
+        num_kv_splits < 1 or num_kv_splits & (num_kv_splits - 1) or num_kv_splits > MAX_KV_SPLITS
+    ):
+        raise ValueError(
+            f"num_kv_splits must be a power of two in 1..{MAX_KV_SPLITS}, got {num_kv_splits}"
+        )
     launch = _Launcher(q, k_cache, v_cache, out, meta, scale, group, group_pad)
     nd, ns = meta.num_decodes, meta.num_seqs
     if deterministic:
-        cfg = _deterministic_config(group_pad)
+        cfg = deterministic_config(group_pad)
         launch(cfg, seq_offset=0, num_seqs=ns, max_q_len=meta.max_q_len, splits=1, exact=True)
         return out
     if nd:
-        cfg = _decode_config(group_pad, d)
+        cfg = decode_config(group_pad, d)
         splits = num_kv_splits
         if splits is None:
             splits = auto_kv_splits(q.device, nd * hkv, max(meta.seq_lens_host[:nd]))
         launch(cfg, seq_offset=0, num_seqs=nd, max_q_len=1, splits=splits, exact=False)
     if ns > nd:
-        cfg = _prefill_config(group_pad, d)
+        cfg = prefill_config(group_pad, d, device_arch(q.device))
         max_q = max(meta.q_lens_host[nd:])
         launch(cfg, seq_offset=nd, num_seqs=ns - nd, max_q_len=max_q, splits=1, exact=False)
     return out
@@ -340,13 +485,13 @@ class _Launcher:
         hq, d = q.shape[1], q.shape[2]
         hkv = kc.shape[2]
         block_q = cfg.block_m // self.group_pad
-        if splits > 1:
-            # Only decode launches split; decode rows are rows 0..num_seqs-1 of the batch.
-            part_m = torch.empty((num_seqs, hq, splits), dtype=torch.float32, device=q.device)
-            part_l = torch.empty_like(part_m)
-            part_acc = torch.empty((num_seqs, hq, splits, d), dtype=torch.float32, device=q.device)
-        else:
-            part_m = part_l = part_acc = out  # unused
+        # Partials only when split (decode rows are rows 0..num_seqs-1 of the batch); otherwise
+        # the (unused) pointers still point at the fp32 scratch, so the argument types do not
+        # change with the split count.
+        rows = num_seqs * hq * splits if splits > 1 else 1
+        part_m = split_scratch(q.device, "m", rows)
+        part_l = split_scratch(q.device, "l", rows)
+        part_acc = split_scratch(q.device, "acc", rows * d if splits > 1 else 1)
         grid = (num_seqs, triton.cdiv(max_q_len, block_q) * splits, hkv)
         _paged_attn_kernel[grid](
             q,
@@ -360,6 +505,9 @@ class _Launcher:
             meta.seq_lens,
             meta.cu_q_lens,
             seq_offset,
+            self.group,
+            self.group_pad,
+            splits,
             self.scale * _LOG2E,
             q.stride(0),
             q.stride(1),
@@ -372,17 +520,9 @@ class _Launcher:
             vc.stride(0),
             vc.stride(1),
             vc.stride(2),
-            GROUP=self.group,
-            GROUP_PAD=self.group_pad,
-            HEAD_DIM=d,
-            BLOCK_M=cfg.block_m,
-            BLOCK_N=cfg.block_n,
-            BLOCK_D=max(16, triton.next_power_of_2(d)),
-            PAGE=kc.shape[1],
-            NUM_SPLITS=splits,
-            EXACT_SKIP=exact,
-            UPCAST=_INTERPRETED,
-            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            **attention_constexprs(
+                cfg, d, kc.shape[1], q.dtype, split=splits > 1, exact=exact, upcast=_INTERPRETED
+            ),
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )
@@ -394,8 +534,8 @@ class _Launcher:
                 part_acc,
                 out.stride(0),
                 out.stride(1),
-                NUM_SPLITS=splits,
-                HEAD_DIM=d,
-                BLOCK_D=triton.next_power_of_2(d),
-                num_warps=4,
+                splits,
+                **combine_constexprs(d),
+                num_warps=COMBINE_NUM_WARPS,
+                num_stages=COMBINE_NUM_STAGES,
             )

@@ -2,7 +2,9 @@
 
 Cache layout ``[num_blocks, block_size, kv_heads, head_dim]``; token ``t`` goes to slot
 ``slot_mapping[t] = block_id * block_size + offset``. A negative slot skips the token (padding).
-All address math is int64, so block ids near 2**31 / block_size do not overflow.
+All address math is int64, so block ids near 2**31 / block_size do not overflow. A program writes
+``BLOCK_T`` tokens of one KV head, so the binary depends on head_dim, block size and dtype only
+(``kernels.aot`` lists the variants), not on the number of heads or tokens.
 """
 
 from __future__ import annotations
@@ -11,8 +13,16 @@ import torch
 import triton
 import triton.language as tl
 
+# ``num_tokens`` changes every step and the slot pointer may be any view of the engine's buffers:
+# neither is specialized. The strides stay specialized: they are products of head_dim and head
+# counts, fixed for a model, and their divisibility by 16 lets a head's row load and store as
+# 128-bit vectors.
+STORE_DO_NOT_SPECIALIZE = ("slot_ptr", "num_tokens")
+STORE_NUM_WARPS = 4
+STORE_NUM_STAGES = 3
 
-@triton.jit
+
+@triton.jit(do_not_specialize=STORE_DO_NOT_SPECIALIZE)
 def _store_kv_kernel(  # type: ignore[no-untyped-def]
     key_ptr,
     value_ptr,
@@ -27,28 +37,37 @@ def _store_kv_kernel(  # type: ignore[no-untyped-def]
     stride_cb,
     stride_cs,
     stride_ch,
-    NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_T: tl.constexpr,
-    BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr,
 ):
-    # A [BLOCK_T tokens, BLOCK_H heads, BLOCK_D] tile per program.
+    # A [BLOCK_T tokens, BLOCK_D] tile of one KV head per program.
     tok = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    h = tl.program_id(1).to(tl.int64)
     slot = tl.load(slot_ptr + tok, mask=tok < num_tokens, other=-1)
     tok_ok = slot >= 0
     blk = tl.where(tok_ok, slot, 0) // PAGE
     off = tl.where(tok_ok, slot, 0) % PAGE
-    h = tl.arange(0, BLOCK_H)[None, :, None]
-    d = tl.arange(0, BLOCK_D)[None, None, :]
-    t3 = tok[:, None, None]
-    mask = tok_ok[:, None, None] & (h < NUM_HEADS) & (d < HEAD_DIM)
-    k = tl.load(key_ptr + t3 * stride_kt + h * stride_kh + d, mask=mask)
-    v = tl.load(value_ptr + t3 * stride_vt + h * stride_vh + d, mask=mask)
-    dst = (blk * stride_cb + off * stride_cs)[:, None, None] + h * stride_ch + d
+    d = tl.arange(0, BLOCK_D)[None, :]
+    t2 = tok[:, None]
+    mask = tok_ok[:, None] & (d < HEAD_DIM)
+    k = tl.load(key_ptr + t2 * stride_kt + h * stride_kh + d, mask=mask)
+    v = tl.load(value_ptr + t2 * stride_vt + h * stride_vh + d, mask=mask)
+    dst = (blk * stride_cb + off * stride_cs + h * stride_ch)[:, None] + d
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def store_constexprs(head_dim: int, page: int) -> dict[str, int]:
+    """The compile-time constants of one ``_store_kv_kernel`` launch (shared with ``aot``)."""
+    block_d = triton.next_power_of_2(head_dim)
+    return {
+        "HEAD_DIM": head_dim,
+        "BLOCK_T": max(1, min(16, 2048 // block_d)),
+        "BLOCK_D": block_d,
+        "PAGE": page,
+    }
 
 
 def store_kv(
@@ -70,9 +89,8 @@ def store_kv(
         raise ValueError("store_kv needs key/value with a contiguous last (head_dim) dimension")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("store_kv needs contiguous K/V caches")
-    block_h, block_d = triton.next_power_of_2(h), triton.next_power_of_2(d)
-    block_t = max(1, min(16, 4096 // (block_h * block_d)))
-    _store_kv_kernel[(triton.cdiv(t, block_t),)](
+    const = store_constexprs(d, k_cache.shape[1])
+    _store_kv_kernel[(triton.cdiv(t, const["BLOCK_T"]), h)](
         key,
         value,
         k_cache,
@@ -86,11 +104,7 @@ def store_kv(
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
-        NUM_HEADS=h,
-        HEAD_DIM=d,
-        BLOCK_T=block_t,
-        BLOCK_H=block_h,
-        BLOCK_D=block_d,
-        PAGE=k_cache.shape[1],
-        num_warps=4,
+        **const,
+        num_warps=STORE_NUM_WARPS,
+        num_stages=STORE_NUM_STAGES,
     )

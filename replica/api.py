@@ -238,6 +238,9 @@ class EngineStats:
     the share of the step loop's time outside the model forward; ``rss_bytes``: the process's
     resident memory (0 where the engine runs without a server around it); ``cached_blocks``:
     unreferenced blocks the prefix cache keeps for their content (counted in ``free_blocks``).
+    ``kv_pool_bytes``: the KV pool's memory; ``gpu_memory_used_bytes`` and
+    ``gpu_memory_total_bytes``: the replica's GPU's memory in use (by every process on it) and in
+    all; 0 on a CPU replica, and, like ``rss_bytes``, filled in by the server around the engine.
     """
 
     running: int
@@ -259,6 +262,9 @@ class EngineStats:
     seats: int = 0
     tpot_target_s: float = 0.0  # the strictest TPOT target of its unfinished requests (0: none)
     target_requests: int = 0  # unfinished requests holding that target
+    kv_pool_bytes: int = 0
+    gpu_memory_used_bytes: int = 0
+    gpu_memory_total_bytes: int = 0
 
 
 class EngineDead(RuntimeError):

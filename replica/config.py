@@ -56,6 +56,12 @@ class EngineConfig(BaseModel):
     - ``attention_backend``: ``triton`` (GPU), ``torch`` (CPU), ``auto`` by device.
     - ``trust_remote_code``: let ``transformers`` run code shipped with a checkpoint.
     - ``num_threads``: torch CPU threads; None: the replica's CPU share.
+    - ``enforce_eager``: never run decode steps as CUDA graphs (GPU); by default a pure-decode
+      step on CUDA with the triton backend replays the graph captured at start-up for its
+      bucketed batch size (up to ``max_num_seqs``). The CPU never uses graphs.
+    - ``fused_kernels``: on the triton backend, each RMSNorm with its residual add and the
+      rotary embedding with the KV store run as one Triton kernel each; False keeps the torch
+      ops (the eager fallback). The CPU path has its own native fusions either way.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -81,6 +87,8 @@ class EngineConfig(BaseModel):
     attention_backend: Backend = "auto"
     trust_remote_code: bool = False
     num_threads: int | None = Field(default=None, gt=0)
+    enforce_eager: bool = False
+    fused_kernels: bool = True
 
     @classmethod
     def from_options(cls, model: str, **options: Any) -> EngineConfig:

@@ -138,10 +138,19 @@ class LLMServer:
             raise RuntimeError(f"the engine's step loop is not running: {self.engine.error!r}")
 
     def stats(self) -> EngineStats:
-        """The engine's stats and this process's resident memory (``rss_bytes``)."""
-        from replica.metrics import resident_bytes
+        """The engine's stats with this process's memory: resident (``rss_bytes``), the KV
+        pool's, and the GPU's in use and in all (0 and 0 on a CPU replica)."""
+        from replica.metrics import gpu_memory, resident_bytes
 
-        return replace(self.engine.stats(), rss_bytes=resident_bytes())
+        runner = self.engine.runner
+        used, total = gpu_memory(runner.device)
+        return replace(
+            self.engine.stats(),
+            rss_bytes=resident_bytes(),
+            kv_pool_bytes=runner.pool.nbytes,
+            gpu_memory_used_bytes=used,
+            gpu_memory_total_bytes=total,
+        )
 
     def inject_fault(self, message: str = "injected fault") -> str:
         """Make the next forward pass raise, as a broken GPU or kernel would (for fault tests).

@@ -462,6 +462,10 @@ class Engine:
 
     def _loop(self) -> None:
         try:
+            # Triton launches on the thread's current device: make it the runner's (cuda:N).
+            device = getattr(self.runner, "device", None)
+            if isinstance(device, torch.device) and device.type == "cuda" and device.index is not None:
+                torch.cuda.set_device(device)
             while True:
                 with self._lock:
                     while not self._stopping and not self.scheduler.has_unfinished():

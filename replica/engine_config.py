@@ -1,19 +1,39 @@
 """How an engine's parts are built from its ``replica.config.EngineConfig``: model, KV pool,
-scheduler, runner."""
+scheduler, runner.
+
+The KV pool comes last: on a GPU under ``gpu_memory_utilization`` it takes what the weights and
+the activations of the largest step leave, the activations measured by running that step once
+(``replica.kv_pool.plan_kv_pool``). On ``cuda:N`` the device is made the building thread's
+current one (the engine's loop thread makes it its own too): Triton launches its kernels on the
+current device, whatever device the tensors are on.
+"""
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from replica.config import CONTEXT_CAP, EngineConfig
-from replica.kv_pool import KVPool, KVShape, PoolSizing, choose_num_blocks
+from replica.kv_pool import (
+    KVPool,
+    KVShape,
+    PoolPlan,
+    PoolSizing,
+    StepBound,
+    activation_meter,
+    estimate_activation_bytes,
+    plan_kv_pool,
+)
 from replica.models.loader import ModelOptions, load_model
 from replica.runner import ModelRunner
 from replica.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -24,6 +44,20 @@ def resolve_device(cfg: EngineConfig) -> torch.device:
     return torch.device(cfg.device)
 
 
+def select_device(device: torch.device) -> None:
+    """Make ``device`` the calling thread's current CUDA device when it names one (``cuda:N``);
+    anything else (``cpu``, a bare ``cuda``) leaves the thread as it is."""
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
+
+
+def step_bound(cfg: EngineConfig, max_model_len: int) -> StepBound:
+    """The largest step ``cfg``'s caps allow (``replica.kv_pool.StepBound``)."""
+    return StepBound.of(
+        cfg.max_num_batched_tokens, cfg.max_num_seqs, max_model_len, cfg.prefill_chunk_tokens
+    )
+
+
 @dataclass(slots=True)
 class EngineParts:
     model_config: Any
@@ -31,11 +65,31 @@ class EngineParts:
     scheduler: Scheduler
     runner: ModelRunner
     max_model_len: int
+    pool_plan: PoolPlan | None = None
+
+
+def warm_kernels(cfg: EngineConfig, mcfg: Any, device: torch.device, backend: str,
+                 dtype: torch.dtype) -> list[Any]:
+    """On a GPU with the Triton kernels: compile every kernel variant this model can reach
+    (``kernels.aot.warmup``) before anything runs, so that no step of the serving loop (nor the
+    start-up profile, nor a CUDA graph capture) compiles; the split scratch is sized then too.
+    Returns the variants compiled (none elsewhere)."""
+    if device.type != "cuda" or backend != "triton":
+        return []
+    from kernels import aot  # Triton: the GPU path only
+
+    config = aot.ServingConfig(mcfg.head_dim, mcfg.num_heads // mcfg.num_kv_heads,
+                               cfg.block_size, dtype, cfg.deterministic)
+    t0 = time.perf_counter()
+    done = aot.warmup(config, device)
+    log.info("compiled %d Triton kernel variants in %.1f s", len(done), time.perf_counter() - t0)
+    return done
 
 
 def build_engine_parts(cfg: EngineConfig) -> EngineParts:
     """Load the model, size the KV pool, and wire the scheduler and runner over one free list."""
     device = resolve_device(cfg)
+    select_device(device)
     if cfg.num_threads is not None:
         torch.set_num_threads(cfg.num_threads)
     elif device.type == "cpu" and "OMP_NUM_THREADS" in os.environ:
@@ -48,7 +102,8 @@ def build_engine_parts(cfg: EngineConfig) -> EngineParts:
     if backend == "auto":
         backend = "triton" if device.type == "cuda" else "torch"
     options = ModelOptions(
-        attention_backend=backend, deterministic=cfg.deterministic, max_model_len=cfg.max_model_len
+        attention_backend=backend, deterministic=cfg.deterministic, max_model_len=cfg.max_model_len,
+        fused_kernels=cfg.fused_kernels,
     )
     model, tokenizer, mcfg = load_model(
         cfg.model,
@@ -66,8 +121,27 @@ def build_engine_parts(cfg: EngineConfig) -> EngineParts:
         block_tokens=cfg.block_size,
         dtype=dtype,
     )
+    warm_kernels(cfg, mcfg, device, backend, dtype)
     sizing = PoolSizing(cfg.num_kv_blocks, cfg.kv_cache_memory_bytes, cfg.gpu_memory_utilization)
-    pool = KVPool(shape, choose_num_blocks(shape, sizing, device), device)
+    step = step_bound(cfg, max_len)
+    measure = activation_meter(model, shape, step, device, mcfg.vocab_size, sizing)
+    plan = plan_kv_pool(shape, sizing, device, estimate_activation_bytes(mcfg, step, dtype), measure)
+    log.info(
+        "KV pool: %d blocks (%.2f GiB); the largest step (%d tokens, %d sequences, every row's "
+        "logits) needs %.2f GiB of activations (%s%s)",
+        plan.num_blocks, plan.num_blocks * shape.block_bytes / 2**30, step.tokens, step.seqs,
+        plan.activation_peak_bytes / 2**30, plan.activation_source,
+        ", subtracted from the GPU budget" if plan.subtracted else "",
+    )
+    pool = KVPool(shape, plan.num_blocks, device)
     root = cfg.prefix_root() if cfg.enable_prefix_caching else None
     scheduler = Scheduler(cfg, pool.new_block_space(root), max_model_len=max_len)
-    return EngineParts(mcfg, tokenizer, scheduler, ModelRunner(model, pool, device), max_len)
+    runner = ModelRunner(
+        model,
+        pool,
+        device,
+        enforce_eager=cfg.enforce_eager,
+        max_model_len=max_len,
+        cuda_graph_max_batch=cfg.max_num_seqs,
+    )
+    return EngineParts(mcfg, tokenizer, scheduler, runner, max_len, plan)

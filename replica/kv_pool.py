@@ -6,6 +6,15 @@ blocks comes from ``num_kv_blocks`` outright, from a byte budget (CPU), or from 
 GPU's memory minus what the weights and a profiled forward already hold (like vLLM's
 ``gpu_memory_utilization``). The pool builds the scheduler's ``FreeListBlocks`` over exactly its
 own block ids: one source of truth for how many blocks exist.
+
+The activations a step needs come off the GPU budget before the pool takes the rest
+(``plan_kv_pool``). ``StepBound`` is the largest step the engine's caps allow: every batched
+token, over as many sequences as the chunking needs, each context at the longest, and every
+row's logits wanted (prompt log-probabilities score each token of a prompt). On CUDA one forward
+of that step runs at start-up, before the pool exists, on a pool of one block
+(``profile_step``), and its peak is measured (``measure_cuda_peak``); elsewhere
+``estimate_activation_bytes`` gives an upper estimate (the CPU pool has a byte budget of its own,
+so the estimate is reported, not subtracted).
 """
 
 from __future__ import annotations
@@ -13,14 +22,17 @@ from __future__ import annotations
 import contextlib
 import math
 import mmap
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Literal, Protocol
 
 import numpy as np
 import torch
 
-from kernels.metadata import slots_for
+from kernels.metadata import AttentionMetadata, SeqSpec, build_metadata, slots_for
+from replica.api import MAX_LOGPROBS
 from replica.block_space import BlockSpace, FreeListBlocks
+from replica.models.config import ModelConfig
 from replica.prefix_cache import PrefixCachingBlocks
 
 
@@ -75,14 +87,23 @@ class PoolSizing:
 
 
 def choose_num_blocks(
-    shape: KVShape, sizing: PoolSizing, device: torch.device, activation_peak_bytes: int = 0
+    shape: KVShape,
+    sizing: PoolSizing,
+    device: torch.device,
+    activation_peak_bytes: int = 0,
+    memory: tuple[int, int] | None = None,
 ) -> int:
-    """The pool's block count under ``sizing`` on ``device``; raises when not even one block fits."""
+    """The pool's block count under ``sizing`` on ``device``; raises when not even one block fits.
+
+    On CUDA the budget is ``gpu_memory_utilization`` of the device's total memory, less what is
+    in use now (weights, the CUDA context, other processes) and ``activation_peak_bytes``.
+    ``memory``: the device's ``(free, total)`` bytes where the caller has them (default: asked of
+    ``torch.cuda.mem_get_info``)."""
     if sizing.num_kv_blocks is not None:
         n = sizing.num_kv_blocks
         how = f"num_kv_blocks={n}"
     elif device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
+        free, total = memory if memory is not None else torch.cuda.mem_get_info(device)
         used = total - free
         budget = int(total * sizing.gpu_memory_utilization) - used - activation_peak_bytes
         n = shape.blocks_for_budget(budget)
@@ -171,3 +192,176 @@ class KVPool:
     def slot_mapping(self, block_table: Sequence[int], start: int, end: int) -> list[int]:
         """Slots of positions ``start .. end`` through ``block_table``."""
         return slots_for(block_table, start, end, self.shape.block_tokens)
+
+
+# ---------------------------------------------------------------- activations and the pool's size
+
+
+class StepModel(Protocol):
+    """A causal LM as the runner runs it (``replica.runner.CausalLM``): one forward over a
+    flat batch, the logits of its ``logits_indices`` rows."""
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True, slots=True)
+class StepBound:
+    """The largest step an engine's caps allow, as ``profile_step`` lays it out.
+
+    ``tokens`` query tokens (``max_num_batched_tokens``, at most ``seqs * max_len``) cut into
+    chunks of ``chunk`` tokens (the last shorter), one sequence each, at most ``seqs`` of them;
+    every chunk ends at position ``max_len`` (the longest context attention reads), and every
+    token's logits are wanted (a step of prompts scored for their log-probabilities)."""
+
+    tokens: int
+    seqs: int
+    max_len: int
+    chunk: int
+
+    @classmethod
+    def of(
+        cls,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        prefill_chunk_tokens: int | None = None,
+    ) -> StepBound:
+        tokens = min(max_num_batched_tokens, max_num_seqs * max_model_len)
+        chunk = min(prefill_chunk_tokens or tokens, tokens, max_model_len)
+        if -(-tokens // chunk) > max_num_seqs:  # too few sequences for chunks that short
+            chunk = -(-tokens // max_num_seqs)
+        return cls(tokens, max_num_seqs, max_model_len, chunk)
+
+    @property
+    def logit_rows(self) -> int:
+        """Rows of logits of the step: every token's."""
+        return self.tokens
+
+    def chunk_lens(self) -> list[int]:
+        full, rest = divmod(self.tokens, self.chunk)
+        return [self.chunk] * full + ([rest] if rest else [])
+
+    def specs(self, block_tokens: int) -> list[SeqSpec]:
+        """The step's sequences, every block table naming block 0 only (the profile's pool has
+        one block: what is written there is thrown away)."""
+        table = [0] * -(-self.max_len // block_tokens)
+        return [SeqSpec(self.max_len - n, n, table) for n in self.chunk_lens()]
+
+
+def estimate_activation_bytes(model: ModelConfig, step: StepBound, dtype: torch.dtype) -> int:
+    """An upper estimate of the memory one step of ``step`` needs beyond the weights and the KV.
+
+    The logits dominate with a large vocabulary: ``[rows, vocab]`` in the model's dtype, their
+    fp32 copy (``RunnerOutput``), and the fp32 log-softmax of the prompt log-probabilities, all
+    alive at once at worst. Then one layer's activations at a time (the residual stream and the
+    MLP's input kept, the fused QKV and gate/up outputs and the attention output) and the
+    attention's per-sequence work (scores of a chunk against its context, fp32)."""
+    item = torch.empty((), dtype=dtype).element_size()
+    t, v = step.tokens, model.vocab_size
+    logits = step.logit_rows * v * (item + 4 + 4)
+    per_token = (
+        4 * model.hidden_size  # residual, delta, the norm's output, the layer's output
+        + model.q_size + 2 * model.kv_size  # fused QKV
+        + model.q_size  # attention output
+        + 3 * model.intermediate_size  # gate/up, then the activation
+    )
+    layer = t * per_token * item
+    attention = step.chunk * step.max_len * model.num_heads * 4
+    return int(logits + layer + attention)
+
+
+def profile_step(
+    model: StepModel, shape: KVShape, step: StepBound, device: torch.device, vocab_size: int
+) -> Callable[[], None]:
+    """The forward of ``step`` as the engine runs it, ready to run: inputs built now (on a KV pool
+    of one block), then model, the logits in fp32, and their log-softmax and top
+    log-probabilities (what prompt log-probabilities compute) when called."""
+    pool = KVPool(shape, 1, device)
+    meta = build_metadata(step.specs(shape.block_tokens), shape.block_tokens, device)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    ids = torch.randint(0, vocab_size, (step.tokens,), generator=gen).to(device)
+    rows = torch.arange(step.logit_rows, dtype=torch.int64, device=device)
+    k = min(MAX_LOGPROBS, vocab_size)
+
+    @torch.inference_mode()
+    def run() -> None:
+        logits = model(ids, meta.positions, pool.kv_caches, meta, rows).float()
+        logp = torch.log_softmax(logits, dim=-1)
+        logp.topk(k, dim=-1)
+
+    return run
+
+
+def measure_cuda_peak(run: Callable[[], object], device: torch.device) -> int:
+    """Bytes ``run()`` allocated on ``device`` at its peak beyond what was allocated before it;
+    the memory it freed goes back to the device (``empty_cache``) for the pool to take."""
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    run()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - before
+    torch.cuda.empty_cache()
+    return max(0, int(peak))
+
+
+def activation_meter(
+    model: StepModel,
+    shape: KVShape,
+    step: StepBound,
+    device: torch.device,
+    vocab_size: int,
+    sizing: PoolSizing,
+) -> Callable[[], int] | None:
+    """How ``plan_kv_pool`` measures the activation peak of ``step``: on CUDA, when the pool is
+    sized by ``gpu_memory_utilization``, a call builds the step's inputs (``profile_step``) and
+    measures its forward (``measure_cuda_peak``); None where nothing is measured."""
+    if device.type != "cuda" or sizing.num_kv_blocks is not None:
+        return None
+
+    def measure() -> int:
+        return measure_cuda_peak(profile_step(model, shape, step, device, vocab_size), device)
+
+    return measure
+
+
+@dataclass(frozen=True, slots=True)
+class PoolPlan:
+    """The pool's size and the activation peak it was sized with: ``profiled`` (measured on the
+    device) or ``estimated`` (``estimate_activation_bytes``). Only the CUDA budget of
+    ``gpu_memory_utilization`` subtracts it (``subtracted``)."""
+
+    num_blocks: int
+    activation_peak_bytes: int
+    activation_source: Literal["profiled", "estimated"]
+    subtracted: bool
+
+
+def plan_kv_pool(
+    shape: KVShape,
+    sizing: PoolSizing,
+    device: torch.device,
+    estimate_bytes: int,
+    measure_peak: Callable[[], int] | None = None,
+    memory: tuple[int, int] | None = None,
+) -> PoolPlan:
+    """Size the pool: on CUDA under ``gpu_memory_utilization`` (no ``num_kv_blocks``), the
+    activation peak is ``measure_peak()`` (a profiled forward, see ``profile_step``) or, without
+    it, ``estimate_bytes``, and comes off the budget; elsewhere the pool's size is explicit
+    (``num_kv_blocks``, or the CPU's ``kv_cache_memory_bytes``) and nothing is profiled.
+    ``memory``: the device's ``(free, total)``, as ``choose_num_blocks`` takes it."""
+    budgeted = sizing.num_kv_blocks is None and device.type == "cuda"
+    source: Literal["profiled", "estimated"] = "estimated"
+    peak = int(estimate_bytes)
+    if budgeted and measure_peak is not None:
+        peak, source = int(measure_peak()), "profiled"
+    n = choose_num_blocks(shape, sizing, device, peak if budgeted else 0, memory)
+    return PoolPlan(n, peak, source, budgeted)

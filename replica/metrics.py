@@ -11,6 +11,10 @@ refuses is ``cluster.metrics.IngressMetrics``, on the same definitions.
 
 Gauges are refreshed every ``GAUGE_PERIOD_S`` by a thread in each replica, so they never expire
 between scrapes (Ray drops a gauge that is not set for about 20 s).
+
+``MEMORY_GAUGES`` are the replica's memory: its KV pool's bytes, and its GPU's memory in use and
+in all (``gpu_memory``). A CPU replica exports the GPU gauges at 0, so that every replica has
+every series and a query can sum them over a cluster of both kinds.
 """
 
 from __future__ import annotations
@@ -45,6 +49,12 @@ GAUGES = {
         "The SLO-aware step's limit: the strictest TPOT target present times the headroom "
         "(0: no target present)."),
     "tierserve_requests_paused": "Running requests the last step left out to keep its limit.",
+}
+MEMORY_GAUGES = {
+    "tierserve_kv_pool_bytes": "Bytes of the replica's KV pool.",
+    "tierserve_gpu_memory_used_bytes": (
+        "Memory in use on the replica's GPU, by every process on it (0 on a CPU replica)."),
+    "tierserve_gpu_memory_total_bytes": "Memory of the replica's GPU (0 on a CPU replica).",
 }
 COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "tierserve_preemptions": ("Requests preempted (blocks freed, recomputed later).", ()),
@@ -134,9 +144,48 @@ def resident_bytes() -> int:
         return 0
 
 
+def gpu_memory(
+    device: Any, mem_get_info: Callable[[Any], tuple[int, int]] | None = None
+) -> tuple[int, int]:
+    """``(used, total)`` bytes of the CUDA ``device`` (a ``torch.device``) as the driver counts
+    them (every process's, the CUDA context included: what ``gpu_memory_utilization`` is a
+    fraction of); ``(0, 0)`` for any other device or where the driver cannot be asked.
+    ``mem_get_info``: ``(free, total)`` of a device (default ``torch.cuda.mem_get_info``)."""
+    if getattr(device, "type", None) != "cuda":
+        return 0, 0
+    if mem_get_info is None:
+        import torch
+
+        mem_get_info = torch.cuda.mem_get_info
+    try:
+        free, total = mem_get_info(device)
+    except (RuntimeError, AssertionError):  # no driver, or the device is gone
+        return 0, 0
+    return int(total - free), int(total)
+
+
+def gauge_values(s: EngineStats) -> dict[str, float]:
+    """Every gauge's value for the stats ``s`` (the resident memory only where it is known)."""
+    values: dict[str, float] = {
+        "tierserve_requests_running": s.running,
+        "tierserve_requests_waiting": s.waiting,
+        "tierserve_kv_blocks_free": s.free_blocks,
+        "tierserve_kv_blocks_total": s.total_blocks,
+        "tierserve_kv_blocks_cached": s.cached_blocks,
+        "tierserve_step_limit_seconds": s.step_limit_s,
+        "tierserve_requests_paused": s.paused,
+        "tierserve_kv_pool_bytes": s.kv_pool_bytes,
+        "tierserve_gpu_memory_used_bytes": s.gpu_memory_used_bytes,
+        "tierserve_gpu_memory_total_bytes": s.gpu_memory_total_bytes,
+    }
+    if s.rss_bytes:
+        values["tierserve_replica_resident_memory_bytes"] = s.rss_bytes
+    return values
+
+
 def exported_names() -> set[str]:
     """The names a Prometheus scrape shows (``ray_`` prefix, ``_total``, histogram series)."""
-    names = {f"ray_{g}" for g in GAUGES}
+    names = {f"ray_{g}" for g in GAUGES | MEMORY_GAUGES}
     names |= {f"ray_{c}_total" for c in COUNTERS}
     names |= {f"ray_{g}" for g in INGRESS_GAUGES}
     names |= {f"ray_{c}_total" for c in INGRESS_COUNTERS}
@@ -154,7 +203,9 @@ class ReplicaMetrics:
     def __init__(self, tiers: Sequence[str] = ()) -> None:
         from ray.serve.metrics import Counter, Gauge, Histogram
 
-        self.gauges = {name: Gauge(name, description=doc) for name, doc in GAUGES.items()}
+        self.gauges = {
+            name: Gauge(name, description=doc) for name, doc in (GAUGES | MEMORY_GAUGES).items()
+        }
         self.counters = {
             name: Counter(name, description=doc, tag_keys=tags)  # type: ignore[arg-type]
             for name, (doc, tags) in COUNTERS.items()
@@ -211,16 +262,8 @@ class ReplicaMetrics:
         self._thread.start()
 
     def refresh(self, s: EngineStats) -> None:
-        g = self.gauges
-        g["tierserve_requests_running"].set(s.running)
-        g["tierserve_requests_waiting"].set(s.waiting)
-        g["tierserve_kv_blocks_free"].set(s.free_blocks)
-        g["tierserve_kv_blocks_total"].set(s.total_blocks)
-        g["tierserve_kv_blocks_cached"].set(s.cached_blocks)
-        if s.rss_bytes:
-            g["tierserve_replica_resident_memory_bytes"].set(s.rss_bytes)
-        g["tierserve_step_limit_seconds"].set(s.step_limit_s)
-        g["tierserve_requests_paused"].set(s.paused)
+        for name, value in gauge_values(s).items():
+            self.gauges[name].set(value)
 
     def stop(self) -> None:
         self._stop.set()

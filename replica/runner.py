@@ -3,32 +3,34 @@
 The batch lays out every decode first (one token at position ``n - 1``), then every prefill chunk
 (its tokens in order), each with its own start position and block table. Only the rows that are
 sampled (every decode, and the last token of every last chunk) reach the output head.
+
+A step's integer inputs travel to the device in one copy from one pinned buffer
+(``kernels.metadata.StepPacker``; on CPU, no copy). On CUDA with the triton backend, a
+pure-decode step runs as a captured CUDA graph of its bucketed batch size
+(``replica.cuda_graph``) unless ``enforce_eager``; every other step runs eagerly.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 
 from kernels import cpu_native
-from kernels.metadata import AttentionMetadata, SeqSpec, build_metadata
+from kernels.metadata import AttentionMetadata, SeqSpec, StepPacker
 from replica.block_space import RequestId
-from replica.kv_pool import KVPool
+from replica.config import CONTEXT_CAP
+from replica.cuda_graph import DecodeGraphs, GraphStep
+from replica.kv_pool import KVPool, StepModel
 from replica.scheduler import ScheduleOutput, Scheduler
 
+log = logging.getLogger(__name__)
 
-class CausalLM(Protocol):
-    def __call__(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        meta: AttentionMetadata,
-        logits_indices: torch.Tensor,
-    ) -> torch.Tensor: ...
+
+CausalLM = StepModel  # what the runner runs: one forward over a flat batch
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +53,9 @@ class ForwardBatch:
     logits_indices: torch.Tensor
     sampled: list[RequestId]
     prompt_rows: list[PromptRows] = field(default_factory=list)
+    # A pure-decode step staged in ``DecodeGraphs``' static buffers (the tensors above are views
+    # of them, valid until the next step is built); None: an eager step.
+    graph: GraphStep | None = None
 
 
 @dataclass(slots=True)
@@ -63,19 +68,97 @@ class RunnerOutput:
     prompt_logits: torch.Tensor | None = None
 
 
-class ModelRunner:
-    """Owns the model and the KV pool of one replica; stateless across steps otherwise."""
+def default_max_model_len(model: object) -> int | None:
+    """The engine's context for ``model`` as the engine computes it: the model's
+    ``options.max_model_len`` when set, else its tables' length capped at ``CONTEXT_CAP``."""
+    options = getattr(model, "options", None)
+    set_len = getattr(options, "max_model_len", None)
+    if set_len is not None:
+        return int(set_len)
+    tables = getattr(model, "max_model_len", None)
+    return None if tables is None else min(int(tables), CONTEXT_CAP)
 
-    def __init__(self, model: CausalLM, pool: KVPool, device: torch.device | str = "cpu") -> None:
+
+def graphs_supported(model: object, device: torch.device) -> str | None:
+    """Why decode steps of ``model`` on ``device`` cannot run as CUDA graphs (None: they can)."""
+    if device.type != "cuda":
+        return f"CUDA graphs need a CUDA device, not {device.type}"
+    options = getattr(model, "options", None)
+    if getattr(options, "attention_backend", None) != "triton":
+        return "CUDA graphs run the triton backend only (its KV store skips padding rows)"
+    if getattr(options, "deterministic", False):
+        return "the deterministic mode runs on the CPU"
+    return None
+
+
+class ModelRunner:
+    """Owns the model and the KV pool of one replica; stateless across steps otherwise (the
+    reused pinned host buffer and the CUDA graphs' static buffers aside).
+
+    ``enforce_eager``: never use CUDA graphs. Otherwise, on CUDA with the triton backend,
+    pure-decode steps of up to ``cuda_graph_max_batch`` sequences (default 256) are captured at
+    construction for every bucket (``replica.cuda_graph.capture_sizes``), over block tables of
+    ``max_model_len`` (default: ``default_max_model_len``); a capture that fails is logged and
+    the runner stays eager. ``graphs`` hands in ready ``DecodeGraphs`` instead (tests run its
+    eager replay on CPU, where graphs are otherwise never used).
+    """
+
+    def __init__(
+        self,
+        model: CausalLM,
+        pool: KVPool,
+        device: torch.device | str = "cpu",
+        *,
+        enforce_eager: bool = False,
+        max_model_len: int | None = None,
+        cuda_graph_max_batch: int | None = None,
+        graphs: DecodeGraphs | None = None,
+    ) -> None:
         self.model = model
         self.pool = pool
         self.device = torch.device(device)
+        self.packer = StepPacker(self.device)
+        self.graphs: DecodeGraphs | None = graphs
+        self.graphs_off_reason: str | None = None
         if self.device.type == "cpu" and cpu_native.available():
             # The native kernels are built (or loaded) now, not inside the first request's step;
             # the linear layers move to their packed layout (weights are loaded by now).
             pack = getattr(model, "pack_for_cpu", None)
             if pack is not None:
                 pack()
+        if graphs is None and not enforce_eager:
+            self.graphs = self._capture(max_model_len, cuda_graph_max_batch or 256)
+        elif enforce_eager and graphs is None:
+            self.graphs_off_reason = "enforce_eager"
+
+    def _capture(self, max_model_len: int | None, max_batch: int) -> DecodeGraphs | None:
+        why = graphs_supported(self.model, self.device)
+        max_len = max_model_len or default_max_model_len(self.model)
+        if why is None and max_len is None:
+            why = "the model's context length is unknown"
+        if why is not None or max_len is None:
+            self.graphs_off_reason = why
+            return None
+        try:
+            graphs = DecodeGraphs(
+                self.model, self.pool.kv_caches, self.pool.block_tokens, max_len, max_batch,
+                self.device,
+            )
+            graphs.capture()
+            bad = graphs.verify()
+        except Exception as e:  # a first GPU run: serve eagerly rather than not at all
+            log.warning("CUDA graph capture failed; decode steps run eagerly: %r", e)
+            self.graphs_off_reason = f"capture failed: {e!r}"
+            with contextlib.suppress(Exception):
+                torch.cuda.synchronize(self.device)
+            return None
+        if bad:
+            log.warning("CUDA graphs of decode batches %s disagree with the eager model; decode "
+                        "steps run eagerly", bad)
+            self.graphs_off_reason = f"graphs of batches {bad} disagree with the eager model"
+            return None
+        log.info("CUDA graphs captured for decode batches of %s sequences", graphs.sizes)
+        return graphs
 
     def build_batch(
         self,
@@ -118,19 +201,30 @@ class ModelRunner:
                 if count > 0:
                     extra.extend(range(base, base + count))
                     prompt_rows.append(PromptRows(c.id, c.start, count))
-        meta = build_metadata(specs, self.pool.block_tokens, self.device)
+        if self.graphs is not None and not plan.prefill:
+            staged = self.graphs.stage(ids, specs)
+            if staged is not None:
+                packed, step = staged
+                return ForwardBatch(
+                    packed.input_ids, packed.meta, packed.logits_indices, sampled, graph=step
+                )
+        packed = self.packer.pack(specs, self.pool.block_tokens, ids, rows + extra)
         return ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True),
-            meta=meta,
-            logits_indices=torch.tensor(rows + extra, dtype=torch.int64).to(
-                self.device, non_blocking=True
-            ),
+            input_ids=packed.input_ids,
+            meta=packed.meta,
+            logits_indices=packed.logits_indices,
             sampled=sampled,
             prompt_rows=prompt_rows,
         )
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> RunnerOutput:
+        if batch.graph is not None and self.graphs is not None:
+            out = self.graphs.run(batch.graph)
+            logits = out.float()
+            if logits.data_ptr() == out.data_ptr():
+                logits = logits.clone()  # fp32: the graph's output is overwritten next replay
+            return RunnerOutput(batch.sampled, logits)
         logits = self.model(
             batch.input_ids,
             batch.meta.positions,

@@ -43,22 +43,36 @@ class SamplerState:
     the tokens generated so far (counted per id for the penalties) and the prompt's ids. Kept
     across preemption, so a resumed request samples as if it had never stopped.
 
+    The generator and the penalties' history live on the device of the logits (created at the
+    first step that needs them, seeded from ``params.seed`` or a random seed): nothing of a
+    step crosses to the host but the sampled ids.
+
     ``stop_ids``: the ids ``min_tokens`` holds back (EOS and ``stop_token_ids``)."""
 
     params: SamplingParams
     prompt: Sequence[int] = ()
     stop_ids: Collection[int] = ()
-    generator: torch.Generator = field(init=False)
+    seed: int = field(init=False)
     generated: int = field(init=False, default=0)
+    _generator: torch.Generator | None = field(init=False, default=None)
     # [vocab] per-id counts of generated tokens, and the ids of prompt and output (penalties
-    # only; created at the first step, when the vocabulary is known).
+    # only; created at the first step, when the vocabulary and the device are known).
     counts: torch.Tensor | None = field(init=False, default=None)
     seen: torch.Tensor | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
-        self.generator = torch.Generator(device="cpu")
-        seed = self.params.seed if self.params.seed is not None else random.getrandbits(63)
-        self.generator.manual_seed(seed)
+        self.seed = self.params.seed if self.params.seed is not None else random.getrandbits(63)
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        """The request's own generator on ``device`` (the same stream whatever the batch)."""
+        g = self._generator
+        if g is None or g.device != device:
+            if g is not None and self.generated:
+                raise RuntimeError(f"a request's sampler moved from {g.device} to {device}")
+            g = torch.Generator(device=device)
+            g.manual_seed(self.seed)
+            self._generator = g
+        return g
 
     def record(self, token: int) -> None:
         """Account for a generated token (``sample`` calls it)."""
@@ -67,12 +81,14 @@ class SamplerState:
             self.counts[token] += 1
             self.seen[token] = True
 
-    def _history(self, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _history(self, vocab: int, device: torch.device | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.counts is None or self.seen is None:
-            self.counts = torch.zeros(vocab, dtype=torch.float32)
-            self.seen = torch.zeros(vocab, dtype=torch.bool)
-            ids = torch.tensor([t for t in self.prompt if 0 <= t < vocab], dtype=torch.int64)
-            self.seen[ids] = True
+            self.counts = torch.zeros(vocab, dtype=torch.float32, device=device)
+            self.seen = torch.zeros(vocab, dtype=torch.bool, device=device)
+            ids = [t for t in self.prompt if 0 <= t < vocab]
+            if ids:
+                self.seen[torch.tensor(ids, dtype=torch.int64, device=device)] = True
         return self.counts, self.seen
 
     @property
@@ -113,32 +129,54 @@ def sample(logits: torch.Tensor, states: Sequence[SamplerState]) -> list[int]:
 
 
 def _process(logits: torch.Tensor, states: Sequence[SamplerState], rows: Sequence[int]) -> None:
-    """Apply the logits processors of ``states`` to their ``rows`` of ``logits`` in place."""
-    vocab = logits.shape[1]
+    """Apply the logits processors of ``states`` to their ``rows`` of ``logits`` in place: the
+    biases of every row in one indexed add, the ``min_tokens`` masks in one indexed write, then
+    each penalized row from its history (all on the logits' device)."""
+    vocab, device = logits.shape[1], logits.device
+    bias_rows: list[int] = []
+    bias_ids: list[int] = []
+    bias_vals: list[float] = []
+    mask_rows: list[int] = []
+    mask_ids: list[int] = []
     for s, r in zip(states, rows, strict=True):
         p = s.params
-        row = logits[r]
         if p.logit_bias:
-            ids = [t for t in p.logit_bias if t < vocab]
-            row[ids] += torch.tensor([p.logit_bias[t] for t in ids], dtype=row.dtype)
+            for t, b in p.logit_bias.items():
+                if 0 <= t < vocab:
+                    bias_rows.append(r)
+                    bias_ids.append(t)
+                    bias_vals.append(b)
         if s.generated < p.min_tokens and s.stop_ids:
-            row[[t for t in s.stop_ids if t < vocab]] = float("-inf")
-        if p.penalized:
-            counts, seen = s._history(vocab)
-            if p.repetition_penalty != 1.0:
-                rp = p.repetition_penalty
-                row.copy_(torch.where(seen, torch.where(row > 0, row / rp, row * rp), row))
-            if p.frequency_penalty:
-                row.sub_(counts * p.frequency_penalty)
-            if p.presence_penalty:
-                row.sub_((counts > 0).float() * p.presence_penalty)
+            ids = [t for t in s.stop_ids if 0 <= t < vocab]
+            mask_rows.extend([r] * len(ids))
+            mask_ids.extend(ids)
+    if bias_rows:
+        at = torch.tensor([bias_rows, bias_ids], dtype=torch.int64, device=device)
+        vals = torch.tensor(bias_vals, dtype=logits.dtype, device=device)
+        logits.index_put_((at[0], at[1]), vals, accumulate=True)
+    if mask_rows:
+        at = torch.tensor([mask_rows, mask_ids], dtype=torch.int64, device=device)
+        logits[at[0], at[1]] = float("-inf")
+    for s, r in zip(states, rows, strict=True):
+        p = s.params
+        if not p.penalized:
+            continue
+        row = logits[r]
+        counts, seen = s._history(vocab, device)
+        if p.repetition_penalty != 1.0:
+            rp = p.repetition_penalty
+            row.copy_(torch.where(seen, torch.where(row > 0, row / rp, row * rp), row))
+        if p.frequency_penalty:
+            row.sub_(counts * p.frequency_penalty)
+        if p.presence_penalty:
+            row.sub_((counts > 0).float() * p.presence_penalty)
 
 
 def _draw(x: torch.Tensor, states: Sequence[SamplerState]) -> list[int]:
-    """Sample one token per row of processed logits ``x`` (non-greedy rows)."""
+    """Sample one token per row of processed logits ``x`` (non-greedy rows), on its device."""
     params = [s.params for s in states]
-    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
-    x = x / temps.to(x.device).unsqueeze(1)
+    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=x.device)
+    x = x / temps.unsqueeze(1)
     x = _filter_top_k_top_p(x, params)
     probs = x.softmax(dim=-1)
     if any(p.min_p > 0.0 for p in params):
@@ -146,12 +184,12 @@ def _draw(x: torch.Tensor, states: Sequence[SamplerState]) -> list[int]:
         floor = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
         probs = probs.masked_fill(probs < floor, 0.0)  # the most likely token always stays
     # Exponential race (Gumbel-max in another form): argmax(p / E) with E ~ Exp(1) draws from p.
-    # Each request draws V variates from its own generator, so its stream is batch-independent.
-    vocab = probs.shape[1]
-    noise = torch.empty((len(states), vocab), dtype=torch.float32)
+    # Each request draws V variates from its own generator on the device, so its stream does
+    # not depend on the batch.
+    noise = torch.empty(probs.shape, dtype=torch.float32, device=probs.device)
     for j, s in enumerate(states):
-        noise[j].exponential_(generator=s.generator)
-    picked: list[int] = (probs / noise.to(probs.device)).argmax(dim=-1).tolist()
+        noise[j].exponential_(generator=s.generator(probs.device))
+    picked: list[int] = (probs / noise).argmax(dim=-1).tolist()
     return picked
 
 

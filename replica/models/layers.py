@@ -142,7 +142,11 @@ class Linear(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """``x / sqrt(mean(x^2) + eps) * weight``, computed in fp32, returned in ``x``'s dtype."""
+    """``x / sqrt(mean(x^2) + eps) * weight``, computed in fp32, returned in ``x``'s dtype.
+
+    ``fused`` (the model's triton backend): the norm, with its residual add, is one Triton kernel
+    (``kernels.fused.rms_norm``) that rounds where these torch ops do.
+    """
 
     def __init__(
         self,
@@ -151,15 +155,22 @@ class RMSNorm(nn.Module):
         deterministic: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        *,
+        fused: bool = False,
     ) -> None:
         super().__init__()
         self.eps = eps
         self.deterministic = deterministic
+        self.fused = fused
         self.weight = nn.Parameter(
             torch.ones(hidden_size, device=device, dtype=dtype), requires_grad=False
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused and x.dim() == 2:
+            from kernels import fused  # imported late: Triton reads TRITON_INTERPRET at import
+
+            return fused.rms_norm(x, self.weight, self.eps)
         if self.deterministic:
             cpu_native.require_fused(x, "RMSNorm")
         if cpu_native.fused_ok(x):
@@ -175,6 +186,10 @@ class RMSNorm(nn.Module):
         one pass over the rows on the native CPU path."""
         if delta is None:
             return self(residual)
+        if self.fused and residual.dim() == 2:
+            from kernels import fused
+
+            return fused.rms_norm(residual, self.weight, self.eps, delta)
         if self.deterministic:
             cpu_native.require_fused(residual, "RMSNorm")
         if cpu_native.fused_ok(residual):

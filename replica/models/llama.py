@@ -40,11 +40,20 @@ class ModelOptions:
         model refuses to build or run where they cannot (docs/determinism.md).
     max_model_len: positions the rotary tables cover; None means the config's
         ``max_position_embeddings``.
+    fused_kernels: on the triton backend, each RMSNorm with its residual add, and the rotary
+        embedding with the KV store, run as one Triton kernel each (``kernels.fused``) instead of
+        several torch ops and a store launch; False keeps the unfused ops. Other backends ignore it.
     """
 
     attention_backend: Backend = "torch"
     deterministic: bool = False
     max_model_len: int | None = None
+    fused_kernels: bool = True
+
+    @property
+    def fused(self) -> bool:
+        """Whether the fused Triton kernels run (``fused_kernels`` on the triton backend)."""
+        return self.fused_kernels and self.attention_backend == "triton"
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ("torch", "triton"):
@@ -90,6 +99,7 @@ class LlamaAttention(nn.Module):
         self.scale = cfg.head_dim**-0.5
         self.backend: Backend = opts.attention_backend
         self.deterministic = opts.deterministic
+        self.fused = opts.fused
         det = opts.deterministic
         self.qkv_proj = Linear(
             cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, cfg.qkv_bias, det, device, dtype
@@ -108,6 +118,12 @@ class LlamaAttention(nn.Module):
         if self.backend == "torch" and cpu_native.fused_ok(qkv):
             cos, sin = rope
             cpu_native.rope_store(qkv, cos, sin, meta.slot_mapping, kv_cache[0], kv_cache[1], hq)
+            stored = True
+        elif self.fused:
+            from kernels import fused  # imported late: Triton reads TRITON_INTERPRET at import
+
+            cos, sin = rope
+            fused.rope_store(qkv, cos, sin, meta.slot_mapping, kv_cache[0], kv_cache[1], hq)
             stored = True
         else:
             apply_rotary_(qkv[:, : hq + hkv], *rope)
@@ -142,10 +158,12 @@ class LlamaDecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         det = opts.deterministic
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, det, device, dtype)
+        self.input_layernorm = RMSNorm(
+            cfg.hidden_size, cfg.rms_norm_eps, det, device, dtype, fused=opts.fused
+        )
         self.self_attn = LlamaAttention(cfg, opts, device, dtype)
         self.post_attention_layernorm = RMSNorm(
-            cfg.hidden_size, cfg.rms_norm_eps, det, device, dtype
+            cfg.hidden_size, cfg.rms_norm_eps, det, device, dtype, fused=opts.fused
         )
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, opts.deterministic, device, dtype)
 
@@ -181,7 +199,9 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(cfg, opts, device, dtype) for _ in range(cfg.num_layers)
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, opts.deterministic, device, dtype)
+        self.norm = RMSNorm(
+            cfg.hidden_size, cfg.rms_norm_eps, opts.deterministic, device, dtype, fused=opts.fused
+        )
         self.rotary = RotaryEmbedding(
             cfg.head_dim, max_len, cfg.rope_theta, cfg.rope_scaling, device, dtype
         )

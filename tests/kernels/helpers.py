@@ -10,7 +10,38 @@ import torch
 from kernels import reference
 from kernels.metadata import AttentionMetadata, SeqSpec, build_metadata
 
+# Devices of the plain-torch paths: CPU always, CUDA when present.
 DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
+
+
+def triton_devices(
+    cuda_available: bool | None = None, interpreted: bool | None = None
+) -> list[str]:
+    """Where the Triton kernels can run in this process: ``cpu`` when they were built for the
+    interpreter (``TRITON_INTERPRET=1``), else ``cuda`` when a GPU is present, else nowhere.
+
+    Compiled kernels take GPU tensors only, and the interpreter is the CPU path, so never both.
+    The arguments default to this process's state (tests pass them to check every case).
+    """
+    if cuda_available is None:
+        cuda_available = torch.cuda.is_available()
+    if interpreted is None:
+        interpreted = _triton_interpreted()
+    if interpreted:
+        return ["cpu"]
+    return ["cuda"] if cuda_available else []
+
+
+def _triton_interpreted() -> bool:
+    try:
+        from kernels import triton_attention
+    except ImportError:  # no Triton on this platform
+        return False
+    return triton_attention.interpreted()
+
+
+# Devices of the Triton paths (empty: the Triton tests skip).
+TRITON_DEVICES = triton_devices()
 # (atol, rtol) of a result in this dtype against the fp32-math reference.
 TOL: dict[torch.dtype, tuple[float, float]] = {
     torch.float32: (1e-4, 1e-4),

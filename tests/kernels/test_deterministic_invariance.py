@@ -19,6 +19,7 @@ from kernels.attention import Backend, attention
 from tests.kernels.common import SCALE
 from tests.kernels.helpers import (
     DEVICES,
+    TRITON_DEVICES,
     Seq,
     Shape,
     assert_close,
@@ -93,6 +94,15 @@ def _run(
     return outs
 
 
+def _runs_here(backend: Backend, device: str) -> None:
+    """The Triton kernels run on ``TRITON_DEVICES`` only (compiled ones never get CPU tensors,
+    the interpreter never gets CUDA ones); the native deterministic kernel on the CPU only."""
+    if backend == "triton" and device not in TRITON_DEVICES:
+        pytest.skip(f"the Triton kernels do not run on {device} in this process")
+    if backend == "torch" and device != "cpu":
+        pytest.skip("the deterministic torch path is the native CPU kernel")
+
+
 def _moved(seq: Seq, block_size: int, gen: torch.Generator, taken: set[int]) -> Seq:
     """The same request with its blocks somewhere else in the pool."""
     return dataclasses.replace(seq, blocks=random_blocks(len(seq.blocks), NUM_BLOCKS, gen, taken))
@@ -101,6 +111,7 @@ def _moved(seq: Seq, block_size: int, gen: torch.Generator, taken: set[int]) -> 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(("backend", "dtype"), BACKEND_DTYPES)
 def test_alone_vs_in_a_batch_of_eight(backend: Backend, dtype: torch.dtype, device: str) -> None:
+    _runs_here(backend, device)
     block_size = 16
     gen = torch.Generator().manual_seed(7)
     taken: set[int] = set()
@@ -168,6 +179,7 @@ def test_chunking_and_decode_rows_do_not_change_bits(
     backend: Backend, block_size: int, device: str
 ) -> None:
     """Whole prompt == chunks of 1 (decode rows), 7, 16 == a chunk then decodes, bit for bit."""
+    _runs_here(backend, device)
     _check_chunking(backend, block_size, device, SHAPE)
 
 
