@@ -6,7 +6,9 @@ specialization of each other argument, and its launch options (``num_warps``, ``
 batches out of the specialization, so what a model reaches depends only on its ``ServingConfig``
 (head_dim, query heads per KV head, block size, dtype, deterministic or not):
 
-- ``variants(config)``: that set (5 variants in the fast mode, 2 in the deterministic one).
+- ``variants(config)``: that set (5 variants in the fast mode, 2 in the deterministic one);
+  ``fused_variants(hidden, q_heads, kv_heads, head_dim, block, dtype)``: the fused kernels'
+  (``kernels.fused``: two RMSNorms and a rotary + KV store per model shape).
 - ``launch_key(kernel, args, kwargs)``: the key Triton's launcher computes for one launch, in the
   same form as ``Variant.key()``, so a test can check that real launches stay inside the set.
 - ``warmup(config, device)``: at start-up on a GPU, compiles the whole set into Triton's in-memory
@@ -46,6 +48,7 @@ from typing import Any
 import torch
 import triton
 
+from kernels import fused
 from kernels import triton_attention as ta
 from kernels import triton_kv as tkv
 from kernels.metadata import SeqSpec, build_metadata
@@ -56,6 +59,8 @@ KERNELS: dict[str, Any] = {
     "paged_attn": ta._paged_attn_kernel,
     "combine_splits": ta._combine_splits_kernel,
     "store_kv": tkv._store_kv_kernel,
+    "rms_norm": fused._rms_norm_kernel,
+    "rope_store": fused._rope_store_kernel,
 }
 _ARG_TYPES: dict[str, dict[str, str]] = {
     "paged_attn": {
@@ -84,7 +89,29 @@ _ARG_TYPES: dict[str, dict[str, str]] = {
         "v_cache_ptr": "*model",
         "slot_ptr": "*i64",
     },
+    "rms_norm": {
+        "x_ptr": "*model",
+        "delta_ptr": "*model",
+        "w_ptr": "*model",
+        "out_ptr": "*model",
+        "eps": "fp32",
+    },
+    "rope_store": {
+        "qkv_ptr": "*model",
+        "cos_ptr": "*model",
+        "sin_ptr": "*model",
+        "slot_ptr": "*i64",
+        "k_cache_ptr": "*model",
+        "v_cache_ptr": "*model",
+    },
 }
+# The fused kernels' shapes: (hidden size, query heads, KV heads, head_dim) of models the GPU
+# configs serve or name (SmolLM2-135M, Qwen2.5-0.5B, Llama-3.2-1B, Llama-3-8B).
+CI_MODEL_SHAPES: tuple[tuple[int, int, int, int], ...] = (
+    (576, 9, 3, 64), (896, 14, 2, 64), (2048, 32, 8, 64), (4096, 32, 8, 128),
+)
+# Triton's launch default where a launch names none.
+DEFAULT_NUM_STAGES = 3
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 # Shared memory a block may opt in to, per CUDA compute capability (bytes).
@@ -269,6 +296,25 @@ def variants(
     ]
 
 
+def fused_variants(hidden: int, q_heads: int, kv_heads: int, head_dim: int, block_size: int,
+                   dtype: torch.dtype) -> list[Variant]:
+    """The fused kernels' variants (``kernels.fused``) of a model of that shape: RMSNorm alone
+    and with its residual add, and rotary + KV store (their tiles follow the model's sizes)."""
+    if dtype not in _DTYPE_NAMES:
+        raise ValueError(f"unsupported dtype {dtype}")
+    block = triton.next_power_of_2(hidden)
+    warps = max(1, min(16, block // 256))
+    norms = [_variant("rms_norm", "norm+residual" if delta else "norm", dtype,
+                      {"N": hidden, "BLOCK": block, "HAS_DELTA": delta}, warps,
+                      DEFAULT_NUM_STAGES) for delta in (False, True)]
+    half = head_dim // 2
+    rope = _variant("rope_store", "rope+store", dtype, {
+        "Q_HEADS": q_heads, "KV_HEADS": kv_heads, "HALF": half,
+        "BLOCK_H": triton.next_power_of_2(q_heads + kv_heads),
+        "BLOCK_HALF": triton.next_power_of_2(half), "PAGE": block_size}, 4, DEFAULT_NUM_STAGES)
+    return [*norms, rope]
+
+
 def variants_for(
     configs: Iterable[ServingConfig], arch: int | None = None, interpreter: bool = False
 ) -> list[Variant]:
@@ -290,9 +336,21 @@ def ci_configs() -> list[ServingConfig]:
     ]
 
 
+def ci_fused_variants() -> list[Variant]:
+    """The fused kernels' variants of ``CI_MODEL_SHAPES`` x blocks x dtypes, without duplicates."""
+    seen: dict[tuple[Any, ...], Variant] = {}
+    for (hidden, hq, hkv, d), page, dtype in itertools.product(
+            CI_MODEL_SHAPES, CI_BLOCK_SIZES, CI_DTYPES):
+        for v in fused_variants(hidden, hq, hkv, d, page, dtype):
+            seen.setdefault(v.key(), v)
+    return list(seen.values())
+
+
 def ci_work() -> list[tuple[Variant, int]]:
-    """Every (variant, arch) the CPU CI compiles: the CI configurations' variants per arch."""
-    return [(v, arch) for arch in CI_ARCHS for v in variants_for(ci_configs(), arch)]
+    """Every (variant, arch) the CPU CI compiles: the CI configurations' variants per arch, and
+    the fused kernels' of the CI model shapes."""
+    return [(v, arch) for arch in CI_ARCHS
+            for v in [*variants_for(ci_configs(), arch), *ci_fused_variants()]]
 
 
 # -- launch keys ------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from kernels import aot, triton_attention, triton_kv
+from kernels import aot, fused, triton_attention, triton_kv
 
 CAN_COMPILE, WHY_NOT = aot.can_compile()
 pytestmark = [
@@ -30,22 +30,28 @@ def _assert_clean(reports: list[aot.CompileReport]) -> None:
     assert not problems, f"{len(problems)} problem(s):\n" + "\n".join(problems)
 
 
-def test_matrix_covers_every_kernel_of_both_modules() -> None:
-    """Each ``@triton.jit`` kernel of triton_attention and triton_kv is in ``aot.KERNELS`` and
-    in the CI variants (a new kernel cannot skip the compile check)."""
+def test_matrix_covers_every_kernel_of_the_gpu_path() -> None:
+    """Each ``@triton.jit`` kernel of triton_attention, triton_kv and fused is in
+    ``aot.KERNELS`` and in the CI work (a new kernel cannot skip the compile check)."""
     defined = {
         obj
-        for module in (triton_attention, triton_kv)
+        for module in (triton_attention, triton_kv, fused)
         for _, obj in inspect.getmembers(module)
         if type(obj).__name__ in ("JITFunction", "InterpretedFunction")
     }
     registered = set(aot.KERNELS.values())
     assert defined == registered, f"kernels missing from aot.KERNELS: {defined - registered}"
+    attention = {"paged_attn", "combine_splits", "store_kv"}
     for arch in aot.CI_ARCHS:
         ci = aot.variants_for(aot.ci_configs(), arch)
-        assert {v.kernel for v in ci} == set(aot.KERNELS)
+        assert {v.kernel for v in ci} == attention
         # Small: 5 binaries per (head_dim, block, dtype) plus a combine per (head_dim, dtype).
         assert len(ci) == 2 * 2 * 2 * 5 + 2 * 2
+    assert {v.kernel for v, _ in aot.ci_work()} == set(aot.KERNELS)
+    # The fused kernels: two norms per (hidden, dtype), a rope+store per (shape, block, dtype).
+    shapes = aot.CI_MODEL_SHAPES
+    hiddens = {s[0] for s in shapes}
+    assert len(aot.ci_fused_variants()) == 2 * len(hiddens) * 2 + len(shapes) * 2 * 2
 
 
 def test_reports_flag_spills_and_shared_memory_over_the_limit() -> None:
