@@ -13,7 +13,7 @@ import yaml
 from bench import load as loadgen
 from bench.common import percentile
 from bench.load import LengthDist, Result, Scrape, TrafficClass, Workload
-from replica.metrics import COUNTERS, EXPORTED, GAUGES, HISTOGRAMS
+from replica.metrics import COUNTERS, EXPORTED, GAUGES, HISTOGRAMS, MEMORY_GAUGES
 from tests.observability import promql
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -205,7 +205,7 @@ def test_the_dashboard_covers_every_metric_and_is_importable() -> None:
     assert queried <= EXPORTED, sorted(queried - EXPORTED)
     assert promql.variable_metrics(dash) <= EXPORTED
     # every metric of replica/metrics.py is on some panel (histograms through their buckets)
-    wanted = {f"ray_{g}" for g in GAUGES} | {f"ray_{c}_total" for c in COUNTERS}
+    wanted = {f"ray_{g}" for g in GAUGES | MEMORY_GAUGES} | {f"ray_{c}_total" for c in COUNTERS}
     wanted |= {f"ray_{h}_bucket" for h in HISTOGRAMS}
     assert wanted <= queried, sorted(wanted - queried)
     variables = {v["name"]: v for v in dash["templating"]["list"]}
