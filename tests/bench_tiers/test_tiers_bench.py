@@ -214,8 +214,9 @@ def test_steady_fairness_leaves_out_the_ramp_and_the_drain() -> None:
     assert f["steady_window_s"] == [15.0, 30.0]
     assert f["tenants"]["tenant-a"]["steady_output_tokens_per_s"] == pytest.approx(
         f["tenants"]["tenant-b"]["steady_output_tokens_per_s"])
-    assert "1 / " not in tiers.steady_text(f) and tiers.steady_text(
-        {"tenants": {"a": {}, "b": {}}}) == "-"
+    # each: 7 answers of 11 tokens inside 15..30 s (the one at 14 s streams before 15 s)
+    assert tiers.steady_text(f) == "5.133 / 5.133"
+    assert tiers.steady_text({"tenants": {"a": {}, "b": {}}}) == "-"
     assert tiers.steady_window([], 20.0) is None
     none = tiers.level_figures(rs, TARGETS, offered, span_s=40.0)["fairness"]
     assert none["jain_steady"] is None and none["steady_window_s"] is None
