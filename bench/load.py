@@ -1,4 +1,4 @@
-"""Load generator for a tierserve cluster: ``tierserve-load`` (also ``python -m bench.load``).
+"""Load generator for a tierserve cluster: ``tierserve-load`` (also ``python -m tierserve.bench.load``).
 
 Arrivals: ``--rate R`` is an open loop (Poisson arrivals, R requests/s on average, at most
 ``--max-inflight`` at once: arrivals beyond are dropped and counted); ``--concurrency C`` is a
@@ -65,8 +65,8 @@ from urllib.parse import urlsplit
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.common import load_avg_1m, machine, percentile, pyplot
-from replica.metrics import COUNTERS, GAUGES
+from tierserve.bench.common import load_avg_1m, machine, percentile, pyplot
+from tierserve.replica.metrics import COUNTERS, GAUGES
 
 # Ray exports every metric with this prefix, and a counter with a ``_total`` suffix.
 RAY_PREFIX = "ray_"
@@ -74,16 +74,16 @@ SCRAPE_PREFIX = RAY_PREFIX + "tierserve_"
 
 
 def gauge(name: str) -> str:
-    """The scraped name of a gauge of ``replica.metrics.GAUGES``."""
+    """The scraped name of a gauge of ``tierserve.replica.metrics.GAUGES``."""
     if name not in GAUGES:
-        raise KeyError(f"{name} is not a gauge of replica.metrics")
+        raise KeyError(f"{name} is not a gauge of tierserve.replica.metrics")
     return RAY_PREFIX + name
 
 
 def counter(name: str) -> str:
-    """The scraped name of a counter of ``replica.metrics.COUNTERS``."""
+    """The scraped name of a counter of ``tierserve.replica.metrics.COUNTERS``."""
     if name not in COUNTERS:
-        raise KeyError(f"{name} is not a counter of replica.metrics")
+        raise KeyError(f"{name} is not a counter of tierserve.replica.metrics")
     return f"{RAY_PREFIX}{name}_total"
 
 

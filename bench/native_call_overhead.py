@@ -1,9 +1,9 @@
 """What the checked native boundary costs per call: the same C functions called raw through
 ctypes (addresses from ``data_ptr()``, the way the module called them before the boundary
-checked its arguments) and through ``kernels.cpu_native``'s ``NativeFunction`` (each pointer
+checked its arguments) and through ``tierserve.kernels.cpu_native``'s ``NativeFunction`` (each pointer
 argument checked against its kind), on inputs so small that the call is all there is.
 
-    python -m bench.native_call_overhead [--calls 20000] [--rounds 7]
+    python -m tierserve.bench.native_call_overhead [--calls 20000] [--rounds 7]
 
 Rounds alternate the two ways (and the public wrappers that callers use), in one process; the
 figure is each one's median over the rounds, in microseconds per call. Nothing asserts on time.
@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from kernels import cpu_native
+from tierserve.kernels import cpu_native
 
 
 def _per_call_us(fn: Callable[[], object], calls: int) -> float:

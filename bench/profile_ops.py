@@ -1,11 +1,11 @@
-"""Where tierserve's forward spends its time, by op, on one of ``bench.throughput``'s mixes.
+"""Where tierserve's forward spends its time, by op, on one of ``tierserve.bench.throughput``'s mixes.
 
-Run: ``python -m bench.profile_ops`` (the real model, the shared-nothing mix of 64 requests:
+Run: ``python -m tierserve.bench.profile_ops`` (the real model, the shared-nothing mix of 64 requests:
 about a minute on 2 cores); ``--mix shared``, ``--requests N``, ``--model
-tiny|smollm2|smollm2-135m-instruct`` (``bench.throughput``'s checkpoints), ``--json PATH``.
+tiny|smollm2|smollm2-135m-instruct`` (``tierserve.bench.throughput``'s checkpoints), ``--json PATH``.
 Nothing here asserts on time.
 
-One engine (``replica.llm.LLM``, the benchmark's options) generates the mix once after a short
+One engine (``tierserve.replica.llm.LLM``, the benchmark's options) generates the mix once after a short
 warm-up, with every op of the model wrapped by a timer: each linear layer by its shape (``in x
 out``, then ``decode`` in steps of decode rows only, ``prefill`` in steps with prefill rows),
 attention split the same way (steps of decode rows only, steps with prefill rows), the native
@@ -13,7 +13,7 @@ RMSNorm (with its residual add), SiLU-and-mul and rotary-with-KV-store. It print
 seconds and share of the forward's time, the calls, and for the linear layers the GFLOP/s they
 ran at (2 x in x out per row); what is left of the forward (embedding, index ops, glue) is
 ``rest``. The timers cost some microseconds per call (some 270 calls per step), so the total
-runs a little slower than ``bench.throughput``'s.
+runs a little slower than ``tierserve.bench.throughput``'s.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-from bench.common import load_avg_1m, machine
-from bench.throughput import BUILDERS, MIXES, THREADS, Checkpoint, EngineOptions, make_mix
+from tierserve.bench.common import load_avg_1m, machine
+from tierserve.bench.throughput import BUILDERS, MIXES, THREADS, Checkpoint, EngineOptions, make_mix
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,9 +92,9 @@ class OpTimer:
 @contextmanager
 def instrumented(timer: OpTimer, runner: Any) -> Iterator[None]:
     """Wrap the model's ops (and the runner's forward) with ``timer``; undone on exit."""
-    import kernels.cpu_native as native
-    import replica.models.layers as layers
-    import replica.models.llama as llama
+    import tierserve.kernels.cpu_native as native
+    import tierserve.replica.models.layers as layers
+    import tierserve.replica.models.llama as llama
 
     undo: list[Callable[[], None]] = []
 
@@ -148,8 +148,8 @@ def instrumented(timer: OpTimer, runner: Any) -> Iterator[None]:
 
 def profile(ck: Checkpoint, mix_kind: str, requests: int, seed: int = 0) -> dict[str, Any]:
     """Generate the mix once under the timers; the op table and the run's totals."""
-    from replica.llm import LLM
-    from replica.sampler import SamplingParams
+    from tierserve.replica.llm import LLM
+    from tierserve.replica.sampler import SamplingParams
 
     mix = make_mix(mix_kind, requests, ck.id_range, seed)
     llm = LLM(ck.engine_model or str(ck.path), **EngineOptions().for_mix(mix))

@@ -1,6 +1,6 @@
 """Router benchmark: one skewed, bursty workload against simulated engines, under three routers.
 
-Run: ``python -m bench.router`` (2, 4 and 8 replicas, 2 rounds, about 14 minutes on 2 cores);
+Run: ``python -m tierserve.bench.router`` (2, 4 and 8 replicas, 2 rounds, about 14 minutes on 2 cores);
 ``--quick`` (2 and 4 replicas, 1 round, a shorter workload, about 3 minutes); ``--replicas 2,4,8``;
 ``--rounds N``; ``--duration S`` (seconds of arrivals per round); ``--seed N``; ``--json PATH`` the
 figures and every request's timings; ``--plot PATH.png`` CDFs and bars; ``--routers a,b`` a subset;
@@ -11,11 +11,11 @@ at most 0.7x the default router's, with fewer preemptions) is printed as met or 
 
 The cluster, per replica count N (one Serve app in a local Ray of this process's own):
 
-- Three ``router.sim.SimEngine`` deployments of N replicas each, identical but for the router:
-  ``free-blocks`` (``router.free_blocks_router:FreeKVBlocksRouter``, stats every second),
+- Three ``tierserve.router.sim.SimEngine`` deployments of N replicas each, identical but for the router:
+  ``free-blocks`` (``tierserve.router.free_blocks_router:FreeKVBlocksRouter``, stats every second),
   ``pow2`` (no router config: Serve's default ``PowerOfTwoChoicesRequestRouter``) and
   ``round-robin`` (``RoundRobinRouter`` below). Each replica is a ``SimCore``: the replicas' own
-  scheduler (``replica.scheduler.Scheduler`` over ``FreeListBlocks``: admission by free blocks,
+  scheduler (``tierserve.replica.scheduler.Scheduler`` over ``FreeListBlocks``: admission by free blocks,
   priority with aging, chunked prefill, preemption by recompute) with the ``EngineConfig`` of
   ``Engine`` below (the replica's defaults but for a smaller batch and queue), whose steps take ``base + per_token * tokens`` seconds of real time (``asyncio.sleep``)
   instead of a forward pass, so a replica saturates like an engine without using a CPU: a prompt
@@ -36,7 +36,7 @@ The workload, per replica count and round (a fixed seed; the same list for every
   periods, the rest of the mean during "on" periods (2.1x the mean by default); periods last
   0.5-1.5x ``on_s`` / ``off_s``, uniformly. The mean rate is ``rate_per_replica * N``.
 - Tiers: ``interactive`` (30% of requests) and ``batch``, at the base priorities of the cluster's
-  default tiers of those names (``cluster.config.ClusterConfig``); a request is routed for its
+  default tiers of those names (``tierserve.cluster.config.ClusterConfig``); a request is routed for its
   first token when its priority reaches the cluster's ``latency_floor``, as the ingress marks it
   (the interactive tier). Prompts are short (32-128 tokens) or long (1500-3000 tokens; 5% of
   interactive, 20% of batch requests); outputs 16-128 tokens.
@@ -51,8 +51,8 @@ rounds where neither run was starved, and on the engine side only (replica arriv
 token, which the driver's CPU does not delay).
 
 The offline model (``--offline``): the same request lists and ``SimCore`` replicas in virtual
-time, without Ray: free-blocks is ``router.policy.rank_replicas`` with the router's own ledger
-(``router.ledger.InFlightLedger``: tentative charge, confirmation, completion) and reports every
+time, without Ray: free-blocks is ``tierserve.router.policy.rank_replicas`` with the router's own ledger
+(``tierserve.router.ledger.InFlightLedger``: tentative charge, confirmation, completion) and reports every
 second (+-10%) seen 0.1 s late; pow2 picks the less busy of two random replicas by this router's
 count of ongoing requests (what Serve's queue-length cache holds with one router); round-robin
 takes turns. Deterministic and noise-free, so 10 rounds take seconds: use it to tell a policy's
@@ -85,15 +85,14 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
-from bench.common import load_avg_1m, machine, percentile, pyplot
-from cluster.config import ClusterConfig
-from replica.api import ErrorRecord, GenerateRequest, SamplingParams
-from replica.config import EngineConfig
-from replica.scheduler import AdmitError, EmptyPrompt, NeverFits, QueueFull, TooLong
-from router.policy import RequestShape
-from router.routing import RouterSettings, RouterState
-from router.sim import ROUTER_CLASS, TOKEN, SimCore, SimEngine, StepModel, sim_config
-from router.stats import RoutingStats
+from tierserve.bench.common import load_avg_1m, machine, percentile, pyplot
+from tierserve.cluster.config import ClusterConfig
+from tierserve.records import ErrorRecord, GenerateRequest, RoutingStats, SamplingParams
+from tierserve.replica.config import EngineConfig
+from tierserve.replica.scheduler import AdmitError, EmptyPrompt, NeverFits, QueueFull, TooLong
+from tierserve.router.policy import RequestShape
+from tierserve.router.routing import RouterSettings, RouterState
+from tierserve.router.sim import ROUTER_CLASS, TOKEN, SimCore, SimEngine, StepModel, sim_config
 
 # ----------------------------------------------------------------------------- the baseline router
 
@@ -128,7 +127,7 @@ def router_configs() -> dict[str, dict[str, Any]]:
     return {
         "free-blocks": {"request_router_class": ROUTER_CLASS, "request_routing_stats_period_s": 1},
         "pow2": {},  # Serve's default: PowerOfTwoChoicesRequestRouter, default stats period
-        "round-robin": {"request_router_class": "bench.router:RoundRobinRouter"},
+        "round-robin": {"request_router_class": "tierserve.bench.router:RoundRobinRouter"},
     }
 
 
@@ -220,7 +219,7 @@ class Request:
     priority: int
     tier: str
     # The prompt's token ids when they matter (a prefix cache tells prompts apart; None: every
-    # position alike) and the names of its full blocks (``replica.prefix_cache.block_hashes``).
+    # position alike) and the names of its full blocks (``tierserve.replica.prefix_cache.block_hashes``).
     ids: tuple[int, ...] | None = None
     prefix: tuple[int, ...] = ()
     # Routed for its first token (GenerateRequest.latency: its priority reaches LATENCY_FLOOR).
@@ -541,7 +540,7 @@ def summarize(
     return out
 
 
-# The replica scheduler's refusals (replica.scheduler.AdmitError), by reason: a request's error
+# The replica scheduler's refusals (tierserve.replica.scheduler.AdmitError), by reason: a request's error
 # starts with the reason (the code of the replica's ErrorRecord; the offline model writes the
 # same).
 REFUSALS = frozenset(c.reason for c in (QueueFull, NeverFits, TooLong, EmptyPrompt))
@@ -591,7 +590,7 @@ def paired_bootstrap_ratio(
     rng = np.random.default_rng(0)
     idx = rng.integers(0, len(xa), size=(n, len(xa)))
     # An order statistic per resample, vectorized (numpy's linear interpolation would turn two
-    # infs, rejections, into NaN; bench.common.percentile guards that, one list at a time).
+    # infs, rejections, into NaN; tierserve.bench.common.percentile guards that, one list at a time).
     pa = np.percentile(xa[idx], 99, axis=1, method="higher")
     pb = np.percentile(xb[idx], 99, axis=1, method="higher")
     with np.errstate(invalid="ignore", divide="ignore"):
@@ -650,8 +649,8 @@ class OfflinePow2(_NoHooks):
 
 
 class OfflineFreeBlocks:
-    """``FreeKVBlocksRouter``'s own state and steps (``router.routing.RouterState``: the ledger,
-    the prefix index, ``router.policy.rank_replicas``) in virtual time.
+    """``FreeKVBlocksRouter``'s own state and steps (``tierserve.router.routing.RouterState``: the ledger,
+    the prefix index, ``tierserve.router.policy.rank_replicas``) in virtual time.
 
     The router's sequence: tentative charges past the router's time to live expire, the request
     is ranked and charged tentatively at ``choose``, confirmed (dated then) when the replica took
@@ -1169,7 +1168,7 @@ def main(argv: list[str] | None = None) -> int:
         default=[],
         metavar="NAME=JSON",
         help="one more router: a name and RequestRouterConfig kwargs as JSON, e.g. "
-        'fb-nosat=\'{"request_router_class": "router.free_blocks_router:FreeKVBlocksRouter", '
+        'fb-nosat=\'{"request_router_class": "tierserve.router.free_blocks_router:FreeKVBlocksRouter", '
         '"request_router_kwargs": {"saturation_waiting": 1000000}}\'',
     )
     ap.add_argument(

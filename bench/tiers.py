@@ -1,10 +1,10 @@
-"""The tiers' latency promise under load: ``python -m bench.tiers``.
+"""The tiers' latency promise under load: ``python -m tierserve.bench.tiers``.
 
 Does each tier keep its targets (``ttft_target_s``, ``tpot_target_s`` of its ``TierConfig``) as
 the offered load grows past what the cluster can serve, with tierserve's SLO machinery on
 (SLO-aware steps and the ingress's flow control) and without it? Three systems, each a cluster
 config derived from ``--config`` (default ``configs/cluster.yaml``) and written to a temporary
-directory, each started once (``python -m cluster.launch CONFIG``, as ``make serve``) and
+directory, each started once (``python -m tierserve.cluster.launch CONFIG``, as ``make serve``) and
 stopped after its levels:
 
 - ``tiers``: the config as it is, with API keys added;
@@ -16,11 +16,11 @@ Keys: the tier ``interactive`` gets one key (a tenant of its own), ``standard`` 
 random per run, written in the config as an ``env:VAR`` reference and put in the environment of
 the cluster's process and of the load client only; neither the report nor the output shows one.
 
-Traffic (``bench.load``'s workload and runner): four classes, ``interactive`` (weight 1, the
+Traffic (``tierserve.bench.load``'s workload and runner): four classes, ``interactive`` (weight 1, the
 interactive key), ``std-a`` (5, tenant-a), ``std-b`` (1, tenant-b), ``batch`` (3). Prompts of
 ``--prompt-len`` tokens (``uniform:64:256``), outputs of ``--output-len`` (``uniform:16:64``,
 ``ignore_eos``), streamed. Arrivals are open-loop Poisson with no client-side cap on requests in
-flight (``bench.load``'s ``max_inflight`` at 100000, which also sizes its httpx connection pool:
+flight (``tierserve.bench.load``'s ``max_inflight`` at 100000, which also sizes its httpx connection pool:
 no client queue), so whatever queues, queues in the server.
 
 Capacity: ``--capacity R`` (requests/s), or measured on the ``--capacity-on`` system (``off``;
@@ -36,12 +36,12 @@ closed-loop traffic (discarded). Every level of every system has the same reques
 arrival times (one seed per level).
 
 Figures, per system x level x class (and per tier, and all together), client side as
-``bench.load`` measures them: TTFT and TPOT p50/p99 of the answered requests; attainment, the
+``tierserve.bench.load`` measures them: TTFT and TPOT p50/p99 of the answered requests; attainment, the
 fraction of the class's requests that were answered AND met both of the tier's targets (a
 refused, failed or cancelled request is a miss; a target the tier does not set is met by any
 answer), and the TTFT-only and TPOT-only fractions; output tokens served, per second and as a
 share of those offered; 429s and 503s. Per level: the server's preemptions, rejections and
-aborts (``bench.load``'s before/after deltas), Jain's fairness index of tenant-a's and
+aborts (``tierserve.bench.load``'s before/after deltas), Jain's fairness index of tenant-a's and
 tenant-b's output-token throughput (and of their served shares of what each offered), and the
 ingress's own counters as deltas (``ray_tierserve_slo_requests_total``: goodput per tier and
 target; ``ray_tierserve_flow_shed_total``; ``ray_tierserve_tenant_tokens_total``) where the
@@ -83,9 +83,9 @@ from typing import Any
 import httpx
 import yaml
 
-from bench import load as loadgen
-from bench.common import load_avg_1m, machine, percentile, pyplot
-from bench.load import (
+from tierserve.bench import load as loadgen
+from tierserve.bench.common import load_avg_1m, machine, percentile, pyplot
+from tierserve.bench.load import (
     LengthDist,
     LoadConfig,
     LoadRunner,
@@ -95,9 +95,9 @@ from bench.load import (
     TrafficClass,
     Workload,
 )
-from bench.serving import answers, stop, wait_for
-from bench.tools import ROOT
-from replica.metrics import INGRESS_COUNTERS, INGRESS_GAUGES
+from tierserve.bench.serving import answers, stop, wait_for
+from tierserve.bench.tools import ROOT
+from tierserve.replica.metrics import INGRESS_COUNTERS, INGRESS_GAUGES
 
 DEFAULT_CONFIG = "configs/cluster.yaml"
 SYSTEMS = ("tiers", "off", "fcfs")
@@ -140,19 +140,19 @@ FLOW_HELD = "ray_tierserve_flow_held"
 assert {n[4:-6] for n in (SLO_REQUESTS, FLOW_SHED, TENANT_TOKENS)} <= INGRESS_COUNTERS.keys()
 assert FLOW_HELD[4:] in INGRESS_GAUGES
 
-UNLIMITED_INFLIGHT = 100_000  # bench.load sizes its httpx pool from it: no client-side queue
+UNLIMITED_INFLIGHT = 100_000  # tierserve.bench.load sizes its httpx pool from it: no client-side queue
 
 
 # ---------------------------------------------------------------------------------- configs
 
 
 def app_args(config: Mapping[str, Any]) -> dict[str, Any]:
-    """The ``args`` of the config's tierserve application (``cluster.app:...``, else the first):
+    """The ``args`` of the config's tierserve application (``tierserve.cluster.app:...``, else the first):
     the dict itself, so a caller may change it."""
     apps = config.get("applications") or []
     if not apps:
         raise ValueError("the config has no applications")
-    app = next((a for a in apps if str(a.get("import_path", "")).startswith("cluster.app")),
+    app = next((a for a in apps if str(a.get("import_path", "")).startswith("tierserve.cluster.app")),
                apps[0])
     args = app.get("args")
     if args is None:
@@ -163,7 +163,7 @@ def app_args(config: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _default_tiers() -> list[dict[str, Any]]:
-    from cluster.config import ClusterConfig
+    from tierserve.cluster.config import ClusterConfig
 
     return [t.model_dump(exclude={"api_keys", "tenants"}) for t in ClusterConfig().tiers]
 
@@ -208,8 +208,8 @@ def validate(args: Mapping[str, Any]) -> Any:
     """The ``ClusterConfig`` of an application's args; ``ValueError`` with pydantic's lines."""
     from pydantic import ValidationError
 
-    from cluster.config import ClusterConfig
-    from replica.config import describe
+    from tierserve.cluster.config import ClusterConfig
+    from tierserve.replica.config import describe
 
     try:
         return ClusterConfig(**args)
@@ -264,7 +264,7 @@ def tier_targets(config: Mapping[str, Any]) -> dict[str, Targets]:
 
 def class_specs(classes: Sequence[ClassDef] = CLASSES,
                 key_vars: Mapping[str, str] = KEY_VARS) -> list[str]:
-    """The classes in ``bench.load``'s ``--class`` syntax (keys by ``env:VAR``)."""
+    """The classes in ``tierserve.bench.load``'s ``--class`` syntax (keys by ``env:VAR``)."""
     return [f"{c.name}={c.weight:g},key=env:{key_vars[c.key]}" for c in classes]
 
 
@@ -537,7 +537,7 @@ def plot_attainment(report: Mapping[str, Any], path: Path) -> None:
     axes[0][0].set_ylabel("fraction meeting both targets")
     axes[0][0].legend(fontsize=8)
     cap = report.get("capacity", {}).get("requests_per_s")
-    fig.suptitle(f"bench.tiers: target attainment per tier (capacity {_fmt(cap)} req/s)",
+    fig.suptitle(f"tierserve.bench.tiers: target attainment per tier (capacity {_fmt(cap)} req/s)",
                  fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -561,7 +561,7 @@ def plot_tpot(report: Mapping[str, Any], path: Path, cls: str = "interactive") -
         ax.axhline(target * 1e3, color="k", linestyle="--", linewidth=1, label="target")
     ax.set_xlabel("offered load (x capacity)")
     ax.set_ylabel(f"{cls} TPOT p99 (ms)")
-    ax.set_title(f"bench.tiers: {cls} TPOT p99 against load", fontsize=10)
+    ax.set_title(f"tierserve.bench.tiers: {cls} TPOT p99 against load", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -665,7 +665,7 @@ class Plan:
 def run_load(plan: Plan, classes: list[TrafficClass], seed: int, *, rate: float | None = None,
              concurrency: int | None = None, duration_s: float | None = None,
              model: str | None = None) -> tuple[RunData, LoadConfig, Workload]:
-    """One ``bench.load`` run: open loop at ``rate`` (no client cap on requests in flight) or a
+    """One ``tierserve.bench.load`` run: open loop at ``rate`` (no client cap on requests in flight) or a
     closed loop of ``concurrency`` clients."""
     duration = duration_s or plan.duration_s
     n = 10_000_000 if rate is None else min(10_000_000, int(rate * duration * 3) + 1000)
@@ -697,11 +697,11 @@ def ready(url: str, key: str) -> bool:
 
 def start_cluster(config_path: Path, env: Mapping[str, str], log: Path, url: str,
                   metrics_port: int, key: str, timeout_s: float) -> tuple[subprocess.Popen[bytes], float]:
-    """``python -m cluster.launch CONFIG``, in its own process group; its start-up time."""
+    """``python -m tierserve.cluster.launch CONFIG``, in its own process group; its start-up time."""
     with open(log, "wb") as out:
         t0 = time.perf_counter()
         proc = subprocess.Popen(
-            [sys.executable, "-m", "cluster.launch", str(config_path),
+            [sys.executable, "-m", "tierserve.cluster.launch", str(config_path),
              "--metrics-port", str(metrics_port)],
             cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=dict(env), start_new_session=True)
     try:
@@ -762,7 +762,7 @@ def write_report(report: Mapping[str, Any], out_dir: Path, name: str) -> Path:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.tiers", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m tierserve.bench.tiers", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=DEFAULT_CONFIG, help="the base cluster config")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="of tiers, off, fcfs")
@@ -797,7 +797,7 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], list[float]]:
     if args.capacity is not None and not 0 < args.capacity <= 10_000:
         raise ValueError("--capacity must be in (0, 10000] requests/s")
     if max(levels) * (args.capacity or 1.0) > 10_000:
-        raise ValueError("the highest level exceeds bench.load's 10000 requests/s")
+        raise ValueError("the highest level exceeds tierserve.bench.load's 10000 requests/s")
     for name in ("capacity_duration", "duration", "drain_timeout", "settle_timeout",
                  "start_timeout"):
         if not getattr(args, name) > 0:
@@ -824,7 +824,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         url = http_target(configs[systems[0]])
         targets = {s: tier_targets(c) for s, c in configs.items()}
     except (ValueError, OSError, yaml.YAMLError, TypeError, AttributeError) as e:
-        print(f"bench.tiers: {e}", file=sys.stderr)
+        print(f"tierserve.bench.tiers: {e}", file=sys.stderr)
         return 2
     metrics_url = f"http://127.0.0.1:{args.metrics_port}/metrics"
     out_dir = Path(args.out_dir)
@@ -837,13 +837,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     typical = len(systems) * (60 + args.warmup + len(levels) * (
         args.duration + args.settle + 15)) + (args.capacity_duration if args.capacity is None else 0)
     notargets = [t for t, v in targets[systems[0]].items() if v == Targets()]
-    print(f"bench.tiers: systems {systems} (from {base_path}), levels {levels} x capacity, "
+    print(f"tierserve.bench.tiers: systems {systems} (from {base_path}), levels {levels} x capacity, "
           f"{args.duration:g} s each; typically about {typical / 60:.0f} min, at most "
           f"{bound / 60:.0f} min", flush=True)
     if notargets:
-        print(f"bench.tiers: tiers without targets (any answer meets them): {notargets}")
+        print(f"tierserve.bench.tiers: tiers without targets (any answer meets them): {notargets}")
     report: dict[str, Any] = {
-        "tool": "bench.tiers",
+        "tool": "tierserve.bench.tiers",
         "machine": machine(torch_info=False),
         "base_config": str(base_path),
         "settings": {k: v for k, v in vars(args).items()},
@@ -864,7 +864,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"  classes: {' '.join(class_specs())}")
         return 0
     if answers(lambda: httpx.get(f"{url}/v1/models", timeout=5)):
-        print(f"bench.tiers: something already serves on {url}; stop it first", file=sys.stderr)
+        print(f"tierserve.bench.tiers: something already serves on {url}; stop it first", file=sys.stderr)
         return 1
     raise_fd_limit()
     keys = new_keys()
@@ -921,11 +921,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     stop(proc)
                 print(table_text(entry), flush=True)
     except RuntimeError as e:
-        print(f"bench.tiers: {e}", file=sys.stderr)
+        print(f"tierserve.bench.tiers: {e}", file=sys.stderr)
         write_report(report, out_dir, args.name)
         return 1
     except KeyboardInterrupt:
-        print("bench.tiers: interrupted", file=sys.stderr)
+        print("tierserve.bench.tiers: interrupted", file=sys.stderr)
         write_report(report, out_dir, args.name)
         return 130
     report["machine"]["load_avg_1m_after"] = load_avg_1m()
@@ -937,7 +937,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             plot_tpot(report, plots["tpot"])
             report["plots"] = {k: str(v) for k, v in plots.items()}
         except ImportError:
-            print("bench.tiers: matplotlib is not installed: no plots", file=sys.stderr)
+            print("tierserve.bench.tiers: matplotlib is not installed: no plots", file=sys.stderr)
     path = write_report(report, out_dir, args.name)
     print(f"report: {path}" + "".join(f"\nplot: {p}" for p in report.get("plots", {}).values()))
     return 0

@@ -110,7 +110,7 @@ def hf_export(gguf: Path, cache_dir: Path | None = None) -> Path:
     """A Hugging Face checkpoint (fp32 safetensors and the tokenizer) of ``gguf``'s weights, as
     ``transformers`` dequantizes them; made once, under ``cache_dir`` (default: tierserve's
     cache), named by the file's hash."""
-    from replica.models.gguf_loader import cache_root, file_digest
+    from tierserve.replica.models.gguf_loader import cache_root, file_digest
 
     base = cache_dir or cache_root()
     base.mkdir(parents=True, exist_ok=True)

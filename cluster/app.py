@@ -1,6 +1,6 @@
 """The application builder that ``serve run configs/cluster.yaml`` imports.
 
-``build_app(args)`` validates the config's ``args`` (``cluster.config.ClusterConfig``) and binds the
+``build_app(args)`` validates the config's ``args`` (``tierserve.cluster.config.ClusterConfig``) and binds the
 engine deployment (``LLMServer``, one replica per GPU or CPU slice) behind the ``Ingress``. Serve's
 own per-deployment options (replicas, resources, the router) come from the YAML's ``deployments``.
 """
@@ -12,9 +12,9 @@ from typing import Any, cast
 from pydantic import ValidationError
 from ray.serve import Application, Deployment
 
-from cluster.config import ClusterConfig
-from cluster.ingress import Ingress
-from replica.deployment import LLMDeployment
+from tierserve.cluster.config import ClusterConfig
+from tierserve.cluster.ingress import Ingress
+from tierserve.replica.deployment import LLMDeployment
 
 
 class ConfigError(ValueError):

@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
-from replica.config import EngineConfig
+from tierserve.replica.config import EngineConfig
 
 
 class _Strict(BaseModel):

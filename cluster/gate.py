@@ -1,4 +1,4 @@
-"""The ingress's flow-control gate: ``cluster.flow.FlowQueues`` driven on the ingress's event loop.
+"""The ingress's flow-control gate: ``tierserve.cluster.flow.FlowQueues`` driven on the ingress's event loop.
 
 A request ``enter``s the gate after validation. It is dispatched at once when nothing of its tier
 or above is held and the dispatch window has room for its tier; otherwise it is held until the
@@ -22,10 +22,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from cluster.config import ClusterConfig
-from cluster.flow import BandSpec, FlowQueues, Held, Refused
-from cluster.metrics import IngressMetrics
-from cluster.tiers import DEFAULT_TENANT, Caller
+from tierserve.cluster.config import ClusterConfig
+from tierserve.cluster.flow import BandSpec, FlowQueues, Held, Refused
+from tierserve.cluster.metrics import IngressMetrics
+from tierserve.cluster.tiers import DEFAULT_TENANT, Caller
 
 log = logging.getLogger("tierserve.ingress")
 

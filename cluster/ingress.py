@@ -1,10 +1,10 @@
 """The HTTP front door: FastAPI under ``@serve.ingress``, an OpenAI-compatible subset.
 
 One request: validate the body (pydantic, strict), resolve the caller's tier, priority and
-tenant, tokenize, pass the flow-control gate (``cluster.gate``: held while no replica can start
+tenant, tokenize, pass the flow-control gate (``tierserve.cluster.gate``: held while no replica can start
 it, fair between tenants, shed from the lowest tier first), then call the engine deployment's
 streaming ``generate`` through a handle whose router is
-``router.free_blocks_router.FreeKVBlocksRouter``. When it ends, whether it met its tier's targets
+``tierserve.router.free_blocks_router.FreeKVBlocksRouter``. When it ends, whether it met its tier's targets
 is counted (goodput). Errors are OpenAI-shaped JSON
 (``{"error": {"message", "type", "code", "param"}}``): 400 bad input, 401 bad key, 413 body too
 large, 429 full queue or shed load (with ``Retry-After``), 503 no replica can serve.
@@ -26,12 +26,12 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from cluster.config import ClusterConfig
-from cluster.gate import FlowGate, Shed, Ticket
-from cluster.logprobs import TokenText, chat_logprobs, completion_logprobs
-from cluster.metrics import IngressMetrics
-from cluster.openapi import openapi_schema
-from cluster.protocol import (
+from tierserve.cluster.config import ClusterConfig
+from tierserve.cluster.gate import FlowGate, Shed, Ticket
+from tierserve.cluster.logprobs import TokenText, chat_logprobs, completion_logprobs
+from tierserve.cluster.metrics import IngressMetrics
+from tierserve.cluster.openapi import openapi_schema
+from tierserve.cluster.protocol import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -50,8 +50,8 @@ from cluster.protocol import (
     now,
     usage,
 )
-from cluster.tiers import AuthError, Caller, PriorityError, TenantError, TierResolver
-from replica.api import (
+from tierserve.cluster.tiers import AuthError, Caller, PriorityError, TenantError, TierResolver
+from tierserve.records import (
     ErrorRecord,
     GenerateRequest,
     RequestOutput,
@@ -59,9 +59,9 @@ from replica.api import (
     TokenLogprob,
     share_of,
 )
-from replica.models.meta import load_model_config, load_tokenizer
-from replica.prefix_cache import block_hashes
-from router import registry
+from tierserve.replica.models.meta import load_model_config, load_tokenizer
+from tierserve.replica.prefix_cache import block_hashes
+from tierserve.router import registry
 
 log = logging.getLogger("tierserve.ingress")
 

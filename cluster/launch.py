@@ -1,4 +1,5 @@
-"""Run the cluster in the foreground: ``python -m cluster.launch [CONFIG]`` (what ``make serve`` runs).
+"""Run the cluster in the foreground: ``tierserve serve [CONFIG]`` (the console script the package
+installs; what ``make serve`` runs), or ``python -m tierserve.cluster.launch [CONFIG]``.
 
 This process starts a Ray instance on this machine with Ray's metrics exported on
 ``--metrics-port`` (default 8080, so a stock Prometheus can scrape
@@ -20,8 +21,6 @@ import sys
 
 import ray
 
-from cluster.environment import clash_message, package_clashes
-
 
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
@@ -31,17 +30,36 @@ def _default_sigint() -> None:  # in the child: Ctrl-C stops `serve run` even if
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", nargs="?", default="configs/cluster.yaml",
+                        help="the cluster config (default: configs/cluster.yaml)")
+    parser.add_argument("--metrics-port", type=int,
+                        default=int(os.environ.get("METRICS_PORT", 8080)),
+                        help="the port of Ray's metrics export (default 8080, or $METRICS_PORT)")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cluster.launch", description=__doc__)
-    parser.add_argument("config", nargs="?", default="configs/cluster.yaml")
-    parser.add_argument("--metrics-port", type=int, default=int(os.environ.get("METRICS_PORT", 8080)))
-    args = parser.parse_args(argv)
+    """``python -m tierserve.cluster.launch [CONFIG] [--metrics-port N]``."""
+    parser = argparse.ArgumentParser(prog="python -m tierserve.cluster.launch",
+                                     description=__doc__)
+    _add_serve_arguments(parser)
+    return _serve(parser.parse_args(argv))
+
+
+def cli(argv: list[str] | None = None) -> int:
+    """The ``tierserve`` console script: ``tierserve serve [CONFIG] [--metrics-port N]``."""
+    parser = argparse.ArgumentParser(
+        prog="tierserve", description="tierserve: an LLM serving cluster on Ray Serve.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_serve_arguments(commands.add_parser(
+        "serve", help="run the cluster of CONFIG in the foreground (Ctrl-C stops it)",
+        description=__doc__))
+    return _serve(parser.parse_args(argv))
+
+
+def _serve(args: argparse.Namespace) -> int:
     if not os.path.exists(args.config):
         print(f"tierserve: no config file at {args.config}", file=sys.stderr)
-        return 2
-    clashes = package_clashes()
-    if clashes:
-        print(clash_message(clashes), file=sys.stderr)
         return 2
     serve_bin = shutil.which("serve", path=os.path.dirname(sys.executable)) or shutil.which("serve")
     if serve_bin is None:

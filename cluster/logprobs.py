@@ -1,6 +1,6 @@
 """Token log-probabilities in OpenAI's shapes, from the ids and numbers a replica streams.
 
-A replica sends, per token, a ``replica.api.TokenLogprob`` (the id, its log-probability, the top
+A replica sends, per token, a ``tierserve.records.TokenLogprob`` (the id, its log-probability, the top
 alternatives' ids and log-probabilities); this module turns ids into what clients expect:
 
 - a token's exact bytes: for byte-level BPE vocabularies (GPT-2 style, SmolLM2, Llama 3, Qwen2)
@@ -20,9 +20,14 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from cluster.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
-from replica.api import TokenLogprob
-from replica.models.byte_level import char_bytes
+from tierserve.cluster.protocol import (
+    ChatLogprobs,
+    ChatTokenLogprob,
+    CompletionLogprobs,
+    TopLogprob,
+)
+from tierserve.records import TokenLogprob
+from tierserve.replica.models.byte_level import char_bytes
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 

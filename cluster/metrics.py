@@ -1,11 +1,11 @@
-"""The ingress's metrics, on the definitions of ``replica.metrics`` (the one place every tierserve
+"""The ingress's metrics, on the definitions of ``tierserve.replica.metrics`` (the one place every tierserve
 metric is defined): what it refuses itself, goodput per tier, flow control."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from replica.metrics import (
+from tierserve.replica.metrics import (
     COUNTERS,
     INGRESS_COUNTERS,
     INGRESS_GAUGES,

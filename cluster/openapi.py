@@ -18,7 +18,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from cluster.protocol import (
+from tierserve.cluster.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -27,7 +27,7 @@ from cluster.protocol import (
     ErrorResponse,
     ModelList,
 )
-from cluster.tiers import PRIORITY_PATTERN
+from tierserve.cluster.tiers import PRIORITY_PATTERN
 
 REF = "#/components/schemas/{model}"
 

@@ -19,7 +19,7 @@ import hmac
 import re
 from dataclasses import dataclass
 
-from cluster.config import TENANT_NAME, ClusterConfig, TierConfig, resolve_key
+from tierserve.cluster.config import TENANT_NAME, ClusterConfig, TierConfig, resolve_key
 
 
 class AuthError(Exception):

@@ -2,13 +2,13 @@
 
 A variant is one binary Triton would build: a kernel, its compile-time constants, the type and
 specialization of each other argument, and its launch options (``num_warps``, ``num_stages``).
-``kernels.triton_attention`` and ``kernels.triton_kv`` keep everything that changes between
+``tierserve.kernels.triton_attention`` and ``tierserve.kernels.triton_kv`` keep everything that changes between
 batches out of the specialization, so what a model reaches depends only on its ``ServingConfig``
 (head_dim, query heads per KV head, block size, dtype, deterministic or not):
 
 - ``variants(config)``: that set (5 variants in the fast mode, 2 in the deterministic one);
   ``fused_variants(hidden, q_heads, kv_heads, head_dim, block, dtype)``: the fused kernels'
-  (``kernels.fused``: two RMSNorms and a rotary + KV store per model shape).
+  (``tierserve.kernels.fused``: two RMSNorms and a rotary + KV store per model shape).
 - ``launch_key(kernel, args, kwargs)``: the key Triton's launcher computes for one launch, in the
   same form as ``Variant.key()``, so a test can check that real launches stay inside the set.
 - ``warmup(config, device)``: at start-up on a GPU, compiles the whole set into Triton's in-memory
@@ -19,7 +19,7 @@ batches out of the specialization, so what a model reaches depends only on its `
 
 Triton's interpreter (``TRITON_INTERPRET=1``) replaces ``tl`` builtins at import, so a process
 that has it on cannot compile; ``compile_all`` (and ``compile_variant`` there) compile in
-subprocesses started without it. ``python -m kernels.aot`` compiles the CI matrix and prints it.
+subprocesses started without it. ``python -m tierserve.kernels.aot`` compiles the CI matrix and prints it.
 
 The set assumes what the engine passes: tensors 16-byte aligned and strides multiples of 16
 elements (products of a head_dim divisible by 16). A caller that passes something else gets a
@@ -48,10 +48,10 @@ from typing import Any
 import torch
 import triton
 
-from kernels import fused
-from kernels import triton_attention as ta
-from kernels import triton_kv as tkv
-from kernels.metadata import SeqSpec, build_metadata
+from tierserve.kernels import fused
+from tierserve.kernels import triton_attention as ta
+from tierserve.kernels import triton_kv as tkv
+from tierserve.kernels.metadata import SeqSpec, build_metadata
 
 # The kernels by name, with each one's non-constexpr arguments' types. "model" stands for the
 # model's dtype; any name not listed is an int32 scalar.
@@ -298,7 +298,7 @@ def variants(
 
 def fused_variants(hidden: int, q_heads: int, kv_heads: int, head_dim: int, block_size: int,
                    dtype: torch.dtype) -> list[Variant]:
-    """The fused kernels' variants (``kernels.fused``) of a model of that shape: RMSNorm alone
+    """The fused kernels' variants (``tierserve.kernels.fused``) of a model of that shape: RMSNorm alone
     and with its residual add, and rotary + KV store (their tiles follow the model's sizes)."""
     if dtype not in _DTYPE_NAMES:
         raise ValueError(f"unsupported dtype {dtype}")
@@ -602,8 +602,8 @@ def compile_pairs(
     return [results[(v.key(), a)] for v, a in work]
 
 
-# Run as ``-c`` rather than ``-m kernels.aot`` so that the reports pickle as ``kernels.aot`` classes.
-_WORKER = "import sys; from kernels.aot import _worker; _worker(sys.argv[1], sys.argv[2])"
+# Run as ``-c`` rather than ``-m tierserve.kernels.aot`` so that the reports pickle as ``tierserve.kernels.aot`` classes.
+_WORKER = "import sys; from tierserve.kernels.aot import _worker; _worker(sys.argv[1], sys.argv[2])"
 
 
 def _worker(src: str, dst: str) -> None:
@@ -636,7 +636,7 @@ def summarize(reports: Sequence[CompileReport]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m kernels.aot [--arch 80 90] [--jobs N] [--verbose]``: compile the CI matrix."""
+    """``python -m tierserve.kernels.aot [--arch 80 90] [--jobs N] [--verbose]``: compile the CI matrix."""
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--arch", type=int, nargs="+", default=list(CI_ARCHS))
     parser.add_argument("--jobs", type=int, default=None)

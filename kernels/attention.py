@@ -12,8 +12,8 @@ the batch, on how a prompt was cut into chunks, or on whether a token is a decod
   alone); where it cannot run, ``DeterministicModeUnavailable`` says why.
 - triton: ``triton_attention.paged_attention``: a decode launch (split-KV when the grid is small)
   plus a prefill launch, or, deterministic, one fixed-configuration launch for every row. The
-  binaries these launches need depend on the model only (``kernels.aot.variants``); a GPU server
-  compiles them at start-up with ``kernels.aot.warmup`` rather than on a step's first launch.
+  binaries these launches need depend on the model only (``tierserve.kernels.aot.variants``); a GPU server
+  compiles them at start-up with ``tierserve.kernels.aot.warmup`` rather than on a step's first launch.
 
 The two deterministic paths are each invariant; they are not bit-equal to each other.
 """
@@ -24,8 +24,8 @@ from typing import Literal
 
 import torch
 
-from kernels import cpu_native, reference, torch_attention
-from kernels.metadata import AttentionMetadata
+from tierserve.kernels import cpu_native, reference, torch_attention
+from tierserve.kernels.metadata import AttentionMetadata
 
 Backend = Literal["torch", "triton"]
 BACKENDS: tuple[str, ...] = ("torch", "triton")
@@ -53,7 +53,7 @@ def attention(
     """
     validate(q, k, v, k_cache, v_cache, meta, backend)
     if backend == "triton":
-        from kernels import triton_attention, triton_kv
+        from tierserve.kernels import triton_attention, triton_kv
 
         _check_triton_device(q)
         if not kv_stored:
@@ -123,11 +123,11 @@ def validate(
 
 
 def _check_triton_device(q: torch.Tensor) -> None:
-    from kernels import triton_attention
+    from tierserve.kernels import triton_attention
 
     if q.device.type == "cpu" and not triton_attention.interpreted():
         raise RuntimeError(
             "the triton backend got CPU tensors but the kernels were compiled for a GPU; set "
-            "TRITON_INTERPRET=1 before kernels.triton_attention is first imported, or use "
+            "TRITON_INTERPRET=1 before tierserve.kernels.triton_attention is first imported, or use "
             "backend='torch' on CPU"
         )

@@ -9,7 +9,7 @@ plain torch):
 - ``linear``: ``x @ W.T (+ b)`` with ``W`` repacked once by ``pack_linear`` into panels of 16
   output features; a register-tiled micro-kernel (12 rows x 32 outputs in AVX-512 registers, 6 x
   16 in AVX2 ones, a portable loop otherwise), threads splitting the panels.
-  ``replica.models.layers.Linear.pack_for_cpu`` switches a layer to it; in the default mode only
+  ``tierserve.replica.models.layers.Linear.pack_for_cpu`` switches a layer to it; in the default mode only
   where it is the faster path on this CPU (``library_rows``: timed per layer shape at pack time).
 - ``linear_quantized``: the same, bit for bit, on a weight that ``pack_linear_quantized`` found to
   be an exact Q4_1/Q8_0 dequantization and keeps in that form (1/6.4 or 1/3.8 of the bytes).
@@ -65,7 +65,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kernels.metadata import AttentionMetadata
+from tierserve.kernels.metadata import AttentionMetadata
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ def deterministic_unsupported(
     if dtype != torch.float32:
         return f"it runs in float32 only (got {dtype}); set dtype to float32"
     if not enabled:
-        return "the native CPU kernels are switched off (kernels.cpu_native.enabled)"
+        return "the native CPU kernels are switched off (tierserve.kernels.cpu_native.enabled)"
     if _load() is None:
         return f"the native CPU kernels are unavailable: {_reason}"
     if num_kv_heads <= 0 or num_heads % num_kv_heads:
@@ -149,7 +149,7 @@ def why_not_fused(x: torch.Tensor) -> str | None:
     if x.device.type != "cpu" or x.dtype != torch.float32:
         return f"they take float32 on CPU, got {x.dtype} on {x.device}"
     if not enabled:
-        return "the native CPU kernels are switched off (kernels.cpu_native.enabled)"
+        return "the native CPU kernels are switched off (tierserve.kernels.cpu_native.enabled)"
     if not available():
         return f"the native CPU kernels are unavailable: {_reason}"
     return None

@@ -1,9 +1,9 @@
 """Fused Triton kernels of the GPU decode path: one launch where the torch ops take several.
 
-- ``rms_norm``: the residual add and the RMSNorm of ``replica.models.layers.RMSNorm`` in one pass
+- ``rms_norm``: the residual add and the RMSNorm of ``tierserve.replica.models.layers.RMSNorm`` in one pass
   over the rows (``residual += delta`` in place, then ``norm(residual) * weight``).
 - ``rope_store``: the rotary embedding of the q and k heads of a fused ``[q | k | v]`` projection
-  (the "rotate half" layout of ``replica.models.layers.apply_rotary_``), rotated in place, and
+  (the "rotate half" layout of ``tierserve.replica.models.layers.apply_rotary_``), rotated in place, and
   the store of k and v into the paged cache at ``slot_mapping`` (a negative slot stores nothing:
   padding rows).
 

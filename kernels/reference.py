@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.metadata import AttentionMetadata
+from tierserve.kernels.metadata import AttentionMetadata
 
 
 def store_kv(

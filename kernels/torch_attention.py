@@ -1,7 +1,7 @@
 """Plain-torch paged attention: the CPU's fallback where the native kernel does not run.
 
-It reads the cache layout of ``kernels.reference`` (``[num_blocks, block_size, kv_heads, head_dim]``)
-and the flat batch of ``kernels.metadata`` (decodes first, then prefill chunks), and assume this
+It reads the cache layout of ``tierserve.kernels.reference`` (``[num_blocks, block_size, kv_heads, head_dim]``)
+and the flat batch of ``tierserve.kernels.metadata`` (decodes first, then prefill chunks), and assume this
 step's K/V are already stored.
 
 ``paged_attention_fast`` sorts the decodes by context length into a few groups (up to
@@ -11,7 +11,7 @@ call. Each prefill chunk runs through SDPA with a causal mask offset by the cach
 depends only on the step's metadata (slot indices, masks, groups) is computed once per step and
 reused by every layer; the gathered K/V land in a per-thread buffer that is reused (no fresh
 allocation, so no page faults, per layer). Its rounding depends on the batch (grouping, padding
-length, SDPA kernel choice); the deterministic mode never runs it (see ``kernels.attention``).
+length, SDPA kernel choice); the deterministic mode never runs it (see ``tierserve.kernels.attention``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kernels.metadata import AttentionMetadata
+from tierserve.kernels.metadata import AttentionMetadata
 
 # Decode grouping: at most this many groups, each of at least this many rows; one more group
 # (one more gather and SDPA call) must save at least this many padded positions.

@@ -1,4 +1,4 @@
-"""Triton paged attention over the flat batch of ``kernels.metadata``.
+"""Triton paged attention over the flat batch of ``tierserve.kernels.metadata``.
 
 One kernel serves decodes and prefill chunks. A program owns one KV head of one "query block": up
 to ``BLOCK_M // group_pad`` consecutive query rows of one sequence times the ``group`` query heads
@@ -23,7 +23,7 @@ batch to the next is a runtime argument excluded from specialization (``do_not_s
 first sequence of a launch, the block table's row stride, the query group size and its padding,
 the context split count, and the index tensors' pointers. What is left is fixed by the model and
 the deployment (head_dim, block size, dtype, the launch's tile configuration), so a model reaches a
-small, known set of variants: ``kernels.aot.variants`` lists them and ``kernels.aot.warmup``
+small, known set of variants: ``tierserve.kernels.aot.variants`` lists them and ``tierserve.kernels.aot.warmup``
 compiles them at start-up instead of inside the serving loop.
 
 Under ``TRITON_INTERPRET=1`` (CPU) the interpreter's ``tl.dot`` cannot multiply bf16, so the kernel
@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.metadata import AttentionMetadata
+from tierserve.kernels.metadata import AttentionMetadata
 
 _LOG2E = 1.4426950408889634
 

@@ -4,7 +4,7 @@ Cache layout ``[num_blocks, block_size, kv_heads, head_dim]``; token ``t`` goes 
 ``slot_mapping[t] = block_id * block_size + offset``. A negative slot skips the token (padding).
 All address math is int64, so block ids near 2**31 / block_size do not overflow. A program writes
 ``BLOCK_T`` tokens of one KV head, so the binary depends on head_dim, block size and dtype only
-(``kernels.aot`` lists the variants), not on the number of heads or tokens.
+(``tierserve.kernels.aot`` lists the variants), not on the number of heads or tokens.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-RequestId = int
+from tierserve.records import RequestId
 
 
 class NoCapacity(Exception):

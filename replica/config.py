@@ -1,6 +1,6 @@
 """The engine's one configuration: every option of one replica, its default and its validation.
 
-The same model serves the YAML's ``args.engine`` (``cluster.config.ClusterConfig.engine``),
+The same model serves the YAML's ``args.engine`` (``tierserve.cluster.config.ClusterConfig.engine``),
 ``LLM(model, **options)`` and the Serve replica; the scheduler reads its caps from it. Names are
 vLLM's where vLLM has the option (``max_num_seqs``, ``max_num_batched_tokens``,
 ``scheduling_policy``, ``kv_cache_memory_bytes``, ``gpu_memory_utilization``,
@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from replica.models.catalog import DEFAULT_MODEL
+from tierserve.replica.models.catalog import DEFAULT_MODEL
 
 SchedulingPolicy = Literal["fcfs", "priority"]
 BlockSize = Literal[8, 16, 32, 64, 128]
@@ -108,7 +108,7 @@ class EngineConfig(BaseModel):
     def prefix_root(self) -> int:
         """The root of this engine's prefix-cache hash chains: blocks of another model, dtype or
         block size never share a name. The ingress computes the same for the router."""
-        from replica.prefix_cache import model_key
+        from tierserve.replica.prefix_cache import model_key
 
         return model_key(self.model, self.dtype, self.block_size)
 

@@ -10,7 +10,7 @@ it with ONE non-blocking copy into those buffers; the graph, captured over them,
 
 Padding rows (``n .. B - 1``) are decodes of token 0 at position 0 with context length 1, whose
 slot is ``pad_slot`` and whose block table points at ``pad_block``. On the triton backend
-``pad_slot`` is -1: the KV stores (``kernels.triton_kv``, ``kernels.fused``) skip negative
+``pad_slot`` is -1: the KV stores (``tierserve.kernels.triton_kv``, ``tierserve.kernels.fused``) skip negative
 slots, so a padding row writes nothing; its attention reads one position of ``pad_block`` (block
 0 by default; reading it is harmless) and its logits are dropped. Backends whose store does not
 skip negative slots need ``pad_slot``/``pad_block`` at a block that the block space never hands
@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kernels.metadata import AttentionMetadata, PackedStep, SeqSpec
+from tierserve.kernels.metadata import AttentionMetadata, PackedStep, SeqSpec
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -302,7 +302,7 @@ class DecodeGraphs:
     def _reserve_split_scratch(self) -> None:
         """Size the attention kernels' split scratch for the largest decode launch before any
         capture, where the kernels offer it, so that no captured launch sees it reallocated."""
-        from kernels import triton_attention
+        from tierserve.kernels import triton_attention
 
         reserve = getattr(triton_attention, "reserve_split_scratch", None)
         bound = getattr(triton_attention, "max_split_rows", None)

@@ -1,6 +1,6 @@
 """The Serve replica: one engine, its step loop in a background thread, a streaming ``generate``.
 
-The ingress calls ``generate(request)`` with one ``replica.api.GenerateRequest`` through a
+The ingress calls ``generate(request)`` with one ``tierserve.records.GenerateRequest`` through a
 streaming handle (its router reads the same record). The stream yields either one
 ``ErrorRecord`` (the HTTP status the ingress should answer) or ``RequestOutput`` deltas, the last
 of each sample ``finished``. When the caller goes away, the stream is cancelled and the request
@@ -19,18 +19,19 @@ from typing import Any
 from ray import serve
 from ray.serve import Deployment
 
-from replica.api import (
+from tierserve.records import (
     EngineDead,
     EngineStats,
     ErrorRecord,
     GenerateRequest,
     InvalidToken,
+    RoutingStats,
     StreamItem,
     refusal,
     share_of,
 )
-from replica.config import EngineConfig
-from replica.scheduler import AdmitError
+from tierserve.replica.config import EngineConfig
+from tierserve.replica.scheduler import AdmitError
 
 log = logging.getLogger("tierserve.replica")
 
@@ -71,8 +72,8 @@ class LLMServer:
         self.config = EngineConfig(**settings)
         # Imported here, not at the top: building the Serve app imports this module, and the
         # engine brings torch (about 1.5 s of start-up) where only the replica needs it.
-        from replica.engine import Engine
-        from replica.metrics import ReplicaMetrics
+        from tierserve.replica.engine import Engine
+        from tierserve.replica.metrics import ReplicaMetrics
 
         self.metrics = ReplicaMetrics(tiers or [])
         self.engine = Engine(self.config, observer=self.metrics)
@@ -126,10 +127,8 @@ class LLMServer:
             await stream.aclose()
 
     def record_routing_stats(self) -> dict[str, Any]:
-        """What the router ranks replicas by (``router.stats.RoutingStats``, as Serve wants it:
+        """What the router ranks replicas by (``tierserve.records.RoutingStats``, as Serve wants it:
         a dict)."""
-        from router.stats import RoutingStats
-
         return RoutingStats.from_engine(self.stats(), time.time(), self.engine.alive).to_dict()
 
     def check_health(self) -> None:
@@ -140,7 +139,7 @@ class LLMServer:
     def stats(self) -> EngineStats:
         """The engine's stats with this process's memory: resident (``rss_bytes``), the KV
         pool's, and the GPU's in use and in all (0 and 0 on a CPU replica)."""
-        from replica.metrics import gpu_memory, resident_bytes
+        from tierserve.replica.metrics import gpu_memory, resident_bytes
 
         runner = self.engine.runner
         used, total = gpu_memory(runner.device)

@@ -20,14 +20,19 @@ from typing import Protocol
 
 import torch
 
-from replica.api import EngineDead, EngineStats, InvalidToken, RequestOutput
-from replica.block_space import RequestId
-from replica.config import EngineConfig
-from replica.detokenizer import IncrementalDetokenizer
-from replica.engine_config import build_engine_parts
-from replica.runner import ForwardBatch, PromptRows, RunnerOutput
-from replica.sampler import SamplerState, SamplingParams, TokenLogprob, sample, token_logprobs
-from replica.scheduler import (
+from tierserve.records import EngineDead, EngineStats, InvalidToken, RequestId, RequestOutput
+from tierserve.replica.config import EngineConfig
+from tierserve.replica.detokenizer import IncrementalDetokenizer
+from tierserve.replica.engine_config import build_engine_parts
+from tierserve.replica.runner import ForwardBatch, PromptRows, RunnerOutput
+from tierserve.replica.sampler import (
+    SamplerState,
+    SamplingParams,
+    TokenLogprob,
+    sample,
+    token_logprobs,
+)
+from tierserve.replica.scheduler import (
     AdmitError,
     FinishedEvent,
     FinishReason,

@@ -1,9 +1,9 @@
-"""How an engine's parts are built from its ``replica.config.EngineConfig``: model, KV pool,
+"""How an engine's parts are built from its ``tierserve.replica.config.EngineConfig``: model, KV pool,
 scheduler, runner.
 
 The KV pool comes last: on a GPU under ``gpu_memory_utilization`` it takes what the weights and
 the activations of the largest step leave, the activations measured by running that step once
-(``replica.kv_pool.plan_kv_pool``). On ``cuda:N`` the device is made the building thread's
+(``tierserve.replica.kv_pool.plan_kv_pool``). On ``cuda:N`` the device is made the building thread's
 current one (the engine's loop thread makes it its own too): Triton launches its kernels on the
 current device, whatever device the tensors are on.
 """
@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from replica.config import CONTEXT_CAP, EngineConfig
-from replica.kv_pool import (
+from tierserve.replica.config import CONTEXT_CAP, EngineConfig
+from tierserve.replica.kv_pool import (
     KVPool,
     KVShape,
     PoolPlan,
@@ -29,9 +29,9 @@ from replica.kv_pool import (
     estimate_activation_bytes,
     plan_kv_pool,
 )
-from replica.models.loader import ModelOptions, load_model
-from replica.runner import ModelRunner
-from replica.scheduler import Scheduler
+from tierserve.replica.models.loader import ModelOptions, load_model
+from tierserve.replica.runner import ModelRunner
+from tierserve.replica.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ def select_device(device: torch.device) -> None:
 
 
 def step_bound(cfg: EngineConfig, max_model_len: int) -> StepBound:
-    """The largest step ``cfg``'s caps allow (``replica.kv_pool.StepBound``)."""
+    """The largest step ``cfg``'s caps allow (``tierserve.replica.kv_pool.StepBound``)."""
     return StepBound.of(
         cfg.max_num_batched_tokens, cfg.max_num_seqs, max_model_len, cfg.prefill_chunk_tokens
     )
@@ -71,12 +71,12 @@ class EngineParts:
 def warm_kernels(cfg: EngineConfig, mcfg: Any, device: torch.device, backend: str,
                  dtype: torch.dtype) -> list[Any]:
     """On a GPU with the Triton kernels: compile every kernel variant this model can reach
-    (``kernels.aot.warmup``) before anything runs, so that no step of the serving loop (nor the
+    (``tierserve.kernels.aot.warmup``) before anything runs, so that no step of the serving loop (nor the
     start-up profile, nor a CUDA graph capture) compiles; the split scratch is sized then too.
     Returns the variants compiled (none elsewhere)."""
     if device.type != "cuda" or backend != "triton":
         return []
-    from kernels import aot  # Triton: the GPU path only
+    from tierserve.kernels import aot  # Triton: the GPU path only
 
     config = aot.ServingConfig(mcfg.head_dim, mcfg.num_heads // mcfg.num_kv_heads,
                                cfg.block_size, dtype, cfg.deterministic)

@@ -29,11 +29,11 @@ from typing import Literal, Protocol
 import numpy as np
 import torch
 
-from kernels.metadata import AttentionMetadata, SeqSpec, build_metadata, slots_for
-from replica.api import MAX_LOGPROBS
-from replica.block_space import BlockSpace, FreeListBlocks
-from replica.models.config import ModelConfig
-from replica.prefix_cache import PrefixCachingBlocks
+from tierserve.kernels.metadata import AttentionMetadata, SeqSpec, build_metadata, slots_for
+from tierserve.records import MAX_LOGPROBS
+from tierserve.replica.block_space import BlockSpace, FreeListBlocks
+from tierserve.replica.models.config import ModelConfig
+from tierserve.replica.prefix_cache import PrefixCachingBlocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,7 +198,7 @@ class KVPool:
 
 
 class StepModel(Protocol):
-    """A causal LM as the runner runs it (``replica.runner.CausalLM``): one forward over a
+    """A causal LM as the runner runs it (``tierserve.replica.runner.CausalLM``): one forward over a
     flat batch, the logits of its ``logits_indices`` rows."""
 
     def __call__(

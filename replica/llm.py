@@ -8,11 +8,11 @@ from typing import Any, cast
 
 from tqdm.auto import tqdm
 
-from replica.api import EngineStats, RequestOutput, SamplingParams
-from replica.config import EngineConfig
-from replica.engine import Engine
-from replica.models.catalog import DEFAULT_MODEL
-from replica.scheduler import AdmitError, QueueFull
+from tierserve.records import EngineStats, RequestOutput, SamplingParams
+from tierserve.replica.config import EngineConfig
+from tierserve.replica.engine import Engine
+from tierserve.replica.models.catalog import DEFAULT_MODEL
+from tierserve.replica.scheduler import AdmitError, QueueFull
 
 Prompt = str | Sequence[int]
 
@@ -130,5 +130,5 @@ class LLM:
         )
 
     def stats(self) -> EngineStats:
-        """The engine's blocks, requests, preemptions and steps (``replica.api.EngineStats``)."""
+        """The engine's blocks, requests, preemptions and steps (``tierserve.records.EngineStats``)."""
         return self.engine.stats()

@@ -7,7 +7,7 @@ exports its own replicas' metrics, and Serve adds the ``deployment``, ``replica`
 ``EXPORTED`` lists the scraped names (the dashboard test checks the Grafana JSON against them).
 
 ``ReplicaMetrics`` is the replica's (an ``EngineObserver``); the ingress's counter of what it
-refuses is ``cluster.metrics.IngressMetrics``, on the same definitions.
+refuses is ``tierserve.cluster.metrics.IngressMetrics``, on the same definitions.
 
 Gauges are refreshed every ``GAUGE_PERIOD_S`` by a thread in each replica, so they never expire
 between scrapes (Ray drops a gauge that is not set for about 20 s).
@@ -25,8 +25,8 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # importing the engine pulls in torch; the metrics module must stay light
-    from replica.api import EngineStats
-    from replica.engine import RequestTimes
+    from tierserve.records import EngineStats
+    from tierserve.replica.engine import RequestTimes
 
 GAUGE_PERIOD_S = 1.0
 

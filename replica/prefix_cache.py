@@ -35,7 +35,8 @@ from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from replica.block_space import Allocation, NoCapacity, RequestId
+from tierserve.records import RequestId
+from tierserve.replica.block_space import Allocation, NoCapacity
 
 _DIGEST = 16
 _BIG_ENDIAN = sys.byteorder == "big"

@@ -5,9 +5,9 @@ The batch lays out every decode first (one token at position ``n - 1``), then ev
 sampled (every decode, and the last token of every last chunk) reach the output head.
 
 A step's integer inputs travel to the device in one copy from one pinned buffer
-(``kernels.metadata.StepPacker``; on CPU, no copy). On CUDA with the triton backend, a
+(``tierserve.kernels.metadata.StepPacker``; on CPU, no copy). On CUDA with the triton backend, a
 pure-decode step runs as a captured CUDA graph of its bucketed batch size
-(``replica.cuda_graph``) unless ``enforce_eager``; every other step runs eagerly.
+(``tierserve.replica.cuda_graph``) unless ``enforce_eager``; every other step runs eagerly.
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels import cpu_native
-from kernels.metadata import AttentionMetadata, SeqSpec, StepPacker
-from replica.block_space import RequestId
-from replica.config import CONTEXT_CAP
-from replica.cuda_graph import DecodeGraphs, GraphStep
-from replica.kv_pool import KVPool, StepModel
-from replica.scheduler import ScheduleOutput, Scheduler
+from tierserve.kernels import cpu_native
+from tierserve.kernels.metadata import AttentionMetadata, SeqSpec, StepPacker
+from tierserve.records import RequestId
+from tierserve.replica.config import CONTEXT_CAP
+from tierserve.replica.cuda_graph import DecodeGraphs, GraphStep
+from tierserve.replica.kv_pool import KVPool, StepModel
+from tierserve.replica.scheduler import ScheduleOutput, Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ class ModelRunner:
 
     ``enforce_eager``: never use CUDA graphs. Otherwise, on CUDA with the triton backend,
     pure-decode steps of up to ``cuda_graph_max_batch`` sequences (default 256) are captured at
-    construction for every bucket (``replica.cuda_graph.capture_sizes``), over block tables of
+    construction for every bucket (``tierserve.replica.cuda_graph.capture_sizes``), over block tables of
     ``max_model_len`` (default: ``default_max_model_len``); a capture that fails is logged and
     the runner stays eager. ``graphs`` hands in ready ``DecodeGraphs`` instead (tests run its
     eager replay on CPU, where graphs are otherwise never used).

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from replica.api import MAX_LOGPROBS, SamplingParams, TokenLogprob
+from tierserve.records import MAX_LOGPROBS, SamplingParams, TokenLogprob
 
 __all__ = [
     "MAX_LOGPROBS",

@@ -23,17 +23,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from replica.block_space import (
+from tierserve.replica.block_space import (
     Allocation,
     BlockSpace,
     FreeListBlocks,
     NoCapacity,
     RequestId,
 )
-from replica.config import EngineConfig
-from replica.lazy_heap import Handle, LazyHeap
-from replica.prefill_policy import Chunked, PrefillPolicy, WholePrompt
-from replica.step_cost import StepCostModel, StepShape, chunk_attention, decode_attention
+from tierserve.replica.config import EngineConfig
+from tierserve.replica.lazy_heap import Handle, LazyHeap
+from tierserve.replica.prefill_policy import Chunked, PrefillPolicy, WholePrompt
+from tierserve.replica.step_cost import StepCostModel, StepShape, chunk_attention, decode_attention
 
 __all__ = [
     "AdmitError",

@@ -1,4 +1,4 @@
-"""``FreeKVBlocksRouter``: the Serve adapter around ``router.policy.rank_replicas``.
+"""``FreeKVBlocksRouter``: the Serve adapter around ``tierserve.router.policy.rank_replicas``.
 
 How Serve 2.60 drives it (all hooks on the handle owner's router event loop, a thread of its own
 unless ``RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0``):
@@ -18,7 +18,7 @@ unless ``RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0``):
 Between ``choose_replicas`` and ``on_request_routed`` lies a round trip to the replica, and a
 burst is routed concurrently in that window. So ``choose_replicas`` charges the request at once,
 tentatively, to the replica it ranked first; ``on_request_routed`` moves the charge to the
-replica that really took it (the charges live in ``router.ledger.InFlightLedger``).
+replica that really took it (the charges live in ``tierserve.router.ledger.InFlightLedger``).
 ``internal_request_id`` is not unique per call: a handle call made while serving a request
 inherits that request's id. Charges are therefore kept as a list per (replica, id), and the
 router mixes in ``FIFOMixin``: with Serve's default exact-id matching, concurrent calls that
@@ -28,7 +28,7 @@ A retry (``GenerateRequest.avoid_replicas`` names the replicas that failed it) i
 the other candidates only, while there are any: a replica whose engine failed keeps reporting
 itself alive until its next routing-stats report reaches us.
 
-Serve pickles this module by value (see ``router.registry``): keep process-wide state out of it.
+Serve pickles this module by value (see ``tierserve.router.registry``): keep process-wide state out of it.
 """
 
 from __future__ import annotations
@@ -47,11 +47,10 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
-from replica.api import GenerateRequest
-from router import registry
-from router.policy import Ranked, RequestShape
-from router.routing import RouterSettings, RouterState
-from router.stats import RoutingStats
+from tierserve.records import GenerateRequest, RoutingStats
+from tierserve.router import registry
+from tierserve.router.policy import Ranked, RequestShape
+from tierserve.router.routing import RouterSettings, RouterState
 
 __all__ = ["FreeKVBlocksRouter", "RouterSettings"]
 
@@ -82,7 +81,7 @@ def avoiding(
 
 
 class FreeKVBlocksRouter(FIFOMixin, RequestRouter):
-    """Ranks replicas by their KV pools and the prefixes sent to them (``router.policy``):
+    """Ranks replicas by their KV pools and the prefixes sent to them (``tierserve.router.policy``):
     latency-tier requests to the replica that can start them soonest, the others where their
     whole length fits with the least load, each drawn to a replica that probably has its prompt's
     prefix cached while the replicas stay balanced."""

@@ -2,8 +2,8 @@
 
 A replica's report is a snapshot; the requests sent to it since are not in it. The ledger keeps
 one ``Charge`` per such request (blocks at admission and at full length, and when it was sent),
-and ``charges`` hands them to ``router.routing.RouterState``, which ranks them with each
-replica's report (``router.policy.rank_replicas`` counts only those sent after the report was
+and ``charges`` hands them to ``tierserve.router.routing.RouterState``, which ranks them with each
+replica's report (``tierserve.router.policy.rank_replicas`` counts only those sent after the report was
 taken).
 
 A request's life in the ledger, as ``RouterState`` drives it from Serve's hooks:
@@ -25,7 +25,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from router.policy import Charge, Ranked
+from tierserve.router.policy import Charge, Ranked
 
 R = TypeVar("R", bound=Hashable)
 

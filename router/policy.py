@@ -6,7 +6,7 @@ requests sent before it are already counted by the replica (running ones in ``fr
 ``committed_blocks``, waiting ones in ``waiting_blocks``) and are not counted twice.
 
 Prefix hits: ``ReplicaLoad.prefix_hits`` is how many of the request's leading prompt blocks the
-router believes the replica has cached (``router.prefix_index``). Those positions cost no prefill
+router believes the replica has cached (``tierserve.router.prefix_index``). Those positions cost no prefill
 there and their blocks are shared, so the request's charge on that replica (``need``, ``full``)
 and its own prefill work (``uncached`` tokens) shrink by them.
 
@@ -47,8 +47,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from replica.api import GenerateRequest
-from router.stats import RoutingStats
+from tierserve.records import GenerateRequest, RoutingStats
 
 K = TypeVar("K", bound=Hashable)
 

@@ -1,7 +1,7 @@
 """What the router believes each replica has cached: the prefix blocks it has sent there.
 
 A replica's prefix cache names each full block of a prompt by a hash chain
-(``replica.prefix_cache``); the ingress computes the same names for every request
+(``tierserve.replica.prefix_cache``); the ingress computes the same names for every request
 (``GenerateRequest.prefix_hashes``). The router records the names of every request it sends to
 a replica and, for a new request, counts how many of its leading blocks it has sent there: the
 blocks the request would probably find cached. Approximate by design (no round trip to the

@@ -5,7 +5,7 @@ the replicas' last reports, and the ranking that uses them.
 lock; the offline router benchmarks drive the very same class in virtual time, so what they
 measure is the router that runs. A request's life:
 
-1. ``route``: ranked (``router.policy.rank_replicas``, with the prefix hits each replica would
+1. ``route``: ranked (``tierserve.router.policy.rank_replicas``, with the prefix hits each replica would
    probably give it), charged tentatively to the replica ranked first, and its prompt's block
    names recorded there (a burst of one system prompt then follows the first request);
 2. ``routed``: a replica took it; the charge moves there (recomputed when it is not the one
@@ -22,8 +22,9 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Generic, TypeVar
 
-from router.ledger import InFlightLedger
-from router.policy import (
+from tierserve.records import RoutingStats
+from tierserve.router.ledger import InFlightLedger
+from tierserve.router.policy import (
     Affinity,
     Ranked,
     ReplicaLoad,
@@ -32,8 +33,7 @@ from router.policy import (
     full_blocks,
     rank_replicas,
 )
-from router.prefix_index import PrefixIndex
-from router.stats import RoutingStats
+from tierserve.router.prefix_index import PrefixIndex
 
 R = TypeVar("R", bound=Hashable)
 
@@ -50,11 +50,11 @@ class RouterSettings:
     tentative_ttl_s: float = 5.0
     # Seed of the random tie-break (None: from the OS).
     seed: int | None = None
-    # Prefix affinity (router.policy): off ranks by KV room and load alone.
+    # Prefix affinity (tierserve.router.policy): off ranks by KV room and load alone.
     prefix_affinity: bool = True
     # Block names remembered per replica before it reports its pool size (then: that size).
     prefix_index_blocks: int = 4096
-    # Load imbalance past which prefix hits only break ties (router.policy.Affinity).
+    # Load imbalance past which prefix hits only break ties (tierserve.router.policy.Affinity).
     balance_abs: int = 16
     balance_rel: float = 1.5
     # Lower tiers follow their prefix only when this share of the prompt is cached there.

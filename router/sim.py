@@ -1,22 +1,22 @@
 """A simulated replica for router tests and benchmarks: the real scheduler, a step-time model.
 
 ``SimCore`` is a replica's engine without a model (Ray-free): the replica's own
-``replica.scheduler.Scheduler`` over the pool a replica builds (``FreeListBlocks``, or
-``replica.prefix_cache.PrefixCachingBlocks`` with ``enable_prefix_caching``, which
-``sim_config`` leaves off unless asked), configured by an ``replica.config.EngineConfig`` as a
+``tierserve.replica.scheduler.Scheduler`` over the pool a replica builds (``FreeListBlocks``, or
+``tierserve.replica.prefix_cache.PrefixCachingBlocks`` with ``enable_prefix_caching``, which
+``sim_config`` leaves off unless asked), configured by an ``tierserve.replica.config.EngineConfig`` as a
 real replica is (``num_kv_blocks``, ``block_size``, ``max_num_seqs``, ``max_num_batched_tokens``,
 ``max_waiting``, ``scheduling_policy``, ``aging_steps``, ``prefill_chunk_tokens``,
 ``max_model_len``). A prompt is a length (every position ``TOKEN``) or real token ids (what a
 prefix cache tells apart); a cached prefix is not computed, so it costs no step time. So admission by free blocks,
 priority with aging, chunked prefill, preemption by recompute and the refusals
-(``replica.scheduler.AdmitError``) are the ones the replicas run. In place of the forward pass a
+(``tierserve.replica.scheduler.AdmitError``) are the ones the replicas run. In place of the forward pass a
 step of ``t`` tokens takes ``base_s + per_token_s * t`` (``StepModel``); every sampled row gets
 the same token, and a request ends at its ``max_tokens``.
 
 ``SimEngine`` is the Serve deployment around it, with the same ``generate`` and
-``record_routing_stats`` as the real replica (``replica.deployment.LLMServer``): it takes one
-``replica.api.GenerateRequest`` (the router sizes it from that record, as for a real replica)
-and streams ``SimOutput`` deltas (``replica.api.RequestOutput`` with the replica's name and
+``record_routing_stats`` as the real replica (``tierserve.replica.deployment.LLMServer``): it takes one
+``tierserve.records.GenerateRequest`` (the router sizes it from that record, as for a real replica)
+and streams ``SimOutput`` deltas (``tierserve.records.RequestOutput`` with the replica's name and
 timestamps) or one ``ErrorRecord`` for a request the scheduler refuses. It runs one sample per
 request and does not apply ``queue_share``. ``pool_blocks`` may be a list: replica ``rank``
 takes ``pool_blocks[rank % len(pool_blocks)]``, so one deployment can mix pool sizes. Its report
@@ -36,11 +36,18 @@ from ray import serve
 from ray.serve.exceptions import RayServeException
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from replica.api import ErrorRecord, GenerateRequest, RequestOutput, SamplingParams, refusal
-from replica.block_space import BlockSpace, FreeListBlocks
-from replica.config import CONTEXT_CAP, EngineConfig
-from replica.prefix_cache import PrefixCachingBlocks
-from replica.scheduler import (
+from tierserve.records import (
+    ErrorRecord,
+    GenerateRequest,
+    RequestOutput,
+    RoutingStats,
+    SamplingParams,
+    refusal,
+)
+from tierserve.replica.block_space import BlockSpace, FreeListBlocks
+from tierserve.replica.config import CONTEXT_CAP, EngineConfig
+from tierserve.replica.prefix_cache import PrefixCachingBlocks
+from tierserve.replica.scheduler import (
     AdmitError,
     FinishedEvent,
     Request,
@@ -49,9 +56,8 @@ from replica.scheduler import (
     StepOutput,
     TokenEvent,
 )
-from router.stats import RoutingStats
 
-ROUTER_CLASS = "router.free_blocks_router:FreeKVBlocksRouter"
+ROUTER_CLASS = "tierserve.router.free_blocks_router:FreeKVBlocksRouter"
 
 # The token of every sampled row, and of every prompt position of a prompt given as a length.
 TOKEN = 1

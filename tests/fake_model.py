@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from replica.scheduler import (
+from tierserve.replica.scheduler import (
     FinishedEvent,
     FinishReason,
     Request,

@@ -1,14 +1,15 @@
 """Dependencies point one way, checked by walking the imports of the source (no module is run):
 
-- ``replica/`` and ``kernels/`` never import ``cluster/`` (the replica's metrics, API records
-  and config live with the replica), ``kernels/`` nothing of ``replica/`` either, and
-  ``router/`` never imports ``cluster/``;
+- the layers (docs/architecture.md): ``tierserve.records`` (the records every process shares)
+  < ``tierserve.kernels`` < ``tierserve.replica`` < ``tierserve.router`` < ``tierserve.cluster``
+  < ``tierserve.bench`` (tools); no module imports one of a higher layer, and every import of
+  ours is through the ``tierserve`` namespace;
 - the scheduler, the router's ranking policy and its stats records stay free of Ray and torch
   (all they import, transitively);
 - the ingress gets its config and tokenizer without the torch model code: what importing
-  ``cluster.ingress`` loads holds no ``torch``, no ``kernels``, no model, engine or sampler
+  ``tierserve.cluster.ingress`` loads holds no ``torch``, no ``kernels``, no model, engine or sampler
   module (and a fresh interpreter that imports it has no torch module loaded);
-- building the Serve app (importing ``cluster.app``) loads neither torch nor transformers.
+- building the Serve app (importing ``tierserve.cluster.app``) loads neither torch nor transformers.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("cluster", "replica", "kernels", "router")
+# Lowest first.
+LAYERS = ("records", "kernels", "replica", "router", "cluster", "bench")
+PARTS = LAYERS[1:]  # the folders linked into tierserve/
 
 
 def _module_file(name: str) -> Path | None:
@@ -65,7 +68,7 @@ def imports(name: str, top_level_only: bool = False) -> set[str]:
 
 
 def first_party(name: str) -> bool:
-    return name.split(".")[0] in PACKAGES and _module_file(name) is not None
+    return name.split(".")[0] == "tierserve" and _module_file(name) is not None
 
 
 def closure(name: str, top_level_only: bool = False) -> set[str]:
@@ -86,10 +89,13 @@ def closure(name: str, top_level_only: bool = False) -> set[str]:
     return seen
 
 
-def all_modules(package: str) -> list[str]:
+def all_modules(part: str) -> list[str]:
+    """The modules of one layer, by their names in the namespace."""
+    if part == "records":
+        return ["tierserve.records"]
     return sorted(
-        ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
-        for p in (ROOT / package).rglob("*.py")
+        "tierserve." + ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        for p in (ROOT / part).rglob("*.py")
     )
 
 
@@ -97,19 +103,50 @@ def _roots(mods: set[str]) -> set[str]:
     return {m.split(".")[0] for m in mods}
 
 
-@pytest.mark.parametrize(
-    ("package", "forbidden"),
-    [("replica", {"cluster"}), ("kernels", {"cluster", "replica", "router"}),
-     ("router", {"cluster"})],
-)
-def test_packages_never_import_upwards(package: str, forbidden: set[str]) -> None:
-    bad = {m: sorted(_roots(imports(m)) & forbidden) for m in all_modules(package)}
-    assert {m: b for m, b in bad.items() if b} == {}
+def layer_of(module: str) -> int:
+    """The rank of a ``tierserve.<layer>...`` module's layer (the package itself: the bottom)."""
+    parts = module.split(".")
+    return LAYERS.index(parts[1]) if len(parts) > 1 and parts[1] in LAYERS else 0
+
+
+@pytest.mark.parametrize("part", LAYERS)
+def test_no_layer_imports_a_higher_one(part: str) -> None:
+    """Type-only imports count too: a record a lower layer names belongs below it."""
+    rank = LAYERS.index(part)
+    bad: dict[str, list[str]] = {}
+    for module in all_modules(part):
+        path = _module_file(module)
+        assert path is not None, module
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                found.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                found.add(node.module)
+                found.update(f"{node.module}.{a.name}" for a in node.names)
+        up = sorted(m for m in found if m.startswith("tierserve.") and layer_of(m) > rank)
+        if up:
+            bad[module] = up
+    assert bad == {}
+
+
+def test_the_records_import_nothing_of_ours() -> None:
+    mods = imports("tierserve.records")
+    assert not {m for m in mods if m.split(".")[0] == "tierserve"}, sorted(mods)
+
+
+@pytest.mark.parametrize("part", PARTS)
+def test_every_import_of_ours_goes_through_the_namespace(part: str) -> None:
+    """A bare ``import replica...`` would load a second copy of a module (or, for ``kernels``,
+    Hugging Face's package): every first-party import names ``tierserve``."""
+    bare = {m: sorted(mod for mod in imports(m) if mod.split(".")[0] in PARTS)
+            for m in all_modules(part)}
+    assert {m: b for m, b in bare.items() if b} == {}
 
 
 @pytest.mark.parametrize(
-    "module", ["replica.scheduler", "router.policy", "router.stats", "replica.config",
-               "replica.api"]
+    "module", ["tierserve.replica.scheduler", "tierserve.router.policy", "tierserve.records",
+               "tierserve.replica.config"]
 )
 def test_the_cores_are_free_of_ray_and_torch(module: str) -> None:
     reach = closure(module)
@@ -118,14 +155,14 @@ def test_the_cores_are_free_of_ray_and_torch(module: str) -> None:
 
 
 def test_the_ingress_loads_no_torch_model_code() -> None:
-    reach = closure("cluster.ingress", top_level_only=True)
-    model_code = {"replica.models.llama", "replica.models.layers", "replica.models.embedded",
-                  "replica.models.loader", "replica.engine", "replica.sampler", "replica.runner"}
+    reach = closure("tierserve.cluster.ingress", top_level_only=True)
+    model_code = {"tierserve.replica.models.llama", "tierserve.replica.models.layers", "tierserve.replica.models.embedded",
+                  "tierserve.replica.models.loader", "tierserve.replica.engine", "tierserve.replica.sampler", "tierserve.replica.runner"}
     assert not (reach & model_code), sorted(reach & model_code)
     assert not _roots(reach) & {"torch", "kernels"}, sorted(
         m for m in reach if m.split(".")[0] in {"torch", "kernels"})
     # What actually happens in a fresh interpreter (third-party imports included).
-    code = ("import sys, cluster.ingress; "
+    code = ("import sys, tierserve.cluster.ingress; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'kernels')))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          timeout=120, check=True)
@@ -134,17 +171,20 @@ def test_the_ingress_loads_no_torch_model_code() -> None:
 
 def test_the_walker_sees_imports() -> None:
     """The checks above are not vacuous: the walker does find the edges that exist."""
-    assert "replica.scheduler" in closure("replica.engine")
-    assert "torch" in closure("replica.engine")
-    assert "ray" in imports("replica.deployment")
-    assert "replica.models.gguf_loader" in imports("replica.models.meta")
+    assert "tierserve.replica.scheduler" in closure("tierserve.replica.engine")
+    assert "torch" in closure("tierserve.replica.engine")
+    assert "ray" in imports("tierserve.replica.deployment")
+    assert "tierserve.replica.models.gguf_loader" in imports("tierserve.replica.models.meta")
+    assert layer_of("tierserve.cluster.ingress") > layer_of("tierserve.replica.engine")
+    assert layer_of("tierserve.records") == 0 < layer_of("tierserve.kernels.attention")
+    assert "tierserve.records" in all_modules("records") and all_modules("router")
 
 
 def test_building_the_app_loads_neither_torch_nor_transformers() -> None:
     """Serve builds the app in a process of its own before any replica starts: importing
-    ``cluster.app`` (and through it the replica's deployment) must not pay for torch or
+    ``tierserve.cluster.app`` (and through it the replica's deployment) must not pay for torch or
     transformers (about 2 s of the cluster's start-up); the replica imports its engine itself."""
-    code = ("import sys, cluster.app; "
+    code = ("import sys, tierserve.cluster.app; "
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers'}))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          timeout=120, check=True)

@@ -15,7 +15,7 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
-from replica.models.config import ModelLoadError
+from tierserve.replica.models.config import ModelLoadError
 
 
 @dataclass(frozen=True, slots=True)

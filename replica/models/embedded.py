@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from replica.models.embedded_spec import (
+from tierserve.replica.models.embedded_spec import (
     BOS_ID,
     CHAT_TEMPLATE,
     EMBEDDED_MODEL,
@@ -24,7 +24,7 @@ from replica.models.embedded_spec import (
     build_tokenizer,
     embedded_config,
 )
-from replica.models.llama import LlamaForCausalLM, ModelOptions, check_deterministic
+from tierserve.replica.models.llama import LlamaForCausalLM, ModelOptions, check_deterministic
 
 __all__ = [
     "BOS_ID",

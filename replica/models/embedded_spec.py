@@ -1,6 +1,6 @@
 """What ``tierserve-tiny`` is, without its weights: its name, config, special tokens, chat
 template and byte-level tokenizer. Torch-free (the ingress tokenizes with it); the weights are
-built by ``replica.models.embedded``."""
+built by ``tierserve.replica.models.embedded``."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 if TYPE_CHECKING:  # imported where the tokenizer is built: transformers takes ~0.5 s to import
     from transformers import PreTrainedTokenizerFast
 
-from replica.models.byte_level import byte_chars
-from replica.models.config import ModelConfig
+from tierserve.replica.models.byte_level import byte_chars
+from tierserve.replica.models.config import ModelConfig
 
 EMBEDDED_MODEL = "tierserve-tiny"
 SEED = 0x7E5E

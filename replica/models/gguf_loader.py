@@ -1,7 +1,7 @@
 """GGUF checkpoints (llama.cpp's format): config, tokenizer and weights of a Llama-family model.
 
 ``engine.model`` may name a ``.gguf`` file, a folder holding exactly one, or a packaged model
-(``replica.models.catalog``). Supported: ``general.architecture`` ``llama`` (which is also how
+(``tierserve.replica.models.catalog``). Supported: ``general.architecture`` ``llama`` (which is also how
 llama.cpp writes Mistral models), ``mistral`` (see below) and ``qwen2``; tensors in every type
 the ``gguf`` package can dequantize (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, the K-quants
 Q2_K to Q6_K, the IQ types, ...), dequantized once at load into the engine's dtype.
@@ -30,7 +30,7 @@ Q2_K to Q6_K, the IQ types, ...), dequantized once at load into the engine's dty
   are not cached. A damaged entry is removed and rebuilt. An entry is built under an exclusive
   ``flock`` on ``<entry>.lock`` beside it: of two replicas starting at once on a fresh machine,
   one builds and the other waits, then reads the finished entry. ``make install`` builds the
-  default model's entry (``python -m replica.models.prepare``), so that even its first start
+  default model's entry (``python -m tierserve.replica.models.prepare``), so that even its first start
   reads the cache.
 
 Every failure is a ``ModelLoadError`` that names the file and what is wrong: not a GGUF (magic),
@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from replica.models.config import ModelConfig, ModelLoadError
+from tierserve.replica.models.config import ModelConfig, ModelLoadError
 
 if TYPE_CHECKING:
     import torch

@@ -2,7 +2,7 @@
 
 Every op works on one flat batch of rows ``[T, ...]`` and is row-wise: a row's result depends
 only on that row. On CPU in fp32 the linear layers, the norms and SiLU run on the native kernels
-(``kernels.cpu_native``) when they are built; elsewhere on plain torch.
+(``tierserve.kernels.cpu_native``) when they are built; elsewhere on plain torch.
 
 The deterministic mode (``deterministic=True``; docs/determinism.md) promises more: a row gets the
 same *bits* whatever else is in the batch and wherever it sits. It runs on the native kernels
@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_native
-from replica.models.config import RopeScaling
+from tierserve.kernels import cpu_native
+from tierserve.replica.models.config import RopeScaling
 
 
 class Linear(nn.Module):
@@ -145,7 +145,7 @@ class RMSNorm(nn.Module):
     """``x / sqrt(mean(x^2) + eps) * weight``, computed in fp32, returned in ``x``'s dtype.
 
     ``fused`` (the model's triton backend): the norm, with its residual add, is one Triton kernel
-    (``kernels.fused.rms_norm``) that rounds where these torch ops do.
+    (``tierserve.kernels.fused.rms_norm``) that rounds where these torch ops do.
     """
 
     def __init__(
@@ -168,7 +168,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused and x.dim() == 2:
-            from kernels import fused  # imported late: Triton reads TRITON_INTERPRET at import
+            from tierserve.kernels import (
+                fused,  # imported late: Triton reads TRITON_INTERPRET at import
+            )
 
             return fused.rms_norm(x, self.weight, self.eps)
         if self.deterministic:
@@ -187,7 +189,7 @@ class RMSNorm(nn.Module):
         if delta is None:
             return self(residual)
         if self.fused and residual.dim() == 2:
-            from kernels import fused
+            from tierserve.kernels import fused
 
             return fused.rms_norm(residual, self.weight, self.eps, delta)
         if self.deterministic:

@@ -1,8 +1,8 @@
 """The Llama-family decoder (Llama, Mistral, Qwen2) over one flat batch of paged sequences.
 
 A step's batch is flat: ``T`` tokens from many sequences (decodes first, then prefill chunks, as
-``kernels.metadata`` lays them out). Every op except attention is row-wise; attention reads and
-writes each layer's paged KV cache through ``kernels.attention.attention``.
+``tierserve.kernels.metadata`` lays them out). Every op except attention is row-wise; attention reads and
+writes each layer's paged KV cache through ``tierserve.kernels.attention.attention``.
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kernels import cpu_native
-from kernels.attention import Backend, attention
-from kernels.metadata import AttentionMetadata
-from replica.models.config import ModelConfig
-from replica.models.layers import (
+from tierserve.kernels import cpu_native
+from tierserve.kernels.attention import Backend, attention
+from tierserve.kernels.metadata import AttentionMetadata
+from tierserve.replica.models.config import ModelConfig
+from tierserve.replica.models.layers import (
     Linear,
     RMSNorm,
     RotaryEmbedding,
@@ -41,7 +41,7 @@ class ModelOptions:
     max_model_len: positions the rotary tables cover; None means the config's
         ``max_position_embeddings``.
     fused_kernels: on the triton backend, each RMSNorm with its residual add, and the rotary
-        embedding with the KV store, run as one Triton kernel each (``kernels.fused``) instead of
+        embedding with the KV store, run as one Triton kernel each (``tierserve.kernels.fused``) instead of
         several torch ops and a store launch; False keeps the unfused ops. Other backends ignore it.
     """
 
@@ -120,7 +120,9 @@ class LlamaAttention(nn.Module):
             cpu_native.rope_store(qkv, cos, sin, meta.slot_mapping, kv_cache[0], kv_cache[1], hq)
             stored = True
         elif self.fused:
-            from kernels import fused  # imported late: Triton reads TRITON_INTERPRET at import
+            from tierserve.kernels import (
+                fused,  # imported late: Triton reads TRITON_INTERPRET at import
+            )
 
             cos, sin = rope
             fused.rope_store(qkv, cos, sin, meta.slot_mapping, kv_cache[0], kv_cache[1], hq)
@@ -224,8 +226,8 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Llama/Mistral/Qwen2 causal LM over one flat paged batch.
 
-    Parameters are allocated uninitialised (except norm weights); ``replica.models.loader`` or
-    ``replica.models.embedded`` fills them. Names follow the Hugging Face layout, with q/k/v fused
+    Parameters are allocated uninitialised (except norm weights); ``tierserve.replica.models.loader`` or
+    ``tierserve.replica.models.embedded`` fills them. Names follow the Hugging Face layout, with q/k/v fused
     into ``self_attn.qkv_proj`` (rows ``[q | k | v]``) and gate/up into ``mlp.gate_up_proj``
     (rows ``[gate | up]``).
     """

@@ -1,6 +1,6 @@
 """Load a Llama-family model and its tokenizer: the embedded default, a packaged model
-(``replica.models.catalog``: its GGUF installed from the package registry), a GGUF file or a
-folder holding one (``replica.models.gguf_loader``), a local checkpoint directory, or a Hugging
+(``tierserve.replica.models.catalog``: its GGUF installed from the package registry), a GGUF file or a
+folder holding one (``tierserve.replica.models.gguf_loader``), a local checkpoint directory, or a Hugging
 Face hub id.
 
 A checkpoint directory holds ``config.json``, weights (``model.safetensors``, sharded
@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from replica.models import embedded, gguf_loader
-from replica.models.config import ModelConfig, ModelLoadError
-from replica.models.llama import LlamaDecoderLayer, LlamaForCausalLM, ModelOptions
-from replica.models.meta import (
+from tierserve.replica.models import embedded, gguf_loader
+from tierserve.replica.models.config import ModelConfig, ModelLoadError
+from tierserve.replica.models.llama import LlamaDecoderLayer, LlamaForCausalLM, ModelOptions
+from tierserve.replica.models.meta import (
     _tokenizer_from,
     gguf_file,
     load_model_config,
@@ -31,7 +31,7 @@ from replica.models.meta import (
     resolve_checkpoint,
 )
 
-# The weight-free half (config, tokenizer) lives in replica.models.meta; re-exported here.
+# The weight-free half (config, tokenizer) lives in tierserve.replica.models.meta; re-exported here.
 __all__ = [
     "ModelLoadError",
     "ModelOptions",

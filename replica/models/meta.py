@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # transformers is imported where a tokenizer is loaded, not with the module
     from transformers import PreTrainedTokenizerBase
 
-from replica.models import embedded_spec, gguf_loader
-from replica.models.catalog import packaged_file
-from replica.models.config import ModelConfig, ModelLoadError
+from tierserve.replica.models import embedded_spec, gguf_loader
+from tierserve.replica.models.catalog import packaged_file
+from tierserve.replica.models.config import ModelConfig, ModelLoadError
 
 _CONFIG_FILES = ["*.json", "*.jinja", "*.model", "*.tiktoken", "*.txt", "tokenizer*"]
 

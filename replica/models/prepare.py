@@ -1,4 +1,4 @@
-"""``python -m replica.models.prepare MODEL...``: build the caches a GGUF model's start reads, once,
+"""``python -m tierserve.replica.models.prepare MODEL...``: build the caches a GGUF model's start reads, once,
 ahead of its first start (``make install`` runs it for the default model).
 
 ``MODEL`` is what ``engine.model`` may name for a GGUF checkpoint: a packaged model
@@ -18,9 +18,9 @@ import argparse
 import sys
 import time
 
-from replica.models import gguf_loader
-from replica.models.config import ModelLoadError
-from replica.models.meta import gguf_file
+from tierserve.replica.models import gguf_loader
+from tierserve.replica.models.config import ModelLoadError
+from tierserve.replica.models.meta import gguf_file
 
 
 def prepare(model: str) -> list[str]:
@@ -56,7 +56,7 @@ def prepare(model: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m replica.models.prepare",
+        prog="python -m tierserve.replica.models.prepare",
         description="Build the caches a GGUF model's start reads (config, tokenizer, dequantized "
         "weights) under $TIERSERVE_CACHE_DIR.",
     )

@@ -1,6 +1,6 @@
-"""``bench.tiers``'s own logic, without a cluster (the runs are by hand: ``python -m
-bench.tiers``): the derived configs validate and carry keys only as ``env:`` references, the
-attainment, fairness and table figures from fake ``bench.load`` results, the counter deltas from
+"""``tierserve.bench.tiers``'s own logic, without a cluster (the runs are by hand: ``python -m
+tierserve.bench.tiers``): the derived configs validate and carry keys only as ``env:`` references, the
+attainment, fairness and table figures from fake ``tierserve.bench.load`` results, the counter deltas from
 fake scrapes, the plots, and arguments refused before anything starts."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import pytest
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
-from bench import tiers
-from bench.load import Result, Sample, Scrape
-from cluster.config import ClusterConfig
+from tierserve.bench import tiers
+from tierserve.bench.load import Result, Sample, Scrape
+from tierserve.cluster.config import ClusterConfig
 
 DEFAULT = Path(__file__).resolve().parents[2] / "configs" / "cluster.yaml"
 

@@ -36,7 +36,7 @@ from ray import serve
 from ray.serve._private.api import serve_start
 from ray.serve.schema import ServeDeploySchema
 
-from replica.api import EngineStats
+from tierserve.records import EngineStats
 
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTER_YAML = ROOT / "configs" / "cluster.yaml"

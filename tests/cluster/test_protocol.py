@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from cluster.ingress import error_param, validation_error
-from cluster.protocol import ChatCompletionRequest, CompletionRequest
+from tierserve.cluster.ingress import error_param, validation_error
+from tierserve.cluster.protocol import ChatCompletionRequest, CompletionRequest
 
 COMPLETION = {"model": "m", "prompt": "p"}
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -103,8 +103,8 @@ def test_sse_events_stay_one_line_for_every_line_splitter(text: str) -> None:
     (hence httpx's ``aiter_lines``, the load generator's reader) treats as line ends."""
     from httpx._decoders import LineDecoder
 
-    from cluster.ingress import sse_event
-    from cluster.protocol import CompletionChoice, CompletionResponse
+    from tierserve.cluster.ingress import sse_event
+    from tierserve.cluster.protocol import CompletionChoice, CompletionResponse
 
     chunk = CompletionResponse(id="cmpl-1", created=0, model="m",
                                choices=[CompletionChoice(text=text, finish_reason=None)])

@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from cluster import ingress as ingress_mod
-from cluster.config import ClusterConfig
-from cluster.ingress import ApiError, _Call
-from cluster.tiers import Caller
-from replica.api import ErrorRecord, GenerateRequest, RequestOutput, SamplingParams
+from tierserve.cluster import ingress as ingress_mod
+from tierserve.cluster.config import ClusterConfig
+from tierserve.cluster.ingress import ApiError, _Call
+from tierserve.cluster.tiers import Caller
+from tierserve.records import ErrorRecord, GenerateRequest, RequestOutput, SamplingParams
 
 
 class ActorDied(Exception):

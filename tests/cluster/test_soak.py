@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from bench.load import TrafficClass
-from bench.soak import ReplicaState, SoakConfig, print_report, soak
 from tests.cluster.helpers import KEYS, MODEL, LocalServe, ServeApp, app_config
+from tierserve.bench.load import TrafficClass
+from tierserve.bench.soak import ReplicaState, SoakConfig, print_report, soak
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from cluster.config import ClusterConfig, TierConfig, resolve_key
-from cluster.tiers import AuthError, PriorityError, TierResolver
+from tierserve.cluster.config import ClusterConfig, TierConfig, resolve_key
+from tierserve.cluster.tiers import AuthError, PriorityError, TierResolver
 
 
 def resolver(default: str | None = "standard") -> TierResolver:
@@ -93,7 +93,7 @@ def test_keys_are_not_in_the_config_repr() -> None:
     ],
 )
 def test_bad_config_is_refused_with_a_clear_message(args: dict[str, object], match: str) -> None:
-    from cluster.app import ConfigError, load_config
+    from tierserve.cluster.app import ConfigError, load_config
 
     with pytest.raises(ConfigError, match=match):
         load_config(args)
@@ -163,7 +163,7 @@ def test_a_mandatory_key_with_no_keys_anywhere_is_a_config_error() -> None:
 
 
 def tenant_resolver() -> TierResolver:
-    from cluster.config import TenantConfig
+    from tierserve.cluster.config import TenantConfig
 
     cfg = ClusterConfig(tiers=[
         TierConfig(name="interactive", base_priority=10, max_priority=15, api_keys=["k-int"]),
@@ -192,14 +192,14 @@ def test_the_tenant_header_names_the_tenant_of_a_keyless_caller() -> None:
 
 @pytest.mark.parametrize("claimed", ["acme", "standard-key0"])
 def test_the_header_cannot_claim_a_tenant_that_a_key_identifies(claimed: str) -> None:
-    from cluster.tiers import TenantError
+    from tierserve.cluster.tiers import TenantError
 
     with pytest.raises(TenantError, match="identified by its API key"):
         tenant_resolver().resolve(None, None, claimed)
 
 
 def test_a_keyless_named_tenant_takes_its_weight_from_the_header() -> None:
-    from cluster.config import TenantConfig
+    from tierserve.cluster.config import TenantConfig
 
     cfg = ClusterConfig(tiers=[TierConfig(name="standard", base_priority=5, max_priority=9,
                                           tenants=[TenantConfig(name="gw-team", weight=2.0)])])
@@ -211,7 +211,7 @@ def test_a_keyless_named_tenant_takes_its_weight_from_the_header() -> None:
 
 @pytest.mark.parametrize("value", ["-x", "a b", "x" * 65, "é"])
 def test_a_bad_tenant_header_is_a_clear_error(value: str) -> None:
-    from cluster.tiers import TenantError
+    from tierserve.cluster.tiers import TenantError
 
     with pytest.raises(TenantError, match="tenant header"):
         tenant_resolver().resolve(None, None, value)

@@ -1,6 +1,6 @@
 """The GPU decode path's host side, on CPU: a step's integer inputs packed into one buffer (equal,
 field by field, to the batch built the old way, and one transfer per step), and the CUDA-graph
-decode path's static, padded buckets (``replica.cuda_graph``) run eagerly: the real rows' logits
+decode path's static, padded buckets (``tierserve.replica.cuda_graph``) run eagerly: the real rows' logits
 equal the plain eager step's, and padding rows write nothing into real KV blocks.
 
 Capture and replay themselves need a GPU: the tests marked ``gpu`` at the end run them there
@@ -19,17 +19,17 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from kernels.metadata import AttentionMetadata, SeqSpec, StepPacker, build_metadata
-from replica.config import EngineConfig
-from replica.cuda_graph import DecodeGraphs, capture_sizes
-from replica.engine import Engine
-from replica.kv_pool import KVPool, KVShape
-from replica.models.config import ModelConfig
-from replica.models.embedded import EMBEDDED_MODEL, build_model
-from replica.models.llama import LlamaForCausalLM, ModelOptions
-from replica.runner import ForwardBatch, ModelRunner, PromptRows
-from replica.sampler import SamplingParams
-from replica.scheduler import ScheduleOutput, Scheduler
+from tierserve.kernels.metadata import AttentionMetadata, SeqSpec, StepPacker, build_metadata
+from tierserve.replica.config import EngineConfig
+from tierserve.replica.cuda_graph import DecodeGraphs, capture_sizes
+from tierserve.replica.engine import Engine
+from tierserve.replica.kv_pool import KVPool, KVShape
+from tierserve.replica.models.config import ModelConfig
+from tierserve.replica.models.embedded import EMBEDDED_MODEL, build_model
+from tierserve.replica.models.llama import LlamaForCausalLM, ModelOptions
+from tierserve.replica.runner import ForwardBatch, ModelRunner, PromptRows
+from tierserve.replica.sampler import SamplingParams
+from tierserve.replica.scheduler import ScheduleOutput, Scheduler
 
 BS = 16
 
@@ -437,7 +437,7 @@ def test_graphs_stay_off_on_cpu_and_with_enforce_eager() -> None:
 
 
 def _triton_interpreted() -> bool:
-    from kernels import triton_attention
+    from tierserve.kernels import triton_attention
 
     return torch.cuda.is_available() or triton_attention.interpreted()
 

@@ -8,10 +8,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from replica import deployment
-from replica.api import ErrorRecord, GenerateRequest, RequestOutput, SamplingParams
-from replica.deployment import LLMServer
-from replica.models.embedded import EMBEDDED_MODEL
+from tierserve.records import ErrorRecord, GenerateRequest, RequestOutput, SamplingParams
+from tierserve.replica import deployment
+from tierserve.replica.deployment import LLMServer
+from tierserve.replica.models.embedded import EMBEDDED_MODEL
 
 
 @pytest.fixture

@@ -9,11 +9,11 @@ from typing import Any
 import pytest
 import torch
 
-from replica.config import EngineConfig
-from replica.engine import Engine
-from replica.models.embedded import EMBEDDED_MODEL
-from replica.runner import ForwardBatch, RunnerOutput
-from replica.sampler import SamplingParams
+from tierserve.replica.config import EngineConfig
+from tierserve.replica.engine import Engine
+from tierserve.replica.models.embedded import EMBEDDED_MODEL
+from tierserve.replica.runner import ForwardBatch, RunnerOutput
+from tierserve.replica.sampler import SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -77,7 +77,7 @@ def test_batched_greedy_equals_alone_in_the_default_mode() -> None:
 
 
 def _greedy(engine: Engine, ps: list[list[int]]) -> list[Any]:
-    from replica.engine import RequestOutput
+    from tierserve.replica.engine import RequestOutput
 
     outs: dict[int, RequestOutput] = {}
     ids = [engine.add_request(p, PARAMS) for p in ps]

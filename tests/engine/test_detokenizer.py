@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from replica.detokenizer import IncrementalDetokenizer
+from tierserve.replica.detokenizer import IncrementalDetokenizer
 
 
 class ByteTok:

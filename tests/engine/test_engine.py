@@ -8,12 +8,12 @@ import threading
 
 import pytest
 
-from replica.config import EngineConfig
-from replica.engine import Engine, EngineDead, RequestOutput
-from replica.llm import LLM
-from replica.models.embedded import EMBEDDED_MODEL
-from replica.sampler import SamplingParams
-from replica.scheduler import EmptyPrompt, NeverFits, QueueFull, TooLong
+from tierserve.replica.config import EngineConfig
+from tierserve.replica.engine import Engine, EngineDead, RequestOutput
+from tierserve.replica.llm import LLM
+from tierserve.replica.models.embedded import EMBEDDED_MODEL
+from tierserve.replica.sampler import SamplingParams
+from tierserve.replica.scheduler import EmptyPrompt, NeverFits, QueueFull, TooLong
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -310,7 +310,7 @@ def test_text_decoded_at_the_finish_equals_the_streamed_text(roomy: LLM) -> None
     # With stop strings, text must be matched as it arrives: no deferral (the stop-string tests
     # above go through LLM.generate, i.e. stream_text=False).
     with pytest.raises(ValueError, match="feed\\(\\) skips stop-string matching"):
-        from replica.detokenizer import IncrementalDetokenizer
+        from tierserve.replica.detokenizer import IncrementalDetokenizer
 
         IncrementalDetokenizer(eng.tokenizer, [1, 2], stop=["ab"]).feed([3])
 

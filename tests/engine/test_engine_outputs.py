@@ -10,12 +10,12 @@ from typing import Any
 import pytest
 import torch
 
-from replica.config import EngineConfig
-from replica.engine import Engine, RequestOutput
-from replica.models.embedded import EMBEDDED_MODEL
-from replica.sampler import SamplingParams
-from replica.scheduler import QueueFull
 from tests.models.helpers import PagedHarness, Work
+from tierserve.replica.config import EngineConfig
+from tierserve.replica.engine import Engine, RequestOutput
+from tierserve.replica.models.embedded import EMBEDDED_MODEL
+from tierserve.replica.sampler import SamplingParams
+from tierserve.replica.scheduler import QueueFull
 
 PROMPT = [256, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33, 32, 84, 104, 101]
 

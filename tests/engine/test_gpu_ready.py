@@ -11,12 +11,12 @@ import pytest
 import torch
 import yaml
 
-from kernels.metadata import AttentionMetadata
-from replica.api import RequestOutput, SamplingParams
-from replica.config import EngineConfig
-from replica.engine import Engine
-from replica.engine_config import build_engine_parts, select_device, step_bound
-from replica.kv_pool import (
+from tierserve.kernels.metadata import AttentionMetadata
+from tierserve.records import RequestOutput, SamplingParams
+from tierserve.replica.config import EngineConfig
+from tierserve.replica.engine import Engine
+from tierserve.replica.engine_config import build_engine_parts, select_device, step_bound
+from tierserve.replica.kv_pool import (
     KVShape,
     PoolSizing,
     StepBound,
@@ -24,8 +24,8 @@ from replica.kv_pool import (
     plan_kv_pool,
     profile_step,
 )
-from replica.models.config import ModelConfig
-from replica.models.embedded import EMBEDDED_MODEL, build_model, embedded_config
+from tierserve.replica.models.config import ModelConfig
+from tierserve.replica.models.embedded import EMBEDDED_MODEL, build_model, embedded_config
 
 GiB = 2**30
 GPU_YAML = Path(__file__).resolve().parents[2] / "configs" / "cluster-gpu.yaml"
@@ -169,7 +169,7 @@ def test_on_cuda_the_meter_profiles_the_largest_step(monkeypatch: pytest.MonkeyP
     """``activation_meter`` (what ``build_engine_parts`` hands ``plan_kv_pool``): on CUDA under
     ``gpu_memory_utilization`` it builds the step's forward and measures its peak; the device's
     calls are faked (this machine has no GPU)."""
-    from replica import kv_pool
+    from tierserve.replica import kv_pool
 
     shape = smollm2_shape()
     step = StepBound.of(8192, 256, 8192, 2048)
@@ -268,10 +268,10 @@ def test_the_engine_thread_leaves_a_cpu_runners_thread_alone(
 
 
 def test_the_gpu_config_serves_the_packaged_model_in_bf16_without_network() -> None:
-    from cluster.config import ClusterConfig
-    from replica.models.catalog import PACKAGED
-    from replica.models.gguf_loader import gguf_model_config
-    from replica.models.meta import gguf_file
+    from tierserve.cluster.config import ClusterConfig
+    from tierserve.replica.models.catalog import PACKAGED
+    from tierserve.replica.models.gguf_loader import gguf_model_config
+    from tierserve.replica.models.meta import gguf_file
 
     text = GPU_YAML.read_text()
     raw = yaml.safe_load(text)
@@ -294,8 +294,8 @@ def test_kernels_are_warmed_for_the_models_shape_on_a_gpu_only(
     profile and the graph capture, on CUDA with the Triton backend only."""
     import types
 
-    from kernels import aot
-    from replica.engine_config import warm_kernels
+    from tierserve.kernels import aot
+    from tierserve.replica.engine_config import warm_kernels
 
     seen: list[tuple[aot.ServingConfig, torch.device]] = []
     monkeypatch.setattr(aot, "warmup", lambda c, d: seen.append((c, d)) or ["v"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from replica.kv_pool import ALIGN_BYTES, KVPool, KVShape, zeroed
+from tierserve.replica.kv_pool import ALIGN_BYTES, KVPool, KVShape, zeroed
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -70,7 +70,7 @@ def test_zeroed_of_no_elements_is_an_empty_tensor() -> None:
 def test_zeroed_touches_every_page_where_the_kernel_cannot_populate(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import replica.kv_pool as kv_pool
+    import tierserve.replica.kv_pool as kv_pool
 
     monkeypatch.setattr(kv_pool, "_MADV_POPULATE_WRITE", -1)  # refused with EINVAL, as by an old kernel
     dims = (512, 16, 4, 64)

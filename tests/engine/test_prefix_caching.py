@@ -18,11 +18,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from replica.config import EngineConfig
-from replica.engine import Engine
-from replica.models.embedded import EMBEDDED_MODEL
-from replica.runner import ForwardBatch, RunnerOutput
-from replica.sampler import SamplingParams
+from tierserve.replica.config import EngineConfig
+from tierserve.replica.engine import Engine
+from tierserve.replica.models.embedded import EMBEDDED_MODEL
+from tierserve.replica.runner import ForwardBatch, RunnerOutput
+from tierserve.replica.sampler import SamplingParams
 
 pytestmark = pytest.mark.slow
 

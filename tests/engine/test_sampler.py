@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from replica.sampler import (
+from tierserve.replica.sampler import (
     SamplerState,
     SamplingParams,
     logit_bias_from_json,
@@ -154,7 +154,7 @@ def test_penalties_follow_vllms_definitions() -> None:
         st._history(vocab)
         st.record(tok)
     got = x.clone()
-    from replica.sampler import _process
+    from tierserve.replica.sampler import _process
 
     _process(got, [st], [0])
     want = torch.tensor([[

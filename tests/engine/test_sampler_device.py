@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from replica.sampler import SamplerState, SamplingParams, sample, token_logprobs
 from tests.simulated_cuda import DeviceMismatch, cuda_tensor, on_cuda, simulated_cuda
+from tierserve.replica.sampler import SamplerState, SamplingParams, sample, token_logprobs
 
 VOCAB = 64
 

@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from cluster.config import ClusterConfig, FlowConfig, TenantConfig, TierConfig
-from cluster.flow import BandSpec, FlowQueues, Held, Refused
-from cluster.gate import FlowGate, Shed, Ticket
-from cluster.tiers import Caller
+from tierserve.cluster.config import ClusterConfig, FlowConfig, TenantConfig, TierConfig
+from tierserve.cluster.flow import BandSpec, FlowQueues, Held, Refused
+from tierserve.cluster.gate import FlowGate, Shed, Ticket
+from tierserve.cluster.tiers import Caller
 
 BANDS = [BandSpec("interactive", 10_000, 10.0), BandSpec("standard", 10_000, 30.0),
          BandSpec("batch", 10_000, 60.0)]

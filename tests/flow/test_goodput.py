@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 
-from cluster.config import TierConfig
-from cluster.ingress import Ingress, _Route
-from cluster.tiers import Caller
-from replica.api import RequestOutput, SamplingParams
+from tierserve.cluster.config import TierConfig
+from tierserve.cluster.ingress import Ingress, _Route
+from tierserve.cluster.tiers import Caller
+from tierserve.records import RequestOutput, SamplingParams
 
 TIER = TierConfig(name="interactive", base_priority=10, max_priority=15, ttft_target_s=3.0,
                   tpot_target_s=0.1)

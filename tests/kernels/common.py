@@ -6,9 +6,9 @@ from collections.abc import Callable
 
 import torch
 
-from kernels import reference
-from kernels.metadata import AttentionMetadata
 from tests.kernels.helpers import Shape, assert_close, make_step, new_cache, new_seq, store_prefix
+from tierserve.kernels import reference
+from tierserve.kernels.metadata import AttentionMetadata
 
 AttendFn = Callable[
     [

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import reference
-from kernels.metadata import AttentionMetadata, SeqSpec, build_metadata
+from tierserve.kernels import reference
+from tierserve.kernels.metadata import AttentionMetadata, SeqSpec, build_metadata
 
 # Devices of the plain-torch paths: CPU always, CUDA when present.
 DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
@@ -34,7 +34,7 @@ def triton_devices(
 
 def _triton_interpreted() -> bool:
     try:
-        from kernels import triton_attention
+        from tierserve.kernels import triton_attention
     except ImportError:  # no Triton on this platform
         return False
     return triton_attention.interpreted()

@@ -12,11 +12,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_native, torch_attention
-from kernels.attention import attention
-from kernels.metadata import SeqSpec, build_metadata
 from tests.kernels.common import LONG_DECODES, MIXED, check_against_reference
 from tests.kernels.helpers import Shape
+from tierserve.kernels import cpu_native, torch_attention
+from tierserve.kernels.attention import attention
+from tierserve.kernels.metadata import SeqSpec, build_metadata
 
 needs_native = pytest.mark.skipif(
     not cpu_native.available(),
@@ -35,7 +35,7 @@ def fresh_loader(monkeypatch: pytest.MonkeyPatch, tmp_path: object) -> Iterator[
 
 
 def _native(q, k, v, kc, vc, meta, scale, row_tile, all_heads):  # type: ignore[no-untyped-def]
-    from kernels import reference
+    from tierserve.kernels import reference
 
     reference.store_kv(k, v, kc, vc, meta.slot_mapping)
     out = torch.empty_like(q)
@@ -85,7 +85,7 @@ def test_native_softmax_is_stable_with_large_scores(magnitude: float) -> None:
     kc = torch.randn(16, 16, hkv, d)
     vc = torch.randn(16, 16, hkv, d)
     q = torch.randn(meta.num_tokens, hq, d) * magnitude
-    from kernels import reference
+    from tierserve.kernels import reference
 
     want = reference.paged_attention(q, kc, vc, meta, 0.2)
     got = torch.empty_like(q)
@@ -181,7 +181,7 @@ def test_two_processes_starting_at_once_compile_once(tmp_path: Path) -> None:
     wrapper.write_text(f'#!/bin/sh\necho run >> {calls}\nexec {shutil.which(cxx)} "$@"\n')
     wrapper.chmod(0o755)
     env = {**os.environ, cpu_native.ENV_CACHE: str(tmp_path / "cache"), "CXX": str(wrapper)}
-    code = "from kernels import cpu_native; print(cpu_native.available())"
+    code = "from tierserve.kernels import cpu_native; print(cpu_native.available())"
     root = Path(__file__).resolve().parents[2]
     procs = [subprocess.Popen([sys.executable, "-c", code], cwd=root, env=env,
                               stdout=subprocess.PIPE, text=True) for _ in range(2)]
@@ -276,7 +276,7 @@ def test_plan_takes_all_heads_when_there_is_work_for_every_thread(
 @pytest.mark.parametrize("rows", [1, 7, 300])
 @pytest.mark.parametrize("hidden", [256, 37])
 def test_rms_norm_matches_torch(rows: int, hidden: int) -> None:
-    from replica.models.layers import RMSNorm
+    from tierserve.replica.models.layers import RMSNorm
 
     torch.manual_seed(0)
     norm = RMSNorm(hidden, 1e-5)
@@ -311,8 +311,8 @@ def test_silu_and_mul_matches_torch(rows: int, inter: int) -> None:
 @needs_native
 @pytest.mark.parametrize("tokens", [1, 9, 150])
 def test_rope_store_matches_torch(tokens: int) -> None:
-    from kernels import reference
-    from replica.models.layers import RotaryEmbedding, apply_rotary_
+    from tierserve.kernels import reference
+    from tierserve.replica.models.layers import RotaryEmbedding, apply_rotary_
 
     torch.manual_seed(0)
     hq, hkv, d, bs = 8, 2, 32, 16
@@ -359,8 +359,8 @@ def test_fused_ops_refuse_bad_inputs() -> None:
 def _embedded_model_step():  # type: ignore[no-untyped-def]
     """The embedded default model (seed 0) and a step of it on a fixed batch of two sequences
     (fresh zero caches each call) that returns the two sampled rows' logits."""
-    from replica.models.embedded import build_model
-    from replica.models.llama import ModelOptions
+    from tierserve.replica.models.embedded import build_model
+    from tierserve.replica.models.llama import ModelOptions
 
     torch.manual_seed(0)
     model = build_model(ModelOptions())
@@ -400,7 +400,7 @@ def test_model_fast_path_matches_torch_path() -> None:
 def _packed_linear(n: int, k: int, bias: bool, seed: int = 0, library_rows: str = "never"):  # type: ignore[no-untyped-def]
     """A default-mode layer packed for the native kernel (by default at every row count: these
     tests are of the kernel, not of the choice between it and the library)."""
-    from replica.models.layers import Linear
+    from tierserve.replica.models.layers import Linear
 
     gen = torch.Generator().manual_seed(seed)
     lin = Linear(k, n, bias)
@@ -454,7 +454,7 @@ def test_linear_refuses_bad_inputs() -> None:
 
 
 def test_linear_packs_only_where_the_kernel_applies(monkeypatch: pytest.MonkeyPatch) -> None:
-    from replica.models.layers import Linear
+    from tierserve.replica.models.layers import Linear
 
     assert Linear(8, 8, deterministic=True).pack_for_cpu()  # the deterministic mode needs it
     assert not Linear(8, 8, dtype=torch.float64).pack_for_cpu()
@@ -528,7 +528,7 @@ def test_attention_avx2_path_on_an_avx512_cpu(tmp_path: object, shape: Shape) ->
     head sizes; the same source built without AVX-512 runs the vector-at-a-time AVX2 path that
     AVX2-only CPUs take. Both against the reference, on decodes and chunks, with items of one
     KV head and of all."""
-    from kernels import reference
+    from tierserve.kernels import reference
 
     avx2 = cpu_native.load_variant(Path(str(tmp_path)), add=("-mno-avx512f",))
 
@@ -574,8 +574,8 @@ def test_packed_model_matches_torch_path(tmp_path: object, monkeypatch: pytest.M
     """``pack_for_cpu`` on a whole model with tied embeddings: every linear layer packed, the
     LM head its own copy (the embedding keeps its rows), the same logits as plain torch, and a
     packed model refuses to load weights."""
-    from replica.models.config import ModelLoadError
-    from replica.models.loader import load_weights
+    from tierserve.replica.models.config import ModelLoadError
+    from tierserve.replica.models.loader import load_weights
 
     monkeypatch.setenv(cpu_native.ENV_LIBRARY_ROWS, "never")  # the native kernel throughout
     model, run = _embedded_model_step()
@@ -658,7 +658,7 @@ def test_default_linear_takes_the_library_from_its_threshold(
     """Where the library wins from some row count, the default mode takes it from there on (and
     keeps the [out, in] weight beside the panels); below it, and always in the deterministic
     mode, the native kernel."""
-    from replica.models.layers import Linear
+    from tierserve.replica.models.layers import Linear
 
     calls: list[int] = []
     native = cpu_native.linear

@@ -14,8 +14,6 @@ import dataclasses
 import pytest
 import torch
 
-from kernels import cpu_native, reference
-from kernels.attention import Backend, attention
 from tests.kernels.common import SCALE
 from tests.kernels.helpers import (
     DEVICES,
@@ -30,12 +28,14 @@ from tests.kernels.helpers import (
     row_slices,
     store_prefix,
 )
+from tierserve.kernels import cpu_native, reference
+from tierserve.kernels.attention import Backend, attention
 
 
 def _triton_available() -> bool:
     if torch.cuda.is_available():
         return True
-    from kernels import triton_attention
+    from tierserve.kernels import triton_attention
 
     return triton_attention.interpreted()
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference
-from kernels.attention import Backend, attention
-from kernels.metadata import SeqSpec, build_metadata
+from tierserve.kernels import reference
+from tierserve.kernels.attention import Backend, attention
+from tierserve.kernels.metadata import SeqSpec, build_metadata
 
 
 def _inputs(
@@ -70,7 +70,7 @@ def test_triton_on_cpu_without_the_interpreter_says_how_to_fix(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     pytest.importorskip("triton")
-    from kernels import triton_attention
+    from tierserve.kernels import triton_attention
 
     monkeypatch.setattr(triton_attention, "interpreted", lambda: False)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
@@ -108,7 +108,7 @@ def test_deterministic_torch_refuses_cuda() -> None:
 def test_strided_views_of_a_fused_projection(backend: Backend, deterministic: bool) -> None:
     """q/k/v as column slices of one QKV matmul output (not contiguous) work on every path."""
     if backend == "triton":
-        from kernels import triton_attention
+        from tierserve.kernels import triton_attention
 
         if not triton_attention.interpreted():
             pytest.skip("Triton on CPU needs TRITON_INTERPRET=1")

@@ -1,6 +1,6 @@
 """Ahead-of-time compilation of every Triton kernel variant for sm_80 and sm_90, on CPU.
 
-No GPU needed: ``kernels.aot`` compiles each variant the CI configurations can reach (head_dim 64
+No GPU needed: ``tierserve.kernels.aot`` compiles each variant the CI configurations can reach (head_dim 64
 and 128, 1 to 8 query heads per KV head, blocks of 16 and 32, bf16 and fp16, fast and
 deterministic) to a cubin with Triton's bundled ``ptxas``, in subprocesses without
 ``TRITON_INTERPRET`` (this test process has it on). A variant fails on a compile error, on any
@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from kernels import aot, fused, triton_attention, triton_kv
+from tierserve.kernels import aot, fused, triton_attention, triton_kv
 
 CAN_COMPILE, WHY_NOT = aot.can_compile()
 pytestmark = [

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import cpu_native
+from tierserve.kernels import cpu_native
 
 needs_native = pytest.mark.skipif(
     not cpu_native.available(),

@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import cpu_native
-from kernels.attention import attention
-from kernels.metadata import SeqSpec, build_metadata
-from replica.models.embedded import build_model
-from replica.models.layers import Linear, RMSNorm, silu_and_mul
-from replica.models.llama import ModelOptions
 from tests.models.helpers import PagedHarness, Work, row_mismatches
+from tierserve.kernels import cpu_native
+from tierserve.kernels.attention import attention
+from tierserve.kernels.metadata import SeqSpec, build_metadata
+from tierserve.replica.models.embedded import build_model
+from tierserve.replica.models.layers import Linear, RMSNorm, silu_and_mul
+from tierserve.replica.models.llama import ModelOptions
 
 pytestmark = pytest.mark.skipif(
     cpu_native._compiler() is None or platform.machine() not in ("x86_64", "AMD64"),

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import cpu_native
-from replica.models.layers import Linear
 from tests.kernels.test_cpu_native import _has_avx512
+from tierserve.kernels import cpu_native
+from tierserve.replica.models.layers import Linear
 
 needs_native = pytest.mark.skipif(not cpu_native.available(), reason="native kernels not built")
 
@@ -203,10 +203,10 @@ def test_a_q4_1_model_runs_quantized_with_the_fp32_bits(
     """A tiny tied model written as Q4_1 (as the default model ships): every linear layer packs
     quantized (the tied head too), and its logits are the fp32 panels' logits, bit for bit, in the
     default and the deterministic mode."""
-    from replica.models.llama import ModelOptions
-    from replica.models.loader import load_model
     from tests.models.gguf_helpers import write_gguf
     from tests.models.helpers import PagedHarness, Work, tiny_hf_model
+    from tierserve.replica.models.llama import ModelOptions
+    from tierserve.replica.models.loader import load_model
 
     monkeypatch.setenv("TIERSERVE_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv(cpu_native.ENV_LIBRARY_ROWS, "never")

@@ -9,9 +9,9 @@ import functools
 import pytest
 import torch
 
-from kernels.attention import attention
 from tests.kernels.common import MIXED, check_against_reference
 from tests.kernels.helpers import DEVICES, Shape
+from tierserve.kernels.attention import attention
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -32,7 +32,7 @@ def test_torch_paths_match_reference(
     device: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from kernels import cpu_native
+    from tierserve.kernels import cpu_native
 
     monkeypatch.setattr(cpu_native, "enabled", native)
     if deterministic and (device != "cpu" or dtype != torch.float32 or not cpu_native.available()):
@@ -54,7 +54,7 @@ def test_torch_paths_decode_only_or_prefill_only(
     spec: list[tuple[int, int]],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from kernels import cpu_native
+    from tierserve.kernels import cpu_native
 
     monkeypatch.setattr(cpu_native, "enabled", native)
     if deterministic and not cpu_native.available():

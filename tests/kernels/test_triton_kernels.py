@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 import torch
 
-from kernels import aot, metadata, reference, triton_attention, triton_kv
-from kernels.attention import attention
-from kernels.metadata import AttentionMetadata, SeqSpec, build_metadata
 from tests.kernels.common import LONG_DECODES, MIXED, SCALE, check_against_reference
 from tests.kernels.helpers import TRITON_DEVICES, Shape, new_cache, triton_devices
+from tierserve.kernels import aot, metadata, reference, triton_attention, triton_kv
+from tierserve.kernels.attention import attention
+from tierserve.kernels.metadata import AttentionMetadata, SeqSpec, build_metadata
 
 pytestmark = [
     pytest.mark.triton,

@@ -6,7 +6,7 @@ embedded model's vocabulary, a few merges; ``tokenizer.ggml.model`` ``gpt2``) or
 (a small vocabulary with scores, byte-fallback tokens; ``llama``).
 
 A file of architecture ``mistral`` keeps Hugging Face's Q/K layout: llama.cpp neither writes nor
-reads that architecture (it writes Mistral models as ``llama``), and ``replica.models.gguf_loader``
+reads that architecture (it writes Mistral models as ``llama``), and ``tierserve.replica.models.gguf_loader``
 reads such a file's Q/K as stored.
 
 Quantized tensors: ``gguf.quants.quantize`` where the package can quantize (F16, BF16, Q8_0, Q4_0,
@@ -24,7 +24,7 @@ import gguf
 import numpy as np
 import torch
 
-from replica.models.embedded import (
+from tierserve.replica.models.embedded import (
     BOS_ID,
     CHAT_TEMPLATE,
     EOS_ID,
@@ -272,8 +272,8 @@ def load_in_child(path: str, cache: str, builds: str, start: Any, out: Any) -> N
     import time
 
     os.environ["TIERSERVE_CACHE_DIR"] = cache
-    from replica.models import gguf_loader
-    from replica.models.loader import load_model
+    from tierserve.replica.models import gguf_loader
+    from tierserve.replica.models.loader import load_model
 
     writer = gguf_loader._PreparedWriter
     real_add, real_start = writer.add, writer.start.__func__  # type: ignore[attr-defined]

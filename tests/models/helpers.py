@@ -1,4 +1,4 @@
-"""Test helpers for ``replica.models``: drive a model over paged KV caches, and build tiny random
+"""Test helpers for ``tierserve.replica.models``: drive a model over paged KV caches, and build tiny random
 Hugging Face checkpoints (``save_pretrained`` into a directory, with the embedded tokenizer)."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from typing import Any
 
 import torch
 
-from kernels.metadata import SeqSpec, build_metadata
-from kernels.reference import gather_seq
-from replica.models.embedded import build_tokenizer
-from replica.models.llama import LlamaForCausalLM
+from tierserve.kernels.metadata import SeqSpec, build_metadata
+from tierserve.kernels.reference import gather_seq
+from tierserve.replica.models.embedded import build_tokenizer
+from tierserve.replica.models.llama import LlamaForCausalLM
 
 
 @dataclass(frozen=True)

@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from replica.models.embedded import build_model
-from replica.models.llama import LlamaForCausalLM, ModelOptions
-from replica.models.loader import load_model
 from tests.models.helpers import PagedHarness, Work, save_checkpoint, tiny_hf_model
+from tierserve.replica.models.embedded import build_model
+from tierserve.replica.models.llama import LlamaForCausalLM, ModelOptions
+from tierserve.replica.models.loader import load_model
 
 pytestmark = pytest.mark.slow
 

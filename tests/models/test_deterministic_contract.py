@@ -17,15 +17,15 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kernels import cpu_native
-from kernels.metadata import SeqSpec, build_metadata
-from replica.config import EngineConfig
-from replica.engine import Engine
-from replica.models.embedded import EMBEDDED_MODEL, build_model, embedded_config
-from replica.models.layers import Linear
-from replica.models.llama import LlamaForCausalLM, ModelOptions
-from replica.models.loader import load_model
 from tests.models.helpers import PagedHarness, Work, save_checkpoint, tiny_hf_model
+from tierserve.kernels import cpu_native
+from tierserve.kernels.metadata import SeqSpec, build_metadata
+from tierserve.replica.config import EngineConfig
+from tierserve.replica.engine import Engine
+from tierserve.replica.models.embedded import EMBEDDED_MODEL, build_model, embedded_config
+from tierserve.replica.models.layers import Linear
+from tierserve.replica.models.llama import LlamaForCausalLM, ModelOptions
+from tierserve.replica.models.loader import load_model
 
 needs_native = pytest.mark.skipif(
     not cpu_native.available(),
@@ -205,7 +205,7 @@ def test_deterministic_layers_refuse_to_run_off_the_native_path() -> None:
     layer = Linear(8, 8, deterministic=True)
     with pytest.raises(Unavailable, match=r"call pack_for_cpu\(\)"):
         layer(torch.randn(2, 8))
-    from replica.models.layers import RMSNorm, silu_and_mul
+    from tierserve.replica.models.layers import RMSNorm, silu_and_mul
 
     with pytest.raises(Unavailable, match="RMSNorm needs the native kernels"):
         RMSNorm(8, 1e-5, deterministic=True)(torch.randn(2, 8, dtype=torch.float64))
@@ -236,7 +236,7 @@ def test_engine_refuses_to_start_without_the_native_kernels(monkeypatch: pytest.
 def test_a_replica_configured_for_a_deterministic_mode_it_cannot_honour_does_not_start() -> None:
     """The deployment's constructor (what Serve calls to start a replica) raises the refusal, so
     Serve reports the replica as failed to start with that message."""
-    from replica.deployment import LLMServer
+    from tierserve.replica.deployment import LLMServer
 
     with pytest.raises(Unavailable, match=r"deterministic mode cannot run here: .*float32 only"):
         LLMServer(engine={"model": EMBEDDED_MODEL, "deterministic": True, "device": "cpu",

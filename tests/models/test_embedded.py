@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from replica.models.embedded import (
+from tierserve.replica.models.embedded import (
     BOS_ID,
     EMBEDDED_MODEL,
     EOS_ID,
@@ -18,7 +18,7 @@ from replica.models.embedded import (
     build_tokenizer,
     embedded_config,
 )
-from replica.models.loader import load_model, load_tokenizer
+from tierserve.replica.models.loader import load_model, load_tokenizer
 
 # sha256 over (name, fp32 bytes) of the sorted state dict; changes only if the weights change.
 WEIGHTS_SHA256 = "11870c39c691699db5b167185cbbfa4821e0e484247cadd7da29e31cde10a483"

@@ -1,4 +1,4 @@
-"""The fused Triton kernels (``kernels.fused``) against the torch ops they replace, and the model on
+"""The fused Triton kernels (``tierserve.kernels.fused``) against the torch ops they replace, and the model on
 the triton backend with them on against the same model with them off.
 
 Without a GPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set here before
@@ -15,12 +15,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from kernels import fused, reference, triton_attention
-from kernels.metadata import SeqSpec, build_metadata
-from replica.models.config import ModelConfig
-from replica.models.layers import RMSNorm, apply_rotary_
-from replica.models.llama import LlamaForCausalLM, ModelOptions
 from tests.models.helpers import randomize_
+from tierserve.kernels import fused, reference, triton_attention
+from tierserve.kernels.metadata import SeqSpec, build_metadata
+from tierserve.replica.models.config import ModelConfig
+from tierserve.replica.models.layers import RMSNorm, apply_rotary_
+from tierserve.replica.models.llama import LlamaForCausalLM, ModelOptions
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 import torch
 
-from replica.models import catalog, gguf_loader
-from replica.models.config import ModelLoadError
-from replica.models.loader import load_model, load_model_config, load_tokenizer
 from tests.models.gguf_helpers import load_in_child, reference_from_file, spm_vocab, write_gguf
 from tests.models.helpers import PagedHarness, Work, tiny_hf_model
+from tierserve.replica.models import catalog, gguf_loader
+from tierserve.replica.models.config import ModelLoadError
+from tierserve.replica.models.loader import load_model, load_model_config, load_tokenizer
 
 # Dimensions every block size divides (256 weights per K-quant block, 32 per Q8_0/Q4_x block).
 QUANT_DIMS: dict[str, Any] = dict(hidden_size=256, intermediate_size=512, vocab_size=300)
@@ -155,7 +155,7 @@ def test_the_cached_tokenizer_loads_without_torch(tmp_path: Path) -> None:
     fresh = load_tokenizer(str(path))  # builds the cache entry
     code = (
         "import json, sys\n"
-        "from replica.models.meta import load_tokenizer\n"
+        "from tierserve.replica.models.meta import load_tokenizer\n"
         f"tok = load_tokenizer({str(path)!r})\n"
         "chat = tok.apply_chat_template([{'role': 'user', 'content': 'hi'}], tokenize=False)\n"
         "print(json.dumps([tok.encode('hello world'), tok.decode([263, 264, 111]), chat,\n"
@@ -332,21 +332,21 @@ def test_two_processes_loading_at_once_build_the_prepared_entry_once(
 def test_prepare_builds_the_caches_ahead_of_the_first_start(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """``python -m replica.models.prepare`` (``make install`` runs it for the default model):
+    """``python -m tierserve.replica.models.prepare`` (``make install`` runs it for the default model):
     builds config, tokenizer and weights under $TIERSERVE_CACHE_DIR without building a model;
     quiet once they are there; a load then reads the cache, not the file."""
     import os
     import subprocess
     import sys
 
-    from replica.models import prepare
+    from tierserve.replica.models import prepare
 
     path = write_gguf(tiny_hf_model("llama", seed=13, **QUANT_DIMS), tmp_path / "p.gguf", "Q4_1")
     cache = tmp_path / "install-cache"
     root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "TIERSERVE_CACHE_DIR": str(cache),
            "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    cmd = [sys.executable, "-m", "replica.models.prepare", str(path)]
+    cmd = [sys.executable, "-m", "tierserve.replica.models.prepare", str(path)]
     first = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr
     assert first.stdout.startswith(f"tierserve: prepared {path} (config, tokenizer, weights) "

@@ -13,9 +13,10 @@ import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from kernels import cpu_native
-from replica.models.config import RopeScaling
-from replica.models.layers import (
+from tests.models.helpers import row_mismatches
+from tierserve.kernels import cpu_native
+from tierserve.replica.models.config import RopeScaling
+from tierserve.replica.models.layers import (
     Linear,
     RMSNorm,
     RotaryEmbedding,
@@ -23,7 +24,6 @@ from replica.models.layers import (
     rope_inv_freq,
     silu_and_mul,
 )
-from tests.models.helpers import row_mismatches
 
 pytestmark = pytest.mark.skipif(
     not cpu_native.available(),

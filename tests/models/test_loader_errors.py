@@ -11,11 +11,11 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from replica.models.config import ModelConfig
-from replica.models.embedded import build_tokenizer
-from replica.models.llama import ModelOptions
-from replica.models.loader import ModelLoadError, load_model, load_tokenizer, read_config
 from tests.models.helpers import save_checkpoint, tiny_hf_model
+from tierserve.replica.models.config import ModelConfig
+from tierserve.replica.models.embedded import build_tokenizer
+from tierserve.replica.models.llama import ModelOptions
+from tierserve.replica.models.loader import ModelLoadError, load_model, load_tokenizer, read_config
 
 
 @pytest.fixture(scope="module")

@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 import torch
 
-from replica.models.catalog import SMOLLM2, packaged_file
-from replica.models.loader import load_model
 from tests.models.helpers import PagedHarness, Work
+from tierserve.replica.models.catalog import SMOLLM2, packaged_file
+from tierserve.replica.models.loader import load_model
 
 pytestmark = pytest.mark.slow
 

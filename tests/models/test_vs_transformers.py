@@ -10,9 +10,6 @@ import pytest
 import torch
 import transformers
 
-from replica.models.embedded import build_model
-from replica.models.llama import LlamaForCausalLM
-from replica.models.loader import load_model
 from tests.models.helpers import (
     TINY_KINDS,
     PagedHarness,
@@ -21,6 +18,9 @@ from tests.models.helpers import (
     save_checkpoint,
     tiny_hf_model,
 )
+from tierserve.replica.models.embedded import build_model
+from tierserve.replica.models.llama import LlamaForCausalLM
+from tierserve.replica.models.loader import load_model
 
 pytestmark = pytest.mark.slow
 

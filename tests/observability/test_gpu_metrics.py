@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from replica.api import EngineStats
-from replica.metrics import (
+from tierserve.records import EngineStats
+from tierserve.replica.metrics import (
     EXPORTED,
     GAUGES,
     MEMORY_GAUGES,
@@ -136,7 +136,7 @@ class FakeEngine:
 @pytest.mark.parametrize("device", ["cpu", "cuda:0"])
 def test_the_replicas_stats_carry_its_memory(monkeypatch: pytest.MonkeyPatch, device: str) -> None:
     pytest.importorskip("ray")
-    from replica import deployment
+    from tierserve.replica import deployment
 
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (30 * GiB, 80 * GiB))
     server = object.__new__(deployment.LLMServer)

@@ -34,8 +34,6 @@ import ray
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
-from bench import load as loadgen
-from replica.metrics import EXPORTED, GAUGES
 from tests.cluster.helpers import (
     KEYS,
     ServeApp,
@@ -46,6 +44,8 @@ from tests.cluster.helpers import (
 )
 from tests.observability import promql
 from tests.tools import Prometheus
+from tierserve.bench import load as loadgen
+from tierserve.replica.metrics import EXPORTED, GAUGES
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -235,7 +235,7 @@ def test_counters_are_exported_at_zero_before_anything_happens(cluster: Cluster,
                                                                prometheus: Prometheus) -> None:
     """Before any request (this test runs before the load): every counter, for every tier and
     reason it can count, is in the scrape at 0, so a dashboard shows 0 rather than "No data"."""
-    from replica.metrics import FINISH_REASONS, INGRESS_REJECTIONS, REJECTION_REASONS
+    from tierserve.replica.metrics import FINISH_REASONS, INGRESS_REJECTIONS, REJECTION_REASONS
 
     tiers = {"interactive", "standard", "batch", "none"}
 
@@ -267,7 +267,7 @@ def test_counters_are_exported_at_zero_before_anything_happens(cluster: Cluster,
 
 def test_a_scrape_holds_every_exported_metric(cluster: Cluster, provoked: Provoked) -> None:
     samples = cluster.wait_scrape(
-        "every name of replica.metrics.EXPORTED in the scrape",
+        "every name of tierserve.replica.metrics.EXPORTED in the scrape",
         lambda ss: EXPORTED.issubset(s.name for s in ss if s.labels.get("application") == APP))
     replicas = {s.labels.get("replica") for s in ours(samples, "ray_tierserve_kv_blocks_total")}
     assert replicas == {name.rsplit("#", 1)[1] for name in cluster.app.replicas()}

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from bench import load as loadgen
-from bench.common import percentile
-from bench.load import LengthDist, Result, Scrape, TrafficClass, Workload
-from replica.metrics import COUNTERS, EXPORTED, GAUGES, HISTOGRAMS, MEMORY_GAUGES
 from tests.observability import promql
+from tierserve.bench import load as loadgen
+from tierserve.bench.common import percentile
+from tierserve.bench.load import LengthDist, Result, Scrape, TrafficClass, Workload
+from tierserve.replica.metrics import COUNTERS, EXPORTED, GAUGES, HISTOGRAMS, MEMORY_GAUGES
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "configs" / "grafana" / "tierserve.json"

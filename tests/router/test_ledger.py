@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import random
 
-from router.ledger import InFlightLedger
-from router.policy import Charge, Ranked, ReplicaLoad, RequestShape, rank_replicas
-from router.stats import RoutingStats
+from tierserve.records import RoutingStats
+from tierserve.router.ledger import InFlightLedger
+from tierserve.router.policy import Charge, Ranked, ReplicaLoad, RequestShape, rank_replicas
 
 T0 = 1000.0
 

@@ -8,14 +8,14 @@ from collections import Counter
 
 import pytest
 
-from router.policy import (
+from tierserve.records import RoutingStats
+from tierserve.router.policy import (
     Charge,
     ReplicaLoad,
     RequestShape,
     charge_blocks,
     rank_replicas,
 )
-from router.stats import RoutingStats
 
 T0 = 1000.0
 
@@ -256,7 +256,7 @@ def test_seats_count_what_was_sent_since_the_report() -> None:
 
 
 def test_a_stats_report_carries_the_step_limit_and_seats() -> None:
-    from replica.api import EngineStats
+    from tierserve.records import EngineStats
 
     s = RoutingStats.from_engine(EngineStats(running=3, waiting=0, free_blocks=10, total_blocks=20,
                                              block_tokens=16, step_limit_s=0.0804, seats=5),

@@ -8,12 +8,11 @@ import random
 
 import pytest
 
-from replica.api import GenerateRequest, SamplingParams
-from replica.prefix_cache import block_hashes
-from router.policy import Affinity, Charge, ReplicaLoad, RequestShape, rank_replicas
-from router.prefix_index import PrefixIndex
-from router.routing import RouterSettings, RouterState
-from router.stats import RoutingStats
+from tierserve.records import GenerateRequest, RoutingStats, SamplingParams
+from tierserve.replica.prefix_cache import block_hashes
+from tierserve.router.policy import Affinity, Charge, ReplicaLoad, RequestShape, rank_replicas
+from tierserve.router.prefix_index import PrefixIndex
+from tierserve.router.routing import RouterSettings, RouterState
 
 T0 = 1000.0
 B = 16

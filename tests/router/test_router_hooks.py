@@ -17,11 +17,10 @@ from ray.serve._private.common import (
 )
 from ray.serve.request_router import PendingRequest, ReplicaResult, RunningReplica
 
-from replica.api import GenerateRequest, SamplingParams
-from router import registry
-from router.free_blocks_router import FreeKVBlocksRouter
-from router.policy import RequestShape
-from router.stats import RoutingStats
+from tierserve.records import GenerateRequest, RoutingStats, SamplingParams
+from tierserve.router import registry
+from tierserve.router.free_blocks_router import FreeKVBlocksRouter
+from tierserve.router.policy import RequestShape
 
 DEPLOYMENT = DeploymentID(name="engine", app_name="app")
 RESULT = cast(ReplicaResult, None)  # the router never looks at the result
@@ -52,7 +51,7 @@ def metadata(rid: str) -> RequestMetadata:
 
 def request(prompt: int = 255, rid: str = "", latency: bool = True) -> PendingRequest:
     """A call with the ingress's record; a latency-tier request by default: ranked by free
-    blocks (``router.policy``)."""
+    blocks (``tierserve.router.policy``)."""
     sent = GenerateRequest((1,) * prompt, SamplingParams(max_tokens=32), latency=latency)
     return PendingRequest(args=[sent], kwargs={}, metadata=metadata(rid or f"r{id(sent)}"))
 

@@ -12,9 +12,9 @@ import ray
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from replica.api import GenerateRequest, SamplingParams
-from router import registry
-from router.sim import SimClient, SimEngine, SimOutput
+from tierserve.records import GenerateRequest, SamplingParams
+from tierserve.router import registry
+from tierserve.router.sim import SimClient, SimEngine, SimOutput
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

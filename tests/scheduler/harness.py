@@ -11,11 +11,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from replica.block_space import FreeListBlocks
-from replica.config import EngineConfig
-from replica.prefill_policy import PrefillPolicy, WholePrompt
-from replica.prefix_cache import PrefixCachingBlocks
-from replica.scheduler import (
+from tests.fake_model import FakeModel, expected_output
+from tierserve.replica.block_space import FreeListBlocks
+from tierserve.replica.config import EngineConfig
+from tierserve.replica.prefill_policy import PrefillPolicy, WholePrompt
+from tierserve.replica.prefix_cache import PrefixCachingBlocks
+from tierserve.replica.scheduler import (
     FinishedEvent,
     FinishReason,
     Request,
@@ -25,7 +26,6 @@ from replica.scheduler import (
     Scheduler,
     TokenEvent,
 )
-from tests.fake_model import FakeModel, expected_output
 
 
 def caps(

@@ -12,8 +12,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from replica.block_space import FreeListBlocks, NoCapacity
-from replica.scheduler import (
+from tests.fake_model import FakeModel, drive, expected_output, request
+from tests.scheduler.harness import Sim, blocks_for, caps
+from tierserve.replica.block_space import FreeListBlocks, NoCapacity
+from tierserve.replica.scheduler import (
     AdmitError,
     Chunk,
     EmptyPrompt,
@@ -27,8 +29,6 @@ from replica.scheduler import (
     TokenEvent,
     TooLong,
 )
-from tests.fake_model import FakeModel, drive, expected_output, request
-from tests.scheduler.harness import Sim, blocks_for, caps
 
 PROPERTY = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

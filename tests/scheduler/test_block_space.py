@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from replica.block_space import Allocation, BlockSpace, FreeListBlocks, NoCapacity
+from tierserve.replica.block_space import Allocation, BlockSpace, FreeListBlocks, NoCapacity
 
 
 def test_is_a_block_space() -> None:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from replica.prefill_policy import Chunked, PrefillPolicy, WholePrompt
-from replica.scheduler import Chunk, Request
 from tests.fake_model import expected_output, request
 from tests.scheduler.harness import Sim, caps
+from tierserve.replica.prefill_policy import Chunked, PrefillPolicy, WholePrompt
+from tierserve.replica.scheduler import Chunk, Request
 
 CTX = 128
 

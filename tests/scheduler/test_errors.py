@@ -7,12 +7,12 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from replica.block_space import FreeListBlocks
-from replica.config import EngineConfig
-from replica.prefill_policy import Chunked, WholePrompt
-from replica.scheduler import Request, SchedPolicy, Scheduler
 from tests.fake_model import FakeModel, request
 from tests.scheduler.harness import caps
+from tierserve.replica.block_space import FreeListBlocks
+from tierserve.replica.config import EngineConfig
+from tierserve.replica.prefill_policy import Chunked, WholePrompt
+from tierserve.replica.scheduler import Request, SchedPolicy, Scheduler
 
 
 @pytest.mark.parametrize("bad", [0, -1])

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from replica.lazy_heap import Handle, LazyHeap
+from tierserve.replica.lazy_heap import Handle, LazyHeap
 
 
 def drain(h: LazyHeap[str]) -> list[str]:

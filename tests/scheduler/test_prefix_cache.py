@@ -20,12 +20,12 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from replica.block_space import NoCapacity
-from replica.prefill_policy import Chunked, PrefillPolicy, WholePrompt
-from replica.prefix_cache import PrefixCachingBlocks, block_hashes, model_key
-from replica.scheduler import QueueFull, Request, SchedPolicy, Scheduler
 from tests.fake_model import FakeModel
 from tests.scheduler.harness import Sim, blocks_for, caps
+from tierserve.replica.block_space import NoCapacity
+from tierserve.replica.prefill_policy import Chunked, PrefillPolicy, WholePrompt
+from tierserve.replica.prefix_cache import PrefixCachingBlocks, block_hashes, model_key
+from tierserve.replica.scheduler import QueueFull, Request, SchedPolicy, Scheduler
 
 B = 4
 
@@ -126,7 +126,7 @@ def test_names_depend_on_the_model_and_the_whole_prefix() -> None:
 
 def test_names_are_the_same_in_another_process() -> None:
     """The ingress names a prompt's blocks for the router in its own process."""
-    code = ("from replica.prefix_cache import block_hashes, model_key; "
+    code = ("from tierserve.replica.prefix_cache import block_hashes, model_key; "
             "print(block_hashes(list(range(40)), 16, model_key('m', 'auto', 16)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == str(block_hashes(list(range(40)), 16, model_key("m", "auto", 16)))

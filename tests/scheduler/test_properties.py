@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from replica.config import EngineConfig
-from replica.prefill_policy import Chunked, PrefillPolicy, WholePrompt
-from replica.scheduler import FinishReason, QueueFull, Request, SchedPolicy
 from tests.fake_model import expected_output, request
 from tests.scheduler.harness import Sim, blocks_for, caps
+from tierserve.replica.config import EngineConfig
+from tierserve.replica.prefill_policy import Chunked, PrefillPolicy, WholePrompt
+from tierserve.replica.scheduler import FinishReason, QueueFull, Request, SchedPolicy
 
 
 @dataclass

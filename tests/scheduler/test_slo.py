@@ -10,12 +10,12 @@ import random
 
 import pytest
 
-from replica.block_space import FreeListBlocks
-from replica.prefill_policy import Chunked
-from replica.scheduler import FinishedEvent, Request, SchedPolicy, Scheduler, TokenEvent
-from replica.step_cost import CostPrior, StepCostModel, StepShape, chunk_attention
 from tests.fake_model import VOCAB, FakeModel, drive, expected_output
 from tests.scheduler.harness import caps
+from tierserve.replica.block_space import FreeListBlocks
+from tierserve.replica.prefill_policy import Chunked
+from tierserve.replica.scheduler import FinishedEvent, Request, SchedPolicy, Scheduler, TokenEvent
+from tierserve.replica.step_cost import CostPrior, StepCostModel, StepShape, chunk_attention
 
 # 10 ms a step plus 1 ms a token: a limit of 80 ms holds 70 tokens.
 PRIOR = CostPrior(base_s=0.01, per_token_s=0.001, per_sequence_s=0.0, per_pair_s=0.0)

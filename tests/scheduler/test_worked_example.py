@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from replica.block_space import FreeListBlocks
-from replica.prefill_policy import Chunked
-from replica.scheduler import (
+from tests.fake_model import FakeModel, expected_output, request
+from tests.scheduler.harness import caps
+from tierserve.replica.block_space import FreeListBlocks
+from tierserve.replica.prefill_policy import Chunked
+from tierserve.replica.scheduler import (
     Chunk,
     FinishedEvent,
     FinishReason,
@@ -20,8 +22,6 @@ from replica.scheduler import (
     Scheduler,
     TokenEvent,
 )
-from tests.fake_model import FakeModel, expected_output, request
-from tests.scheduler.harness import caps
 
 CTX = 64
 
