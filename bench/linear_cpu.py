@@ -9,8 +9,8 @@ shaped model: ``--layers`` distinct random fp32 weights of that shape (qkv 576->
 gate_up 576->3072, down 1536->576), so that the weights stream from memory as in a real decode
 step and do not sit in the cache; the output head (576->49152) is one weight. The ways to do it:
 
-- ``native``: ``tierserve.kernels.cpu_native.linear`` on the panels of ``pack_linear``, the build this CPU
-  gets (AVX-512 where the compiler sees it, else AVX2, else portable);
+- ``native``: ``tierserve.kernels.cpu_ops.linear`` on the panels of ``cpu_packing.pack_linear``, the
+  build this CPU gets (AVX-512 where the compiler sees it, else AVX2, else portable);
 - ``native-avx2``: the same source built without AVX-512 (only on a CPU with it);
 - ``torch``: ``torch.nn.functional.linear`` on the ``[out, in]`` weight (MKL's sgemm);
 - ``mkl-packed``: ``torch.ops.mkl._mkl_linear`` on a weight that
@@ -46,7 +46,7 @@ import torch.nn.functional as F
 
 from tierserve.bench.common import machine as common_machine
 from tierserve.bench.common import pyplot
-from tierserve.kernels import cpu_native
+from tierserve.kernels import cpu_abi, cpu_build, cpu_native, cpu_ops, cpu_packing
 
 HIDDEN, INTER, QKV, VOCAB = 576, 1536, 960, 49152
 # (name, out_features, in_features, weights per step)
@@ -84,14 +84,14 @@ class Point:
 
 def machine() -> dict[str, object]:
     """``tierserve.bench.common.machine`` plus the CPU flags and environment this benchmark depends on."""
-    have = set(cpu_native.cpu_flags().split())
+    have = set(cpu_build.cpu_flags().split())
     flags = sorted(f for f in ("avx2", "fma", "avx512f", "avx512bw", "amx_tile") if f in have)
     return common_machine(
         cpu_flags=flags, env={k: os.environ[k] for k in AVX2_ENV if k in os.environ}
     )
 
 
-def _on(lib: cpu_native.NativeLib | None, fn: Linear) -> Linear:
+def _on(lib: cpu_abi.NativeLib | None, fn: Linear) -> Linear:
     """``fn`` with ``lib`` as the process's native library (the same Python path as ``native``)."""
     if lib is None:
         return fn
@@ -114,7 +114,7 @@ def panels_bmm(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torc
     m, k = x.shape
     panels = packed.shape[0]
     part = torch.bmm(x.expand(panels, m, k), packed)  # [panels, M, 16]
-    y = part.transpose(0, 1).reshape(m, panels * cpu_native.PANEL)
+    y = part.transpose(0, 1).reshape(m, panels * cpu_abi.PANEL)
     return y if out_features == y.shape[1] else y[:, :out_features].contiguous()
 
 
@@ -127,7 +127,7 @@ def _onednn(x: torch.Tensor, wd: torch.Tensor) -> torch.Tensor:
 
 
 def _native(x: torch.Tensor, p: torch.Tensor, n: int) -> torch.Tensor:
-    return cpu_native.linear(x, p, n)
+    return cpu_ops.linear(x, p, n)
 
 
 def _ways(
@@ -135,7 +135,7 @@ def _ways(
     weights: list[torch.Tensor],
     packed: list[torch.Tensor],
     rows: int,
-    avx2_lib: cpu_native.NativeLib | None,
+    avx2_lib: cpu_abi.NativeLib | None,
 ) -> dict[str, list[Linear]]:
     """way -> one function per weight, prepared for ``rows`` rows (the MKL pack is per count)."""
     out: dict[str, list[Linear]] = {}
@@ -183,7 +183,7 @@ def run(
             continue
         count = layers if per_layer else 1
         weights = [torch.randn(n, k, generator=gen) / k**0.5 for _ in range(count)]
-        packed = [cpu_native.pack_linear(w) for w in weights]
+        packed = [cpu_packing.pack_linear(w) for w in weights]
         for m in rows_list:
             x = torch.randn(m, k, generator=gen)
             ways = _ways(impls, weights, packed, m, avx2_lib)

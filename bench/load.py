@@ -27,7 +27,9 @@ clients hang up after their first token (the server aborts those requests).
 
 Bounds: at most ``--num-requests`` requests, none started after ``--duration`` s; requests still
 running then get ``--drain-timeout`` s more and are cancelled; each has ``--request-timeout``.
-Only loopback targets unless ``--allow-remote``.
+Only loopback targets unless ``--allow-remote``. Without ``--model``, the requests name the model
+the server lists first at ``GET /v1/models``; when it lists none or cannot be reached, nothing is
+sent and the exit status is 1.
 
 The report (``OUT_DIR/NAME.json``, ``NAME_latency.png``, ``NAME_server.png``): TTFT, TPOT and
 end-to-end p50/p90/p99 per class and overall (client-side, from the SSE stream: TTFT is the first
@@ -38,6 +40,14 @@ finished requests). The endpoint is also sampled every ``--sample-interval`` s f
 depth, running requests and free KV blocks per replica. Ray exports a replica's metrics about
 every 10 s, so those series lag by up to that much, and the final scrape waits (at most
 ``--settle-timeout`` s) until the server has counted every request the client saw end.
+
+The verdict (in the report as ``verdict``; the exit status is 1 when it fails, after the report
+is written): the run fails when no request was answered (a complete answer, or a stream the
+client hung up on by ``--abort-fraction``), or when any request got a clear error (an HTTP error
+or a stream's error event, by its OpenAI error code) other than a loaded server's refusals
+(``queue_full``, ``shed``): ``model_not_found``, ``invalid_api_key``, ``invalid_priority`` and the
+like mean the run measured nothing of what it meant to. Transport errors, timeouts and requests
+cancelled at the drain are reported, not judged.
 """
 
 from __future__ import annotations
@@ -65,7 +75,17 @@ from urllib.parse import urlsplit
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from tierserve.bench.common import load_avg_1m, machine, percentile, pyplot
+from tierserve.bench.common import (
+    RequestsFailed,
+    Verdict,
+    error_code,
+    load_avg_1m,
+    machine,
+    percentile,
+    pyplot,
+    served_model_async,
+    verdict,
+)
 from tierserve.replica.metrics import COUNTERS, GAUGES
 
 # Ray exports every metric with this prefix, and a counter with a ``_total`` suffix.
@@ -448,13 +468,7 @@ class Result:
         return self.end - self.start
 
 
-def _error_code(raw: bytes) -> str | None:
-    try:
-        err = json.loads(raw).get("error")
-        code = err.get("code") if isinstance(err, dict) else None
-        return str(code) if code is not None else None
-    except (ValueError, AttributeError):
-        return None
+STREAM_ERROR = "stream error: "  # how ``Result.error`` starts for a stream's error event
 
 
 async def send(client: httpx.AsyncClient, base_url: str, model: str, spec: RequestSpec,
@@ -472,7 +486,7 @@ async def send(client: httpx.AsyncClient, base_url: str, model: str, spec: Reque
                                  headers=spec.cls.headers()) as resp:
             r.status = resp.status_code
             if resp.status_code != 200:
-                r.code = _error_code(await resp.aread())
+                r.code = error_code(await resp.aread())
                 ra = resp.headers.get("retry-after", "")
                 r.retry_after = float(ra) if ra.replace(".", "", 1).isdigit() else None
                 return r
@@ -485,7 +499,7 @@ async def send(client: httpx.AsyncClient, base_url: str, model: str, spec: Reque
                 chunk = json.loads(data)
                 if "error" in chunk:
                     err = chunk["error"]
-                    r.error = f"stream error: {err.get('code') if isinstance(err, dict) else err}"
+                    r.error = STREAM_ERROR + str(err.get("code") if isinstance(err, dict) else err)
                     break
                 if chunk.get("usage"):
                     r.prompt_tokens = chunk["usage"].get("prompt_tokens")
@@ -735,7 +749,7 @@ class LoadRunner:
                               max_keepalive_connections=64)
         timeout = httpx.Timeout(cfg.request_timeout_s, connect=10.0)
         async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
-            model = cfg.model or await detect_model(client, cfg.url)
+            model = cfg.model or await served_model_async(client, cfg.url)
             host = machine(torch_info=False)
             before = await self.scrape(client)
             started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
@@ -772,14 +786,24 @@ class LoadRunner:
                        host | {"load_avg_1m_after": load_avg_1m()})
 
 
-async def detect_model(client: httpx.AsyncClient, base_url: str) -> str:
-    try:
-        resp = await client.get(base_url + "/v1/models", timeout=30.0)
-        resp.raise_for_status()
-        return str(resp.json()["data"][0]["id"])
-    except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:
-        raise RuntimeError(f"could not read the served model from {base_url}/v1/models "
-                           f"({type(e).__name__}: {e}); is the cluster up? (or pass --model)") from None
+def error_codes(results: Sequence[Result]) -> dict[str, int]:
+    """The clear errors among ``results`` by code: refusals (their error body's code, else
+    ``HTTP <status>``) and streams that ended in an error event."""
+    out: Counter[str] = Counter()
+    for r in results:
+        if r.outcome == "rejected":
+            out[r.code or f"HTTP {r.status}"] += 1
+        elif r.outcome == "error" and r.error is not None and r.error.startswith(STREAM_ERROR):
+            out[r.error[len(STREAM_ERROR):]] += 1
+    return dict(sorted(out.items()))
+
+
+def run_verdict(results: Sequence[Result]) -> Verdict:
+    """A run's verdict (``tierserve.bench.common.verdict``): a request succeeded when it was
+    answered, or streamed until the client hung up on purpose; the mix asks for no clear error,
+    and a loaded server's refusals are tolerated."""
+    succeeded = sum(r.outcome in ("ok", "aborted") for r in results)
+    return verdict(sent=len(results), succeeded=succeeded, errors=error_codes(results))
 
 
 # ---------------------------------------------------------------------------------- report
@@ -1093,6 +1117,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         run = asyncio.run(LoadRunner(cfg, workload).run())
+    except RequestsFailed as e:
+        print(f"tierserve-load: {e} (or pass --model)", file=sys.stderr)
+        return 1
     except RuntimeError as e:
         print(f"tierserve-load: {e}", file=sys.stderr)
         return 1
@@ -1100,6 +1127,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("tierserve-load: interrupted", file=sys.stderr)
         return 130
     report = build_report(run, cfg, workload)
+    judged = run_verdict(run.results)
+    report["verdict"] = judged.record()
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if not args.no_plots:
@@ -1111,7 +1140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     path.write_text(json.dumps(report, indent=1) + "\n")
     print(summary_text(report))
     print(f"  report: {path}" + "".join(f"\n  plot: {p}" for p in report.get("plots", {}).values()))
-    return 0
+    return judged.conclude("tierserve-load")
 
 
 if __name__ == "__main__":

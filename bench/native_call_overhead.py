@@ -1,6 +1,6 @@
 """What the checked native boundary costs per call: the same C functions called raw through
 ctypes (addresses from ``data_ptr()``, the way the module called them before the boundary
-checked its arguments) and through ``tierserve.kernels.cpu_native``'s ``NativeFunction`` (each pointer
+checked its arguments) and through ``tierserve.kernels.cpu_abi``'s checked functions (each pointer
 argument checked against its kind), on inputs so small that the call is all there is.
 
     python -m tierserve.bench.native_call_overhead [--calls 20000] [--rounds 7]
@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from tierserve.kernels import cpu_native
+from tierserve.kernels import cpu_native, cpu_ops, cpu_packing
 
 
 def _per_call_us(fn: Callable[[], object], calls: int) -> float:
@@ -30,10 +30,10 @@ def _per_call_us(fn: Callable[[], object], calls: int) -> float:
 
 def cases() -> dict[str, Callable[[], object]]:
     """name -> a zero-argument call; ``raw``/``checked`` pairs call the same C function."""
-    lib = cpu_native._lib_or_raise()
+    lib = cpu_native.lib_or_raise()
     raw = lib.cdll
     x, w = torch.randn(1, 16), torch.randn(16, 16)
-    packed = cpu_native.pack_linear(w)
+    packed = cpu_packing.pack_linear(w)
     y = torch.empty(1, 16)
     gate_up, out = torch.randn(1, 32), torch.empty(1, 16)
     return {
@@ -45,8 +45,8 @@ def cases() -> dict[str, Callable[[], object]]:
             gate_up.data_ptr(), 32, out.data_ptr(), 1, 16, 1
         ),
         "silu_mul checked": lambda: lib.ts_silu_mul_f32(gate_up, 32, out, 1, 16, 1),
-        "cpu_native.linear": lambda: cpu_native.linear(x, packed, 16),
-        "cpu_native.silu_and_mul": lambda: cpu_native.silu_and_mul(gate_up),
+        "cpu_ops.linear": lambda: cpu_ops.linear(x, packed, 16),
+        "cpu_ops.silu_and_mul": lambda: cpu_ops.silu_and_mul(gate_up),
     }
 
 

@@ -34,7 +34,7 @@ first-token time a user of a chat service sees, where the all-at-once part measu
 queue. Target: TTFT p50 at least 3x lower with the cache.
 
 Part 2, ``routing`` (no model: ``tierserve.bench.router``'s offline model of Serve, in virtual time, with
-``tierserve.router.sim.SimCore`` replicas running the real scheduler over the real prefix cache): the
+``tierserve.bench.router_sim.SimCore`` replicas running the real scheduler over the real prefix cache): the
 shared mix arriving as a Poisson stream (30% interactive, 70% batch) to 4 and 8 replicas under
 ``prefix-tier`` (the FreeKVBlocksRouter as configured by default: prefix affinity on),
 ``free-blocks`` (the same router with ``prefix_affinity=False``: KV room and load alone, the

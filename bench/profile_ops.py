@@ -92,7 +92,7 @@ class OpTimer:
 @contextmanager
 def instrumented(timer: OpTimer, runner: Any) -> Iterator[None]:
     """Wrap the model's ops (and the runner's forward) with ``timer``; undone on exit."""
-    import tierserve.kernels.cpu_native as native
+    import tierserve.kernels.cpu_ops as native
     import tierserve.replica.models.layers as layers
     import tierserve.replica.models.llama as llama
 

@@ -11,7 +11,8 @@ at most 0.7x the default router's, with fewer preemptions) is printed as met or 
 
 The cluster, per replica count N (one Serve app in a local Ray of this process's own):
 
-- Three ``tierserve.router.sim.SimEngine`` deployments of N replicas each, identical but for the router:
+- Three ``tierserve.bench.router_sim.SimEngine`` deployments of N replicas each, identical but
+  for the router:
   ``free-blocks`` (``tierserve.router.free_blocks_router:FreeKVBlocksRouter``, stats every second),
   ``pow2`` (no router config: Serve's default ``PowerOfTwoChoicesRequestRouter``) and
   ``round-robin`` (``RoundRobinRouter`` below). Each replica is a ``SimCore``: the replicas' own
@@ -86,13 +87,20 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
 from tierserve.bench.common import load_avg_1m, machine, percentile, pyplot
+from tierserve.bench.router_sim import (
+    ROUTER_CLASS,
+    TOKEN,
+    SimCore,
+    SimEngine,
+    StepModel,
+    sim_config,
+)
 from tierserve.cluster.config import ClusterConfig
 from tierserve.records import ErrorRecord, GenerateRequest, RoutingStats, SamplingParams
 from tierserve.replica.config import EngineConfig
 from tierserve.replica.scheduler import AdmitError, EmptyPrompt, NeverFits, QueueFull, TooLong
 from tierserve.router.policy import RequestShape
 from tierserve.router.routing import RouterSettings, RouterState
-from tierserve.router.sim import ROUTER_CLASS, TOKEN, SimCore, SimEngine, StepModel, sim_config
 
 # ----------------------------------------------------------------------------- the baseline router
 
@@ -664,7 +672,7 @@ class OfflineFreeBlocks:
 
     def shape(self, q: Request) -> RequestShape:
         """What the router reads from the request's ``GenerateRequest``."""
-        return RequestShape(q.prompt, q.max_tokens, q.priority, latency=q.latency, prefix=q.prefix)
+        return RequestShape(q.prompt, q.max_tokens, latency=q.latency, prefix=q.prefix)
 
     def choose(self, now: float, i: int, q: Request, ongoing: Sequence[int]) -> int:
         ranked = self.state.route(i, list(enumerate(self.reports)), self.shape(q), i, now)

@@ -55,7 +55,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from tierserve.bench.common import load_avg_1m, machine
-from tierserve.kernels import cpu_native
+from tierserve.kernels import cpu_packing
 from tierserve.kernels.metadata import AttentionMetadata, SeqSpec, build_metadata
 from tierserve.replica.models.config import ModelConfig
 from tierserve.replica.models.embedded import build_model
@@ -93,8 +93,8 @@ def build(name: str, options: ModelOptions, pack: str = "quantized") -> LlamaFor
     """Model ``name`` (one of ``MODELS``), packed for the native kernels as a replica packs it
     (``pack="quantized"``), with every linear weight in fp32 panels (``"fp32"``), or not packed
     (``"none"``: torch's linears; not for the deterministic mode, which needs the packing)."""
-    saved = os.environ.get(cpu_native.ENV_QUANTIZED)
-    os.environ[cpu_native.ENV_QUANTIZED] = "off" if pack == "fp32" else "auto"
+    saved = os.environ.get(cpu_packing.ENV_QUANTIZED)
+    os.environ[cpu_packing.ENV_QUANTIZED] = "off" if pack == "fp32" else "auto"
     try:  # (a deterministic model is packed as it loads: under the same setting)
         if name == "tiny":
             torch.manual_seed(0)
@@ -108,9 +108,9 @@ def build(name: str, options: ModelOptions, pack: str = "quantized") -> LlamaFor
             model.pack_for_cpu()
     finally:
         if saved is None:
-            del os.environ[cpu_native.ENV_QUANTIZED]
+            del os.environ[cpu_packing.ENV_QUANTIZED]
         else:
-            os.environ[cpu_native.ENV_QUANTIZED] = saved
+            os.environ[cpu_packing.ENV_QUANTIZED] = saved
     return model
 
 

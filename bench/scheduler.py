@@ -56,7 +56,7 @@ TARGET_US_PER_REQUEST = 5.0
 
 def fake_outputs(plan: ScheduleOutput) -> list[StepOutput]:
     """The minimal fake model: one fixed token per decode and per last chunk."""
-    outs = [StepOutput(rid, TOKEN) for rid in plan.decode]
+    outs = [StepOutput(d.id, TOKEN) for d in plan.decodes]
     outs += [StepOutput(c.id, TOKEN) for c in plan.prefill if c.last]
     return outs
 

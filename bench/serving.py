@@ -8,7 +8,9 @@ output tokens: 256 and 64), ``--pace R`` (new requests per second at most, 20; 0
 unpaced mode), ``--rounds R`` (1; the order of the systems alternates), ``--systems
 tierserve,vllm``, ``--config PATH`` (tierserve's cluster config; repeated, tierserve runs once
 per config, each labelled ``tierserve:<file stem>`` and compared with vLLM on its own), ``--json
-PATH``, ``--plot PATH.png``. Nothing here asserts on time: the targets are printed as met or not.
+PATH``, ``--plot PATH.png``. Nothing here asserts on time: the targets are printed as met or not;
+but a run fails (exit status 1, after the report) when aiperf got no answer, or clear errors
+other than a loaded server's refusals (``queue_full``, ``shed``), e.g. ``model_not_found``.
 
 - The servers: tierserve as ``make serve`` starts it (``python -m tierserve.cluster.launch
   configs/cluster.yaml``, the default config: SmolLM2-135M-Instruct from the packaged GGUF, on
@@ -16,7 +18,10 @@ PATH``, ``--plot PATH.png``. Nothing here asserts on time: the targets are print
   (``tierserve.bench.vllm_peer``: made on demand) on the same weights (the GGUF exported once to fp32
   safetensors with its tokenizer and chat template), ``--dtype float32``, its own defaults
   otherwise, on :8100. Each is started fresh for its run and stopped after it (Ctrl-C to the
-  process group). Start-up: from the process's start to the first answered completion.
+  process group). Start-up: from the process's start to the first answered completion of the
+  model the server names at ``GET /v1/models`` (every request, aiperf's too, names that one); a
+  completion refused for a reason that waiting cannot change (a 4xx other than 429) stops the
+  wait at once.
 - The load (``aiperf profile``, installed under ``.venv-tools/`` on first use): the chat
   endpoint, streaming, synthetic prompts of ``--isl`` tokens under the served tokenizer,
   ``--osl`` new tokens each with ``ignore_eos`` (both servers take it) and temperature 0, a
@@ -50,7 +55,17 @@ from typing import Any
 
 import httpx
 
-from tierserve.bench.common import load_avg_1m, machine, pyplot
+from tierserve.bench.common import (
+    NotServing,
+    Verdict,
+    answered,
+    error_code,
+    load_avg_1m,
+    machine,
+    pyplot,
+    served_model,
+    verdict,
+)
 from tierserve.bench.tools import AIPERF, ROOT, tool_venv
 
 MODEL = "smollm2-135m-instruct"
@@ -100,6 +115,8 @@ class Result:
     startup_s: float
     figures: dict[str, float] = field(default_factory=dict)
     errors: Any = None
+    model: str | None = None  # what the server named at GET /v1/models
+    verdict: Verdict | None = None
 
 
 def server_command(system: str, config: str = DEFAULT_CONFIG) -> tuple[list[str], dict[str, str]]:
@@ -145,12 +162,38 @@ def wait_for(proc: subprocess.Popen[bytes], ok: Callable[[], bool], log: Path, s
                        f"{log.read_text(errors='replace')[-3000:]}")
 
 
-def wait_ready(proc: subprocess.Popen[bytes], url: str, log: Path, timeout_s: float) -> None:
-    """Until a one-token completion is answered with 200; the log's tail if the server dies."""
-    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 1}
-    wait_for(proc, lambda: answers(lambda: httpx.post(f"{url}/v1/completions", json=body,
-                                                      timeout=30)),
-             log, time.perf_counter(), timeout_s)
+def names_a_model(url: str, found: list[str]) -> bool:
+    """Whether the server at ``url`` names a model at ``GET /v1/models`` (appended to
+    ``found``); no while it cannot be reached or answers an HTTP error (one still starting), and
+    ``RequestsFailed`` when it answers something that is not a model list, or an empty one."""
+    try:
+        found.append(served_model(url))
+    except NotServing:
+        return False
+    return True
+
+
+def completion_ready(url: str, model: str, headers: dict[str, str] | None = None) -> bool:
+    """Whether a one-token completion of ``model`` is answered (``answered``: no while the
+    server cannot be reached or answers a 5xx or 429; ``RequestsFailed`` when it refuses it for
+    a reason that asking again does not change, such as ``model_not_found``)."""
+    try:
+        response = httpx.post(f"{url}/v1/completions", headers=headers, timeout=30,
+                              json={"model": model, "prompt": "Hello", "max_tokens": 1})
+    except httpx.HTTPError:
+        return False
+    return answered(response)
+
+
+def wait_ready(proc: subprocess.Popen[bytes], url: str, log: Path, timeout_s: float) -> str:
+    """Until the server names its model and answers a one-token completion of it; the model.
+    The log's tail if the server dies or the time runs out; ``RequestsFailed`` at once when it
+    names no model or refuses the completion for good."""
+    t0 = time.perf_counter()
+    found: list[str] = []
+    wait_for(proc, lambda: names_a_model(url, found), log, t0, timeout_s)
+    wait_for(proc, lambda: completion_ready(url, found[-1]), log, t0, timeout_s)
+    return found[-1]
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
@@ -163,10 +206,11 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait()
 
 
-def aiperf_command(bin_dir: Path, url: str, tokenizer: Path, load: Load, out: Path) -> list[str]:
+def aiperf_command(bin_dir: Path, url: str, tokenizer: Path, load: Load, out: Path,
+                   model: str = MODEL) -> list[str]:
     """The aiperf command line of one run (``load.pace`` > 0: paced under the concurrency cap)."""
     cmd = [
-        str(bin_dir / "aiperf"), "profile", "--model", MODEL, "--url", url,
+        str(bin_dir / "aiperf"), "profile", "--model", model, "--url", url,
         "--endpoint-type", "chat", "--streaming", "--tokenizer", str(tokenizer),
         "--concurrency", str(load.concurrency), "--request-count", str(load.requests),
         "--isl", str(load.isl), "--osl", str(load.osl),
@@ -179,10 +223,11 @@ def aiperf_command(bin_dir: Path, url: str, tokenizer: Path, load: Load, out: Pa
     return cmd
 
 
-def aiperf(bin_dir: Path, url: str, tokenizer: Path, load: Load, out: Path) -> dict[str, Any]:
+def aiperf(bin_dir: Path, url: str, tokenizer: Path, load: Load, out: Path,
+           model: str = MODEL) -> dict[str, Any]:
     """One aiperf run against ``url``; its JSON export."""
     env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}  # it takes a folder
-    cmd = aiperf_command(bin_dir, url, tokenizer, load, out)
+    cmd = aiperf_command(bin_dir, url, tokenizer, load, out, model)
     # An hour, or more where the pace alone takes longer to send every request.
     timeout = max(3600.0, 2 * load.requests / load.pace + 600) if load.pace > 0 else 3600.0
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
@@ -209,6 +254,27 @@ def figures(report: dict[str, Any]) -> dict[str, float]:
     }
 
 
+def aiperf_errors(report: dict[str, Any]) -> dict[str, int]:
+    """aiperf's error summary by code: the OpenAI error code of the body it kept as the
+    message, else ``HTTP <status>``, else the error's type."""
+    out: dict[str, int] = {}
+    for entry in report.get("error_summary") or ():
+        details = entry.get("error_details") or {}
+        code = (error_code(str(details.get("message") or ""))
+                or (f"HTTP {details['code']}" if details.get("code") else None)
+                or str(details.get("type") or "unknown"))
+        out[code] = out.get(code, 0) + int(entry.get("count") or 0)
+    return out
+
+
+def aiperf_verdict(report: dict[str, Any], load: Load) -> Verdict:
+    """A run's verdict from aiperf's export: the requests it counted as answered, its errors by
+    code (``aiperf_errors``); the load asks for no clear error."""
+    answered_n = figures(report)["requests"]
+    return verdict(sent=load.requests, errors=aiperf_errors(report),
+                   succeeded=0 if math.isnan(answered_n) else int(answered_n))
+
+
 def run_one(server: Server, rnd: int, load: Load, tokenizer: Path, bin_dir: Path,
             workdir: Path) -> Result:
     system = server.label
@@ -221,14 +287,15 @@ def run_one(server: Server, rnd: int, load: Load, tokenizer: Path, bin_dir: Path
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
     try:
-        wait_ready(proc, url, log, timeout_s=900)
+        model = wait_ready(proc, url, log, timeout_s=900)
         startup = time.perf_counter() - t0
-        print(f"  {system} round {rnd}: ready in {startup:.1f} s", flush=True)
-        report = aiperf(bin_dir, url, tokenizer, load, workdir / f"aiperf-{slug}-{rnd}")
+        print(f"  {system} round {rnd}: {model} ready in {startup:.1f} s", flush=True)
+        report = aiperf(bin_dir, url, tokenizer, load, workdir / f"aiperf-{slug}-{rnd}", model)
     finally:
         stop(proc)
     errors = report.get("error_summary")
-    return Result(system, rnd, startup, figures(report), errors or None)
+    return Result(system, rnd, startup, figures(report), errors or None, model,
+                  aiperf_verdict(report, load))
 
 
 def fmt(r: Result) -> str:
@@ -352,7 +419,8 @@ def main(argv: list[str] | None = None) -> int:
             "summary": summary}, indent=1))
     if args.plot:
         plot(summary, args.plot, m, load)
-    return 0
+    return max((r.verdict.conclude(f"tierserve.bench.serving: {r.system} round {r.round}")
+                for r in results if r.verdict is not None), default=0)
 
 
 if __name__ == "__main__":

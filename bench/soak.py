@@ -4,9 +4,11 @@ was lost or leaked.
 Run against a running cluster (``make serve`` in another terminal):
 ``python -m tierserve.bench.soak`` (10 minutes at 2 requests/s on ``http://127.0.0.1:8000``, metrics from
 ``http://127.0.0.1:8080/metrics``); ``--duration S``, ``--rate R``, ``--url``, ``--metrics-url``,
-``--key TIER=KEY`` (repeatable: one traffic class per tier key; without keys every request is in
-the default tier and the classes differ by ``X-TL-Priority``), ``--json PATH``. The exit status
-is 0 when every check passed. ``tests/cluster/test_soak.py`` runs a one-minute version.
+``--model`` (default: the model the server lists first at ``GET /v1/models``; nothing is sent
+when it lists none), ``--key TIER=KEY`` (repeatable: one traffic class per tier key; without keys
+every request is in the default tier and the classes differ by ``X-TL-Priority``),
+``--invalid-fraction F`` (0), ``--json PATH``. The exit status is 0 when every check passed.
+``tests/cluster/test_soak.py`` runs a one-minute version.
 
 The load (Poisson arrivals, a fixed seed): prompts of 8-200 tokens, some long ones (600-900
 tokens, so that a small pool preempts), 8-96 new tokens; per request, at random:
@@ -15,13 +17,19 @@ tokens, so that a small pool preempts), 8-96 new tokens; per request, at random:
 - ``non_stream``: one JSON answer;
 - ``mid_stream``: hang up after the first token (the server must abort it);
 - ``early``: hang up after 10-400 ms, whatever the request is doing then (queued, in prefill,
-  or streaming).
+  or streaming);
+- ``invalid`` (a fraction ``--invalid-fraction`` of the requests, none by default): one JSON
+  request with ``max_tokens`` -1, which the server must refuse with 400 ``invalid_request``.
 
 The checks:
 
 1. every request got an answer or a clear error: a complete stream or JSON body, or an HTTP
    error with an OpenAI error body, or an SSE error event; the client's own hang-ups aside.
-   Nothing timed out (``--request-timeout``), nothing broke off without a reason;
+   Nothing timed out (``--request-timeout``), nothing broke off without a reason. And the
+   answers are what the mix asks for: some request succeeded, and no clear error has a code
+   beyond those of the ``invalid`` requests (one ``invalid_request`` each) and a loaded
+   server's refusals (``queue_full``, ``shed``): a ``model_not_found`` on every request is a
+   failed soak, not a clear error;
 2. no block leaked: once the load ends, every replica falls idle (nothing running or waiting)
    with every KV block free, within ``--settle-timeout`` s;
 3. memory did not grow: each replica's resident memory at the end is within
@@ -45,10 +53,17 @@ from typing import Any
 
 import httpx
 
-from tierserve.bench.common import machine, percentile
+from tierserve.bench.common import (
+    RequestsFailed,
+    machine,
+    percentile,
+    served_model_async,
+    verdict,
+)
 from tierserve.bench.load import DEFAULT_CLASSES, PREEMPTIONS, Scrape, TrafficClass, parse_metrics
 
-KINDS = ("stream", "non_stream", "mid_stream", "early")
+KINDS = ("stream", "non_stream", "mid_stream", "early", "invalid")
+INVALID_CODE = "invalid_request"  # the server's answer to an ``invalid`` request
 RSS_SLACK = 64 * 2**20
 
 
@@ -76,6 +91,19 @@ class SoakConfig:
         if unknown:
             raise ValueError(f"unknown request kinds {sorted(unknown)}; choose from {KINDS}")
 
+    @staticmethod
+    def with_invalid(kinds: tuple[tuple[str, float], ...], fraction: float
+                     ) -> tuple[tuple[str, float], ...]:
+        """``kinds`` with ``invalid`` requests a ``fraction`` of the mix (the others scaled to
+        the rest); ``kinds`` as they are for 0."""
+        if not 0.0 <= fraction < 1.0:
+            raise ValueError(f"the invalid fraction must be in [0, 1), got {fraction}")
+        if fraction == 0.0:
+            return kinds
+        total = sum(w for k, w in kinds if k != "invalid")
+        return (*((k, w * (1 - fraction) / total) for k, w in kinds if k != "invalid"),
+                ("invalid", fraction))
+
 
 @dataclass
 class Outcome:
@@ -98,6 +126,7 @@ Probe = Callable[[], Awaitable[ReplicaState]]
 @dataclass
 class SoakReport:
     config: dict[str, Any]
+    model: str = ""
     requests: int = 0
     results: dict[str, int] = field(default_factory=dict)
     by_kind: dict[str, dict[str, int]] = field(default_factory=dict)
@@ -131,14 +160,18 @@ async def one_request(client: httpx.AsyncClient, model: str, cls: TrafficClass, 
     """Send one request of ``kind`` and classify what came back."""
     out = Outcome(index, kind, cls.name)
     t0 = time.perf_counter()
-    body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens,
-                            "ignore_eos": True, "stream": kind != "non_stream"}
+    json_only = kind in ("non_stream", "invalid")
+    body: dict[str, Any] = {"model": model, "prompt": prompt,
+                            "max_tokens": -1 if kind == "invalid" else max_tokens,
+                            "ignore_eos": True, "stream": not json_only}
 
     async def run() -> None:
-        if kind == "non_stream":
+        if json_only:
             r = await client.post("/v1/completions", json=body, headers=cls.headers())
             out.status = r.status_code
-            if r.status_code == 200:
+            if r.status_code == 200 and kind == "invalid":
+                out.result, out.detail = "bad", f"an invalid request was answered: {r.text[:200]}"
+            elif r.status_code == 200:
                 data = r.json()
                 ok = data["choices"][0]["finish_reason"] in ("length", "stop")
                 out.tokens = int(data["usage"]["completion_tokens"])
@@ -228,10 +261,12 @@ def _idle(state: ReplicaState) -> bool:
         and s.get("free_blocks") == s.get("total_blocks") for s in state.values())
 
 
-async def soak(base_url: str, model: str, classes: Sequence[TrafficClass], cfg: SoakConfig,
-               probe: Probe, metrics_url: str | None = None,
+async def soak(base_url: str, model: str | None, classes: Sequence[TrafficClass],
+               cfg: SoakConfig, probe: Probe, metrics_url: str | None = None,
                log: Callable[[str], None] = print) -> SoakReport:
-    """Run the load for ``cfg.duration_s``, then the checks; the report says what failed."""
+    """Run the load for ``cfg.duration_s``, then the checks; the report says what failed.
+    ``model`` None: the one the server lists first at ``GET /v1/models`` (``RequestsFailed``,
+    before anything is sent, when it lists none)."""
     cfg.check()
     report = SoakReport(config=asdict(cfg) | {"classes": [c.describe() for c in classes]})
     rng = random.Random(cfg.seed)
@@ -258,6 +293,9 @@ async def soak(base_url: str, model: str, classes: Sequence[TrafficClass], cfg: 
     limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
     async with httpx.AsyncClient(base_url=base_url, timeout=cfg.request_timeout_s,
                                  limits=limits) as client:
+        if model is None:
+            model = await served_model_async(client, base_url)
+        report.model = model
         sampling = asyncio.create_task(sampler())
         tasks: list[asyncio.Task[Outcome]] = []
         t = 0.0
@@ -309,6 +347,10 @@ async def soak(base_url: str, model: str, classes: Sequence[TrafficClass], cfg: 
         report.by_kind[k] = dict(Counter(o.result for o in outcomes if o.kind == k))
     report.error_codes = dict(Counter(o.detail for o in outcomes if o.result == "clear_error"))
     report.bad = [asdict(o) for o in outcomes if o.result not in ("ok", "hung_up", "clear_error")]
+    answered = sum(o.result == "ok" or (o.result == "hung_up" and o.tokens > 0) for o in outcomes)
+    judged = verdict(sent=len(outcomes), succeeded=answered, errors=report.error_codes,
+                     expected={INVALID_CODE: sum(o.kind == "invalid" for o in outcomes)})
+    report.failures.extend(judged.reasons)
     if report.bad:
         report.failures.append(f"{len(report.bad)} requests got no answer or an unclear one "
                                f"(first: {report.bad[0]})")
@@ -334,7 +376,7 @@ async def soak(base_url: str, model: str, classes: Sequence[TrafficClass], cfg: 
 
 
 def print_report(report: SoakReport) -> None:
-    print(f"requests: {report.requests}  results: {report.results}")
+    print(f"model: {report.model}  requests: {report.requests}  results: {report.results}")
     for kind, counts in report.by_kind.items():
         print(f"  {kind:10s} {counts}")
     print(f"clear errors by code: {report.error_codes}")
@@ -350,10 +392,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--url", default="http://127.0.0.1:8000")
     ap.add_argument("--metrics-url", default="http://127.0.0.1:8080/metrics")
     ap.add_argument("--app", default=None, help="the Serve application (default: all)")
-    ap.add_argument("--model", default="tierserve-tiny")
+    ap.add_argument("--model", default=None, help="default: the first of /v1/models")
     ap.add_argument("--duration", type=float, default=600.0)
     ap.add_argument("--rate", type=float, default=2.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--invalid-fraction", type=float, default=0.0,
+                    help="a fraction of invalid requests (400 invalid_request expected)")
     ap.add_argument("--key", action="append", default=[], metavar="TIER=KEY",
                     help="one traffic class per tier key (KEY may be env:VAR)")
     ap.add_argument("--max-rss-growth", type=float, default=0.10)
@@ -363,11 +407,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     classes = [TrafficClass.parse(f"{k.partition('=')[0]},key={k.partition('=')[2]}")
                for k in args.key] or [TrafficClass.parse(c) for c in DEFAULT_CLASSES]
-    cfg = SoakConfig(duration_s=args.duration, rate=args.rate, seed=args.seed,
+    try:
+        kinds = SoakConfig.with_invalid(SoakConfig.kinds, args.invalid_fraction)
+    except ValueError as e:
+        ap.error(f"--invalid-fraction: {e}")
+    cfg = SoakConfig(duration_s=args.duration, rate=args.rate, seed=args.seed, kinds=kinds,
                      max_rss_growth=args.max_rss_growth, settle_timeout_s=args.settle_timeout,
                      request_timeout_s=args.request_timeout)
-    report = asyncio.run(soak(args.url, args.model, classes, cfg,
-                              metrics_probe(args.metrics_url, args.app), args.metrics_url))
+    try:
+        report = asyncio.run(soak(args.url, args.model, classes, cfg,
+                                  metrics_probe(args.metrics_url, args.app), args.metrics_url))
+    except RequestsFailed as e:
+        print(f"tierserve.bench.soak: {e} (or pass --model)", file=sys.stderr)
+        return 1
     print_report(report)
     if args.json:
         with open(args.json, "w") as f:

@@ -11,10 +11,13 @@ Each round starts, one after the other on this machine, as ``make serve`` does
   the Serve controller and proxy, the application's build and one worker process per replica.
 
 Times, from the launcher's start: ``http`` (the proxy answers the app's route: ``GET
-/v1/models``, or ``GET /`` for the floor) and ``ready`` (the first answered request through a
-model replica: a one-token completion, or ``GET /`` for the floor). tierserve's time above the
-floor is what its own code adds. ``--rounds R`` (3; the order alternates), ``--config PATH``,
-``--json PATH``. Nothing here asserts on time.
+/v1/models`` names a model, or ``GET /`` for the floor) and ``ready`` (the first answered request
+through a model replica: a one-token completion of the model ``/v1/models`` names, or ``GET /``
+for the floor). tierserve's time above the floor is what its own code adds. ``--rounds R`` (3;
+the order alternates), ``--config PATH``, ``--json PATH``. Nothing here asserts on time; but a
+launch that never answers (within 300 s), names no model, or refuses the completion for a
+reason that waiting cannot change (a 4xx other than 429, e.g. ``model_not_found``) ends the run
+with exit status 1.
 """
 
 from __future__ import annotations
@@ -34,7 +37,14 @@ import httpx
 import yaml
 
 from tierserve.bench.common import load_avg_1m, machine
-from tierserve.bench.serving import DEFAULT_CONFIG, MODEL, answers, stop, wait_for
+from tierserve.bench.serving import (
+    DEFAULT_CONFIG,
+    answers,
+    completion_ready,
+    names_a_model,
+    stop,
+    wait_for,
+)
 from tierserve.bench.tools import ROOT
 
 FLOOR_IMPORT_PATH = "tierserve.bench.startup:floor_app"
@@ -95,14 +105,16 @@ def _port(config: dict[str, Any]) -> int:
 
 def measure(system: str, rnd: int, config_path: Path, port: int, log: Path) -> Start:
     """Start the launcher on ``config_path``; the times until HTTP and the first request answer.
-    The launcher is stopped (Ctrl-C to its process group) before returning."""
+    The launcher is stopped (Ctrl-C to its process group) before returning. ``RuntimeError``
+    when it does not answer in time; ``RequestsFailed`` when it names no model or refuses the
+    completion for good."""
     url = f"http://127.0.0.1:{port}"
+    found: list[str] = []
     if system == "floor":
-        http = ready = lambda: httpx.get(f"{url}/", timeout=30)
+        http = ready = lambda: answers(lambda: httpx.get(f"{url}/", timeout=30))
     else:
-        http = lambda: httpx.get(f"{url}/v1/models", timeout=30)  # noqa: E731
-        ready = lambda: httpx.post(f"{url}/v1/completions", timeout=30,  # noqa: E731
-                                   json={"model": MODEL, "prompt": "Hi", "max_tokens": 1})
+        http = lambda: names_a_model(url, found)  # noqa: E731
+        ready = lambda: completion_ready(url, found[-1])  # noqa: E731
     with open(log, "wb") as out:
         t0 = time.perf_counter()
         proc = subprocess.Popen([sys.executable, "-m", "tierserve.cluster.launch", str(config_path)],
@@ -110,9 +122,9 @@ def measure(system: str, rnd: int, config_path: Path, port: int, log: Path) -> S
                                 start_new_session=True)
     try:
         name = f"{system} (the launcher)"
-        wait_for(proc, lambda: answers(http), log, t0, TIMEOUT_S, name, poll_s=0.1)
+        wait_for(proc, http, log, t0, TIMEOUT_S, name, poll_s=0.1)
         http_s = time.perf_counter() - t0
-        wait_for(proc, lambda: answers(ready), log, t0, TIMEOUT_S, name, poll_s=0.1)
+        wait_for(proc, ready, log, t0, TIMEOUT_S, name, poll_s=0.1)
         ready_s = time.perf_counter() - t0
     finally:
         stop(proc)
@@ -156,7 +168,12 @@ def main(argv: list[str] | None = None) -> int:
         for rnd in range(args.rounds):
             order = ["tierserve", "floor"] if rnd % 2 == 0 else ["floor", "tierserve"]
             for system in order:
-                s = measure(system, rnd, paths[system], _port(config), Path(tmp) / f"{system}.log")
+                try:
+                    s = measure(system, rnd, paths[system], _port(config),
+                                Path(tmp) / f"{system}.log")
+                except RuntimeError as e:
+                    print(f"tierserve.bench.startup: {system} round {rnd}: {e}", file=sys.stderr)
+                    return 1
                 print(f"  {system:9s} round {rnd}: HTTP after {s.http_s:.1f} s, first answer "
                       f"after {s.ready_s:.1f} s", flush=True)
                 starts.append(s)

@@ -55,6 +55,14 @@ class's TPOT p99 against the load multiple, one line per system), ``NAME_<system
 (each cluster's output), and a table per system on stdout. ``--dry-run`` writes the configs,
 prints the plan and starts nothing.
 
+Checked: the requests name the model the cluster lists at ``GET /v1/models``. The cluster is
+ready when it answers a one-token completion of the interactive tier; one refused for a reason
+that waiting cannot change (a 4xx other than 429: ``model_not_found``, ``invalid_api_key``)
+stops the run at once. Every run of load (warm-up, capacity, each level) must have some request
+answered and no clear error but a loaded server's refusals (``queue_full``, ``shed``:
+``tierserve.bench.load``'s verdict); else the run stops there, the report keeps what it measured
+(the level with its ``verdict``), and the exit status is 1.
+
 Bounded: start-up at most ``--start-timeout`` s per system; a level at most duration + drain +
 settle-timeout + settle s. Loopback only (the cluster's HTTP options must name 127.0.0.1 or
 localhost). The machine should be otherwise idle: the load client shares it with the cluster.
@@ -84,7 +92,15 @@ import httpx
 import yaml
 
 from tierserve.bench import load as loadgen
-from tierserve.bench.common import load_avg_1m, machine, percentile, pyplot
+from tierserve.bench.common import (
+    NotServing,
+    Verdict,
+    load_avg_1m,
+    machine,
+    percentile,
+    pyplot,
+    served_model,
+)
 from tierserve.bench.load import (
     LengthDist,
     LoadConfig,
@@ -95,7 +111,7 @@ from tierserve.bench.load import (
     TrafficClass,
     Workload,
 )
-from tierserve.bench.serving import answers, stop, wait_for
+from tierserve.bench.serving import answers, completion_ready, stop, wait_for
 from tierserve.bench.tools import ROOT
 from tierserve.replica.metrics import INGRESS_COUNTERS, INGRESS_GAUGES
 
@@ -679,20 +695,23 @@ def run_load(plan: Plan, classes: list[TrafficClass], seed: int, *, rate: float 
 
 
 def ready(url: str, key: str) -> bool:
-    """The cluster answers a one-token completion of the interactive tier."""
-    def call() -> httpx.Response:
-        models = httpx.get(f"{url}/v1/models", timeout=30)
-        if models.status_code != 200:
-            return models
-        model = models.json()["data"][0]["id"]
-        return httpx.post(f"{url}/v1/completions", timeout=60,
-                          headers={"Authorization": f"Bearer {key}"},
-                          json={"model": model, "prompt": "Hello", "max_tokens": 1})
-
+    """The cluster answers a one-token completion of the interactive tier, of the model it
+    names at ``GET /v1/models``. ``RequestsFailed`` when it names none, or refuses the
+    completion for a reason that waiting cannot change."""
     try:
-        return answers(call)
-    except (ValueError, KeyError, IndexError):
+        model = served_model(url)
+    except NotServing:
         return False
+    return completion_ready(url, model, {"Authorization": f"Bearer {key}"})
+
+
+def check_run(run: RunData, what: str) -> Verdict:
+    """``tierserve.bench.load``'s verdict on one run's requests; ``RuntimeError`` naming
+    ``what`` and why when it failed."""
+    judged = loadgen.run_verdict(run.results)
+    if not judged.passed:
+        raise RuntimeError(f"{what}: " + "; ".join(judged.reasons))
+    return judged
 
 
 def start_cluster(config_path: Path, env: Mapping[str, str], log: Path, url: str,
@@ -887,8 +906,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 entry["startup_s"] = round(startup, 2)
                 try:
                     if args.warmup > 0:
-                        run_load(plan, classes, seed=10_000 + args.seed, concurrency=4,
-                                 duration_s=args.warmup)
+                        run, _, _ = run_load(plan, classes, seed=10_000 + args.seed,
+                                             concurrency=4, duration_s=args.warmup)
+                        check_run(run, f"{s}: the warm-up")
                         settle(metrics_url, args.settle_timeout, 0.0)
                     if capacity is None:
                         run, _, _ = run_load(plan, classes, seed=20_000 + args.seed,
@@ -902,6 +922,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                             window_s=[0.1 * d, d],
                             ok=sum(r.outcome == "ok" for r in run.results),
                             sent=len(run.results))
+                        check_run(run, f"{s}: the capacity run")
                         print(f"capacity: {capacity:.3f} requests/s (closed loop of "
                               f"{args.capacity_concurrency} on {s})", flush=True)
                         if capacity <= 0:
@@ -914,9 +935,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                         run, cfg, workload = run_load(plan, classes, seed=args.seed * 1000 + i,
                                                       rate=rate)
                         after, idle = settle(metrics_url, args.settle_timeout, args.settle)
-                        entry["levels"].append(summarize_level(
-                            run, cfg, workload, mult, targets[s], after, idle))
+                        level = summarize_level(run, cfg, workload, mult, targets[s], after, idle)
+                        level["verdict"] = loadgen.run_verdict(run.results).record()
+                        entry["levels"].append(level)
                         write_report(report, out_dir, args.name)
+                        check_run(run, f"{s}: level {mult:g}x")
                 finally:
                     stop(proc)
                 print(table_text(entry), flush=True)

@@ -5,9 +5,10 @@ tenant, tokenize, pass the flow-control gate (``tierserve.cluster.gate``: held w
 it, fair between tenants, shed from the lowest tier first), then call the engine deployment's
 streaming ``generate`` through a handle whose router is
 ``tierserve.router.free_blocks_router.FreeKVBlocksRouter``. When it ends, whether it met its tier's targets
-is counted (goodput). Errors are OpenAI-shaped JSON
-(``{"error": {"message", "type", "code", "param"}}``): 400 bad input, 401 bad key, 413 body too
-large, 429 full queue or shed load (with ``Retry-After``), 503 no replica can serve.
+is counted (goodput). Errors are OpenAI-shaped JSON, every one built by
+``tierserve.cluster.protocol.error_body`` (``{"error": {"message", "type", "code", "param"}}``):
+400 bad input, 401 bad key, 413 body too large, 429 full queue or shed load (with
+``Retry-After``), 503 no replica can serve; inside a stream, the same body as its last event.
 """
 
 
@@ -46,6 +47,7 @@ from tierserve.cluster.protocol import (
     ModelList,
     Usage,
     dump,
+    error_body,
     new_id,
     now,
     usage,
@@ -54,9 +56,11 @@ from tierserve.cluster.tiers import AuthError, Caller, PriorityError, TenantErro
 from tierserve.records import (
     ErrorRecord,
     GenerateRequest,
+    InvalidSamplingParam,
     RequestOutput,
     SamplingParams,
     TokenLogprob,
+    failed_before_first_token,
     share_of,
 )
 from tierserve.replica.models.meta import load_model_config, load_tokenizer
@@ -64,12 +68,6 @@ from tierserve.replica.prefix_cache import block_hashes
 from tierserve.router import registry
 
 log = logging.getLogger("tierserve.ingress")
-
-
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
-          503: "service_unavailable"}
-
 
 
 # Characters JSON leaves raw inside strings but common line splitters (Python's str.splitlines,
@@ -84,6 +82,8 @@ def sse_event(payload: str) -> str:
 
 
 class ApiError(Exception):
+    """An error answer: its HTTP status and what ``error_body`` writes of it."""
+
     def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None):
         super().__init__(message)
         self.status = status
@@ -91,15 +91,23 @@ class ApiError(Exception):
         self.code = code
         self.param = param
 
+    def body(self) -> dict[str, Any]:
+        return error_body(self.status, self.message, self.code, self.param)
+
 
 def error_response(
     status: int, message: str, code: str | None = None, param: str | None = None,
     retry_after: int | None = None,
 ) -> JSONResponse:
+    """An HTTP error (with ``Retry-After`` when given)."""
     headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
-    body = {"error": {"message": message, "type": _TYPES.get(status, "server_error"),
-                      "code": code, "param": param}}
-    return JSONResponse(body, status_code=status, headers=headers)
+    return JSONResponse(error_body(status, message, code, param), status_code=status,
+                        headers=headers)
+
+
+def error_event(error: ApiError) -> str:
+    """The SSE event that ends a stream in ``error``: the body its HTTP error would have had."""
+    return sse_event(json.dumps(error.body()))
 
 
 # Pydantic puts the member type of a union in an error's location ("temperature.float",
@@ -189,6 +197,13 @@ class _Choice:
         if item.finished:
             self.finish_reason = item.finish_reason
             self.failure = item.failure
+
+
+def _engine_failed(choice: _Choice) -> ApiError:
+    """The error of a sample whose replica's engine failed once the request had started (see
+    ``failed_before_first_token``): an HTTP 503 when none of the answer went out, else the event
+    that ends the stream."""
+    return ApiError(503, choice.failure or "the replica failed", "replica_failed")
 
 
 # FastAPI's own /openapi.json (and the docs pages built on it) is replaced by the Ingress's route
@@ -358,8 +373,6 @@ class Ingress:
         if len(stops) > self.cfg.max_stop_strings:
             raise ApiError(400, f"stop has {len(stops)} strings; at most "
                                 f"{self.cfg.max_stop_strings} are allowed", "too_many_stops", "stop")
-        if any(not s for s in stops):
-            raise ApiError(400, "stop strings must not be empty", "invalid_request", "stop")
         max_tokens = body.max_tokens if body.max_tokens is not None else self.cfg.max_tokens_limit
         if max_tokens > self.cfg.max_tokens_limit:
             raise ApiError(400, f"max_tokens {max_tokens} is above this server's limit "
@@ -367,9 +380,6 @@ class Ingress:
         if body.n > self.cfg.max_n:
             raise ApiError(400, f"n {body.n} is above this server's limit ({self.cfg.max_n})",
                            "n_too_large", "n")
-        if body.min_tokens > max_tokens:
-            raise ApiError(400, f"min_tokens {body.min_tokens} is above max_tokens ({max_tokens})",
-                           "invalid_request", "min_tokens")
         bias: dict[int, float] = {}
         for key, value in (body.logit_bias or {}).items():
             if not key.isdigit():  # its range is the replica's to check, like every token id
@@ -401,7 +411,9 @@ class Ingress:
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
             )
-        except ValueError as e:  # the request models bound every field; a last guard
+        except InvalidSamplingParam as e:  # the record checks how the fields go together
+            raise ApiError(400, str(e), "invalid_request", e.param) from None
+        except ValueError as e:  # the request models bound every field alone; a last guard
             raise ApiError(400, str(e), "invalid_sampling") from None
 
     async def _serve(self, request: Request, body: CompletionRequest | ChatCompletionRequest,
@@ -500,7 +512,7 @@ class Ingress:
                     break
         failed = next((c for c in choices if c.finish_reason == "error"), None)
         if failed is not None:
-            raise ApiError(503, failed.failure or "the replica failed", "replica_failed")
+            raise _engine_failed(failed)
         u = self._usage(call, choices)
         out: Any
         if call.chat:
@@ -563,7 +575,7 @@ class Ingress:
                     if first.code == "replica_unavailable" and first.replica:
                         route.avoid.append(first.replica)
                     raise ApiError(first.status, first.message, first.code, first.param)
-                if first.finish_reason == "error" and not first.completion_tokens:
+                if failed_before_first_token(first):
                     raise ApiError(503, str(first.failure), "replica_unavailable")
                 return stream, first
             except ApiError as e:
@@ -691,11 +703,8 @@ class Ingress:
                 c.add(item)
                 reason = c.finish_reason
                 if reason == "error":
-                    err = {"error": {"message": c.failure or "the replica failed",
-                                     "type": "service_unavailable", "code": "replica_failed",
-                                     "param": None}}
                     route.committed = True
-                    yield f"data: {json.dumps(err)}\n\n"
+                    yield error_event(_engine_failed(c))
                     break
                 lps = c.logprobs[new_logprobs:]
                 echo = (call.echo or "") if first_of_choice and not call.chat else ""
@@ -729,9 +738,7 @@ class Ingress:
                     break
             yield "data: [DONE]\n\n"
         except ApiError as e:
-            err = {"error": {"message": e.message, "type": _TYPES.get(e.status, "server_error"),
-                             "code": e.code, "param": e.param}}
-            yield f"data: {json.dumps(err)}\n\n"
+            yield error_event(e)
             yield "data: [DONE]\n\n"
         finally:
             await items.aclose()

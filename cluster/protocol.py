@@ -297,6 +297,28 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
+# OpenAI's error ``type`` for each HTTP status the API answers; any other is a "server_error".
+ERROR_TYPES: dict[int, str] = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable",
+}
+
+
+def error_body(status: int, message: str, code: str | None = None,
+               param: str | None = None) -> dict[str, Any]:
+    """Every error the API returns: ``{"error": {"message", "type", "code", "param"}}``, its
+    ``type`` named by ``status`` (``ERROR_TYPES``). The body of an HTTP error, and the event that
+    ends a stream in an error."""
+    detail = ErrorDetail(message=message, type=ERROR_TYPES.get(status, "server_error"),
+                         code=code, param=param)
+    return dump(ErrorResponse(error=detail))
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 

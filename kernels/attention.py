@@ -5,7 +5,7 @@ runs only under ``TRITON_INTERPRET=1``, set before the Triton kernels are first 
 ``deterministic`` selects code paths whose result for a row does not depend on the other rows of
 the batch, on how a prompt was cut into chunks, or on whether a token is a decode or prefill row.
 
-- torch:  on CPU with fp32 queries and caches, ``cpu_native.paged_attention`` (a C++ kernel built
+- torch:  on CPU with fp32 queries and caches, ``cpu_ops.paged_attention`` (a C++ kernel built
   at first use that reads the paged cache in place); otherwise, or when it cannot be built,
   ``torch_attention.paged_attention_fast`` (padded-gather SDPA for decodes, SDPA per chunk).
   Deterministic: the native kernel only (its every row is computed in an order fixed by the row
@@ -24,7 +24,7 @@ from typing import Literal
 
 import torch
 
-from tierserve.kernels import cpu_native, reference, torch_attention
+from tierserve.kernels import cpu_native, cpu_ops, reference, torch_attention
 from tierserve.kernels.metadata import AttentionMetadata
 
 Backend = Literal["torch", "triton"]
@@ -47,7 +47,7 @@ def attention(
 
     Stores ``k``/``v`` at ``meta.slot_mapping`` in ``k_cache``/``v_cache``
     (``[num_blocks, block_size, kv_heads, D]``, mutated; skipped when ``kv_stored`` says the
-    caller already did, e.g. ``cpu_native.rope_store``), then attends every query row causally
+    caller already did, e.g. ``cpu_ops.rope_store``), then attends every query row causally
     over its sequence's cached positions. Raises ``ValueError`` on inconsistent shapes or an
     unknown backend.
     """
@@ -63,15 +63,15 @@ def attention(
         )
     if not kv_stored:
         reference.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-    plan = cpu_native.attention_plan(q, k_cache)
+    plan = cpu_ops.attention_plan(q, k_cache)
     if plan is None and deterministic:
         raise cpu_native.DeterministicModeUnavailable(
             "deterministic attention on the torch backend runs on the native CPU kernel, which "
-            f"does not take these inputs: {cpu_native.why_not_attention(q, k_cache)}"
+            f"does not take these inputs: {cpu_ops.why_not_attention(q, k_cache)}"
         )
     if plan is not None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        cpu_native.paged_attention(q, k_cache, v_cache, meta, scale, out, meta.num_seqs, plan)
+        cpu_ops.paged_attention(q, k_cache, v_cache, meta, scale, out, meta.num_seqs, plan)
         return out
     return torch_attention.paged_attention_fast(q, k_cache, v_cache, meta, scale)
 

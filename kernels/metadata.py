@@ -20,6 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from tierserve.arith import ceil_div, round_up
+
 
 @dataclass(frozen=True, slots=True)
 class SeqSpec:
@@ -92,7 +94,7 @@ def lay_out(seqs: Sequence[SeqSpec], block_size: int) -> Layout:
         if s.q_len <= 0 or s.start < 0:
             raise ValueError(f"bad sequence spec {s}: q_len must be > 0 and start >= 0")
         end = s.start + s.q_len
-        need = -(-end // bs)
+        need = ceil_div(end, bs)
         table = s.block_table[:need]
         if len(table) < need:
             raise ValueError(f"block table has {len(table)} blocks; {end} positions need {need}")
@@ -228,11 +230,11 @@ class StepPacker:
         width = max(len(tb) for tb in tables)
         # Every section starts 16-byte aligned: the kernels see the same pointer alignment
         # every step (Triton specializes on it) and may vectorize.
-        o_pos, o_slot, o_rows = _up(t, 2), 2 * _up(t, 2), 3 * _up(t, 2)
-        base = o_rows + _up(r, 2)
-        o_cu = _up(n, 4)
-        o_tab = o_cu + _up(n + 1, 4)
-        words = base + _up(o_tab + n * width, 4) // 2
+        o_pos, o_slot, o_rows = round_up(t, 2), 2 * round_up(t, 2), 3 * round_up(t, 2)
+        base = o_rows + round_up(r, 2)
+        o_cu = round_up(n, 4)
+        o_tab = o_cu + round_up(n + 1, 4)
+        words = base + round_up(o_tab + n * width, 4) // 2
         host = self._host_buffer(words)
         a = host.numpy()
         a[0:t] = input_ids
@@ -266,8 +268,3 @@ class StepPacker:
             q_lens_host=q_lens,
         )
         return PackedStep(dev[0:t], dev[o_rows : o_rows + r], meta)
-
-
-def _up(x: int, m: int) -> int:
-    """``x`` rounded up to a multiple of ``m``."""
-    return -(-x // m) * m

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from tierserve.arith import ceil_div
 from tierserve.kernels.metadata import AttentionMetadata
 
 
@@ -27,7 +28,7 @@ def store_kv(
 def gather_seq(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
     """The first ``length`` positions of one sequence, ``[length, kv_heads, head_dim]``."""
     _, bs, h, d = cache.shape
-    blocks = -(-length // bs)
+    blocks = ceil_div(length, bs)
     return cache[block_table[:blocks].long()].reshape(blocks * bs, h, d)[:length]
 
 

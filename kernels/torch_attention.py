@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from tierserve.arith import ceil_div, round_up
 from tierserve.kernels.metadata import AttentionMetadata
 
 # Decode grouping: at most this many groups, each of at least this many rows; one more group
@@ -74,7 +75,7 @@ def paged_attention_fast(
 def _gather(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
     """The first ``length`` positions of one sequence, ``[length, kv_heads, D]``."""
     _, bs, h, d = cache.shape
-    blocks = -(-length // bs)
+    blocks = ceil_div(length, bs)
     return cache[table[:blocks].long()].reshape(blocks * bs, h, d)[:length]
 
 
@@ -171,7 +172,7 @@ def _build_plan(
     positions = 0
     for rows in _decode_groups(meta.seq_lens_host[:nd], bs):
         n = len(rows)
-        length = -(-max(meta.seq_lens_host[i] for i in rows) // bs) * bs
+        length = round_up(max(meta.seq_lens_host[i] for i in rows), bs)
         if n == nd:  # one group: every decode row, in order
             idx = None
             lens = meta.seq_lens[:nd].long()
@@ -203,7 +204,7 @@ def _decode_groups(lens: list[int], bs: int) -> list[list[int]]:
         return []
     kmax = max(1, min(_MAX_GROUPS, nd // _MIN_GROUP_ROWS))
     order = sorted(range(nd), key=lens.__getitem__)
-    padded = [-(-lens[i] // bs) * bs for i in order]
+    padded = [round_up(lens[i], bs) for i in order]
     best: list[int] = [0, nd]
     best_cost = nd * padded[-1] + _GROUP_COST
     for k in range(2, kmax + 1):

@@ -7,6 +7,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+from tierserve.arith import ceil_div
 from tierserve.records import RequestId
 
 
@@ -50,8 +51,8 @@ class BlockSpace(Protocol):
         scheduler calls it after every step; a prefix cache names the full blocks)."""
         ...
 
-    def release(self, id: RequestId, computed: Sequence[int]) -> None:
-        """Give back every block of ``id``; ``computed`` are its tokens whose K/V were written."""
+    def release(self, id: RequestId) -> None:
+        """Give back every block of ``id`` (what it committed stays named, for a prefix cache)."""
         ...
 
     def block_table(self, id: RequestId) -> Sequence[int]:
@@ -95,7 +96,7 @@ class FreeListBlocks:
     def allocate(self, id: RequestId, tokens: Sequence[int], reuse: bool = True) -> Allocation:
         if id in self._tables:
             raise ValueError(f"request {id} already holds blocks")
-        need = -(-len(tokens) // self._block_tokens)
+        need = ceil_div(len(tokens), self._block_tokens)
         if need > len(self._free):
             raise NoCapacity
         self._tables[id] = self._take(need)
@@ -103,7 +104,7 @@ class FreeListBlocks:
 
     def append_slot(self, id: RequestId, total: int) -> None:
         table = self._tables.setdefault(id, [])
-        need = -(-total // self._block_tokens) - len(table)
+        need = ceil_div(total, self._block_tokens) - len(table)
         if need <= 0:
             return
         if need > len(self._free):
@@ -113,7 +114,7 @@ class FreeListBlocks:
     def commit(self, id: RequestId, tokens: Sequence[int], computed: int) -> None:
         """Nothing to do: a free list keeps no content."""
 
-    def release(self, id: RequestId, computed: Sequence[int] = ()) -> None:
+    def release(self, id: RequestId) -> None:
         table = self._tables.pop(id, None)
         if table:
             free = self._free

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from tierserve.records import DEFAULT_BLOCK_SIZE
 from tierserve.replica.models.catalog import DEFAULT_MODEL
 
 SchedulingPolicy = Literal["fcfs", "priority"]
@@ -67,7 +68,7 @@ class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     model: str = DEFAULT_MODEL
-    block_size: BlockSize = 16
+    block_size: BlockSize = DEFAULT_BLOCK_SIZE
     num_kv_blocks: int | None = Field(default=None, gt=0)
     kv_cache_memory_bytes: int | None = Field(default=256 * 2**20, gt=0)
     gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0)

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tierserve.arith import ceil_div, round_up
 from tierserve.kernels.metadata import AttentionMetadata, PackedStep, SeqSpec
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
@@ -109,7 +110,7 @@ class DecodeGraphs:
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.max_model_len = max_model_len
-        self.max_blocks = -(-max_model_len // block_size)
+        self.max_blocks = ceil_div(max_model_len, block_size)
         self.device = torch.device(device)
         self.pad_slot = pad_slot
         self.pad_block = pad_block
@@ -124,10 +125,10 @@ class DecodeGraphs:
 
     def _layout(self, b: int) -> _Layout:
         """Where bucket ``b``'s sections sit in its buffer (each on 16 bytes)."""
-        rows = -(-b // 2) * 2  # int64 words per [b] section, rounded to 16 bytes
-        tab = -(-b // 4) * 4  # int32 offset of the block tables
+        rows = round_up(b, 2)  # int64 words per [b] section, rounded to 16 bytes
+        tab = round_up(b, 4)  # int32 offset of the block tables
         n32 = tab + b * self.max_blocks
-        return _Layout(words=3 * rows + -(-n32 // 4) * 2, pos=rows, slot=2 * rows, base=3 * rows,
+        return _Layout(words=3 * rows + ceil_div(n32, 4) * 2, pos=rows, slot=2 * rows, base=3 * rows,
                        tab=tab)
 
     def _new_bucket(self, b: int) -> _Bucket:
@@ -203,7 +204,7 @@ class DecodeGraphs:
         seq_lens: list[int] = []
         for s in seqs:
             end = s.start + 1
-            need = -(-end // bs)
+            need = ceil_div(end, bs)
             if s.q_len != 1 or s.start < 0 or need > mb or len(s.block_table) < need:
                 return None
             seq_lens.append(end)
@@ -222,7 +223,7 @@ class DecodeGraphs:
         grid = i32[lay.tab : lay.tab + b * mb].reshape(b, mb)
         grid[0:n] = 0
         for i, s in enumerate(seqs):
-            need = -(-seq_lens[i] // bs)
+            need = ceil_div(seq_lens[i], bs)
             grid[i, :need] = s.block_table[:need]
         self._fill_padding(a, b, n)
         if self.device.type != "cpu":

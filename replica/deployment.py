@@ -3,8 +3,10 @@
 The ingress calls ``generate(request)`` with one ``tierserve.records.GenerateRequest`` through a
 streaming handle (its router reads the same record). The stream yields either one
 ``ErrorRecord`` (the HTTP status the ingress should answer) or ``RequestOutput`` deltas, the last
-of each sample ``finished``. When the caller goes away, the stream is cancelled and the request
-aborted, so its blocks return at once.
+of each sample ``finished``. An engine that fails before the request's first token is a refusal
+(``tierserve.records.failed_before_first_token``, which the ingress applies too); after it, the failed delta ends
+the stream. When the caller goes away, the stream is cancelled and the request aborted, so its
+blocks return at once.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from tierserve.records import (
     InvalidToken,
     RoutingStats,
     StreamItem,
+    failed_before_first_token,
     refusal,
     share_of,
 )
@@ -106,9 +109,9 @@ class LLMServer:
         produced = False
         try:
             async for out in stream:
-                if not produced and out.finish_reason == "error" and not out.completion_tokens:
-                    # The engine failed before this request produced anything: refuse it, so the
-                    # ingress sends it to another replica (the rest of its samples are aborted).
+                if not produced and failed_before_first_token(out):
+                    # Refused, so the ingress sends it to another replica (the rest of its samples
+                    # are aborted).
                     yield ErrorRecord(503, "replica_unavailable",
                                       out.failure or "the replica's engine failed",
                                       replica=self.replica_id)

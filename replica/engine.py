@@ -73,6 +73,7 @@ class _Live:
     """Engine-side state of one request."""
 
     id: RequestId
+    prompt: Sequence[int]
     prompt_len: int
     params: SamplingParams
     sampler: SamplerState
@@ -158,22 +159,39 @@ class Engine:
     def validate(
         self,
         prompt_ids: Sequence[int],
-        max_tokens: int,
-        priority: int = 0,
         params: SamplingParams | None = None,
+        priority: int = 0,
     ) -> None:
-        """Raise the error ``add_request`` would raise for this prompt (a full queue aside):
-        ``InvalidToken`` for an id outside the vocabulary (this engine owns the check: it knows
-        its model), ``AdmitError`` for what the scheduler can never run."""
-        self._check_ids("prompt", prompt_ids)
-        if params is not None:
-            self._check_ids("stop_token_ids", params.stop_token_ids or ())
-            self._check_ids("logit_bias", params.logit_bias or ())
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise ValueError(f"priority must be an integer, got {priority!r}")
-        # max_tokens 0 runs the prompt and one sampled position (see _Live.discard).
+        """Raise what ``add_request`` would raise for this request, a full queue aside, without
+        queueing it (``LLM.generate`` checks every prompt before any work): ``InvalidToken``
+        (``_check_tokens``), ``ValueError`` for a bad priority and the scheduler's ``AdmitError``
+        for what it can never run. ``params`` were checked when they were made."""
+        params = params or SamplingParams()
+        self._check_tokens(prompt_ids, params)
+        request = self._request(prompt_ids, params, priority)
         with self._lock:
-            self.scheduler.check(Request(list(prompt_ids), max(max_tokens, 1), priority))
+            self.scheduler.check(request)
+
+    def _check_tokens(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        """Raise ``InvalidToken`` for an id outside the vocabulary, in the prompt,
+        ``stop_token_ids`` or ``logit_bias``: the engine owns this check, it knows its model (the
+        parameters' ranges are ``SamplingParams``'; admission is the scheduler's)."""
+        self._check_ids("prompt", prompt_ids)
+        self._check_ids("stop_token_ids", params.stop_token_ids or ())
+        self._check_ids("logit_bias", params.logit_bias or ())
+
+    @staticmethod
+    def _request(
+        ids: Sequence[int],
+        params: SamplingParams,
+        priority: int,
+        tpot_target_s: float | None = None,
+    ) -> Request:
+        """The scheduler's record of a request. ``max_tokens`` 0 runs the prompt and one sampled
+        position (see ``_Live.discard``); scoring a prompt needs every position's logits, so such
+        a request takes no cached prefix."""
+        return Request(ids, max(params.max_tokens, 1), priority,
+                       reuse_cache=params.prompt_logprobs is None, tpot_target_s=tpot_target_s)
 
     def _check_ids(self, field: str, ids: Iterable[int]) -> None:
         bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
@@ -194,8 +212,12 @@ class Engine:
         stream_text: bool = True,
         index: int = 0,
         tpot_target_s: float | None = None,
+        *,
+        validated: bool = False,
     ) -> RequestId:
         """Queue a request; raises ``ValueError``/``AdmitError`` for bad input or a full queue.
+        Each check runs once: token ids here (``_check_tokens``), the admission rules in
+        ``Scheduler.add``, the parameters' ranges when ``params`` were made.
 
         ``tpot_target_s``: the time per output token its tier promises; with SLO-aware steps
         (``EngineConfig.slo_scheduling``) it bounds every step while the request is unfinished.
@@ -203,12 +225,15 @@ class Engine:
         ``stream_text=False``: the caller wants the text only with the final output (each delta
         still carries its token ids); without stop strings the text is then decoded once, at
         the finish, instead of incrementally.
+
+        ``validated``: the caller checked these token ids already (``validate``, or ``generate``
+        once for its ``n`` samples); they are not scanned again.
         """
         params = params or SamplingParams()
-        params.validate()
         ids = list(prompt_ids)
+        if not validated:
+            self._check_tokens(ids, params)
         try:
-            self.validate(ids, params.max_tokens, priority, params)
             return self._add(ids, params, priority, sink, tier, stream_text, index, tpot_target_s)
         except AdmitError as e:  # empty, too_long, never_fits, queue_full
             if self.observer is not None:
@@ -232,12 +257,10 @@ class Engine:
         with self._lock:
             if self.error is not None:
                 raise EngineDead(f"the engine's step loop died: {self.error!r}")
-            # Scoring a prompt needs every position's logits: no cached prefix for it.
-            rid = self.scheduler.add(Request(ids, max(params.max_tokens, 1), priority,
-                                             reuse_cache=params.prompt_logprobs is None,
-                                             tpot_target_s=tpot_target_s))
+            rid = self.scheduler.add(self._request(ids, params, priority, tpot_target_s))
             self._live[rid] = _Live(
                 id=rid,
+                prompt=ids,
                 prompt_len=len(ids),
                 params=params,
                 sampler=SamplerState(params, prompt=ids, stop_ids=stop_ids),
@@ -318,17 +341,15 @@ class Engine:
                 for c in plan.prefill
                 if (live := self._live.get(c.id)) is not None and live.prompt_lp is not None
             ]
-            batch = self.runner.build_batch(plan, self.scheduler, scoring)
-            prompt_targets = [
-                (rows, list(self.scheduler.tokens(rows.id) or ())) for rows in batch.prompt_rows
-            ]
+            batch = self.runner.build_batch(plan, scoring)
+            prompt_targets = [(rows, self._live[rows.id].prompt) for rows in batch.prompt_rows]
             states = [self._live[rid] for rid in batch.sampled]
             now = time.monotonic()
             for c in plan.prefill:
                 live = self._live.get(c.id)
-                if live is not None and live.admitted is None:
+                if live is not None and live.admitted is None:  # its admitting chunk
                     live.admitted = now
-                    live.cached_tokens = self.scheduler.cached_tokens(c.id)
+                    live.cached_tokens = c.cached_tokens
         t1 = time.perf_counter()
         result = self.runner.forward(batch)
         t2 = time.perf_counter()
@@ -362,7 +383,7 @@ class Engine:
         return out
 
     def _score_prompts(
-        self, logits: torch.Tensor, targets: list[tuple[PromptRows, list[int]]]
+        self, logits: torch.Tensor, targets: list[tuple[PromptRows, Sequence[int]]]
     ) -> None:
         """Record the prompt tokens' log-probabilities that this step's chunks computed."""
         tokens: list[int] = []
@@ -531,6 +552,8 @@ class Engine:
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"n must be a positive integer, got {n!r}")
         params = params or SamplingParams()
+        ids = list(prompt_ids)
+        self._check_tokens(ids, params)  # once for the n samples
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
 
@@ -543,8 +566,8 @@ class Engine:
                 seed = None if params.seed is None else params.seed + i
                 child = params if i == 0 else replace(params, seed=seed)
                 rids.append(
-                    self.add_request(prompt_ids, child, priority, sink=sink, tier=tier, index=i,
-                                     tpot_target_s=tpot_target_s)
+                    self.add_request(ids, child, priority, sink=sink, tier=tier, index=i,
+                                     tpot_target_s=tpot_target_s, validated=True)
                 )
         except BaseException:
             for rid in rids:

@@ -22,14 +22,15 @@ from __future__ import annotations
 import contextlib
 import math
 import mmap
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
 import numpy as np
 import torch
 
-from tierserve.kernels.metadata import AttentionMetadata, SeqSpec, build_metadata, slots_for
+from tierserve.arith import ceil_div
+from tierserve.kernels.metadata import AttentionMetadata, SeqSpec, build_metadata
 from tierserve.records import MAX_LOGPROBS
 from tierserve.replica.block_space import BlockSpace, FreeListBlocks
 from tierserve.replica.models.config import ModelConfig
@@ -189,10 +190,6 @@ class KVPool:
             return FreeListBlocks(self.shape.block_tokens, range(self.num_blocks))
         return PrefixCachingBlocks(self.shape.block_tokens, range(self.num_blocks), prefix_root)
 
-    def slot_mapping(self, block_table: Sequence[int], start: int, end: int) -> list[int]:
-        """Slots of positions ``start .. end`` through ``block_table``."""
-        return slots_for(block_table, start, end, self.shape.block_tokens)
-
 
 # ---------------------------------------------------------------- activations and the pool's size
 
@@ -235,8 +232,8 @@ class StepBound:
     ) -> StepBound:
         tokens = min(max_num_batched_tokens, max_num_seqs * max_model_len)
         chunk = min(prefill_chunk_tokens or tokens, tokens, max_model_len)
-        if -(-tokens // chunk) > max_num_seqs:  # too few sequences for chunks that short
-            chunk = -(-tokens // max_num_seqs)
+        if ceil_div(tokens, chunk) > max_num_seqs:  # too few sequences for chunks that short
+            chunk = ceil_div(tokens, max_num_seqs)
         return cls(tokens, max_num_seqs, max_model_len, chunk)
 
     @property
@@ -251,7 +248,7 @@ class StepBound:
     def specs(self, block_tokens: int) -> list[SeqSpec]:
         """The step's sequences, every block table naming block 0 only (the profile's pool has
         one block: what is written there is thrown away)."""
-        table = [0] * -(-self.max_len // block_tokens)
+        table = [0] * ceil_div(self.max_len, block_tokens)
         return [SeqSpec(self.max_len - n, n, table) for n in self.chunk_lens()]
 
 

@@ -67,13 +67,13 @@ class LLM:
         if len(prios) != n:
             raise ValueError(f"{len(prios)} priorities for {n} prompts")
         encoded = [self._encode(i, p) for i, p in enumerate(prompt_list)]
+        # Every prompt is checked here, before any work (its parameters were checked when they
+        # were made); add_request below does not scan its tokens again, and the scheduler's add
+        # applies its admission rules as it queues (where a full queue is found).
         for i, (ids, sp, pr) in enumerate(zip(encoded, params_list, prios, strict=True)):
             try:
-                sp.validate()
-                self.engine.validate(ids, sp.max_tokens, pr)
-            except ValueError as e:
-                raise ValueError(f"prompt {i}: {e}") from e
-            except AdmitError as e:
+                self.engine.validate(ids, sp, pr)
+            except (ValueError, AdmitError) as e:
                 e.args = (f"prompt {i}: {e}",)
                 raise
 
@@ -91,6 +91,7 @@ class LLM:
                             params_list[pending],
                             prios[pending],
                             stream_text=False,
+                            validated=True,
                         )
                     except QueueFull:
                         break

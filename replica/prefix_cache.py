@@ -35,6 +35,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+from tierserve.arith import ceil_div
 from tierserve.records import RequestId
 from tierserve.replica.block_space import Allocation, NoCapacity
 
@@ -81,14 +82,6 @@ class _Table:
     last_hash: int | None = None  # the name of block ``named - 1``
 
 
-@dataclass(frozen=True, slots=True)
-class CacheCounters:
-    """Totals since start: positions asked about at admission, positions found cached."""
-
-    queried_tokens: int = 0
-    hit_tokens: int = 0
-
-
 class PrefixCachingBlocks:
     """The prefix-caching ``BlockSpace`` (see the module docstring). ``root``: ``model_key(...)``
     of the model whose K/V the blocks hold."""
@@ -105,8 +98,6 @@ class PrefixCachingBlocks:
         self._by_name: dict[int, int] = {}  # hash -> block
         self._evictable: OrderedDict[int, None] = OrderedDict()  # named, unreferenced; LRU first
         self._tables: dict[RequestId, _Table] = {}
-        self._queried = 0
-        self._hits = 0
 
     # ------------------------------------------------------------------ BlockSpace
 
@@ -127,25 +118,11 @@ class PrefixCachingBlocks:
         """Unreferenced blocks kept for their content (evictable)."""
         return len(self._evictable)
 
-    @property
-    def counters(self) -> CacheCounters:
-        return CacheCounters(self._queried, self._hits)
-
-    def cached_prefix(self, tokens: Sequence[int]) -> int:
-        """Positions of ``tokens`` that ``allocate`` would find cached (no change)."""
-        return len(self._matches(tokens)[0]) * self._block_tokens
-
-    def fits(self, tokens: Sequence[int]) -> bool:
-        """Whether ``allocate`` would succeed for ``tokens`` now (no change)."""
-        hits = self._matches(tokens)[0]
-        need = -(-len(tokens) // self._block_tokens) - len(hits)
-        return need <= self.free_blocks - sum(1 for b in hits if b in self._evictable)
-
     def allocate(self, id: RequestId, tokens: Sequence[int], reuse: bool = True) -> Allocation:
         if id in self._tables:
             raise ValueError(f"request {id} already holds blocks")
         hits, names = self._matches(tokens) if reuse else ([], [])
-        need = -(-len(tokens) // self._block_tokens) - len(hits)
+        need = ceil_div(len(tokens), self._block_tokens) - len(hits)
         # Hit blocks that sit unreferenced would be counted twice: as a hit and as room.
         idle_hits = sum(1 for b in hits if b in self._evictable)
         if need > self.free_blocks - idle_hits:
@@ -155,14 +132,11 @@ class PrefixCachingBlocks:
         table = _Table(list(hits), len(hits), names[-1] if names else None)
         table.blocks.extend(self._take(need))
         self._tables[id] = table
-        cached = len(hits) * self._block_tokens
-        self._queried += len(tokens)
-        self._hits += cached
-        return Allocation(cached)
+        return Allocation(len(hits) * self._block_tokens)
 
     def append_slot(self, id: RequestId, total: int) -> None:
         table = self._tables.setdefault(id, _Table())
-        need = -(-total // self._block_tokens) - len(table.blocks)
+        need = ceil_div(total, self._block_tokens) - len(table.blocks)
         if need <= 0:
             return
         if need > self.free_blocks:
@@ -189,7 +163,7 @@ class PrefixCachingBlocks:
         table.named = full
         table.last_hash = names[-1]
 
-    def release(self, id: RequestId, computed: Sequence[int] = ()) -> None:
+    def release(self, id: RequestId) -> None:
         table = self._tables.pop(id, None)
         if table is None:
             return
@@ -207,16 +181,6 @@ class PrefixCachingBlocks:
     def block_table(self, id: RequestId) -> Sequence[int]:
         table = self._tables.get(id)
         return table.blocks if table is not None else ()
-
-    # ------------------------------------------------------------------ inspection (tests)
-
-    def refs(self) -> dict[int, int]:
-        """Block -> references, for every block some table holds."""
-        return dict(self._refs)
-
-    def named_blocks(self) -> dict[int, int]:
-        """Block -> hash, for every named block (used or evictable)."""
-        return dict(self._name_of)
 
     # ------------------------------------------------------------------ internals
 

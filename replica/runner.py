@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tierserve.kernels import cpu_native
+from tierserve.kernels import cpu_packing
 from tierserve.kernels.metadata import AttentionMetadata, SeqSpec, StepPacker
 from tierserve.records import RequestId
 from tierserve.replica.config import CONTEXT_CAP
 from tierserve.replica.cuda_graph import DecodeGraphs, GraphStep
 from tierserve.replica.kv_pool import KVPool, StepModel
-from tierserve.replica.scheduler import ScheduleOutput, Scheduler
+from tierserve.replica.scheduler import ScheduleOutput
 
 log = logging.getLogger(__name__)
 
@@ -120,12 +120,7 @@ class ModelRunner:
         self.packer = StepPacker(self.device)
         self.graphs: DecodeGraphs | None = graphs
         self.graphs_off_reason: str | None = None
-        if self.device.type == "cpu" and cpu_native.available():
-            # The native kernels are built (or loaded) now, not inside the first request's step;
-            # the linear layers move to their packed layout (weights are loaded by now).
-            pack = getattr(model, "pack_for_cpu", None)
-            if pack is not None:
-                pack()
+        cpu_packing.pack_model(model, self.device)  # weights are loaded by now
         if graphs is None and not enforce_eager:
             self.graphs = self._capture(max_model_len, cuda_graph_max_batch or 256)
         elif enforce_eager and graphs is None:
@@ -163,41 +158,28 @@ class ModelRunner:
     def build_batch(
         self,
         plan: ScheduleOutput,
-        scheduler: Scheduler,
         prompt_logits_for: Collection[RequestId] = (),
     ) -> ForwardBatch:
-        """The flat batch of ``plan``: decodes, then chunks; raises on an empty plan. For the
-        requests in ``prompt_logits_for``, the rows of their prompt tokens in this step's chunks
-        reach the output head too (each but the prompt's last, which is sampled)."""
-        blocks = scheduler.blocks
-        ids: list[int] = []
-        specs: list[SeqSpec] = []
-        rows: list[int] = []
-        sampled: list[RequestId] = []
-        for rid in plan.decode:
-            toks = scheduler.tokens(rid)
-            if toks is None:
-                raise KeyError(f"request {rid} is scheduled but unknown to the scheduler")
-            n = len(toks)
-            ids.append(toks[n - 1])
-            specs.append(SeqSpec(n - 1, 1, blocks.block_table(rid)))
-            rows.append(len(ids) - 1)
-            sampled.append(rid)
+        """The flat batch of ``plan``, from what the plan carries alone: decodes, then chunks;
+        raises on an empty plan. For the requests in ``prompt_logits_for``, the rows of their
+        prompt tokens in this step's chunks reach the output head too (each but the prompt's
+        last, which is sampled)."""
+        decodes = plan.decodes
+        ids = [d.token for d in decodes]
+        specs = [SeqSpec(d.position, 1, d.block_table) for d in decodes]
+        rows = list(range(len(ids)))
+        sampled = [d.id for d in decodes]
         extra: list[int] = []
         prompt_rows: list[PromptRows] = []
         for c in plan.prefill:
-            toks = scheduler.tokens(c.id)
-            if toks is None:
-                raise KeyError(f"request {c.id} is scheduled but unknown to the scheduler")
             base = len(ids)
-            ids.extend(toks[c.start : c.start + c.len])
-            specs.append(SeqSpec(c.start, c.len, blocks.block_table(c.id)))
+            ids.extend(c.tokens)
+            specs.append(SeqSpec(c.start, c.len, c.block_table))
             if c.last:
                 rows.append(len(ids) - 1)
                 sampled.append(c.id)
             if c.id in prompt_logits_for:
-                prompt_len = scheduler.prompt_len(c.id) or 0
-                count = min(c.start + c.len, prompt_len - 1) - c.start
+                count = min(c.start + c.len, c.prompt_len - 1) - c.start
                 if count > 0:
                     extra.extend(range(base, base + count))
                     prompt_rows.append(PromptRows(c.id, c.start, count))

@@ -7,6 +7,10 @@ chunk its ``PrefillPolicy`` grants; (3) admissions from the waiting queue in ran
 nothing, stopping at the first request that does not fit. ``on_step`` then advances the computed
 positions, appends the sampled tokens and finishes requests.
 
+The plan (``ScheduleOutput``) carries everything the runner feeds, so the runner never asks the
+scheduler back: each decode its newest token, position and block table (``Decode``), each chunk
+its token ids and block table, and the chunk that admits a request its cached prefix (``Chunk``).
+
 Rank: higher priority runs first. Under ``SchedPolicy.PRIORITY`` the waiting queue is a heap on the
 fixed key ``priority * aging_steps - arrival`` (docs/scheduler.md §4; ``aging_steps == 0`` means strict
 priority without aging), equal keys by arrival; under ``FCFS`` by arrival only. Running requests
@@ -23,6 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from tierserve.arith import ceil_div
 from tierserve.replica.block_space import (
     Allocation,
     BlockSpace,
@@ -41,6 +46,7 @@ __all__ = [
     "BlockSpace",
     "Chunk",
     "Chunked",
+    "Decode",
     "EmptyPrompt",
     "FinishReason",
     "FinishedEvent",
@@ -86,6 +92,8 @@ class Request:
             raise TypeError(f"max_tokens must be an int, got {type(self.max_tokens).__name__}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
+            raise ValueError(f"priority must be an integer, got {self.priority!r}")
         t = self.tpot_target_s
         if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float))
                               or not 0.0 < t < float("inf")):
@@ -145,24 +153,50 @@ class NeverFits(AdmitError):
 
 @dataclass(frozen=True, slots=True)
 class Chunk:
-    """Prefill positions ``start .. start + len`` of request ``id``; ``last`` ones get sampled."""
+    """Prefill positions ``start .. start + len`` of request ``id``; ``last`` ones get sampled.
+
+    What the runner feeds comes with it: ``tokens``, the ``len`` token ids of those positions
+    (``start`` positions are computed already: a cached prefix, earlier chunks), and the
+    request's ``block_table``; ``prompt_len`` bounds the rows that score its prompt. On the
+    chunk that admits the request (from the waiting queue), ``cached_tokens`` is the prompt
+    positions the prefix cache held at its first admission; None on a prefill in progress.
+    Equality compares the positions planned (``id``, ``start``, ``len``, ``last``) alone: the
+    rest follows from them.
+    """
 
     id: RequestId
     start: int
     len: int
     last: bool
+    tokens: Sequence[int] = field(default=(), compare=False, repr=False)
+    block_table: Sequence[int] = field(default=(), compare=False, repr=False)
+    prompt_len: int = field(default=0, compare=False)
+    cached_tokens: int | None = field(default=None, compare=False)
+
+
+class Decode(NamedTuple):
+    """A running request feeding its newest ``token`` at ``position`` (its positions computed so
+    far), over ``block_table`` (a NamedTuple: one is made per decode per step, so it must be
+    cheap; the token alone is carried, never the request's whole sequence)."""
+
+    id: RequestId
+    token: int
+    position: int
+    block_table: Sequence[int]
 
 
 @dataclass(slots=True)
 class ScheduleOutput:
-    """One step's plan.
+    """One step's plan: the scheduler's word to the runner, which reads nothing else of it.
 
-    prefill: chunks to prefill, in rank order. decode: requests feeding their newest token, in rank
-    order. preempted: requests preempted this step (blocks released, back in the waiting queue).
+    prefill: chunks to prefill, in rank order. decodes: requests feeding their newest token, in
+    rank order (``decode``: their ids). preempted: requests preempted this step (blocks
+    released, back in the waiting queue). A block table is the ``BlockSpace``'s own sequence, not
+    a copy: it holds until the next ``schedule`` or ``abort``.
     """
 
     prefill: list[Chunk] = field(default_factory=list)
-    decode: list[RequestId] = field(default_factory=list)
+    decodes: list[Decode] = field(default_factory=list)
     preempted: list[RequestId] = field(default_factory=list)
     # The step's work, for the cost model (docs/scheduler.md §8).
     shape: StepShape = field(default_factory=StepShape)
@@ -171,12 +205,17 @@ class ScheduleOutput:
     paused: int = 0
 
     @property
+    def decode(self) -> list[RequestId]:
+        """The ids of ``decodes``, in order."""
+        return [d.id for d in self.decodes]
+
+    @property
     def num_tokens(self) -> int:
-        return len(self.decode) + sum(c.len for c in self.prefill)
+        return len(self.decodes) + sum(c.len for c in self.prefill)
 
     @property
     def is_empty(self) -> bool:
-        return not self.prefill and not self.decode
+        return not self.prefill and not self.decodes
 
 
 @dataclass(frozen=True, slots=True)
@@ -360,7 +399,7 @@ class Scheduler:
         if n >= ctx:
             raise TooLong(n, ctx)
         longest = min(n + req.max_tokens, ctx)
-        need = -(-longest // self._blocks.block_tokens)
+        need = ceil_div(longest, self._blocks.block_tokens)
         if need > self._blocks.total_blocks:
             raise NeverFits(need, self._blocks.total_blocks)
         if queue and len(self._waiting) >= self.cfg.max_waiting:
@@ -382,7 +421,7 @@ class Scheduler:
             seq.handle = None
         else:
             self._running.remove(seq)
-            self._blocks.release(id, seq.tokens[: seq.computed])
+            self._blocks.release(id)
         return True
 
     # ------------------------------------------------------------------ the step
@@ -441,6 +480,8 @@ class Scheduler:
         # Phase 1: decodes, highest rank first. ``running`` is re-read: _grow may preempt from
         # its bottom, never a request already scheduled.
         partial = False  # a prefill in progress was seen (only with chunked prefill)
+        decodes = out.decodes
+        new_decode = tuple.__new__
         for seq in list(running):
             if seq.handle is not None:
                 continue  # preempted for a request above it
@@ -458,7 +499,10 @@ class Scheduler:
             if not self._grow(seq, n, out, fed, paused if limit is not None else None,
                               protected):
                 break  # seq preempted itself: nothing ranks lower
-            out.decode.append(seq.id)
+            # A Decode made by tuple.__new__: NamedTuple's own __new__ is Python code, and one
+            # is made per decode per step.
+            decodes.append(new_decode(Decode, (seq.id, seq.tokens[n - 1], n - 1,
+                                               blocks.block_table(seq.id))))
             fed.append((seq, 1))
             budget -= 1
             shape = shape.plus(1, 1, decode_attention(n))
@@ -477,7 +521,10 @@ class Scheduler:
                 if take == 0:
                     paused.append(seq)
             if take > 0:
-                out.prefill.append(Chunk(seq.id, seq.computed, take, take == remaining))
+                start = seq.computed
+                out.prefill.append(Chunk(seq.id, start, take, take == remaining,
+                                         seq.tokens[start : start + take],
+                                         blocks.block_table(seq.id), seq.prompt_len))
                 fed.append((seq, take))
                 budget -= take
                 shape = shape.plus(take, 1, chunk_attention(seq.computed, take))
@@ -522,7 +569,7 @@ class Scheduler:
                 if take and not protected(head) and not self._carries(head, fed, limit):
                     take = 0  # it would slow the decodes past the limit once it decodes
             if take == 0:
-                blocks.release(head.id, ())  # all or nothing: it waits, holding nothing
+                blocks.release(head.id)  # all or nothing: it waits, holding nothing
                 break
             if head is waiting.peek():
                 waiting.pop()
@@ -534,7 +581,9 @@ class Scheduler:
             if head.cached is None:
                 head.cached = cached
             bisect.insort(running, head, key=_rank_of)
-            out.prefill.append(Chunk(head.id, head.computed, take, take == remaining))
+            out.prefill.append(Chunk(head.id, cached, take, take == remaining,
+                                     head.tokens[cached : cached + take],
+                                     blocks.block_table(head.id), head.prompt_len, head.cached))
             fed.append((head, take))
             budget -= take
             shape = shape.plus(take, 1, chunk_attention(cached, take))
@@ -544,12 +593,14 @@ class Scheduler:
             # best-ranked request left out runs anyway, so the replica never stalls.
             first = next((s for s in paused if s.handle is None
                           and len(s.tokens) - s.computed == 1), None)
-            if first is not None and self._grow(first, len(first.tokens), out, fed, paused,
-                                                protected):
-                out.decode.append(first.id)
-                fed.append((first, 1))
-                shape = shape.plus(1, 1, decode_attention(len(first.tokens)))
-                paused.remove(first)
+            if first is not None:
+                n = len(first.tokens)
+                if self._grow(first, n, out, fed, paused, protected):
+                    out.decodes.append(Decode(first.id, first.tokens[n - 1], n - 1,
+                                              blocks.block_table(first.id)))
+                    fed.append((first, 1))
+                    shape = shape.plus(1, 1, decode_attention(n))
+                    paused.remove(first)
 
         out.shape = shape
         out.limit_s = limit
@@ -660,8 +711,11 @@ class Scheduler:
             if seq is victim:
                 del fed[k]
                 break
-        if victim.id in out.decode:
-            out.decode.remove(victim.id)
+        decodes = out.decodes
+        for k, d in enumerate(decodes):
+            if d.id == victim.id:
+                del decodes[k]
+                break
         out.prefill = [c for c in out.prefill if c.id != victim.id]
 
     def _grow(self, seq: _Seq, n: int, out: ScheduleOutput, fed: list[tuple[_Seq, int]],
@@ -691,7 +745,7 @@ class Scheduler:
     def _preempt(self, victim: _Seq, out: ScheduleOutput) -> None:
         """Preemption by recompute (docs/scheduler.md §5): free the blocks now, requeue with the same rank."""
         self._running.remove(victim)
-        self._blocks.release(victim.id, victim.tokens[: victim.computed])
+        self._blocks.release(victim.id)
         victim.computed = 0
         self._enqueue(victim)
         self._preemptions += 1
@@ -729,7 +783,7 @@ class Scheduler:
             for f in finished:
                 del seqs[f.id]
                 self._untarget(f)
-                self._blocks.release(f.id, f.tokens[: f.computed])
+                self._blocks.release(f.id)
             done = {f.id for f in finished}
             self._running = [s for s in self._running if s.id not in done]
         return events
@@ -764,7 +818,7 @@ class Scheduler:
     def waiting_blocks(self) -> int:
         """Blocks the waiting requests need at admission (their tokens plus the first new one)."""
         b = self._blocks.block_tokens
-        return sum(-(-(len(seq.tokens) + 1) // b) for seq in self._waiting.items())
+        return sum(ceil_div((len(seq.tokens) + 1), b) for seq in self._waiting.items())
 
     def committed_blocks(self) -> int:
         """Blocks the pool is promised once every unfinished request (running or waiting) has
@@ -777,10 +831,10 @@ class Scheduler:
         referenced = blocks.total_blocks - blocks.free_blocks
         growth = 0
         for seq in self._running:
-            full = -(-min(seq.prompt_len + seq.max_tokens, ctx) // b)
+            full = ceil_div(min(seq.prompt_len + seq.max_tokens, ctx), b)
             growth += max(full - len(blocks.block_table(seq.id)), 0)
         waiting = sum(
-            -(-min(seq.prompt_len + seq.max_tokens, ctx) // b) for seq in self._waiting.items()
+            ceil_div(min(seq.prompt_len + seq.max_tokens, ctx), b) for seq in self._waiting.items()
         )
         return referenced + growth + waiting
 

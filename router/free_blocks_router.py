@@ -1,5 +1,8 @@
 """``FreeKVBlocksRouter``: the Serve adapter around ``tierserve.router.policy.rank_replicas``.
 
+What the router does, how a deployment configures it, what it reads of the replicas' reports and
+of each request, and its limits: docs/router.md.
+
 How Serve 2.60 drives it (all hooks on the handle owner's router event loop, a thread of its own
 unless ``RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0``):
 
@@ -28,7 +31,8 @@ A retry (``GenerateRequest.avoid_replicas`` names the replicas that failed it) i
 the other candidates only, while there are any: a replica whose engine failed keeps reporting
 itself alive until its next routing-stats report reaches us.
 
-Serve pickles this module by value (see ``tierserve.router.registry``): keep process-wide state out of it.
+Serve pickles this module by value (see ``tierserve.router.registry``): keep process-wide state
+out of it.
 """
 
 from __future__ import annotations
@@ -148,16 +152,6 @@ class FreeKVBlocksRouter(FIFOMixin, RequestRouter):
                 holder=pending_request,
             )
         return [[by_id[r.key]] for r in ranked]
-
-    def outstanding(self) -> dict[ReplicaID, int]:
-        """Blocks charged per replica, confirmed and tentative (for tests and tools)."""
-        with self._lock:
-            return {r: self._state.ledger.outstanding_blocks(r) for r in self._replicas}
-
-    def prefix_blocks(self) -> dict[ReplicaID, int]:
-        """Block names remembered per replica (for tests and tools)."""
-        with self._lock:
-            return {r: self._state.index.size(r) for r in self._replicas}
 
     # ------------------------------------------------------------------ lifecycle hooks
 

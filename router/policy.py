@@ -47,7 +47,8 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from tierserve.records import GenerateRequest, RoutingStats
+from tierserve.arith import ceil_div
+from tierserve.records import DEFAULT_BLOCK_SIZE, GenerateRequest, RoutingStats
 
 K = TypeVar("K", bound=Hashable)
 
@@ -59,7 +60,7 @@ GATHER_MAX = 4
 
 def blocks_for(tokens: int, block_tokens: int) -> int:
     """Blocks that hold ``tokens`` positions."""
-    return -(-max(tokens, 0) // block_tokens)
+    return ceil_div(max(tokens, 0), block_tokens)
 
 
 def charge_blocks(prompt_tokens: int, block_tokens: int) -> int:
@@ -75,7 +76,6 @@ class RequestShape:
 
     prompt_tokens: int
     max_tokens: int = 0
-    priority: int = 0
     latency: bool = False
     # The names of the prompt's full blocks (GenerateRequest.prefix_hashes) and how many samples
     # of the prompt the request runs (each holds the prompt; cached blocks are shared).
@@ -91,7 +91,6 @@ class RequestShape:
         return cls(
             prompt_tokens=request.prompt_tokens,
             max_tokens=request.max_new_tokens,
-            priority=request.priority,
             latency=request.latency,
             prefix=request.prefix_hashes,
             samples=max(request.n, 1),
@@ -202,7 +201,7 @@ def rank_replicas(
     rng: random.Random,
     *,
     saturation_waiting: int = 8,
-    default_block_tokens: int = 16,
+    default_block_tokens: int = DEFAULT_BLOCK_SIZE,
     affinity: Affinity | None = None,
 ) -> list[Ranked[K]]:
     """Best replica first (see the module docstring for the two rankings and the balance rule).

@@ -1,5 +1,5 @@
-"""The routers alive in this process, so that code in it (the ingress, tests, tools) can ask
-them what they see: the blocks they have charged each replica, the prefixes they remember.
+"""The routers alive in this process, so that code in it can ask them what they see: the ingress
+sizes its dispatch window by the replicas its handle's router can send to.
 
 Serve pickles the router's module by value (``RequestRouterConfig`` registers it with
 ``cloudpickle.register_pickle_by_value``): the handle owner runs a copy of
@@ -11,16 +11,13 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Protocol
 
 
 class RouterView(Protocol):
     """What a live router answers, from any thread."""
 
     def serves(self, app_name: str, deployment_name: str) -> bool: ...
-    def outstanding(self) -> Mapping[Any, int]: ...
-    def prefix_blocks(self) -> Mapping[Any, int]: ...
     def replica_count(self) -> int: ...
 
 

@@ -22,7 +22,7 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Generic, TypeVar
 
-from tierserve.records import RoutingStats
+from tierserve.records import DEFAULT_BLOCK_SIZE, RoutingStats
 from tierserve.router.ledger import InFlightLedger
 from tierserve.router.policy import (
     Affinity,
@@ -38,6 +38,9 @@ from tierserve.router.prefix_index import PrefixIndex
 R = TypeVar("R", bound=Hashable)
 
 
+_AFFINITY = Affinity()  # the defaults of its fields below
+
+
 @dataclass(frozen=True, slots=True)
 class RouterSettings:
     """``request_router_kwargs`` of the deployment's ``request_router_config``."""
@@ -45,7 +48,7 @@ class RouterSettings:
     # A replica out of blocks for a request is saturated from this (estimated) queue length on.
     saturation_waiting: int = 8
     # Block size assumed before any replica has reported.
-    default_block_tokens: int = 16
+    default_block_tokens: int = DEFAULT_BLOCK_SIZE
     # A tentative charge never confirmed by on_request_routed is forgotten after this long.
     tentative_ttl_s: float = 5.0
     # Seed of the random tie-break (None: from the OS).
@@ -55,10 +58,10 @@ class RouterSettings:
     # Block names remembered per replica before it reports its pool size (then: that size).
     prefix_index_blocks: int = 4096
     # Load imbalance past which prefix hits only break ties (tierserve.router.policy.Affinity).
-    balance_abs: int = 16
-    balance_rel: float = 1.5
+    balance_abs: int = _AFFINITY.balance_abs
+    balance_rel: float = _AFFINITY.balance_rel
     # Lower tiers follow their prefix only when this share of the prompt is cached there.
-    min_hit_fraction: float = 0.25
+    min_hit_fraction: float = _AFFINITY.min_hit_fraction
 
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any]) -> RouterSettings:

@@ -130,8 +130,9 @@ def test_no_layer_imports_a_higher_one(part: str) -> None:
     assert bad == {}
 
 
-def test_the_records_import_nothing_of_ours() -> None:
-    mods = imports("tierserve.records")
+@pytest.mark.parametrize("module", ["tierserve.records", "tierserve.arith"])
+def test_the_bottom_imports_nothing_of_ours(module: str) -> None:
+    mods = imports(module)
     assert not {m for m in mods if m.split(".")[0] == "tierserve"}, sorted(mods)
 
 

@@ -20,10 +20,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 RequestId = int
 
+# Positions per KV block when nothing says otherwise: the engine's default ``block_size``, and
+# what a router assumes of a replica that has not reported yet.
+DEFAULT_BLOCK_SIZE: Final = 16
 GREEDY_BELOW = 1e-5
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0
@@ -31,6 +34,18 @@ MAX_LOGIT_BIAS = 100.0
 
 def _number(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+class InvalidSamplingParam(ValueError):
+    """A sampling parameter out of its range; ``param`` names the field (``logit_bias.7``,
+    ``stop_token_ids.0``: the entry at fault), as an HTTP error's ``param`` does."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+    def __reduce__(self) -> tuple[type[InvalidSamplingParam], tuple[str, str]]:
+        return type(self), (str(self), self.param)  # it crosses processes whole
 
 
 @dataclass(slots=True)
@@ -68,52 +83,69 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        """Raise ``ValueError`` naming the first field out of range."""
+        """Raise ``InvalidSamplingParam`` (a ``ValueError``) naming the first field out of range.
+
+        These are the parameters' ranges, checked once, when the record is made (``__post_init__``;
+        ``dataclasses.replace`` makes a new one): the offline ``LLM``, the engine and the ingress
+        all take their parameters as this record and do not check them again. The model's
+        vocabulary is the engine's to check (``stop_token_ids``, ``logit_bias`` keys)."""
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
-            raise ValueError(f"max_tokens must be an integer, got {self.max_tokens!r}")
+            raise InvalidSamplingParam(
+                f"max_tokens must be an integer, got {self.max_tokens!r}", "max_tokens")
         if self.max_tokens < 0:
-            raise ValueError(f"max_tokens must be at least 0, got {self.max_tokens}")
+            raise InvalidSamplingParam(
+                f"max_tokens must be at least 0, got {self.max_tokens}", "max_tokens")
         if not _number(self.temperature) or not 0.0 <= self.temperature <= 100.0:
-            raise ValueError(f"temperature must be in [0, 100], got {self.temperature!r}")
+            raise InvalidSamplingParam(
+                f"temperature must be in [0, 100], got {self.temperature!r}", "temperature")
         if not _number(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise InvalidSamplingParam(f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
-            raise ValueError(f"top_k must be an integer >= 0 (0 or -1: off), got {self.top_k!r}")
+            raise InvalidSamplingParam(
+                f"top_k must be an integer >= 0 (0 or -1: off), got {self.top_k!r}", "top_k")
         if not _number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+            raise InvalidSamplingParam(f"min_p must be in [0, 1], got {self.min_p!r}", "min_p")
         if self.seed is not None and (
             isinstance(self.seed, bool) or not isinstance(self.seed, int)
         ):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+            raise InvalidSamplingParam(f"seed must be an integer, got {self.seed!r}", "seed")
         if self.stop is not None:
             if isinstance(self.stop, str):
                 self.stop = [self.stop]
             if any(not isinstance(s, str) or not s for s in self.stop):
-                raise ValueError("stop must be a list of non-empty strings")
-        if self.stop_token_ids is not None and any(
-            isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids
-        ):
-            raise ValueError("stop_token_ids must be a list of non-negative integers")
+                raise InvalidSamplingParam("stop must be a list of non-empty strings", "stop")
+        if self.stop_token_ids is not None:
+            for i, t in enumerate(self.stop_token_ids):
+                if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                    raise InvalidSamplingParam(
+                        "stop_token_ids must be a list of non-negative integers",
+                        f"stop_token_ids.{i}")
         if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int):
-            raise ValueError(f"min_tokens must be an integer, got {self.min_tokens!r}")
+            raise InvalidSamplingParam(
+                f"min_tokens must be an integer, got {self.min_tokens!r}", "min_tokens")
         if not 0 <= self.min_tokens <= max(self.max_tokens, 0):
-            raise ValueError(
-                f"min_tokens must be in [0, max_tokens ({self.max_tokens})], got {self.min_tokens}"
+            raise InvalidSamplingParam(
+                f"min_tokens must be in [0, max_tokens ({self.max_tokens})], got {self.min_tokens}",
+                "min_tokens",
             )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _number(value) or not -2.0 <= value <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+                raise InvalidSamplingParam(f"{name} must be in [-2, 2], got {value!r}", name)
         if not _number(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 10.0:
-            raise ValueError(
-                f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}"
+            raise InvalidSamplingParam(
+                f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}",
+                "repetition_penalty",
             )
         if self.logit_bias is not None:
             for tok, bias in self.logit_bias.items():
                 if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
-                    raise ValueError(f"logit_bias keys must be token ids >= 0, got {tok!r}")
+                    raise InvalidSamplingParam(
+                        f"logit_bias keys must be token ids >= 0, got {tok!r}", "logit_bias")
                 if not _number(bias) or abs(bias) > MAX_LOGIT_BIAS:
-                    raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r}")
+                    raise InvalidSamplingParam(
+                        f"logit_bias values must be in [-100, 100], got {bias!r}",
+                        f"logit_bias.{tok}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (
@@ -121,7 +153,8 @@ class SamplingParams:
                 or not isinstance(value, int)
                 or not 0 <= value <= MAX_LOGPROBS
             ):
-                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
+                raise InvalidSamplingParam(
+                    f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}", name)
 
     @property
     def greedy(self) -> bool:
@@ -213,6 +246,19 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
     cached_tokens: int | None = None
+
+
+def failed_before_first_token(first: RequestOutput) -> bool:
+    """Whether a request failed before its first token: the first delta of its stream ends it
+    in an engine failure (``finish_reason`` "error") with no token made.
+
+    Then nothing of the answer exists, so the failure is a refusal, not an answer: the replica
+    yields ``ErrorRecord`` 503 ``replica_unavailable`` (naming itself) instead of the delta, and
+    the ingress sends the request to another replica, or answers an HTTP error when it may send
+    no more. A failure after the first token is the delta that ends the stream: an error event
+    inside the client's stream (or an HTTP 503 for a request that is not streamed).
+    """
+    return first.finish_reason == "error" and not first.completion_tokens
 
 
 @dataclass(frozen=True, slots=True)

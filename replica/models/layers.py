@@ -2,7 +2,7 @@
 
 Every op works on one flat batch of rows ``[T, ...]`` and is row-wise: a row's result depends
 only on that row. On CPU in fp32 the linear layers, the norms and SiLU run on the native kernels
-(``tierserve.kernels.cpu_native``) when they are built; elsewhere on plain torch.
+(``tierserve.kernels.cpu_ops``) when they are built; elsewhere on plain torch.
 
 The deterministic mode (``deterministic=True``; docs/determinism.md) promises more: a row gets the
 same *bits* whatever else is in the batch and wherever it sits. It runs on the native kernels
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tierserve.kernels import cpu_native
+from tierserve.kernels import cpu_native, cpu_ops, cpu_packing
 from tierserve.replica.models.config import RopeScaling
 
 
@@ -30,13 +30,13 @@ class Linear(nn.Module):
     On CPU in fp32, ``pack_for_cpu`` moves it to the native kernel. The deterministic mode runs
     every row count there. The default mode keeps whichever of the native kernel and the
     library's GEMM is clearly faster on this CPU for the layer's shape, per row count
-    (``cpu_native.library_rows``, timed once per shape at pack time): the native kernel up to a
-    row count, the library from it on when it wins there (then the layer keeps its ``[out, in]``
-    weight beside the packed one: ``out x in`` floats more), or the library throughout (the
-    layer then stays unpacked: one copy).
+    (``cpu_calibration.library_rows``, timed once per shape at pack time): the native kernel up
+    to a row count, the library from it on when it wins there (then the layer keeps its
+    ``[out, in]`` weight beside the packed one: ``out x in`` floats more), or the library
+    throughout (the layer then stays unpacked: one copy).
 
     A weight that is exactly the dequantization of a quantized checkpoint (a GGUF's Q4_1 or
-    Q8_0: ``cpu_native.pack_linear_quantized``) is packed in that form instead (``bits`` 4 or
+    Q8_0: ``cpu_packing.pack_linear_quantized``) is packed in that form instead (``bits`` 4 or
     8): 1/6.4 (Q4) or 1/3.8 (Q8) of the bytes for a decode step to stream, the same output
     bits.
     """
@@ -78,10 +78,10 @@ class Linear(nn.Module):
             if lib is not None and x.shape[0] >= lib[0]:
                 return F.linear(x, lib[1], self.bias)
             if self.bits is not None:
-                return cpu_native.linear_quantized(
+                return cpu_ops.linear_quantized(
                     x, self.weight, self.bits, self.out_features, self.bias
                 )
-            return cpu_native.linear(x, self.weight, self.out_features, self.bias)
+            return cpu_ops.linear(x, self.weight, self.out_features, self.bias)
         if self.deterministic:
             raise cpu_native.DeterministicModeUnavailable(
                 "a deterministic Linear runs on the native kernel's packed weights: call "
@@ -90,10 +90,10 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
     def pack_for_cpu(self) -> bool:
-        """Repack ``weight`` for the native CPU kernel (``cpu_native.linear``) when it takes this
+        """Repack ``weight`` for the native CPU kernel (``cpu_ops.linear``) when it takes this
         layer (fp32 on CPU, kernels built) and, in the default mode, is the faster path here at
-        some row count; returns whether it did. A deterministic layer that the kernel cannot
-        take raises ``DeterministicModeUnavailable``.
+        some row count (``cpu_packing.pack_weight`` decides); returns whether it did. A
+        deterministic layer that the kernel cannot take raises ``DeterministicModeUnavailable``.
 
         The packed weight replaces the original (``weight`` becomes ``[out / 16, in, 16]``, or
         the quantized panels' bytes), so load weights first; ``dense_weight()`` gives the
@@ -103,32 +103,21 @@ class Linear(nn.Module):
         """
         if self.packed:
             return False
-        if self.deterministic:
-            cpu_native.require_fused(self.weight, "Linear")
-        elif not cpu_native.fused_ok(self.weight):  # fp32 on CPU, kernels built and enabled
+        packed = cpu_packing.pack_weight(self.weight.data, self.bias, self.deterministic)
+        if packed is None:
             return False
-        dense = self.weight.data
-        quantized = cpu_native.pack_linear_quantized(dense) if cpu_native.quantized_enabled() else None
-        packed, bits = quantized if quantized is not None else (cpu_native.pack_linear(dense), None)
-        if not self.deterministic:
-            rows = cpu_native.library_rows(dense, packed, self.bias, bits)
-            if rows is not None and rows <= 1:  # the library at every row count: stay as is
-                return False
-            if rows is not None:
-                self.library = (rows, dense)
-        self.weight = nn.Parameter(packed, requires_grad=False)
+        self.library = packed.library
+        self.weight = nn.Parameter(packed.weight, requires_grad=False)
         self.packed = True
-        self.bits = bits
+        self.bits = packed.bits
         return True
 
     def dense_weight(self) -> torch.Tensor:
         """The weight as ``[out_features, in_features]`` (a copy when packed)."""
-        if self.packed and self.bits is not None:
-            return cpu_native.unpack_linear_quantized(
+        if self.packed:
+            return cpu_packing.unpack_weight(
                 self.weight.data, self.bits, self.out_features, self.in_features
             )
-        if self.packed:
-            return cpu_native.unpack_linear(self.weight.data, self.out_features)
         return self.weight.data
 
     def extra_repr(self) -> str:
@@ -176,7 +165,7 @@ class RMSNorm(nn.Module):
         if self.deterministic:
             cpu_native.require_fused(x, "RMSNorm")
         if cpu_native.fused_ok(x):
-            return cpu_native.rms_norm(x, self.weight, self.eps)
+            return cpu_ops.rms_norm(x, self.weight, self.eps)
         xf = x.float()
         out = xf * xf.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()
         if out.dtype != x.dtype:
@@ -195,7 +184,7 @@ class RMSNorm(nn.Module):
         if self.deterministic:
             cpu_native.require_fused(residual, "RMSNorm")
         if cpu_native.fused_ok(residual):
-            return cpu_native.rms_norm(residual, self.weight, self.eps, delta)
+            return cpu_ops.rms_norm(residual, self.weight, self.eps, delta)
         residual.add_(delta)
         return self(residual)
 
@@ -277,7 +266,7 @@ def silu_and_mul(gate_up: torch.Tensor, deterministic: bool = False) -> torch.Te
     if deterministic:
         cpu_native.require_fused(gate_up, "SiLU")
     if gate_up.dim() == 2 and cpu_native.fused_ok(gate_up):
-        return cpu_native.silu_and_mul(gate_up)
+        return cpu_ops.silu_and_mul(gate_up)
     inter = gate_up.shape[-1] // 2
     return F.silu(gate_up[..., :inter]).mul_(gate_up[..., inter:])
 

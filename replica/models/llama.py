@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tierserve.kernels import cpu_native
+from tierserve.kernels import cpu_native, cpu_ops
 from tierserve.kernels.attention import Backend, attention
 from tierserve.kernels.metadata import AttentionMetadata
 from tierserve.replica.models.config import ModelConfig
@@ -117,7 +117,7 @@ class LlamaAttention(nn.Module):
             cpu_native.require_fused(qkv, "rotary embedding")
         if self.backend == "torch" and cpu_native.fused_ok(qkv):
             cos, sin = rope
-            cpu_native.rope_store(qkv, cos, sin, meta.slot_mapping, kv_cache[0], kv_cache[1], hq)
+            cpu_ops.rope_store(qkv, cos, sin, meta.slot_mapping, kv_cache[0], kv_cache[1], hq)
             stored = True
         elif self.fused:
             from tierserve.kernels import (

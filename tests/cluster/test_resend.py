@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from tierserve.cluster import ingress as ingress_mod
 from tierserve.cluster.config import ClusterConfig
 from tierserve.cluster.ingress import ApiError, _Call
+from tierserve.cluster.protocol import error_body
 from tierserve.cluster.tiers import Caller
 from tierserve.records import ErrorRecord, GenerateRequest, RequestOutput, SamplingParams
 
@@ -175,3 +176,39 @@ def test_a_resend_refused_mid_stream_ends_the_stream_with_its_error() -> None:
     assert evs[0]["error"]["type"] == "rate_limit_error"
     assert evs[1] == "[DONE]"
 
+
+
+def test_a_first_delta_failed_with_no_token_is_sent_again() -> None:
+    # The replica refuses such a request itself; the ingress decides the same of a delta that
+    # reaches it (``failed_before_first_token``).
+    handle = FakeHandle([out("", 0, True, "error", failure="engine died")], GOOD)
+    body = generate(handle, stream=False)
+    assert body["choices"][0]["text"] == "Hello" and len(handle.sent) == 2
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_a_failure_before_the_first_token_with_no_send_left_is_an_http_503(stream: bool) -> None:
+    handle = FakeHandle([out("", 0, True, "error", failure="engine died")])
+    with pytest.raises(ApiError) as e:
+        generate(handle, stream=stream, retries=0)
+    assert (e.value.status, e.value.code, e.value.message) == (
+        503, "replica_unavailable", "engine died")
+
+
+def test_a_failure_after_the_first_token_with_no_send_left_ends_the_stream() -> None:
+    handle = FakeHandle([out("Hel", 1), out("", 1, True, "error", failure="engine died")])
+    chunks = generate(handle, stream=True, retries=0)
+    # The error event, byte for byte the body an HTTP error would have.
+    assert chunks[1] == ('data: {"error": {"message": "engine died", "type": '
+                         '"service_unavailable", "code": "replica_failed", "param": null}}\n\n')
+    evs = events(chunks)
+    assert evs[0]["choices"][0]["text"] == "Hel" and evs[2] == "[DONE]"
+    assert evs[1] == error_body(503, "engine died", "replica_failed")
+
+
+def test_a_failure_after_the_first_token_of_an_unstreamed_request_is_an_http_503() -> None:
+    handle = FakeHandle([out("Hel", 1, True, "error", failure="engine died")])
+    with pytest.raises(ApiError) as e:
+        generate(handle, stream=False, retries=0)
+    assert (e.value.status, e.value.code, e.value.message) == (503, "replica_failed",
+                                                               "engine died")

@@ -126,7 +126,8 @@ def _legacy_batch(
     scheduler: Scheduler,
     prompt_logits_for: Collection[int],
 ) -> ForwardBatch:
-    """The batch as the runner built it before the packed step: one tensor per field."""
+    """The batch as the runner built it before the packed step, one tensor per field, and
+    before the plan carried its inputs: each asked of the scheduler."""
     blocks = scheduler.blocks
     ids: list[int] = []
     specs: list[SeqSpec] = []
@@ -193,11 +194,11 @@ def test_the_runner_builds_the_old_batch_with_one_transfer_per_step(
     build = runner.build_batch
     steps = {"n": 0, "mixed": 0, "decodes_only": 0, "prompt_rows": 0}
 
-    def checked(plan: ScheduleOutput, scheduler: Scheduler, scoring: Collection[int] = ()) -> ForwardBatch:
+    def checked(plan: ScheduleOutput, scoring: Collection[int] = ()) -> ForwardBatch:
         before = uploads.calls
-        got = build(plan, scheduler, scoring)
+        got = build(plan, scoring)
         assert uploads.calls == before + 1
-        want = _legacy_batch(runner, plan, scheduler, scoring)
+        want = _legacy_batch(runner, plan, engine.scheduler, scoring)
         _assert_same_meta(got.meta, want.meta)
         assert torch.equal(got.input_ids, want.input_ids)
         assert torch.equal(got.logits_indices, want.logits_indices)

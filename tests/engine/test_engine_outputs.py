@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.models.helpers import PagedHarness, Work
+from tests.prefix_probe import probe_engine_caches
 from tierserve.replica.config import EngineConfig
 from tierserve.replica.engine import Engine, RequestOutput
 from tierserve.replica.models.embedded import EMBEDDED_MODEL
@@ -73,9 +74,12 @@ def test_prompt_logprobs_with_max_tokens_zero_score_the_prompt(chunk: int | None
     assert e.stats().free_blocks == e.stats().total_blocks
 
 
-def test_prompt_scoring_computes_a_prefix_that_the_cache_holds() -> None:
+def test_prompt_scoring_computes_a_prefix_that_the_cache_holds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A prompt scored twice: the second request could start after the cached blocks of the
     first, but its logprobs need every position, so it computes them all (and answers alike)."""
+    probe_engine_caches(monkeypatch)  # the engine's cache counts its hits
     e = engine(deterministic=True, block_size=8)
     first, again = (run(e, [PROMPT], [SamplingParams(max_tokens=0, prompt_logprobs=1)])[0][0]
                     for _ in range(2))

@@ -18,6 +18,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.prefix_probe import probe_engine_caches
 from tierserve.replica.config import EngineConfig
 from tierserve.replica.engine import Engine
 from tierserve.replica.models.embedded import EMBEDDED_MODEL
@@ -107,7 +108,10 @@ def test_deterministic_logits_are_bit_identical_with_and_without_cache_hits(plan
             assert torch.equal(a, b), f"request {i}: a logit bit changed with the cache"
 
 
-def test_the_cache_is_hit_and_answers_do_not_change_in_the_default_mode() -> None:
+def test_the_cache_is_hit_and_answers_do_not_change_in_the_default_mode(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    probe_engine_caches(monkeypatch)  # the engine's cache counts its hits
     rng = random.Random(3)
     system = [rng.randrange(3, 250) for _ in range(80)]
     prompts = [system + [rng.randrange(3, 250) for _ in range(4)] for _ in range(5)]

@@ -14,7 +14,15 @@ import torch.nn.functional as F
 
 from tests.kernels.common import LONG_DECODES, MIXED, check_against_reference
 from tests.kernels.helpers import Shape
-from tierserve.kernels import cpu_native, torch_attention
+from tierserve.kernels import (
+    cpu_abi,
+    cpu_build,
+    cpu_calibration,
+    cpu_native,
+    cpu_ops,
+    cpu_packing,
+    torch_attention,
+)
 from tierserve.kernels.attention import attention
 from tierserve.kernels.metadata import SeqSpec, build_metadata
 
@@ -30,7 +38,7 @@ def fresh_loader(monkeypatch: pytest.MonkeyPatch, tmp_path: object) -> Iterator[
     monkeypatch.setattr(cpu_native, "_tried", False)
     monkeypatch.setattr(cpu_native, "_lib", None)
     monkeypatch.setattr(cpu_native, "_reason", None)
-    monkeypatch.setenv(cpu_native.ENV_CACHE, str(tmp_path))
+    monkeypatch.setenv(cpu_build.ENV_CACHE, str(tmp_path))
     yield
 
 
@@ -40,8 +48,8 @@ def _native(q, k, v, kc, vc, meta, scale, row_tile, all_heads):  # type: ignore[
     reference.store_kv(k, v, kc, vc, meta.slot_mapping)
     out = torch.empty_like(q)
     heads = kc.shape[2] if all_heads else 1
-    plan = cpu_native.AttentionPlan(row_tile, heads)
-    cpu_native.paged_attention(q, kc, vc, meta, scale, out, meta.num_seqs, plan)
+    plan = cpu_ops.AttentionPlan(row_tile, heads)
+    cpu_ops.paged_attention(q, kc, vc, meta, scale, out, meta.num_seqs, plan)
     return out
 
 
@@ -89,8 +97,8 @@ def test_native_softmax_is_stable_with_large_scores(magnitude: float) -> None:
 
     want = reference.paged_attention(q, kc, vc, meta, 0.2)
     got = torch.empty_like(q)
-    cpu_native.paged_attention(
-        q, kc, vc, meta, 0.2, got, meta.num_seqs, cpu_native.AttentionPlan(4, 2)
+    cpu_ops.paged_attention(
+        q, kc, vc, meta, 0.2, got, meta.num_seqs, cpu_ops.AttentionPlan(4, 2)
     )
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
@@ -99,10 +107,10 @@ def test_native_softmax_is_stable_with_large_scores(magnitude: float) -> None:
 @needs_native
 def test_dispatch_uses_native_for_fp32_and_torch_otherwise(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[str] = []
-    native = cpu_native.paged_attention
+    native = cpu_ops.paged_attention
     fast = torch_attention.paged_attention_fast
     monkeypatch.setattr(
-        cpu_native, "paged_attention", lambda *a, **k: (calls.append("native"), native(*a, **k))[1]
+        cpu_ops, "paged_attention", lambda *a, **k: (calls.append("native"), native(*a, **k))[1]
     )
     monkeypatch.setattr(
         torch_attention,
@@ -125,7 +133,7 @@ def test_no_compiler_falls_back_to_torch(
     assert "failed" in (cpu_native.unavailable_reason() or "")
     assert "native CPU kernels unavailable" in caplog.text
     q = torch.randn(3, 4, 16)
-    assert cpu_native.attention_plan(q, torch.zeros(4, 16, 2, 16)) is None
+    assert cpu_ops.attention_plan(q, torch.zeros(4, 16, 2, 16)) is None
     # The dispatch still answers, through torch.
     attend = functools.partial(attention, backend="torch")
     check_against_reference(attend, MIXED, Shape(2, 2, 16), 16, torch.float32, "cpu")
@@ -137,8 +145,8 @@ def test_environment_switch_disables_the_kernel(
     monkeypatch.setenv(cpu_native.ENV_SWITCH, "0")
     assert not cpu_native.available()
     assert cpu_native.unavailable_reason() == f"disabled by {cpu_native.ENV_SWITCH}"
-    with pytest.raises(cpu_native.NativeKernelError, match="unavailable: disabled"):
-        cpu_native.paged_attention(
+    with pytest.raises(cpu_abi.NativeKernelError, match="unavailable: disabled"):
+        cpu_ops.paged_attention(
             torch.zeros(1, 2, 8),
             torch.zeros(2, 16, 2, 8),
             torch.zeros(2, 16, 2, 8),
@@ -146,12 +154,12 @@ def test_environment_switch_disables_the_kernel(
             1.0,
             torch.zeros(1, 2, 8),
             1,
-            cpu_native.AttentionPlan(1, 1),
+            cpu_ops.AttentionPlan(1, 1),
         )
 
 
 def test_build_goes_to_the_cache_and_is_reused(fresh_loader: None, tmp_path: object) -> None:
-    if cpu_native._compiler() is None:
+    if cpu_build.compiler() is None:
         pytest.skip("no C++ compiler")
     assert cpu_native.available(), cpu_native.unavailable_reason()
     from pathlib import Path
@@ -173,14 +181,14 @@ def test_two_processes_starting_at_once_compile_once(tmp_path: Path) -> None:
     import shutil
     import subprocess
 
-    cxx = cpu_native._compiler()
+    cxx = cpu_build.compiler()
     if cxx is None:
         pytest.skip("no C++ compiler")
     calls = tmp_path / "calls"
     wrapper = tmp_path / "cxx"
     wrapper.write_text(f'#!/bin/sh\necho run >> {calls}\nexec {shutil.which(cxx)} "$@"\n')
     wrapper.chmod(0o755)
-    env = {**os.environ, cpu_native.ENV_CACHE: str(tmp_path / "cache"), "CXX": str(wrapper)}
+    env = {**os.environ, cpu_build.ENV_CACHE: str(tmp_path / "cache"), "CXX": str(wrapper)}
     code = "from tierserve.kernels import cpu_native; print(cpu_native.available())"
     root = Path(__file__).resolve().parents[2]
     procs = [subprocess.Popen([sys.executable, "-c", code], cwd=root, env=env,
@@ -227,7 +235,7 @@ def test_refusals_say_what_is_wrong(change: str, message: str) -> None:
     """Inconsistent inputs raise before any read out of bounds, and leave ``out`` untouched."""
     q, kc, vc, meta = _case()
     out = torch.full_like(q, 7.0)
-    num_seqs, plan = 2, cpu_native.AttentionPlan(1, 1)
+    num_seqs, plan = 2, cpu_ops.AttentionPlan(1, 1)
     if change == "table_block":
         meta.block_tables[1, 0] = 4  # the cache has blocks 0..3
     elif change == "negative_block":
@@ -235,9 +243,9 @@ def test_refusals_say_what_is_wrong(change: str, message: str) -> None:
     elif change == "short_table":
         meta.seq_lens[1] = 17  # 2 blocks, the table has 1 column
     elif change == "row_tile":
-        plan = cpu_native.AttentionPlan(64, 1)
+        plan = cpu_ops.AttentionPlan(64, 1)
     elif change == "heads_per_item":
-        plan = cpu_native.AttentionPlan(1, 3)  # not a divisor of the 2 KV heads
+        plan = cpu_ops.AttentionPlan(1, 3)  # not a divisor of the 2 KV heads
     elif change == "int64_tables":
         meta.block_tables = meta.block_tables.long()
     elif change == "out_shape":
@@ -248,8 +256,8 @@ def test_refusals_say_what_is_wrong(change: str, message: str) -> None:
         q = torch.zeros(4, 8, 8)[:, ::2]
     elif change == "bf16":
         q = q.bfloat16()
-    with pytest.raises(cpu_native.NativeKernelError, match=message):
-        cpu_native.paged_attention(q, kc, vc, meta, 1.0, out, num_seqs, plan)  # type: ignore[arg-type]
+    with pytest.raises(cpu_abi.NativeKernelError, match=message):
+        cpu_ops.paged_attention(q, kc, vc, meta, 1.0, out, num_seqs, plan)  # type: ignore[arg-type]
     if out.shape == q.shape and change != "bf16":
         assert (out == 7.0).all()
 
@@ -260,13 +268,13 @@ def test_plan_takes_all_heads_when_there_is_work_for_every_thread(
 ) -> None:
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     kc = torch.zeros(4, 16, 2, 32)
-    assert cpu_native.attention_plan(torch.zeros(64, 8, 32), kc) == cpu_native.AttentionPlan(8, 2)
+    assert cpu_ops.attention_plan(torch.zeros(64, 8, 32), kc) == cpu_ops.AttentionPlan(8, 2)
     # A lone decode: one item per KV head, so both threads work.
-    assert cpu_native.attention_plan(torch.zeros(1, 8, 32), kc) == cpu_native.AttentionPlan(8, 1)
+    assert cpu_ops.attention_plan(torch.zeros(1, 8, 32), kc) == cpu_ops.AttentionPlan(8, 1)
     # 128 query heads never fit one item: per KV head (64 query heads each).
-    big = cpu_native.attention_plan(torch.zeros(64, 128, 32), kc)
-    assert big == cpu_native.AttentionPlan(1, 1)
-    assert cpu_native.attention_plan(torch.zeros(4, 8, 32).bfloat16(), kc) is None
+    big = cpu_ops.attention_plan(torch.zeros(64, 128, 32), kc)
+    assert big == cpu_ops.AttentionPlan(1, 1)
+    assert cpu_ops.attention_plan(torch.zeros(4, 8, 32).bfloat16(), kc) is None
 
 
 # ----------------------------------------------------------------------------- fused row-wise ops
@@ -289,7 +297,7 @@ def test_rms_norm_matches_torch(rows: int, hidden: int) -> None:
             want = norm(x + delta)
         finally:
             cpu_native.enabled = True
-        plain = cpu_native.rms_norm(x.clone(), norm.weight, 1e-5)
+        plain = cpu_ops.rms_norm(x.clone(), norm.weight, 1e-5)
         torch.testing.assert_close(plain, norm.__class__.forward(norm, x), atol=1e-5, rtol=1e-5)
         resid = x.clone()
         got = norm.add_and_norm(resid, delta)  # the native path: adds in place, then norms
@@ -305,7 +313,7 @@ def test_silu_and_mul_matches_torch(rows: int, inter: int) -> None:
     gate_up = torch.randn(rows, 2 * inter) * 8  # far into both tails of the sigmoid
     gate_up[0, 0], gate_up[0, 1] = -100.0, 100.0
     want = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-    torch.testing.assert_close(cpu_native.silu_and_mul(gate_up), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cpu_ops.silu_and_mul(gate_up), want, atol=1e-5, rtol=1e-5)
 
 
 @needs_native
@@ -326,7 +334,7 @@ def test_rope_store_matches_torch(tokens: int) -> None:
     apply_rotary_(want[:, : hq + hkv], cos, sin)
     want_k, want_v = kc.clone(), vc.clone()
     reference.store_kv(want[:, hq : hq + hkv], want[:, hq + hkv :], want_k, want_v, slots)
-    cpu_native.rope_store(qkv, cos, sin, slots, kc, vc, hq)
+    cpu_ops.rope_store(qkv, cos, sin, slots, kc, vc, hq)
     torch.testing.assert_close(qkv, want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(kc, want_k, atol=1e-5, rtol=1e-5)
     assert torch.equal(vc, want_v)  # values are copied, not computed
@@ -335,24 +343,24 @@ def test_rope_store_matches_torch(tokens: int) -> None:
 @needs_native
 def test_fused_ops_refuse_bad_inputs() -> None:
     w = torch.ones(8)
-    with pytest.raises(cpu_native.NativeKernelError, match=r"x must be \[4, 8\] with contiguous"):
-        cpu_native.rms_norm(torch.zeros(8, 4).t(), w, 1e-5)
-    with pytest.raises(cpu_native.NativeKernelError, match="weight must be fp32"):
-        cpu_native.rms_norm(torch.zeros(4, 8), torch.ones(7), 1e-5)
-    with pytest.raises(cpu_native.NativeKernelError, match="delta must be fp32"):
-        cpu_native.rms_norm(torch.zeros(4, 8), w, 1e-5, torch.zeros(4, 8).double())
-    with pytest.raises(cpu_native.NativeKernelError, match="even width"):
-        cpu_native.silu_and_mul(torch.zeros(2, 7))
+    with pytest.raises(cpu_abi.NativeKernelError, match=r"x must be \[4, 8\] with contiguous"):
+        cpu_ops.rms_norm(torch.zeros(8, 4).t(), w, 1e-5)
+    with pytest.raises(cpu_abi.NativeKernelError, match="weight must be fp32"):
+        cpu_ops.rms_norm(torch.zeros(4, 8), torch.ones(7), 1e-5)
+    with pytest.raises(cpu_abi.NativeKernelError, match="delta must be fp32"):
+        cpu_ops.rms_norm(torch.zeros(4, 8), w, 1e-5, torch.zeros(4, 8).double())
+    with pytest.raises(cpu_abi.NativeKernelError, match="even width"):
+        cpu_ops.silu_and_mul(torch.zeros(2, 7))
     kc = torch.zeros(4, 16, 2, 8)
     cos = sin = torch.zeros(3, 4)
     qkv = torch.zeros(3, 8, 8)
-    with pytest.raises(cpu_native.NativeKernelError, match="does not hold 3 q heads"):
-        cpu_native.rope_store(qkv, cos, sin, torch.zeros(3, dtype=torch.int64), kc, kc.clone(), 3)
-    with pytest.raises(cpu_native.NativeKernelError, match="slot_mapping must be int64"):
-        cpu_native.rope_store(qkv, cos, sin, torch.zeros(3, dtype=torch.int32), kc, kc.clone(), 4)
+    with pytest.raises(cpu_abi.NativeKernelError, match="does not hold 3 q heads"):
+        cpu_ops.rope_store(qkv, cos, sin, torch.zeros(3, dtype=torch.int64), kc, kc.clone(), 3)
+    with pytest.raises(cpu_abi.NativeKernelError, match="slot_mapping must be int64"):
+        cpu_ops.rope_store(qkv, cos, sin, torch.zeros(3, dtype=torch.int32), kc, kc.clone(), 4)
     before = qkv.clone()
-    with pytest.raises(cpu_native.NativeKernelError, match="outside the cache"):
-        cpu_native.rope_store(qkv, cos, sin, torch.tensor([0, 64, 1]), kc, kc.clone(), 4)
+    with pytest.raises(cpu_abi.NativeKernelError, match="outside the cache"):
+        cpu_ops.rope_store(qkv, cos, sin, torch.tensor([0, 64, 1]), kc, kc.clone(), 4)
     assert torch.equal(qkv, before)  # refused before touching anything
 
 
@@ -409,7 +417,7 @@ def _packed_linear(n: int, k: int, bias: bool, seed: int = 0, library_rows: str 
         lin.bias.data.copy_(torch.randn(n, generator=gen))
     dense = lin.weight.data.clone()
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(cpu_native.ENV_LIBRARY_ROWS, library_rows)
+        mp.setenv(cpu_calibration.ENV_LIBRARY_ROWS, library_rows)
         assert lin.pack_for_cpu()
     return lin, dense
 
@@ -439,18 +447,18 @@ def test_linear_matches_torch(n: int, k: int, bias: bool) -> None:
 def test_linear_refuses_bad_inputs() -> None:
     lin, _ = _packed_linear(40, 24, True)
     w = lin.weight.data
-    with pytest.raises(cpu_native.NativeKernelError, match=r"is not \[40 outputs, 23 inputs\]"):
-        cpu_native.linear(torch.zeros(2, 23), w, 40)
-    with pytest.raises(cpu_native.NativeKernelError, match="linear takes fp32 CPU x"):
-        cpu_native.linear(torch.zeros(2, 24, dtype=torch.float64), w, 40)
-    with pytest.raises(cpu_native.NativeKernelError, match=r"bias must be fp32 \[40\]"):
-        cpu_native.linear(torch.zeros(2, 24), w, 40, torch.zeros(39))
-    with pytest.raises(cpu_native.NativeKernelError, match="is not a packed weight of 49"):
-        cpu_native.unpack_linear(w, 49)
-    with pytest.raises(cpu_native.NativeKernelError, match="pack_linear takes an fp32 CPU"):
-        cpu_native.pack_linear(torch.zeros(4, 4, dtype=torch.float16))
-    with pytest.raises(cpu_native.NativeKernelError, match="empty weight"):
-        cpu_native.pack_linear(torch.zeros(0, 4))
+    with pytest.raises(cpu_abi.NativeKernelError, match=r"is not \[40 outputs, 23 inputs\]"):
+        cpu_ops.linear(torch.zeros(2, 23), w, 40)
+    with pytest.raises(cpu_abi.NativeKernelError, match="linear takes fp32 CPU x"):
+        cpu_ops.linear(torch.zeros(2, 24, dtype=torch.float64), w, 40)
+    with pytest.raises(cpu_abi.NativeKernelError, match=r"bias must be fp32 \[40\]"):
+        cpu_ops.linear(torch.zeros(2, 24), w, 40, torch.zeros(39))
+    with pytest.raises(cpu_abi.NativeKernelError, match="is not a packed weight of 49"):
+        cpu_packing.unpack_linear(w, 49)
+    with pytest.raises(cpu_abi.NativeKernelError, match="pack_linear takes an fp32 CPU"):
+        cpu_packing.pack_linear(torch.zeros(4, 4, dtype=torch.float16))
+    with pytest.raises(cpu_abi.NativeKernelError, match="empty weight"):
+        cpu_packing.pack_linear(torch.zeros(0, 4))
 
 
 def test_linear_packs_only_where_the_kernel_applies(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -471,7 +479,7 @@ def test_linear_portable_build_matches_torch(tmp_path: object) -> None:
     """The kernel's portable loop (CPUs without AVX2/FMA): the source built for plain x86-64."""
     import platform
 
-    if cpu_native._compiler() is None or platform.machine() not in ("x86_64", "AMD64"):
+    if cpu_build.compiler() is None or platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("needs a C++ compiler on x86-64")
     lib = cpu_native.load_variant(
         Path(str(tmp_path)), add=("-march=x86-64",), drop=("-march=native",)
@@ -481,9 +489,9 @@ def test_linear_portable_build_matches_torch(tmp_path: object) -> None:
         w = torch.randn(n, k, generator=gen)
         b = torch.randn(n, generator=gen)
         x = torch.randn(m, k, generator=gen)
-        packed = torch.empty(cpu_native.packed_shape(n, k))
+        packed = torch.empty(cpu_abi.packed_shape(n, k))
         assert lib.ts_pack_linear_f32(w, n, k, packed, 2) == 0
-        assert torch.equal(packed, cpu_native.pack_linear(w))  # same layout as the vector builds
+        assert torch.equal(packed, cpu_packing.pack_linear(w))  # same layout as the vector builds
         y = torch.empty(m, n)
         assert lib.ts_linear_f32(x, k, m, k, packed, n, b, y, n, 2) == 0
         torch.testing.assert_close(y, F.linear(x, w, b), atol=1e-4, rtol=1e-4)
@@ -509,12 +517,12 @@ def test_avx512_linear_gives_the_avx2_bits(tmp_path: object) -> None:
     for n, k, rows in ((40, 24, range(1, 30)), (960, 576, (1, 7, 12, 13, 431, 433, 500))):
         w = torch.randn(n, k, generator=gen)
         b = torch.randn(n, generator=gen)
-        packed = cpu_native.pack_linear(w)
+        packed = cpu_packing.pack_linear(w)
         for m in rows:
             x = torch.randn(m, k, generator=gen)
             want = torch.empty(m, n)
             assert avx2.ts_linear_f32(x, k, m, k, packed, n, b, want, n, 2) == 0
-            assert torch.equal(cpu_native.linear(x, packed, n, b), want), (n, k, m)
+            assert torch.equal(cpu_ops.linear(x, packed, n, b), want), (n, k, m)
 
 
 @needs_native
@@ -549,7 +557,7 @@ def test_attention_avx2_path_on_an_avx512_cpu(tmp_path: object, shape: Shape) ->
 
         return attend
 
-    for lib in (avx2, cpu_native._load()):
+    for lib in (avx2, cpu_native.load()):
         for all_heads in (False, True):
             check_against_reference(run(lib, all_heads), MIXED, shape, 16, torch.float32, "cpu")
 
@@ -562,11 +570,11 @@ def test_linear_rows_do_not_depend_on_the_row_blocks(k: int) -> None:
     gen = torch.Generator().manual_seed(4)
     n = 72
     w = torch.randn(n, k, generator=gen) / k**0.5
-    packed = cpu_native.pack_linear(w)
+    packed = cpu_packing.pack_linear(w)
     x = torch.randn(600, k, generator=gen)
-    whole = cpu_native.linear(x, packed, n)
+    whole = cpu_ops.linear(x, packed, n)
     for start, stop in ((0, 1), (431, 433), (95, 97), (500, 600), (1, 600)):
-        assert torch.equal(cpu_native.linear(x[start:stop], packed, n), whole[start:stop])
+        assert torch.equal(cpu_ops.linear(x[start:stop], packed, n), whole[start:stop])
 
 
 @needs_native
@@ -577,7 +585,7 @@ def test_packed_model_matches_torch_path(tmp_path: object, monkeypatch: pytest.M
     from tierserve.replica.models.config import ModelLoadError
     from tierserve.replica.models.loader import load_weights
 
-    monkeypatch.setenv(cpu_native.ENV_LIBRARY_ROWS, "never")  # the native kernel throughout
+    monkeypatch.setenv(cpu_calibration.ENV_LIBRARY_ROWS, "never")  # the native kernel throughout
     model, run = _embedded_model_step()
     assert model.lm_head.weight is model.model.embed_tokens.weight
     embed = model.model.embed_tokens.weight.data.clone()
@@ -597,28 +605,28 @@ def test_packed_model_matches_torch_path(tmp_path: object, monkeypatch: pytest.M
 
 
 def test_threshold_is_where_the_library_wins_from_then_on() -> None:
-    win, lose = cpu_native.CLEAR_WIN, cpu_native.CLEAR_WIN - 0.01
-    rows = cpu_native.CALIBRATION_ROWS
+    win, lose = cpu_calibration.CLEAR_WIN, cpu_calibration.CLEAR_WIN - 0.01
+    rows = cpu_calibration.CALIBRATION_ROWS
     assert len(rows) == 3
-    assert cpu_native.threshold_from([lose] * 3) is None
-    assert cpu_native.threshold_from([win] * 3) == rows[0]
-    assert cpu_native.threshold_from([lose, win, win]) == rows[1]
+    assert cpu_calibration.threshold_from([lose] * 3) is None
+    assert cpu_calibration.threshold_from([win] * 3) == rows[0]
+    assert cpu_calibration.threshold_from([lose, win, win]) == rows[1]
     # A win below a loss does not count: the library takes every count from its threshold on.
-    assert cpu_native.threshold_from([win, lose, win]) == rows[2]
-    assert cpu_native.threshold_from([win, win, lose]) is None
+    assert cpu_calibration.threshold_from([win, lose, win]) == rows[2]
+    assert cpu_calibration.threshold_from([win, win, lose]) is None
 
 
 @needs_native
 def test_calibration_picks_a_calibrated_count_once_per_shape(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(cpu_native, "_library_rows", {})
+    monkeypatch.setattr(cpu_calibration, "_library_rows", {})
     w = torch.randn(48, 40)
-    packed = cpu_native.pack_linear(w)
-    got = cpu_native.library_rows(w, packed)
-    assert got is None or got in cpu_native.CALIBRATION_ROWS
-    monkeypatch.setattr(cpu_native, "_calibrate", lambda *a: pytest.fail("timed twice"))
-    assert cpu_native.library_rows(w, packed) == got  # the same shape: not timed again
+    packed = cpu_packing.pack_linear(w)
+    got = cpu_calibration.library_rows(w, packed)
+    assert got is None or got in cpu_calibration.CALIBRATION_ROWS
+    monkeypatch.setattr(cpu_calibration, "_calibrate", lambda *a: pytest.fail("timed twice"))
+    assert cpu_calibration.library_rows(w, packed) == got  # the same shape: not timed again
 
 
 @needs_native
@@ -627,27 +635,27 @@ def test_calibration_is_kept_for_the_next_start(monkeypatch: pytest.MonkeyPatch,
     """A threshold timed once is written beside the library and read back by a later process
     (here: the in-process memo cleared); a damaged or foreign entry is timed again."""
     file = tmp_path / "cpu_kernels.calibration.json"
-    monkeypatch.setattr(cpu_native, "_calibration_file", lambda: file)
-    monkeypatch.setattr(cpu_native, "_library_rows", {})
-    monkeypatch.setattr(cpu_native, "_calibrate", lambda *a: 64)
+    monkeypatch.setattr(cpu_calibration, "_calibration_file", lambda: file)
+    monkeypatch.setattr(cpu_calibration, "_library_rows", {})
+    monkeypatch.setattr(cpu_calibration, "_calibrate", lambda *a: 64)
     w = torch.randn(48, 40)
-    packed = cpu_native.pack_linear(w)
-    assert cpu_native.library_rows(w, packed) == 64
+    packed = cpu_packing.pack_linear(w)
+    assert cpu_calibration.library_rows(w, packed) == 64
     stored = json.loads(file.read_text())
     assert list(stored.values()) == [64] and "48x40|threads=" in next(iter(stored))
 
-    monkeypatch.setattr(cpu_native, "_library_rows", {})  # a new process
-    monkeypatch.setattr(cpu_native, "_calibrate", lambda *a: pytest.fail("timed again"))
-    assert cpu_native.library_rows(w, packed) == 64
+    monkeypatch.setattr(cpu_calibration, "_library_rows", {})  # a new process
+    monkeypatch.setattr(cpu_calibration, "_calibrate", lambda *a: pytest.fail("timed again"))
+    assert cpu_calibration.library_rows(w, packed) == 64
 
     file.write_text(json.dumps({k: 17 for k in stored}))  # not a calibrated row count
-    monkeypatch.setattr(cpu_native, "_library_rows", {})
-    monkeypatch.setattr(cpu_native, "_calibrate", lambda *a: None)
-    assert cpu_native.library_rows(w, packed) is None
+    monkeypatch.setattr(cpu_calibration, "_library_rows", {})
+    monkeypatch.setattr(cpu_calibration, "_calibrate", lambda *a: None)
+    assert cpu_calibration.library_rows(w, packed) is None
     assert list(json.loads(file.read_text()).values()) == [None]
     file.write_text("{not json")
-    monkeypatch.setattr(cpu_native, "_library_rows", {})
-    assert cpu_native.library_rows(w, packed) is None  # timed again, the file rewritten
+    monkeypatch.setattr(cpu_calibration, "_library_rows", {})
+    assert cpu_calibration.library_rows(w, packed) is None  # timed again, the file rewritten
     assert list(json.loads(file.read_text()).values()) == [None]
 
 
@@ -661,9 +669,9 @@ def test_default_linear_takes_the_library_from_its_threshold(
     from tierserve.replica.models.layers import Linear
 
     calls: list[int] = []
-    native = cpu_native.linear
+    native = cpu_ops.linear
     monkeypatch.setattr(
-        cpu_native, "linear", lambda x, *a, **k: (calls.append(x.shape[0]), native(x, *a, **k))[1]
+        cpu_ops, "linear", lambda x, *a, **k: (calls.append(x.shape[0]), native(x, *a, **k))[1]
     )
     lin, dense = _packed_linear(40, 24, True, library_rows="16")
     assert lin.library is not None and lin.library[0] == 16 and torch.equal(lin.library[1], dense)
@@ -678,9 +686,9 @@ def test_default_linear_takes_the_library_from_its_threshold(
     det(torch.randn(100, 24))
     assert calls == [1, 15, 100]
     # The library at every row count: the layer stays unpacked (one copy of its weight).
-    monkeypatch.setenv(cpu_native.ENV_LIBRARY_ROWS, "1")
+    monkeypatch.setenv(cpu_calibration.ENV_LIBRARY_ROWS, "1")
     plain = Linear(24, 40)
     assert not plain.pack_for_cpu() and not plain.packed and plain.weight.shape == (40, 24)
-    monkeypatch.setenv(cpu_native.ENV_LIBRARY_ROWS, "sometimes")
+    monkeypatch.setenv(cpu_calibration.ENV_LIBRARY_ROWS, "sometimes")
     with pytest.raises(ValueError, match="auto, never or a row count"):
         Linear(24, 40).pack_for_cpu()

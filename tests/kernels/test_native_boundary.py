@@ -1,4 +1,4 @@
-"""The typed boundary between kernels/cpu_native.py and the C++ library: a declaration that does
+"""The typed boundary between kernels/cpu_abi.py and the C++ library: a declaration that does
 not match what the library was compiled with is refused at load (naming the function and both
 signatures), every exported function is covered by that check, and every call checks its tensor
 arguments against their kinds before passing an address."""
@@ -14,33 +14,33 @@ from pathlib import Path
 import pytest
 import torch
 
-from tierserve.kernels import cpu_native
+from tierserve.kernels import cpu_abi, cpu_build, cpu_native, cpu_packing
 
 needs_native = pytest.mark.skipif(
     not cpu_native.available(),
     reason=f"native kernels unavailable: {cpu_native.unavailable_reason()}",
 )
-Mismatch = cpu_native.NativeSignatureMismatch
+Mismatch = cpu_abi.NativeSignatureMismatch
 
 
-def _lib() -> cpu_native.NativeLib:
-    lib = cpu_native._load()
+def _lib() -> cpu_abi.NativeLib:
+    lib = cpu_native.load()
     assert lib is not None
     return lib
 
 
 def _with(name: str, prototype: str) -> list[str]:
     """PROTOTYPES with ``name``'s replaced by ``prototype``."""
-    out = [p for p in cpu_native.PROTOTYPES if cpu_native.Prototype.parse(p).name != name]
-    assert len(out) == len(cpu_native.PROTOTYPES) - 1
+    out = [p for p in cpu_abi.PROTOTYPES if cpu_abi.Prototype.parse(p).name != name]
+    assert len(out) == len(cpu_abi.PROTOTYPES) - 1
     return [*out, prototype]
 
 
 def _compile(source: Path, target: Path) -> Path:
-    cxx = cpu_native._compiler()
+    cxx = cpu_build.compiler()
     if cxx is None:
         pytest.skip("no C++ compiler")
-    subprocess.run([cxx, *cpu_native.FLAGS, str(source), "-o", str(target)], check=True)
+    subprocess.run([cxx, *cpu_build.FLAGS, str(source), "-o", str(target)], check=True)
     return target
 
 
@@ -51,14 +51,14 @@ def fresh_loader(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[No
     monkeypatch.setattr(cpu_native, "_lib", None)
     monkeypatch.setattr(cpu_native, "_reason", None)
     monkeypatch.setattr(cpu_native, "_mismatch", None)
-    monkeypatch.setenv(cpu_native.ENV_CACHE, str(tmp_path / "cache"))
+    monkeypatch.setenv(cpu_build.ENV_CACHE, str(tmp_path / "cache"))
     yield
 
 
 @pytest.fixture(scope="module")
 def changed_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The source with one argument's C++ type changed (``int inter`` -> ``int64_t inter``)."""
-    text = cpu_native.SOURCE.read_text()
+    text = cpu_build.SOURCE.read_text()
     old = "float* out, int64_t rows, int inter,"
     assert text.count(old) == 1, "the test's anchor moved: update it"
     path = Path(tmp_path_factory.mktemp("changed")) / "cpu_kernels.cpp"
@@ -70,23 +70,23 @@ def changed_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_prototypes_parse_and_name_known_kinds() -> None:
-    protos = [cpu_native.Prototype.parse(p) for p in cpu_native.PROTOTYPES]
+    protos = [cpu_abi.Prototype.parse(p) for p in cpu_abi.PROTOTYPES]
     assert len({p.name for p in protos}) == len(protos)
     lin = next(p for p in protos if p.name == "ts_linear_f32")
     assert lin.signature == "i32(const f32*, i64, i64, i64, const f32*, i64, const f32*, f32*, i64, i32)"
     assert lin.names[0] == "x" and lin.strided[0] and not lin.nullable[0]
     assert lin.nullable[6] and not lin.strided[6]  # bias may be None
     with pytest.raises(ValueError, match="unknown kind 'f64'"):
-        cpu_native.Prototype.parse("i32 ts_f(f64 x)")
+        cpu_abi.Prototype.parse("i32 ts_f(f64 x)")
     with pytest.raises(ValueError, match="not a prototype"):
-        cpu_native.Prototype.parse("ts_f(i32 x")
+        cpu_abi.Prototype.parse("ts_f(i32 x")
 
 
 @needs_native
 def test_the_library_table_matches_every_declaration() -> None:
     """What the loaded build says of itself (from its C++ types) is what this module declares."""
-    table = cpu_native.exported_signatures(_lib().cdll)
-    declared = {p.name: p.signature for p in map(cpu_native.Prototype.parse, cpu_native.PROTOTYPES)}
+    table = cpu_abi.exported_signatures(_lib().cdll)
+    declared = {p.name: p.signature for p in map(cpu_abi.Prototype.parse, cpu_abi.PROTOTYPES)}
     assert table == declared
 
 
@@ -104,7 +104,7 @@ def test_every_exported_function_is_in_the_table() -> None:
         for parts in (line.split() for line in out.splitlines())
         if len(parts) == 3 and parts[1] in "TW" and not parts[2].startswith(("_Z", "_init", "_fini"))
     }
-    table = cpu_native.exported_signatures(_lib().cdll)
+    table = cpu_abi.exported_signatures(_lib().cdll)
     assert c_functions == {*table, "ts_signatures"}
 
 
@@ -137,9 +137,9 @@ def test_every_exported_function_is_in_the_table() -> None:
 )
 def test_a_mismatched_declaration_is_refused(prototype: str, declared: str) -> None:
     lib = _lib().cdll
-    exported = cpu_native.exported_signatures(lib)["ts_linear_f32"]
+    exported = cpu_abi.exported_signatures(lib)["ts_linear_f32"]
     with pytest.raises(Mismatch, match="refusing to load") as err:
-        cpu_native._declare(lib, _with("ts_linear_f32", prototype))
+        cpu_abi.declare(lib, _with("ts_linear_f32", prototype))
     msg = str(err.value)
     assert f"ts_linear_f32: declared here as {declared}, but the library's is {exported}" in msg
 
@@ -147,10 +147,10 @@ def test_a_mismatched_declaration_is_refused(prototype: str, declared: str) -> N
 @needs_native
 def test_undeclared_and_unexported_functions_are_refused() -> None:
     lib = _lib().cdll
-    protos = [p for p in cpu_native.PROTOTYPES if "ts_silu_mul_f32" not in p]
+    protos = [p for p in cpu_abi.PROTOTYPES if "ts_silu_mul_f32" not in p]
     protos.append("i32 ts_gelu_f32(const f32* x, i64 rows)")
     with pytest.raises(Mismatch) as err:
-        cpu_native._declare(lib, protos)
+        cpu_abi.declare(lib, protos)
     msg = str(err.value)
     assert "ts_silu_mul_f32: the library exports i32(const f32*, i64, f32*, i64, i32, i32)" in msg
     assert "ts_gelu_f32: declared here as i32(const f32*, i64); not in the library" in msg
@@ -160,7 +160,7 @@ def test_a_build_with_a_changed_signature_is_refused(changed_source: Path, tmp_p
     """The other side: the C++ changed, this module not. Its table says so, from the types."""
     lib = ctypes.CDLL(str(_compile(changed_source, tmp_path / "changed.so")))
     with pytest.raises(Mismatch) as err:
-        cpu_native._declare(lib)
+        cpu_abi.declare(lib)
     assert (
         "ts_silu_mul_f32: declared here as i32(const f32*, i64, f32*, i64, i32, i32), "
         "but the library's is i32(const f32*, i64, f32*, i64, i64, i32)"
@@ -173,7 +173,7 @@ def test_a_library_without_a_table_is_refused(tmp_path: Path) -> None:
     src.write_text('extern "C" int ts_max_vecs() { return 64; }\n')
     lib = ctypes.CDLL(str(_compile(src, tmp_path / "old.so")))
     with pytest.raises(Mismatch, match=r"exports no signature table \(ts_signatures\)"):
-        cpu_native._declare(lib)
+        cpu_abi.declare(lib)
 
 
 def test_the_loader_refuses_loudly_and_keeps_refusing(
@@ -181,9 +181,9 @@ def test_the_loader_refuses_loudly_and_keeps_refusing(
 ) -> None:
     """Not a quiet fallback to torch: a mismatch is a bug of the repository, so every use of the
     kernels raises it (the deterministic mode's checks and the dispatch included)."""
-    if cpu_native._compiler() is None:
+    if cpu_build.compiler() is None:
         pytest.skip("no C++ compiler")
-    monkeypatch.setattr(cpu_native, "SOURCE", changed_source)
+    monkeypatch.setattr(cpu_build, "SOURCE", changed_source)
     for _ in range(2):
         with pytest.raises(Mismatch, match="ts_silu_mul_f32: declared here"):
             cpu_native.available()
@@ -212,12 +212,12 @@ def test_calls_check_their_tensors_and_count() -> None:
         ((gate_up, 8, out, 3, 4, 1, 0), "takes 6 arguments, got 7"),
     ]
     for args, message in cases:
-        with pytest.raises(cpu_native.NativeKernelError, match=message):
+        with pytest.raises(cpu_abi.NativeKernelError, match=message):
             fn(*args)
     # A strided argument takes rows at a stride (elements contiguous), never strided elements.
     wide = torch.randn(3, 16)
     assert fn(wide[:, :8], 16, out, 3, 4, 1) == 0
-    with pytest.raises(cpu_native.NativeKernelError, match="rows of contiguous elements"):
+    with pytest.raises(cpu_abi.NativeKernelError, match="rows of contiguous elements"):
         fn(wide[:, ::2], 16, out, 3, 4, 1)
 
 
@@ -225,11 +225,11 @@ def test_calls_check_their_tensors_and_count() -> None:
 def test_nullable_pointers_take_none_and_others_do_not() -> None:
     lib = _lib()
     x, w = torch.randn(2, 8), torch.randn(16, 8)
-    packed = cpu_native.pack_linear(w)
+    packed = cpu_packing.pack_linear(w)
     y = torch.empty(2, 16)
     assert lib.ts_linear_f32(x, 8, 2, 8, packed, 16, None, y, 16, 1) == 0  # no bias: null
     torch.testing.assert_close(y, x @ w.T)
-    with pytest.raises(cpu_native.NativeKernelError, match=r"argument 4 \(const f32\* packed\)"):
+    with pytest.raises(cpu_abi.NativeKernelError, match=r"argument 4 \(const f32\* packed\)"):
         lib.ts_linear_f32(x, 8, 2, 8, None, 16, None, y, 16, 1)
 
 
@@ -238,5 +238,5 @@ def test_every_declared_function_is_checked() -> None:
     """Each export is wrapped (none reaches ctypes unchecked): a wrong count is refused by all."""
     lib = _lib()
     for name, proto in lib.prototypes.items():
-        with pytest.raises(cpu_native.NativeKernelError, match=f"{name} takes {len(proto.kinds)}"):
+        with pytest.raises(cpu_abi.NativeKernelError, match=f"{name} takes {len(proto.kinds)}"):
             getattr(lib, name)(*range(len(proto.kinds) + 1))

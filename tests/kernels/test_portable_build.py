@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.models.helpers import PagedHarness, Work, row_mismatches
-from tierserve.kernels import cpu_native
+from tierserve.kernels import cpu_abi, cpu_build, cpu_native
 from tierserve.kernels.attention import attention
 from tierserve.kernels.metadata import SeqSpec, build_metadata
 from tierserve.replica.models.embedded import build_model
@@ -21,14 +21,14 @@ from tierserve.replica.models.layers import Linear, RMSNorm, silu_and_mul
 from tierserve.replica.models.llama import ModelOptions
 
 pytestmark = pytest.mark.skipif(
-    cpu_native._compiler() is None or platform.machine() not in ("x86_64", "AMD64"),
+    cpu_build.compiler() is None or platform.machine() not in ("x86_64", "AMD64"),
     reason="needs a C++ compiler on x86-64",
 )
 SIZES = (1, 2, 3, 5, 7, 8, 13, 17, 64, 100)
 
 
 @pytest.fixture(scope="module")
-def portable_lib(tmp_path_factory: pytest.TempPathFactory) -> cpu_native.NativeLib:
+def portable_lib(tmp_path_factory: pytest.TempPathFactory) -> cpu_abi.NativeLib:
     """The portable build, loaded through the same signature check as the process's own."""
     return cpu_native.load_variant(
         Path(tmp_path_factory.mktemp("portable")), add=("-march=x86-64",), drop=("-march=native",)
@@ -37,7 +37,7 @@ def portable_lib(tmp_path_factory: pytest.TempPathFactory) -> cpu_native.NativeL
 
 @pytest.fixture
 def on_portable(
-    portable_lib: cpu_native.NativeLib, monkeypatch: pytest.MonkeyPatch
+    portable_lib: cpu_abi.NativeLib, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[None]:
     """Every native op of this process runs on the portable build."""
     monkeypatch.setattr(cpu_native, "_tried", True)

@@ -1,4 +1,4 @@
-"""Quantized panels (``cpu_native.pack_linear_quantized``): a weight that is exactly a GGUF Q4_1 or
+"""Quantized panels (``cpu_packing.pack_linear_quantized``): a weight that is exactly a GGUF Q4_1 or
 Q8_0 dequantization is kept in that form, and the kernel gives the same bits as on its fp32
 panels, for every row count, tile and path; anything else is refused and stays fp32."""
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.kernels.test_cpu_native import _has_avx512
-from tierserve.kernels import cpu_native
+from tierserve.kernels import cpu_abi, cpu_build, cpu_calibration, cpu_native, cpu_ops, cpu_packing
 from tierserve.replica.models.layers import Linear
 
 needs_native = pytest.mark.skipif(not cpu_native.available(), reason="native kernels not built")
@@ -42,26 +42,26 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 @pytest.mark.parametrize(("n", "k"), [(40, 64), (17, 32), (960, 576), (96, 1536)])
 def test_quantized_panels_give_the_fp32_bits(qtype: str, bits: int, n: int, k: int) -> None:
     w = dequantized((n, k), qtype, seed=n + k)
-    found = cpu_native.pack_linear_quantized(w)
+    found = cpu_packing.pack_linear_quantized(w)
     assert found is not None
     packed, got_bits = found
     assert got_bits == bits and packed.dtype == torch.uint8
-    assert tuple(packed.shape) == cpu_native.quantized_shape(n, k, bits)
+    assert tuple(packed.shape) == cpu_abi.quantized_shape(n, k, bits)
     # A fifth (Q4) or a quarter (Q8) of the fp32 panels' bytes, or less.
-    assert packed.numel() * (5 if bits == 4 else 3.7) <= 4 * np.prod(cpu_native.packed_shape(n, k))
-    assert same_bits(cpu_native.unpack_linear_quantized(packed, bits, n, k), w)
-    fp32 = cpu_native.pack_linear(w)
+    assert packed.numel() * (5 if bits == 4 else 3.7) <= 4 * np.prod(cpu_abi.packed_shape(n, k))
+    assert same_bits(cpu_packing.unpack_linear_quantized(packed, bits, n, k), w)
+    fp32 = cpu_packing.pack_linear(w)
     gen = torch.Generator().manual_seed(n)
     bias = torch.randn(n, generator=gen)
     for m in ROWS:
         x = torch.randn(m, k, generator=gen)
         for b in (None, bias):
-            want = cpu_native.linear(x, fp32, n, b)
-            assert same_bits(cpu_native.linear_quantized(x, packed, bits, n, b), want), (m, b)
+            want = cpu_ops.linear(x, fp32, n, b)
+            assert same_bits(cpu_ops.linear_quantized(x, packed, bits, n, b), want), (m, b)
     # Strided rows (a view into a wider buffer) take the same path.
     wide = torch.randn(7, k + 32, generator=gen)
     assert same_bits(
-        cpu_native.linear_quantized(wide[:, :k], packed, bits, n), cpu_native.linear(wide[:, :k], fp32, n)
+        cpu_ops.linear_quantized(wide[:, :k], packed, bits, n), cpu_ops.linear(wide[:, :k], fp32, n)
     )
 
 
@@ -76,90 +76,90 @@ def test_edge_blocks_pack_exactly() -> None:
         w[1] = dequantized((1, 96), qtype, 0, values=np.full((1, 96), 0.0371))[0]  # one value
         w[2] = dequantized((1, 96), qtype, 15, scale=5e-5)[0]  # d: fp16 subnormals (< 6.1e-5)
         assert 0 < w[2].abs().max() < 15 * 6.1e-5 and int((w[2] != 0).sum()) > 48
-        found = cpu_native.pack_linear_quantized(w)
+        found = cpu_packing.pack_linear_quantized(w)
         assert found is not None and found[1] == bits
         packed, got = found
-        assert same_bits(cpu_native.unpack_linear_quantized(packed, got, 32, 96), w)
+        assert same_bits(cpu_packing.unpack_linear_quantized(packed, got, 32, 96), w)
         x = torch.randn(5, 96, generator=gen)
-        want = cpu_native.linear(x, cpu_native.pack_linear(w), 32)
-        assert same_bits(cpu_native.linear_quantized(x, packed, got, 32), want)
+        want = cpu_ops.linear(x, cpu_packing.pack_linear(w), 32)
+        assert same_bits(cpu_ops.linear_quantized(x, packed, got, 32), want)
 
 
 @needs_native
 def test_rows_do_not_depend_on_the_batch() -> None:
     """A row's bits are the same alone, in a fused tile, in the scratch path and in any row block."""
     n, k = 72, 576
-    packed, bits = cpu_native.pack_linear_quantized(dequantized((n, k), "Q4_1", 5)) or (None, 0)
+    packed, bits = cpu_packing.pack_linear_quantized(dequantized((n, k), "Q4_1", 5)) or (None, 0)
     assert packed is not None
     x = torch.randn(600, k, generator=torch.Generator().manual_seed(6))
-    whole = cpu_native.linear_quantized(x, packed, bits, n)
+    whole = cpu_ops.linear_quantized(x, packed, bits, n)
     for start, stop in ((0, 1), (3, 11), (20, 36), (431, 433), (95, 97), (500, 600), (1, 600)):
-        got = cpu_native.linear_quantized(x[start:stop], packed, bits, n)
+        got = cpu_ops.linear_quantized(x[start:stop], packed, bits, n)
         assert same_bits(got, whole[start:stop]), (start, stop)
 
 
 @needs_native
 def test_weights_of_no_such_form_stay_fp32() -> None:
     gen = torch.Generator().manual_seed(7)
-    assert cpu_native.pack_linear_quantized(torch.randn(48, 64, generator=gen)) is None
+    assert cpu_packing.pack_linear_quantized(torch.randn(48, 64, generator=gen)) is None
     q4 = dequantized((48, 64), "Q4_1", 8)
-    assert cpu_native.pack_linear_quantized(q4[:, :40].contiguous()) is None  # k not a multiple of 32
+    assert cpu_packing.pack_linear_quantized(q4[:, :40].contiguous()) is None  # k not a multiple of 32
     for bad in (float("nan"), float("inf")):
         broken = q4.clone()
         broken[47, 63] = bad
-        assert cpu_native.pack_linear_quantized(broken) is None
+        assert cpu_packing.pack_linear_quantized(broken) is None
     huge = q4.clone()  # (w - m) / d far outside int range: refused, not cast out of range
     huge[5, :32] = 0.0
     huge[5, 1] = 3e38
-    assert cpu_native.pack_linear_quantized(huge) is None
+    assert cpu_packing.pack_linear_quantized(huge) is None
     # A -0 weight: d * -0 is -0, but the stored integer gives d * 0 = +0: refused (Q8), and Q4's
     # fma(d, 0, m) is never -0 either.
     q8 = dequantized((48, 64), "Q8_0", 9)
     signed = q8.clone()
     signed[3, 7] = -0.0
-    assert signed[3, 7].item() == 0.0 and cpu_native.pack_linear_quantized(signed) is None
+    assert signed[3, 7].item() == 0.0 and cpu_packing.pack_linear_quantized(signed) is None
     one_off = q4.clone()  # one weight one ulp away from its block's grid: the whole layer stays fp32
     one_off[30, 17] = torch.nextafter(one_off[30, 17], torch.tensor(1.0))
-    assert cpu_native.pack_linear_quantized(one_off, bits_tried=(4,)) is None
+    assert cpu_packing.pack_linear_quantized(one_off, bits_tried=(4,)) is None
     # A Q8_0 weight is no Q4 one.
-    assert cpu_native.pack_linear_quantized(q8, bits_tried=(4,)) is None
-    assert cpu_native.pack_linear_quantized(q8) is not None
+    assert cpu_packing.pack_linear_quantized(q8, bits_tried=(4,)) is None
+    assert cpu_packing.pack_linear_quantized(q8) is not None
 
 
 @needs_native
 def test_quantized_refusals_say_what_is_wrong() -> None:
     n, k = 40, 64
-    packed, bits = cpu_native.pack_linear_quantized(dequantized((n, k), "Q4_1", 10)) or (None, 0)
+    packed, bits = cpu_packing.pack_linear_quantized(dequantized((n, k), "Q4_1", 10)) or (None, 0)
     assert packed is not None
     x = torch.randn(3, k)
-    with pytest.raises(cpu_native.NativeKernelError, match="is not \\[49 outputs"):
-        cpu_native.linear_quantized(x, packed, bits, 49)
-    with pytest.raises(cpu_native.NativeKernelError, match="4 or 8 bits, got 5"):
-        cpu_native.linear_quantized(x, packed, 5, n)
-    with pytest.raises(cpu_native.NativeKernelError, match="at 8 bits"):
-        cpu_native.linear_quantized(x, packed, 8, n)
-    with pytest.raises(cpu_native.NativeKernelError, match="fp32 CPU x"):
-        cpu_native.linear_quantized(x.double(), packed, bits, n)
-    with pytest.raises(cpu_native.NativeKernelError, match="bias must be"):
-        cpu_native.linear_quantized(x, packed, bits, n, torch.zeros(n + 1))
-    with pytest.raises(cpu_native.NativeKernelError, match="is not \\[40 outputs, 32 inputs"):
-        cpu_native.linear_quantized(torch.randn(3, 32), packed, bits, n)
-    with pytest.raises(cpu_native.NativeKernelError, match="fp32 CPU \\[out, in\\]"):
-        cpu_native.pack_linear_quantized(torch.zeros(4, 32, dtype=torch.float64))
-    with pytest.raises(cpu_native.NativeKernelError, match="4 or 8 bits, got 5"):
-        cpu_native.pack_linear_quantized(torch.zeros(4, 32), bits_tried=(5,))
-    with pytest.raises(cpu_native.NativeKernelError, match="40 inputs is not a multiple"):
-        cpu_native.linear_quantized(torch.randn(3, 40), packed, bits, n)
-    with pytest.raises(cpu_native.NativeKernelError, match="at 8 bits"):
-        cpu_native.unpack_linear_quantized(packed, 8, n, k)
+    with pytest.raises(cpu_abi.NativeKernelError, match="is not \\[49 outputs"):
+        cpu_ops.linear_quantized(x, packed, bits, 49)
+    with pytest.raises(cpu_abi.NativeKernelError, match="4 or 8 bits, got 5"):
+        cpu_ops.linear_quantized(x, packed, 5, n)
+    with pytest.raises(cpu_abi.NativeKernelError, match="at 8 bits"):
+        cpu_ops.linear_quantized(x, packed, 8, n)
+    with pytest.raises(cpu_abi.NativeKernelError, match="fp32 CPU x"):
+        cpu_ops.linear_quantized(x.double(), packed, bits, n)
+    with pytest.raises(cpu_abi.NativeKernelError, match="bias must be"):
+        cpu_ops.linear_quantized(x, packed, bits, n, torch.zeros(n + 1))
+    with pytest.raises(cpu_abi.NativeKernelError, match="is not \\[40 outputs, 32 inputs"):
+        cpu_ops.linear_quantized(torch.randn(3, 32), packed, bits, n)
+    with pytest.raises(cpu_abi.NativeKernelError, match="fp32 CPU \\[out, in\\]"):
+        cpu_packing.pack_linear_quantized(torch.zeros(4, 32, dtype=torch.float64))
+    with pytest.raises(cpu_abi.NativeKernelError, match="4 or 8 bits, got 5"):
+        cpu_packing.pack_linear_quantized(torch.zeros(4, 32), bits_tried=(5,))
+    with pytest.raises(cpu_abi.NativeKernelError, match="40 inputs is not a multiple"):
+        cpu_ops.linear_quantized(torch.randn(3, 40), packed, bits, n)
+    with pytest.raises(cpu_abi.NativeKernelError, match="at 8 bits"):
+        cpu_packing.unpack_linear_quantized(packed, 8, n, k)
     # The library itself refuses sizes that do not fit, without touching its output.
-    lib = cpu_native._lib_or_raise()
+    lib = cpu_native.lib_or_raise()
     y = torch.full((3, n), 7.0)
     assert lib.ts_linear_q(x, k, 3, k - 1, packed, bits, n, None, y, n, 1) == -1  # k % 32
     assert lib.ts_linear_q(x, k, 3, k, packed, 6, n, None, y, n, 1) == -1
     assert lib.ts_linear_q(x, k - 1, 3, k, packed, bits, n, None, y, n, 1) == -1  # rows overlap
     assert torch.equal(y, torch.full((3, n), 7.0))
-    out = torch.empty(cpu_native.quantized_shape(n, k, 4), dtype=torch.uint8)
+    out = torch.empty(cpu_abi.quantized_shape(n, k, 4), dtype=torch.uint8)
     assert lib.ts_pack_linear_q(torch.zeros(n, k), n, k, 3, out, 1) == -1
     assert lib.ts_pack_linear_q(torch.zeros(n, 40), n, 40, 4, out, 1) == -1
     assert lib.ts_unpack_linear_q(packed, n, 40, 4, torch.empty(3, 40, 16), 1) == -1
@@ -170,7 +170,7 @@ def test_linear_layer_keeps_quantized_weights(monkeypatch: pytest.MonkeyPatch) -
     """``Linear.pack_for_cpu`` keeps a quantized weight quantized (default and deterministic
     modes), with the same outputs and ``dense_weight``; ``TIERSERVE_QUANTIZED_WEIGHTS=off``
     keeps fp32 panels; a bad setting is refused."""
-    monkeypatch.setenv(cpu_native.ENV_LIBRARY_ROWS, "never")
+    monkeypatch.setenv(cpu_calibration.ENV_LIBRARY_ROWS, "never")
     w = dequantized((40, 64), "Q4_1", 11)
     bias = torch.randn(40)
     x = torch.randn(5, 64)
@@ -183,15 +183,15 @@ def test_linear_layer_keeps_quantized_weights(monkeypatch: pytest.MonkeyPatch) -
         assert lin.pack_for_cpu()
         return lin
 
-    fp32 = cpu_native.linear(x, cpu_native.pack_linear(w), 40, bias)
+    fp32 = cpu_ops.linear(x, cpu_packing.pack_linear(w), 40, bias)
     for det in (False, True):
         lin = layer(det)
         assert lin.bits == 4 and lin.weight.dtype == torch.uint8 and "quantized=4-bit" in repr(lin)
         assert same_bits(lin(x), fp32) and same_bits(lin.dense_weight(), w)
-    monkeypatch.setenv(cpu_native.ENV_QUANTIZED, "off")
+    monkeypatch.setenv(cpu_packing.ENV_QUANTIZED, "off")
     lin = layer(False)
     assert lin.bits is None and lin.weight.dtype == torch.float32 and same_bits(lin(x), fp32)
-    monkeypatch.setenv(cpu_native.ENV_QUANTIZED, "sometimes")
+    monkeypatch.setenv(cpu_packing.ENV_QUANTIZED, "sometimes")
     with pytest.raises(ValueError, match="TIERSERVE_QUANTIZED_WEIGHTS must be auto or off"):
         layer(False)
 
@@ -209,13 +209,13 @@ def test_a_q4_1_model_runs_quantized_with_the_fp32_bits(
     from tierserve.replica.models.loader import load_model
 
     monkeypatch.setenv("TIERSERVE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setenv(cpu_native.ENV_LIBRARY_ROWS, "never")
+    monkeypatch.setenv(cpu_calibration.ENV_LIBRARY_ROWS, "never")
     src = tiny_hf_model("llama-tied", seed=3, hidden_size=256, intermediate_size=512, vocab_size=300)
     path = write_gguf(src, tmp_path / "tied-q4_1.gguf", "Q4_1")
     prompts = [Work(0, 0, [256, 72, 101, 108, 108, 111]), Work(1, 0, [256, 44, 32, 119])]
 
     def logits(quantized: str, deterministic: bool) -> tuple[torch.Tensor, set[int | None]]:
-        monkeypatch.setenv(cpu_native.ENV_QUANTIZED, quantized)
+        monkeypatch.setenv(cpu_packing.ENV_QUANTIZED, quantized)
         net, _, _ = load_model(str(path), options=ModelOptions(deterministic=deterministic))
         net.pack_for_cpu()
         bits = {m.bits for m in net.modules() if isinstance(m, Linear)}
@@ -228,19 +228,19 @@ def test_a_q4_1_model_runs_quantized_with_the_fp32_bits(
         assert same_bits(q, f)
 
 
-def _variant_bits(lib: cpu_native.NativeLib, fused_like_this_build: bool) -> None:
+def _variant_bits(lib: cpu_abi.NativeLib, fused_like_this_build: bool) -> None:
     """``lib`` (another build of the source) computes the quantized product with its own fp32
     panels' bits, fused and scratch paths, Q4 and Q8; a build that fuses its multiply-adds as this
     process's build does (every FMA build) gives this build's bits too."""
     for qtype in ("Q4_1", "Q8_0"):
         n, k = 40, 96
         w = dequantized((n, k), qtype, 12)
-        packed, bits = cpu_native.pack_linear_quantized(w) or (None, 0)
+        packed, bits = cpu_packing.pack_linear_quantized(w) or (None, 0)
         assert packed is not None
         other = torch.empty_like(packed)
         assert lib.ts_pack_linear_q(w, n, k, bits, other, 2) == 0
         assert torch.equal(other, packed)  # the same layout
-        fp32 = cpu_native.pack_linear(w)
+        fp32 = cpu_packing.pack_linear(w)
         bias = torch.randn(n)
         for m in (1, 3, 4, 5, 8, 9, 16, 17, 40):
             x = torch.randn(m, k)
@@ -249,7 +249,7 @@ def _variant_bits(lib: cpu_native.NativeLib, fused_like_this_build: bool) -> Non
             assert lib.ts_linear_f32(x, k, m, k, fp32, n, bias, want, n, 2) == 0
             assert same_bits(y, want), (qtype, m)
             if fused_like_this_build:
-                assert same_bits(y, cpu_native.linear_quantized(x, packed, bits, n, bias)), (qtype, m)
+                assert same_bits(y, cpu_ops.linear_quantized(x, packed, bits, n, bias)), (qtype, m)
 
 
 @needs_native
@@ -261,7 +261,7 @@ def _variant_bits(lib: cpu_native.NativeLib, fused_like_this_build: bool) -> Non
 def test_other_builds_give_the_same_bits(tmp_path: Path, flags: tuple[str, ...]) -> None:
     import platform
 
-    if cpu_native._compiler() is None or platform.machine() not in ("x86_64", "AMD64"):
+    if cpu_build.compiler() is None or platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("needs a C++ compiler on x86-64")
     if "-mno-avx512f" in flags and not _has_avx512():
         pytest.skip("this CPU's own build is the AVX2 one")

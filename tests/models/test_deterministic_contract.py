@@ -18,7 +18,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.models.helpers import PagedHarness, Work, save_checkpoint, tiny_hf_model
-from tierserve.kernels import cpu_native
+from tierserve.kernels import cpu_native, cpu_ops
 from tierserve.kernels.metadata import SeqSpec, build_metadata
 from tierserve.replica.config import EngineConfig
 from tierserve.replica.engine import Engine
@@ -87,13 +87,13 @@ def native_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[Counter[str]]:
     """Counts the calls of each native op (wrapped where the model's layers look them up)."""
     calls: Counter[str] = Counter()
     for name in NATIVE_OPS:
-        fn: Callable[..., Any] = getattr(cpu_native, name)
+        fn: Callable[..., Any] = getattr(cpu_ops, name)
 
         def counted(*args: Any, _fn: Callable[..., Any] = fn, _name: str = name, **kw: Any) -> Any:
             calls[_name] += 1
             return _fn(*args, **kw)
 
-        monkeypatch.setattr(cpu_native, name, counted)
+        monkeypatch.setattr(cpu_ops, name, counted)
     yield calls
 
 

@@ -200,7 +200,7 @@ def test_latency_requests_count_prompts_sent_since_the_report_as_queued_work() -
 def test_throughput_requests_go_where_their_whole_length_fits() -> None:
     # a has more free blocks now, but its running requests are promised most of its pool.
     loads = [ReplicaLoad("a", stats(80, committed_blocks=90)), ReplicaLoad("b", stats(30))]
-    ranked = rank_replicas(loads, RequestShape(31, 200, 0), random.Random(0))
+    ranked = rank_replicas(loads, RequestShape(31, 200), random.Random(0))
     assert [r.key for r in ranked] == ["b", "a"]
     assert [(r.room, r.full) for r in ranked] == [(100, 15), (10, 15)]
 

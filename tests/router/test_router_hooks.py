@@ -17,6 +17,7 @@ from ray.serve._private.common import (
 )
 from ray.serve.request_router import PendingRequest, ReplicaResult, RunningReplica
 
+from tests.router.helpers import outstanding_blocks
 from tierserve.records import GenerateRequest, RoutingStats, SamplingParams
 from tierserve.router import registry
 from tierserve.router.free_blocks_router import FreeKVBlocksRouter
@@ -80,7 +81,7 @@ async def choose(router: FreeKVBlocksRouter, pr: PendingRequest) -> str:
 
 
 def outstanding(router: FreeKVBlocksRouter) -> dict[str, int]:
-    return {rid.unique_id: blocks for rid, blocks in router.outstanding().items()}
+    return {rid.unique_id: blocks for rid, blocks in outstanding_blocks(router).items()}
 
 
 def test_ranked_groups_best_first_and_backoff_requested() -> None:

@@ -12,9 +12,10 @@ import ray
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from tests.router.helpers import outstanding_blocks
+from tierserve.bench.router_sim import SimClient, SimEngine, SimOutput
 from tierserve.records import GenerateRequest, SamplingParams
 from tierserve.router import registry
-from tierserve.router.sim import SimClient, SimEngine, SimOutput
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -93,9 +94,9 @@ def test_streaming_call_from_a_handle_charges_until_its_stream_ends(
     first = next(iter(stream))
     assert isinstance(first, SimOutput) and first.total_blocks == 256
     (router,) = registry.routers(APP, "SimEngine")  # this process's router for the handle
-    assert sorted(router.outstanding().values()) == [0, 0, 3]  # ceil(41 / 16) blocks
+    assert sorted(outstanding_blocks(router).values()) == [0, 0, 3]  # ceil(41 / 16) blocks
     assert len([first, *stream]) == 200
     deadline = time.time() + 5
-    while any(router.outstanding().values()) and time.time() < deadline:
+    while any(outstanding_blocks(router).values()) and time.time() < deadline:
         time.sleep(0.05)
-    assert not any(router.outstanding().values())
+    assert not any(outstanding_blocks(router).values())

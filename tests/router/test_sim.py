@@ -9,11 +9,11 @@ from typing import Any
 import pytest
 
 from tests.scheduler.harness import Sim
+from tierserve.bench.router_sim import TOKEN, SimCore, SimEngine, SimOutput, StepModel, sim_config
 from tierserve.records import ErrorRecord, GenerateRequest, SamplingParams
 from tierserve.replica.config import EngineConfig
 from tierserve.replica.prefill_policy import Chunked
 from tierserve.replica.scheduler import NeverFits, QueueFull, Request, Scheduler, TooLong
-from tierserve.router.sim import TOKEN, SimCore, SimEngine, SimOutput, StepModel, sim_config
 
 # A step's "seconds" are its token count: what the scheduler put in it.
 TOKENS = StepModel(base_s=0.0, per_token_s=1.0)

@@ -12,10 +12,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from tests.fake_model import FakeModel, expected_output
+from tests.prefix_probe import ProbedPrefixCache
 from tierserve.replica.block_space import FreeListBlocks
 from tierserve.replica.config import EngineConfig
 from tierserve.replica.prefill_policy import PrefillPolicy, WholePrompt
-from tierserve.replica.prefix_cache import PrefixCachingBlocks
 from tierserve.replica.scheduler import (
     FinishedEvent,
     FinishReason,
@@ -84,12 +84,12 @@ class Sim:
     block_tokens: int
     policy: PrefillPolicy = field(default_factory=WholePrompt)
     stop_token: int | None = None
-    prefix_cache: bool = False  # PrefixCachingBlocks instead of the free list
+    prefix_cache: bool = False  # the prefix cache (ProbedPrefixCache) instead of the free list
 
     def __post_init__(self) -> None:
-        self.blocks: FreeListBlocks | PrefixCachingBlocks
+        self.blocks: FreeListBlocks | ProbedPrefixCache
         if self.prefix_cache:
-            self.blocks = PrefixCachingBlocks(self.block_tokens, range(self.total_blocks), 7)
+            self.blocks = ProbedPrefixCache(self.block_tokens, range(self.total_blocks), 7)
         else:
             self.blocks = FreeListBlocks(self.block_tokens, range(self.total_blocks))
         self.s = Scheduler(self.cfg, self.blocks, self.policy)
@@ -240,7 +240,7 @@ class Sim:
             assert len(self.blocks.block_table(c.id)) * B >= c.start + c.len
         # What this step writes lands in blocks no other request holds (a shared block is never
         # written: it is another request's cache).
-        refs = self.blocks.refs() if isinstance(self.blocks, PrefixCachingBlocks) else {}
+        refs = self.blocks.refs() if isinstance(self.blocks, ProbedPrefixCache) else {}
         writes = [(c.id, p) for c in chunks for p in range(c.start, c.start + c.len)]
         writes += [(r, len(s.tokens(r) or ()) - 1) for r in decode]
         for rid, p in writes:
@@ -270,7 +270,7 @@ class Sim:
             head = min(still_waiting, key=self.rank)
             toks = s.tokens(head) or ()
             n = len(toks)
-            if isinstance(self.blocks, PrefixCachingBlocks):
+            if isinstance(self.blocks, ProbedPrefixCache):
                 cached = min(self.blocks.cached_prefix(toks), n - 1)
                 fits = self.blocks.fits(toks)
             else:
@@ -296,7 +296,7 @@ class Sim:
             for i, b in enumerate(table):
                 assert 0 <= b < self.total_blocks, f"block id {b} out of range"
                 holders.setdefault(b, []).append((rid, i))
-        if isinstance(self.blocks, PrefixCachingBlocks):
+        if isinstance(self.blocks, ProbedPrefixCache):
             named = self.blocks.named_blocks()
             refs = self.blocks.refs()
             for b, held in holders.items():

@@ -127,7 +127,7 @@ def test_free_list_is_all_or_nothing() -> None:
     with pytest.raises(NoCapacity):
         fl.append_slot(1, 9)  # a third block, none free
     assert list(fl.block_table(1)) == [0, 1], "append_slot changes nothing when it fails"
-    fl.release(1, [])
+    fl.release(1)
     fl.allocate(3, [7])
     assert list(fl.block_table(3)) == [0], "released ids come back lowest first"
 

@@ -23,7 +23,7 @@ def test_lowest_ids_first_whatever_the_order_given() -> None:
     assert list(fl.block_table(1)) == [3, 7, 12]
     fl.allocate(2, [0])
     assert list(fl.block_table(2)) == [40]
-    fl.release(1, [0, 0, 0])
+    fl.release(1)
     fl.allocate(3, [0] * 4)
     assert list(fl.block_table(3)) == [3, 7]
 
@@ -55,10 +55,10 @@ def test_release_returns_every_block() -> None:
     fl.allocate(1, [0] * 9)
     fl.allocate(2, [0] * 4)
     assert fl.free_blocks == 2
-    fl.release(1, [0] * 9)
+    fl.release(1)
     assert fl.free_blocks == 5 and list(fl.block_table(1)) == []
-    fl.release(1, [])  # unknown now: nothing happens
-    fl.release(2, [])
+    fl.release(1)  # unknown now: nothing happens
+    fl.release(2)
     assert fl.free_blocks == 6
 
 
@@ -109,7 +109,7 @@ def test_random_use_keeps_tables_disjoint(
                 fl.append_slot(rid, n)
                 assert list(fl.block_table(rid)) == before + free_before[:need]
         elif op == "r":
-            fl.release(rid, [])
+            fl.release(rid)
             held.pop(rid, None)
             assert list(fl.block_table(rid)) == []
         tables = [b for r in held for b in fl.block_table(r)]

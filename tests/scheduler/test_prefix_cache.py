@@ -21,20 +21,22 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from tests.fake_model import FakeModel
+from tests.prefix_probe import ProbedPrefixCache
 from tests.scheduler.harness import Sim, blocks_for, caps
 from tierserve.replica.block_space import NoCapacity
 from tierserve.replica.prefill_policy import Chunked, PrefillPolicy, WholePrompt
-from tierserve.replica.prefix_cache import PrefixCachingBlocks, block_hashes, model_key
+from tierserve.replica.prefix_cache import block_hashes, model_key
 from tierserve.replica.scheduler import QueueFull, Request, SchedPolicy, Scheduler
 
 B = 4
 
 
-def cache(n: int = 16, root: int = 1) -> PrefixCachingBlocks:
-    return PrefixCachingBlocks(B, range(n), root)
+def cache(n: int = 16, root: int = 1) -> ProbedPrefixCache:
+    """The replica's prefix cache (``PrefixCachingBlocks``), with the probes the tests read."""
+    return ProbedPrefixCache(B, range(n), root)
 
 
-def filled(c: PrefixCachingBlocks, rid: int, tokens: list[int]) -> int:
+def filled(c: ProbedPrefixCache, rid: int, tokens: list[int]) -> int:
     """Allocate ``tokens`` for ``rid`` and mark them all computed; returns the cached count."""
     got = c.allocate(rid, tokens).cached_tokens
     c.commit(rid, tokens, len(tokens))
@@ -136,7 +138,7 @@ def test_a_preempted_request_finds_its_own_prefix_again() -> None:
     c = cache()
     toks = list(range(11))
     filled(c, 0, toks)
-    c.release(0, toks)  # preempted: references gone, content kept
+    c.release(0)  # preempted: references gone, content kept
     assert c.allocate(0, toks).cached_tokens == 8
 
 

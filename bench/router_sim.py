@@ -1,24 +1,26 @@
-"""A simulated replica for router tests and benchmarks: the real scheduler, a step-time model.
+"""A simulated replica for the router's tests and benchmarks (``tierserve.bench.router``,
+``tierserve.bench.prefix``): the real scheduler, a step-time model.
 
 ``SimCore`` is a replica's engine without a model (Ray-free): the replica's own
-``tierserve.replica.scheduler.Scheduler`` over the pool a replica builds (``FreeListBlocks``, or
-``tierserve.replica.prefix_cache.PrefixCachingBlocks`` with ``enable_prefix_caching``, which
-``sim_config`` leaves off unless asked), configured by an ``tierserve.replica.config.EngineConfig`` as a
+``tierserve.replica.scheduler.Scheduler`` over the pool a replica builds (``FreeListBlocks``, or the
+prefix cache ``tierserve.replica.prefix_cache.PrefixCachingBlocks`` with ``enable_prefix_caching``,
+which ``sim_config`` leaves off unless asked; here ``SimPrefixCache``, which also tells a
+benchmark's oracle what it holds), configured by a ``tierserve.replica.config.EngineConfig`` as a
 real replica is (``num_kv_blocks``, ``block_size``, ``max_num_seqs``, ``max_num_batched_tokens``,
 ``max_waiting``, ``scheduling_policy``, ``aging_steps``, ``prefill_chunk_tokens``,
-``max_model_len``). A prompt is a length (every position ``TOKEN``) or real token ids (what a
-prefix cache tells apart); a cached prefix is not computed, so it costs no step time. So admission by free blocks,
-priority with aging, chunked prefill, preemption by recompute and the refusals
-(``tierserve.replica.scheduler.AdmitError``) are the ones the replicas run. In place of the forward pass a
-step of ``t`` tokens takes ``base_s + per_token_s * t`` (``StepModel``); every sampled row gets
-the same token, and a request ends at its ``max_tokens``.
+``max_model_len``). A prompt is a length (every position ``TOKEN``) or real token ids (what a prefix
+cache tells apart); a cached prefix is not computed, so it costs no step time. So admission by free
+blocks, priority with aging, chunked prefill, preemption by recompute and the refusals
+(``tierserve.replica.scheduler.AdmitError``) are the ones the replicas run. In place of the forward
+pass a step of ``t`` tokens takes ``base_s + per_token_s * t`` (``StepModel``); every sampled row
+gets the same token, and a request ends at its ``max_tokens``.
 
 ``SimEngine`` is the Serve deployment around it, with the same ``generate`` and
-``record_routing_stats`` as the real replica (``tierserve.replica.deployment.LLMServer``): it takes one
-``tierserve.records.GenerateRequest`` (the router sizes it from that record, as for a real replica)
-and streams ``SimOutput`` deltas (``tierserve.records.RequestOutput`` with the replica's name and
-timestamps) or one ``ErrorRecord`` for a request the scheduler refuses. It runs one sample per
-request and does not apply ``queue_share``. ``pool_blocks`` may be a list: replica ``rank``
+``record_routing_stats`` as the real replica (``tierserve.replica.deployment.LLMServer``): it takes
+one ``tierserve.records.GenerateRequest`` (the router sizes it from that record, as for a real
+replica) and streams ``SimOutput`` deltas (``tierserve.records.RequestOutput`` with the replica's
+name and timestamps) or one ``ErrorRecord`` for a request the scheduler refuses. It runs one sample
+per request and does not apply ``queue_share``. ``pool_blocks`` may be a list: replica ``rank``
 takes ``pool_blocks[rank % len(pool_blocks)]``, so one deployment can mix pool sizes. Its report
 also carries ``rejections`` (requests ``SimCore.add`` refused; the router ignores the key), and
 ``stream_every`` thins the stream for benchmarks (the first and last token always come).
@@ -99,6 +101,15 @@ class SimOutput(RequestOutput):
     at: float = 0.0
 
 
+class SimPrefixCache(PrefixCachingBlocks):
+    """The replica's prefix cache, which also says how much of a prompt it holds (the oracle
+    router of ``tierserve.bench.router`` asks; a replica never does)."""
+
+    def cached_prefix(self, tokens: Sequence[int]) -> int:
+        """Positions of ``tokens`` that ``allocate`` would find cached now (no change)."""
+        return len(self._matches(tokens)[0]) * self.block_tokens
+
+
 def sampled(plan: ScheduleOutput) -> list[StepOutput]:
     """What the model would hand back for ``plan``: a token per decode and per last chunk."""
     outs = [StepOutput(rid, TOKEN) for rid in plan.decode]
@@ -124,8 +135,8 @@ class SimCore:
         self.model = model or StepModel()
         self.blocks: BlockSpace
         if cfg.enable_prefix_caching:
-            self.blocks = PrefixCachingBlocks(cfg.block_size, range(cfg.num_kv_blocks),
-                                              cfg.prefix_root())
+            self.blocks = SimPrefixCache(cfg.block_size, range(cfg.num_kv_blocks),
+                                         cfg.prefix_root())
         else:
             self.blocks = FreeListBlocks(cfg.block_size, range(cfg.num_kv_blocks))
         context = max_model_len or cfg.max_model_len or CONTEXT_CAP
@@ -172,7 +183,7 @@ class SimCore:
     def cached_prefix(self, tokens: Sequence[int]) -> int:
         """Positions of ``tokens`` this replica's cache holds now (0 without a cache)."""
         blocks = self.blocks
-        return blocks.cached_prefix(tokens) if isinstance(blocks, PrefixCachingBlocks) else 0
+        return blocks.cached_prefix(tokens) if isinstance(blocks, SimPrefixCache) else 0
 
     def abort(self, id: int) -> None:
         self.scheduler.abort(id)

@@ -1,0 +1,172 @@
+"""One error shape for every error the API returns, and one decision of whether a request failed
+before its first token. No Ray: the builder, the ingress's exception handlers and the replica's
+``generate`` on a stand-in engine."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Sequence
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from tierserve.cluster import ingress
+from tierserve.cluster.ingress import ApiError, error_event, error_response
+from tierserve.cluster.protocol import ErrorResponse, error_body
+from tierserve.records import (
+    ErrorRecord,
+    GenerateRequest,
+    RequestOutput,
+    SamplingParams,
+    failed_before_first_token,
+)
+from tierserve.replica.deployment import LLMServer
+
+# ------------------------------------------------------------------ the builder
+
+
+@pytest.mark.parametrize(("status", "type_"), [
+    (400, "invalid_request_error"),
+    (401, "authentication_error"),
+    (404, "not_found_error"),
+    (405, "invalid_request_error"),
+    (413, "invalid_request_error"),
+    (429, "rate_limit_error"),
+    (503, "service_unavailable"),
+    (500, "server_error"),  # any status without a name of its own
+    (502, "server_error"),
+])
+def test_each_status_has_its_openai_type(status: int, type_: str) -> None:
+    body = error_body(status, "what went wrong", "some_code", "some.param")
+    assert body == {"error": {"message": "what went wrong", "type": type_, "code": "some_code",
+                              "param": "some.param"}}
+    assert list(body["error"]) == ["message", "type", "code", "param"]  # the order clients saw
+    assert ErrorResponse.model_validate(body).error.type == type_
+
+
+def test_code_and_param_are_null_when_not_given() -> None:
+    assert error_body(503, "no replica") == {"error": {
+        "message": "no replica", "type": "service_unavailable", "code": None, "param": None}}
+
+
+def test_an_http_error_is_the_builder_s_body_with_retry_after_when_given() -> None:
+    r = error_response(429, "the server is busy", "queue_full", retry_after=3)
+    assert r.status_code == 429 and r.headers["retry-after"] == "3"
+    assert r.body == (b'{"error":{"message":"the server is busy","type":"rate_limit_error",'
+                      b'"code":"queue_full","param":null}}')
+    assert "retry-after" not in error_response(400, "bad", "invalid_request", "n").headers
+
+
+def test_an_error_event_is_the_same_body_as_one_sse_event() -> None:
+    event = error_event(ApiError(503, "engine died", "replica_failed"))
+    assert event == ('data: {"error": {"message": "engine died", "type": "service_unavailable", '
+                     '"code": "replica_failed", "param": null}}\n\n')
+    # A line separator in the message stays escaped: the event is one line.
+    odd = error_event(ApiError(400, "a\u2028b\x85c", "invalid_request", "prompt"))
+    assert odd.count("\n") == 2 and odd.endswith("\n\n")
+    assert json.loads(odd[len("data: "):]) == error_body(400, "a\u2028b\x85c", "invalid_request",
+                                                         "prompt")
+
+
+def test_starlette_s_own_errors_take_the_same_shape() -> None:
+    client = TestClient(ingress.app)
+    missing = client.get("/no/such/route")
+    assert missing.status_code == 404
+    assert missing.json() == error_body(404, "Not Found", "http_error")
+    wrong = client.get("/v1/completions")
+    assert wrong.status_code == 405 and "POST" in wrong.headers["allow"]
+    assert wrong.json() == error_body(405, "Method Not Allowed", "http_error")
+
+
+@pytest.mark.parametrize(("error", "retry"), [
+    (ApiError(429, "the queue is full", "queue_full"), "7"),
+    (ApiError(503, "shed by flow control", "shed"), "7"),  # a shed answered 503 says when too
+    (ApiError(400, "unknown model", "model_not_found", "model"), None),
+    (ApiError(503, "no replica", "replica_unavailable"), None),
+])
+def test_an_api_error_is_answered_with_its_body(error: ApiError, retry: str | None) -> None:
+    request: Any = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(retry_after=7)))
+    r = asyncio.run(ingress._api_error(request, error))
+    assert r.status_code == error.status
+    assert json.loads(r.body) == error.body() == error_body(error.status, error.message,
+                                                            error.code, error.param)
+    assert r.headers.get("retry-after") == retry
+
+
+# ------------------------------------------------------------------ before/after the first token
+
+
+def delta(tokens: int, finished: bool = False, reason: str | None = None,
+          failure: str | None = None, index: int = 0) -> RequestOutput:
+    return RequestOutput("r", "x" * tokens, [1] * tokens, finished=finished, finish_reason=reason,
+                         prompt_tokens=3, completion_tokens=tokens, failure=failure, index=index)
+
+
+@pytest.mark.parametrize(("first", "before"), [
+    (delta(0, True, "error", "engine died"), True),
+    (delta(0, True, "error"), True),
+    (delta(2, True, "error", "engine died"), False),  # it had tokens: an error in the stream
+    (delta(1), False),
+    (delta(0), False),  # nothing made yet, nothing failed
+    (delta(4, True, "length"), False),
+    (delta(0, True, "abort"), False),  # the client left: not a failure
+])
+def test_failed_before_first_token(first: RequestOutput, before: bool) -> None:
+    assert failed_before_first_token(first) is before
+
+
+class FakeEngine:
+    """``Engine.generate``'s stream, scripted."""
+
+    def __init__(self, steps: Sequence[RequestOutput]) -> None:
+        self.steps = list(steps)
+        self.closed = False
+
+    def num_waiting(self) -> int:
+        return 0
+
+    def shutdown(self) -> None:  # LLMServer.__del__ stops its engine
+        pass
+
+    def generate(self, *args: Any, **kwargs: Any) -> AsyncIterator[RequestOutput]:
+        async def stream() -> AsyncIterator[RequestOutput]:
+            try:
+                for step in self.steps:
+                    yield step
+            finally:
+                self.closed = True
+
+        return stream()
+
+
+def replica_stream(steps: Sequence[RequestOutput]) -> list[RequestOutput | ErrorRecord]:
+    server = object.__new__(LLMServer)
+    server.config = SimpleNamespace(max_waiting=8)  # type: ignore[assignment]
+    engine = FakeEngine(steps)
+    server.engine = engine  # type: ignore[assignment]
+    server.replica_id = "replica-7"
+
+    async def go() -> list[RequestOutput | ErrorRecord]:
+        request = GenerateRequest((1, 2, 3), SamplingParams(max_tokens=4), n=2)
+        return [item async for item in server.generate(request)]
+
+    items = asyncio.run(asyncio.wait_for(go(), timeout=30))
+    assert engine.closed
+    return items
+
+
+def test_the_replica_refuses_a_request_that_failed_before_its_first_token() -> None:
+    (only,) = replica_stream([delta(0, True, "error", "engine died"), delta(1)])
+    assert only == ErrorRecord(503, "replica_unavailable", "engine died", replica="replica-7")
+
+
+def test_the_replica_streams_a_failure_after_the_first_token_as_it_is() -> None:
+    steps = [delta(1), delta(1, True, "error", "engine died")]
+    assert replica_stream(steps) == steps
+    # The first delta decides: a sample failing with no token of its own after another
+    # sample's first delta is part of the answer too.
+    steps = [delta(1), delta(0, True, "error", "engine died", index=1)]
+    assert replica_stream(steps) == steps
