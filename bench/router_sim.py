@@ -53,9 +53,9 @@ from tierserve.replica.scheduler import (
     AdmitError,
     FinishedEvent,
     Request,
-    ScheduleOutput,
+    SampledToken,
     Scheduler,
-    StepOutput,
+    StepPlan,
     TokenEvent,
 )
 
@@ -107,13 +107,13 @@ class SimPrefixCache(PrefixCachingBlocks):
 
     def cached_prefix(self, tokens: Sequence[int]) -> int:
         """Positions of ``tokens`` that ``allocate`` would find cached now (no change)."""
-        return len(self._matches(tokens)[0]) * self.block_tokens
+        return len(self._matches(tokens)[0]) * self.block_size
 
 
-def sampled(plan: ScheduleOutput) -> list[StepOutput]:
+def sampled(plan: StepPlan) -> list[SampledToken]:
     """What the model would hand back for ``plan``: a token per decode and per last chunk."""
-    outs = [StepOutput(rid, TOKEN) for rid in plan.decode]
-    outs += [StepOutput(c.id, TOKEN) for c in plan.prefill if c.last]
+    outs = [SampledToken(rid, TOKEN) for rid in plan.decode]
+    outs += [SampledToken(c.id, TOKEN) for c in plan.prefill if c.last]
     return outs
 
 
@@ -149,8 +149,8 @@ class SimCore:
         return self.scheduler.has_unfinished()
 
     @property
-    def block_tokens(self) -> int:
-        return self.blocks.block_tokens
+    def block_size(self) -> int:
+        return self.blocks.block_size
 
     @property
     def total_blocks(self) -> int:
@@ -207,7 +207,7 @@ class SimCore:
         return RoutingStats(
             free_blocks=s.free_blocks,
             total_blocks=s.total_blocks,
-            block_tokens=self.blocks.block_tokens,
+            block_size=self.blocks.block_size,
             waiting=s.waiting,
             running=s.running,
             preemptions=s.preemptions,

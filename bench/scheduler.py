@@ -7,14 +7,14 @@ PATH`` writes the figures). It prints, per case, the median over repetitions of 
 What is measured, and what is not:
 
 - R running requests, all decoding, in a steady state: long ``max_tokens`` (nobody finishes), a
-  roomy pool (no preemption; each request still takes a new block every ``block_tokens`` steps,
+  roomy pool (no preemption; each request still takes a new block every ``block_size`` steps,
   as in real serving), ``max_num_seqs = R + 1`` and ``max_num_batched_tokens = R + 1``.
 - W waiting requests that stay waiting: the one token of budget the decodes leave is too little for
   their 2-token prompts (WholePrompt, not alone), so every step phase 3 still peeks the head of the
   queue and asks the prefill policy, then stops. (With ``max_num_seqs = R`` instead, phase 3 stops
   before it looks at the queue at all, which measures less.)
 - The fake model is minimal on purpose: it emits one fixed token per decode and per last chunk, so
-  the figures are the scheduler's. Building its ``StepOutput`` list is outside the timed region.
+  the figures are the scheduler's. Building its ``SampledToken`` list is outside the timed region.
 - A waiting-queue abort at 100k waiting: single aborts (median), and the mean over aborting most
   of the queue, which includes the lazy heap's compaction (one O(W) rebuild when the dead entries
   outnumber the live ones).
@@ -41,9 +41,9 @@ from tierserve.replica.block_space import FreeListBlocks
 from tierserve.replica.config import EngineConfig
 from tierserve.replica.scheduler import (
     Request,
-    ScheduleOutput,
+    SampledToken,
     Scheduler,
-    StepOutput,
+    StepPlan,
 )
 
 RUNNING = (64, 256, 1024)
@@ -54,10 +54,10 @@ TOKEN = 7  # what the minimal fake always emits
 TARGET_US_PER_REQUEST = 5.0
 
 
-def fake_outputs(plan: ScheduleOutput) -> list[StepOutput]:
+def fake_outputs(plan: StepPlan) -> list[SampledToken]:
     """The minimal fake model: one fixed token per decode and per last chunk."""
-    outs = [StepOutput(d.id, TOKEN) for d in plan.decodes]
-    outs += [StepOutput(c.id, TOKEN) for c in plan.prefill if c.last]
+    outs = [SampledToken(d.id, TOKEN) for d in plan.decodes]
+    outs += [SampledToken(c.id, TOKEN) for c in plan.prefill if c.last]
     return outs
 
 

@@ -255,7 +255,7 @@ def variants(
     ``interpreter`` gives the variants as the interpreter's launches describe them (``UPCAST``
     on), for tests that compare with recorded launches; compile the default ones.
     """
-    d, page, dtype = config.head_dim, config.block_size, config.dtype
+    d, block_size, dtype = config.head_dim, config.block_size, config.dtype
     if d % 16:
         raise ValueError(
             f"head_dim {d}: the variant set assumes strides divisible by 16 (head_dim % 16 == 0)"
@@ -267,13 +267,13 @@ def variants(
         "store_kv",
         "store",
         dtype,
-        tkv.store_constexprs(d, page),
+        tkv.store_constexprs(d, block_size),
         tkv.STORE_NUM_WARPS,
         tkv.STORE_NUM_STAGES,
     )
 
     def attn(role: str, cfg: ta.KernelConfig, split: bool, exact: bool) -> Variant:
-        const = ta.attention_constexprs(cfg, d, page, dtype, split, exact, interpreter)
+        const = ta.attention_constexprs(cfg, d, block_size, dtype, split, exact, interpreter)
         return _variant("paged_attn", role, dtype, const, cfg.num_warps, cfg.num_stages)
 
     if config.deterministic:
@@ -311,7 +311,7 @@ def fused_variants(hidden: int, q_heads: int, kv_heads: int, head_dim: int, bloc
     rope = _variant("rope_store", "rope+store", dtype, {
         "Q_HEADS": q_heads, "KV_HEADS": kv_heads, "HALF": half,
         "BLOCK_H": triton.next_power_of_2(q_heads + kv_heads),
-        "BLOCK_HALF": triton.next_power_of_2(half), "PAGE": block_size}, 4, DEFAULT_NUM_STAGES)
+        "BLOCK_HALF": triton.next_power_of_2(half), "BLOCK_SIZE": block_size}, 4, DEFAULT_NUM_STAGES)
     return [*norms, rope]
 
 
@@ -339,9 +339,9 @@ def ci_configs() -> list[ServingConfig]:
 def ci_fused_variants() -> list[Variant]:
     """The fused kernels' variants of ``CI_MODEL_SHAPES`` x blocks x dtypes, without duplicates."""
     seen: dict[tuple[Any, ...], Variant] = {}
-    for (hidden, hq, hkv, d), page, dtype in itertools.product(
+    for (hidden, hq, hkv, d), block_size, dtype in itertools.product(
             CI_MODEL_SHAPES, CI_BLOCK_SIZES, CI_DTYPES):
-        for v in fused_variants(hidden, hq, hkv, d, page, dtype):
+        for v in fused_variants(hidden, hq, hkv, d, block_size, dtype):
             seen.setdefault(v.key(), v)
     return list(seen.values())
 

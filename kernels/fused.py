@@ -110,7 +110,7 @@ def _rope_store_kernel(  # type: ignore[no-untyped-def]
     HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
-    PAGE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
 ):
     # One token per program: every q, k and v head of it.
     tok = tl.program_id(0).to(tl.int64)
@@ -136,8 +136,8 @@ def _rope_store_kernel(  # type: ignore[no-untyped-def]
     # k (rotated, read back from registers) and v into the cache at this token's slot.
     slot = tl.load(slot_ptr + tok)
     if slot >= 0:
-        blk = slot // PAGE
-        off = slot % PAGE
+        blk = slot // BLOCK_SIZE
+        off = slot % BLOCK_SIZE
         base = blk * stride_cb + off * stride_cs
         kh = h - Q_HEADS
         k_mask = (h >= Q_HEADS) & (h < Q_HEADS + KV_HEADS) & j_ok
@@ -168,7 +168,7 @@ def rope_store(
     at ``slot_mapping`` ``[T]`` in the caches ``[num_blocks, block_size, kv_heads, D]``; a token
     whose slot is negative is rotated but not stored."""
     t, heads, d = qkv.shape
-    _, page, hkv, dc = k_cache.shape
+    _, block_size, hkv, dc = k_cache.shape
     if heads != q_heads + 2 * hkv or d != dc or d % 2:
         raise ValueError(
             f"qkv {tuple(qkv.shape)} does not hold {q_heads} q heads and {hkv} k and v heads of "
@@ -207,6 +207,6 @@ def rope_store(
         HALF=half,
         BLOCK_H=block_h,
         BLOCK_HALF=triton.next_power_of_2(half),
-        PAGE=page,
+        BLOCK_SIZE=block_size,
         num_warps=4,
     )

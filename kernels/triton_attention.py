@@ -95,7 +95,7 @@ def _paged_attn_kernel(  # type: ignore[no-untyped-def]
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    PAGE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
     SPLIT: tl.constexpr,
     EXACT_SKIP: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -148,8 +148,8 @@ def _paged_attn_kernel(  # type: ignore[no-untyped-def]
     for tile in range(tile_lo, tile_hi):
         n = tile * BLOCK_N + n_idx
         n_ok = n < kv_end
-        blk = tl.load(table + n // PAGE, mask=n_ok, other=0).to(tl.int64)
-        in_page = (n % PAGE).to(tl.int64)
+        blk = tl.load(table + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+        in_page = (n % BLOCK_SIZE).to(tl.int64)
         k_off = blk * stride_kb + in_page * stride_ks + kv_head * stride_kh
         v_off = blk * stride_vb + in_page * stride_vs + kv_head * stride_vh
         k = tl.load(
@@ -316,7 +316,7 @@ def device_arch(device: torch.device) -> int | None:
 def attention_constexprs(
     cfg: KernelConfig,
     head_dim: int,
-    page: int,
+    block_size: int,
     dtype: torch.dtype,
     split: bool,
     exact: bool,
@@ -328,7 +328,7 @@ def attention_constexprs(
         "BLOCK_M": cfg.block_m,
         "BLOCK_N": cfg.block_n,
         "BLOCK_D": max(16, triton.next_power_of_2(head_dim)),
-        "PAGE": page,
+        "BLOCK_SIZE": block_size,
         "SPLIT": split,
         "EXACT_SKIP": exact,
         "UPCAST": upcast,

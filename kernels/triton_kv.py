@@ -40,15 +40,15 @@ def _store_kv_kernel(  # type: ignore[no-untyped-def]
     HEAD_DIM: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    PAGE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
 ):
     # A [BLOCK_T tokens, BLOCK_D] tile of one KV head per program.
     tok = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     h = tl.program_id(1).to(tl.int64)
     slot = tl.load(slot_ptr + tok, mask=tok < num_tokens, other=-1)
     tok_ok = slot >= 0
-    blk = tl.where(tok_ok, slot, 0) // PAGE
-    off = tl.where(tok_ok, slot, 0) % PAGE
+    blk = tl.where(tok_ok, slot, 0) // BLOCK_SIZE
+    off = tl.where(tok_ok, slot, 0) % BLOCK_SIZE
     d = tl.arange(0, BLOCK_D)[None, :]
     t2 = tok[:, None]
     mask = tok_ok[:, None] & (d < HEAD_DIM)
@@ -59,14 +59,14 @@ def _store_kv_kernel(  # type: ignore[no-untyped-def]
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
-def store_constexprs(head_dim: int, page: int) -> dict[str, int]:
+def store_constexprs(head_dim: int, block_size: int) -> dict[str, int]:
     """The compile-time constants of one ``_store_kv_kernel`` launch (shared with ``aot``)."""
     block_d = triton.next_power_of_2(head_dim)
     return {
         "HEAD_DIM": head_dim,
         "BLOCK_T": max(1, min(16, 2048 // block_d)),
         "BLOCK_D": block_d,
-        "PAGE": page,
+        "BLOCK_SIZE": block_size,
     }
 
 

@@ -27,7 +27,7 @@ class BlockSpace(Protocol):
     """Hands out KV block ids to requests. ``allocate`` and ``append_slot`` are all or nothing."""
 
     @property
-    def block_tokens(self) -> int: ...
+    def block_size(self) -> int: ...
     @property
     def total_blocks(self) -> int: ...
     @property
@@ -63,19 +63,19 @@ class BlockSpace(Protocol):
 class FreeListBlocks:
     """The simplest BlockSpace: a free list that always hands out the lowest free ids first."""
 
-    __slots__ = ("_block_tokens", "_free", "_tables", "_total")
+    __slots__ = ("_block_size", "_free", "_tables", "_total")
 
-    def __init__(self, block_tokens: int, ids: Iterable[int]) -> None:
-        if block_tokens <= 0:
-            raise ValueError(f"block_tokens must be positive, got {block_tokens}")
-        self._block_tokens = block_tokens
+    def __init__(self, block_size: int, ids: Iterable[int]) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self._block_size = block_size
         self._free = sorted(set(ids))
         self._total = len(self._free)
         self._tables: dict[RequestId, list[int]] = {}
 
     @property
-    def block_tokens(self) -> int:
-        return self._block_tokens
+    def block_size(self) -> int:
+        return self._block_size
 
     @property
     def total_blocks(self) -> int:
@@ -96,7 +96,7 @@ class FreeListBlocks:
     def allocate(self, id: RequestId, tokens: Sequence[int], reuse: bool = True) -> Allocation:
         if id in self._tables:
             raise ValueError(f"request {id} already holds blocks")
-        need = ceil_div(len(tokens), self._block_tokens)
+        need = ceil_div(len(tokens), self._block_size)
         if need > len(self._free):
             raise NoCapacity
         self._tables[id] = self._take(need)
@@ -104,7 +104,7 @@ class FreeListBlocks:
 
     def append_slot(self, id: RequestId, total: int) -> None:
         table = self._tables.setdefault(id, [])
-        need = ceil_div(total, self._block_tokens) - len(table)
+        need = ceil_div(total, self._block_size) - len(table)
         if need <= 0:
             return
         if need > len(self._free):

@@ -24,7 +24,7 @@ from tierserve.records import EngineDead, EngineStats, InvalidToken, RequestId, 
 from tierserve.replica.config import EngineConfig
 from tierserve.replica.detokenizer import IncrementalDetokenizer
 from tierserve.replica.engine_config import build_engine_parts
-from tierserve.replica.runner import ForwardBatch, PromptRows, RunnerOutput
+from tierserve.replica.runner import ForwardBatch, PromptRows, StepLogits
 from tierserve.replica.sampler import (
     SamplerState,
     SamplingParams,
@@ -37,8 +37,8 @@ from tierserve.replica.scheduler import (
     FinishedEvent,
     FinishReason,
     Request,
-    ScheduleOutput,
-    StepOutput,
+    SampledToken,
+    StepPlan,
 )
 
 log = logging.getLogger(__name__)
@@ -313,7 +313,7 @@ class Engine:
             waiting=s.waiting,
             free_blocks=s.free_blocks,
             total_blocks=s.total_blocks,
-            block_tokens=self.scheduler.blocks.block_tokens,
+            block_size=self.scheduler.blocks.block_size,
             waiting_blocks=waiting_blocks,
             committed_blocks=committed,
             preemptions=s.preemptions,
@@ -404,13 +404,13 @@ class Engine:
 
     def _finish_step(
         self,
-        plan: ScheduleOutput,
+        plan: StepPlan,
         states: list[_Live],
         tokens: list[int],
         logprobs: list[TokenLogprob | None],
     ) -> list[RequestOutput]:
         now = time.monotonic()
-        step_outputs: list[StepOutput] = []
+        step_outputs: list[SampledToken] = []
         deltas: dict[RequestId, RequestOutput] = {}
         for live, tok, lp in zip(states, tokens, logprobs, strict=True):
             delta = RequestOutput(live.id, "", [], prompt_tokens=live.prompt_len, index=live.index)
@@ -423,7 +423,7 @@ class Engine:
                 ]
                 live.prompt_lp = None
             if live.discard:  # max_tokens 0: the scheduler ends it now, at its one-token limit
-                step_outputs.append(StepOutput(live.id, tok, False))
+                step_outputs.append(SampledToken(live.id, tok, False))
                 deltas[live.id] = delta
                 continue
             live.generated += 1
@@ -432,7 +432,7 @@ class Engine:
             else:
                 live.held.append(tok)
             stop = tok in live.stop_ids or live.detok.stopped is not None
-            step_outputs.append(StepOutput(live.id, tok, stop))
+            step_outputs.append(SampledToken(live.id, tok, stop))
             delta.token_ids = [tok]
             delta.completion_tokens = live.generated
             if lp is not None:
@@ -518,7 +518,7 @@ class Engine:
         """Make every later forward pass raise ``RuntimeError(message)`` (for fault tests): the
         next step then fails, every live request ends with ``"error"`` and ``alive`` turns False."""
 
-        def broken(batch: ForwardBatch) -> RunnerOutput:
+        def broken(batch: ForwardBatch) -> StepLogits:
             raise RuntimeError(message)
 
         self.runner.forward = broken  # type: ignore[method-assign]

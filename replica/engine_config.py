@@ -118,7 +118,7 @@ def build_engine_parts(cfg: EngineConfig) -> EngineParts:
         layers=mcfg.num_layers,
         kv_heads=mcfg.num_kv_heads,
         head_dim=mcfg.head_dim,
-        block_tokens=cfg.block_size,
+        block_size=cfg.block_size,
         dtype=dtype,
     )
     warm_kernels(cfg, mcfg, device, backend, dtype)

@@ -1,7 +1,7 @@
 """The paged KV pool: per-layer K and V tensors addressed by block id and offset.
 
-One block holds ``block_tokens`` positions of K and V for every layer and KV head:
-``2 * layers * kv_heads * block_tokens * head_dim * dtype_bytes`` bytes (docs/scheduler.md §3). The number of
+One block holds ``block_size`` positions of K and V for every layer and KV head:
+``2 * layers * kv_heads * block_size * head_dim * dtype_bytes`` bytes (docs/scheduler.md §3). The number of
 blocks comes from ``num_kv_blocks`` outright, from a byte budget (CPU), or from a fraction of the
 GPU's memory minus what the weights and a profiled forward already hold (like vLLM's
 ``gpu_memory_utilization``). The pool builds the scheduler's ``FreeListBlocks`` over exactly its
@@ -44,11 +44,11 @@ class KVShape:
     layers: int
     kv_heads: int
     head_dim: int
-    block_tokens: int
+    block_size: int
     dtype: torch.dtype
 
     def __post_init__(self) -> None:
-        for name in ("layers", "kv_heads", "head_dim", "block_tokens"):
+        for name in ("layers", "kv_heads", "head_dim", "block_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"KVShape.{name} must be positive, got {getattr(self, name)}")
 
@@ -56,7 +56,7 @@ class KVShape:
     def block_bytes(self) -> int:
         """Bytes of one block across every layer, K and V."""
         itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.layers * self.kv_heads * self.block_tokens * self.head_dim * itemsize
+        return 2 * self.layers * self.kv_heads * self.block_size * self.head_dim * itemsize
 
     def blocks_for_budget(self, budget_bytes: int) -> int:
         """How many whole blocks fit ``budget_bytes``."""
@@ -161,7 +161,7 @@ def zeroed(
 
 
 class KVPool:
-    """Per-layer ``(k_cache, v_cache)``, each ``[num_blocks, block_tokens, kv_heads, head_dim]``."""
+    """Per-layer ``(k_cache, v_cache)``, each ``[num_blocks, block_size, kv_heads, head_dim]``."""
 
     def __init__(self, shape: KVShape, num_blocks: int, device: torch.device | str = "cpu") -> None:
         if num_blocks <= 0:
@@ -169,15 +169,15 @@ class KVPool:
         self.shape = shape
         self.num_blocks = num_blocks
         self.device = torch.device(device)
-        dims = (num_blocks, shape.block_tokens, shape.kv_heads, shape.head_dim)
+        dims = (num_blocks, shape.block_size, shape.kv_heads, shape.head_dim)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
             (zeroed(dims, shape.dtype, self.device), zeroed(dims, shape.dtype, self.device))
             for _ in range(shape.layers)
         ]
 
     @property
-    def block_tokens(self) -> int:
-        return self.shape.block_tokens
+    def block_size(self) -> int:
+        return self.shape.block_size
 
     @property
     def nbytes(self) -> int:
@@ -187,8 +187,8 @@ class KVPool:
         """A ``BlockSpace`` over exactly this pool's block ids: with ``prefix_root`` (the model's
         ``prefix_cache.model_key``) a prefix cache, else a plain free list."""
         if prefix_root is None:
-            return FreeListBlocks(self.shape.block_tokens, range(self.num_blocks))
-        return PrefixCachingBlocks(self.shape.block_tokens, range(self.num_blocks), prefix_root)
+            return FreeListBlocks(self.shape.block_size, range(self.num_blocks))
+        return PrefixCachingBlocks(self.shape.block_size, range(self.num_blocks), prefix_root)
 
 
 # ---------------------------------------------------------------- activations and the pool's size
@@ -245,10 +245,10 @@ class StepBound:
         full, rest = divmod(self.tokens, self.chunk)
         return [self.chunk] * full + ([rest] if rest else [])
 
-    def specs(self, block_tokens: int) -> list[SeqSpec]:
+    def specs(self, block_size: int) -> list[SeqSpec]:
         """The step's sequences, every block table naming block 0 only (the profile's pool has
         one block: what is written there is thrown away)."""
-        table = [0] * ceil_div(self.max_len, block_tokens)
+        table = [0] * ceil_div(self.max_len, block_size)
         return [SeqSpec(self.max_len - n, n, table) for n in self.chunk_lens()]
 
 
@@ -256,7 +256,7 @@ def estimate_activation_bytes(model: ModelConfig, step: StepBound, dtype: torch.
     """An upper estimate of the memory one step of ``step`` needs beyond the weights and the KV.
 
     The logits dominate with a large vocabulary: ``[rows, vocab]`` in the model's dtype, their
-    fp32 copy (``RunnerOutput``), and the fp32 log-softmax of the prompt log-probabilities, all
+    fp32 copy (``StepLogits``), and the fp32 log-softmax of the prompt log-probabilities, all
     alive at once at worst. Then one layer's activations at a time (the residual stream and the
     MLP's input kept, the fused QKV and gate/up outputs and the attention output) and the
     attention's per-sequence work (scores of a chunk against its context, fp32)."""
@@ -281,7 +281,7 @@ def profile_step(
     of one block), then model, the logits in fp32, and their log-softmax and top
     log-probabilities (what prompt log-probabilities compute) when called."""
     pool = KVPool(shape, 1, device)
-    meta = build_metadata(step.specs(shape.block_tokens), shape.block_tokens, device)
+    meta = build_metadata(step.specs(shape.block_size), shape.block_size, device)
     gen = torch.Generator(device="cpu").manual_seed(0)
     ids = torch.randint(0, vocab_size, (step.tokens,), generator=gen).to(device)
     rows = torch.arange(step.logit_rows, dtype=torch.int64, device=device)

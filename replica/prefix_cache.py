@@ -1,7 +1,7 @@
 """Prefix caching: a ``BlockSpace`` whose full blocks are shared between requests by content.
 
 A full block is named by a hash chain: block ``i``'s hash covers its parent's hash and its own
-``block_tokens`` token ids, and the first block's parent is a key of the model (so two models,
+``block_size`` token ids, and the first block's parent is a key of the model (so two models,
 dtypes or block sizes never share a name). Two requests whose prompts begin with the same
 blocks therefore name them alike, and the second finds them computed.
 
@@ -58,20 +58,20 @@ def _chain(prev: int, block: Sequence[int]) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
-def iter_block_hashes(tokens: Sequence[int], block_tokens: int, root: int,
+def iter_block_hashes(tokens: Sequence[int], block_size: int, root: int,
                       parent: int | None = None, start: int = 0) -> Iterator[int]:
     """Hashes of the full blocks of ``tokens`` from block ``start`` on, computed lazily
     (``parent``: the hash of block ``start - 1``; None from the first block)."""
     prev = root if parent is None else parent
-    for i in range(start, len(tokens) // block_tokens):
-        prev = _chain(prev, tokens[i * block_tokens : (i + 1) * block_tokens])
+    for i in range(start, len(tokens) // block_size):
+        prev = _chain(prev, tokens[i * block_size : (i + 1) * block_size])
         yield prev
 
 
-def block_hashes(tokens: Sequence[int], block_tokens: int, root: int, limit: int | None = None,
+def block_hashes(tokens: Sequence[int], block_size: int, root: int, limit: int | None = None,
                  parent: int | None = None, start: int = 0) -> list[int]:
     """Hashes of the full blocks of ``tokens`` from block ``start`` on, at most ``limit``."""
-    return list(itertools.islice(iter_block_hashes(tokens, block_tokens, root, parent, start),
+    return list(itertools.islice(iter_block_hashes(tokens, block_size, root, parent, start),
                                  limit))
 
 
@@ -86,10 +86,10 @@ class PrefixCachingBlocks:
     """The prefix-caching ``BlockSpace`` (see the module docstring). ``root``: ``model_key(...)``
     of the model whose K/V the blocks hold."""
 
-    def __init__(self, block_tokens: int, ids: Iterable[int], root: int = 0) -> None:
-        if block_tokens <= 0:
-            raise ValueError(f"block_tokens must be positive, got {block_tokens}")
-        self._block_tokens = block_tokens
+    def __init__(self, block_size: int, ids: Iterable[int], root: int = 0) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self._block_size = block_size
         self._root = root
         self._free = sorted(set(ids))  # never named, or evicted: a heap, lowest ids first
         self._total = len(self._free)
@@ -102,8 +102,8 @@ class PrefixCachingBlocks:
     # ------------------------------------------------------------------ BlockSpace
 
     @property
-    def block_tokens(self) -> int:
-        return self._block_tokens
+    def block_size(self) -> int:
+        return self._block_size
 
     @property
     def total_blocks(self) -> int:
@@ -122,7 +122,7 @@ class PrefixCachingBlocks:
         if id in self._tables:
             raise ValueError(f"request {id} already holds blocks")
         hits, names = self._matches(tokens) if reuse else ([], [])
-        need = ceil_div(len(tokens), self._block_tokens) - len(hits)
+        need = ceil_div(len(tokens), self._block_size) - len(hits)
         # Hit blocks that sit unreferenced would be counted twice: as a hit and as room.
         idle_hits = sum(1 for b in hits if b in self._evictable)
         if need > self.free_blocks - idle_hits:
@@ -132,11 +132,11 @@ class PrefixCachingBlocks:
         table = _Table(list(hits), len(hits), names[-1] if names else None)
         table.blocks.extend(self._take(need))
         self._tables[id] = table
-        return Allocation(len(hits) * self._block_tokens)
+        return Allocation(len(hits) * self._block_size)
 
     def append_slot(self, id: RequestId, total: int) -> None:
         table = self._tables.setdefault(id, _Table())
-        need = ceil_div(total, self._block_tokens) - len(table.blocks)
+        need = ceil_div(total, self._block_size) - len(table.blocks)
         if need <= 0:
             return
         if need > self.free_blocks:
@@ -149,10 +149,10 @@ class PrefixCachingBlocks:
         table = self._tables.get(id)
         if table is None:
             return
-        full = min(computed // self._block_tokens, len(table.blocks))
+        full = min(computed // self._block_size, len(table.blocks))
         if full <= table.named:
             return
-        names = block_hashes(tokens, self._block_tokens, self._root, limit=full - table.named,
+        names = block_hashes(tokens, self._block_size, self._root, limit=full - table.named,
                              parent=table.last_hash, start=table.named)
         for i, h in enumerate(names, start=table.named):
             b = table.blocks[i]
@@ -187,12 +187,12 @@ class PrefixCachingBlocks:
     def _matches(self, tokens: Sequence[int]) -> tuple[list[int], list[int]]:
         """The cached blocks of ``tokens``' longest cached prefix (never the block of its last
         position) and their names."""
-        usable = (len(tokens) - 1) // self._block_tokens if tokens else 0
+        usable = (len(tokens) - 1) // self._block_size if tokens else 0
         hits: list[int] = []
         names: list[int] = []
         if not usable or not self._by_name:
             return hits, names
-        chain = iter_block_hashes(tokens, self._block_tokens, self._root)
+        chain = iter_block_hashes(tokens, self._block_size, self._root)
         for h in itertools.islice(chain, usable):
             b = self._by_name.get(h)
             if b is None:

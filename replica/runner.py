@@ -1,4 +1,4 @@
-"""Turns one ``ScheduleOutput`` into one flat batch, one forward pass, and the sampled rows' logits.
+"""Turns one ``StepPlan`` into one flat batch, one forward pass, and the sampled rows' logits.
 
 The batch lays out every decode first (one token at position ``n - 1``), then every prefill chunk
 (its tokens in order), each with its own start position and block table. Only the rows that are
@@ -25,7 +25,7 @@ from tierserve.records import RequestId
 from tierserve.replica.config import CONTEXT_CAP
 from tierserve.replica.cuda_graph import DecodeGraphs, GraphStep
 from tierserve.replica.kv_pool import KVPool, StepModel
-from tierserve.replica.scheduler import ScheduleOutput
+from tierserve.replica.scheduler import StepPlan
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +59,9 @@ class ForwardBatch:
 
 
 @dataclass(slots=True)
-class RunnerOutput:
-    """``logits[i]`` (fp32) is the next-token distribution of request ``ids[i]``;
+class StepLogits:
+    """What the runner hands the engine after a step's forward: ``logits[i]`` (fp32) is the
+    next-token distribution of request ``ids[i]``;
     ``prompt_logits`` (fp32) those of the batch's ``prompt_rows``, in order (None: none asked)."""
 
     ids: list[RequestId]
@@ -136,7 +137,7 @@ class ModelRunner:
             return None
         try:
             graphs = DecodeGraphs(
-                self.model, self.pool.kv_caches, self.pool.block_tokens, max_len, max_batch,
+                self.model, self.pool.kv_caches, self.pool.block_size, max_len, max_batch,
                 self.device,
             )
             graphs.capture()
@@ -157,7 +158,7 @@ class ModelRunner:
 
     def build_batch(
         self,
-        plan: ScheduleOutput,
+        plan: StepPlan,
         prompt_logits_for: Collection[RequestId] = (),
     ) -> ForwardBatch:
         """The flat batch of ``plan``, from what the plan carries alone: decodes, then chunks;
@@ -190,7 +191,7 @@ class ModelRunner:
                 return ForwardBatch(
                     packed.input_ids, packed.meta, packed.logits_indices, sampled, graph=step
                 )
-        packed = self.packer.pack(specs, self.pool.block_tokens, ids, rows + extra)
+        packed = self.packer.pack(specs, self.pool.block_size, ids, rows + extra)
         return ForwardBatch(
             input_ids=packed.input_ids,
             meta=packed.meta,
@@ -200,13 +201,13 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch) -> RunnerOutput:
+    def forward(self, batch: ForwardBatch) -> StepLogits:
         if batch.graph is not None and self.graphs is not None:
             out = self.graphs.run(batch.graph)
             logits = out.float()
             if logits.data_ptr() == out.data_ptr():
                 logits = logits.clone()  # fp32: the graph's output is overwritten next replay
-            return RunnerOutput(batch.sampled, logits)
+            return StepLogits(batch.sampled, logits)
         logits = self.model(
             batch.input_ids,
             batch.meta.positions,
@@ -216,5 +217,5 @@ class ModelRunner:
         ).float()
         n = len(batch.sampled)
         if not batch.prompt_rows:
-            return RunnerOutput(batch.sampled, logits)
-        return RunnerOutput(batch.sampled, logits[:n], logits[n:])
+            return StepLogits(batch.sampled, logits)
+        return StepLogits(batch.sampled, logits[:n], logits[n:])

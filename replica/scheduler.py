@@ -7,7 +7,7 @@ chunk its ``PrefillPolicy`` grants; (3) admissions from the waiting queue in ran
 nothing, stopping at the first request that does not fit. ``on_step`` then advances the computed
 positions, appends the sampled tokens and finishes requests.
 
-The plan (``ScheduleOutput``) carries everything the runner feeds, so the runner never asks the
+The plan (``StepPlan``) carries everything the runner feeds, so the runner never asks the
 scheduler back: each decode its newest token, position and block table (``Decode``), each chunk
 its token ids and block table, and the chunk that admits a request its cached prefix (``Chunk``).
 
@@ -58,11 +58,11 @@ __all__ = [
     "Request",
     "RequestEvent",
     "RequestId",
+    "SampledToken",
     "SchedPolicy",
     "SchedStats",
-    "ScheduleOutput",
     "Scheduler",
-    "StepOutput",
+    "StepPlan",
     "TokenEvent",
     "TooLong",
     "WholePrompt",
@@ -186,7 +186,7 @@ class Decode(NamedTuple):
 
 
 @dataclass(slots=True)
-class ScheduleOutput:
+class StepPlan:
     """One step's plan: the scheduler's word to the runner, which reads nothing else of it.
 
     prefill: chunks to prefill, in rank order. decodes: requests feeding their newest token, in
@@ -219,8 +219,9 @@ class ScheduleOutput:
 
 
 @dataclass(frozen=True, slots=True)
-class StepOutput:
-    """A token sampled for ``id``; ``stop`` when the engine saw an end condition (EOS, stop string)."""
+class SampledToken:
+    """What the engine hands the scheduler after a step (``on_step``): a token sampled for ``id``;
+    ``stop`` when the engine saw an end condition (EOS, stop string)."""
 
     id: RequestId
     token: int
@@ -399,7 +400,7 @@ class Scheduler:
         if n >= ctx:
             raise TooLong(n, ctx)
         longest = min(n + req.max_tokens, ctx)
-        need = ceil_div(longest, self._blocks.block_tokens)
+        need = ceil_div(longest, self._blocks.block_size)
         if need > self._blocks.total_blocks:
             raise NeverFits(need, self._blocks.total_blocks)
         if queue and len(self._waiting) >= self.cfg.max_waiting:
@@ -453,12 +454,12 @@ class Scheduler:
             return None
         return min(self._targets) * self.cfg.slo_headroom
 
-    def schedule(self) -> ScheduleOutput:
+    def schedule(self) -> StepPlan:
         """Plan one step: decodes, prefills in progress, admissions (docs/scheduler.md §2; with
         a step limit, §8)."""
         cfg = self.cfg
         blocks = self._blocks
-        out = ScheduleOutput()
+        out = StepPlan()
         fed: list[tuple[_Seq, int]] = []
         budget = cfg.max_num_batched_tokens
         running = self._running
@@ -640,7 +641,7 @@ class Scheduler:
         fit = self.cost.max_tokens(shape, limit, start, take, new_sequence=True)
         if protect and fit == 0 and floors[0] > 0:
             floors[0] -= 1
-            fit = min(take, self._blocks.block_tokens)
+            fit = min(take, self._blocks.block_size)
         return fit
 
     def _fits(self, head: _Seq, fed: list[tuple[_Seq, int]], shape: StepShape,
@@ -653,7 +654,7 @@ class Scheduler:
                 and self._carries(head, fed, limit)) if n else False
 
     def _first_protected_waiting(self, protected: Callable[[_Seq], bool],
-                                 out: ScheduleOutput) -> _Seq | None:
+                                 out: StepPlan) -> _Seq | None:
         """The best-ranked waiting request of the strictest tier (not preempted this step)."""
         return min((s for s in self._waiting.items()
                     if protected(s) and s.id not in out.preempted), key=_rank_of, default=None)
@@ -678,7 +679,7 @@ class Scheduler:
             seats += 1
         return seats
 
-    def _make_room(self, head: _Seq, out: ScheduleOutput, fed: list[tuple[_Seq, int]],
+    def _make_room(self, head: _Seq, out: StepPlan, fed: list[tuple[_Seq, int]],
                    paused: list[_Seq], protected: Callable[[_Seq], bool]) -> bool:
         """Preempt one running request for ``head`` (§8); False when there is none to take.
         For a head of the strictest tier: any request not of that tier, those left out of this
@@ -705,7 +706,7 @@ class Scheduler:
         return None
 
     @staticmethod
-    def _unplan(victim: _Seq, out: ScheduleOutput, fed: list[tuple[_Seq, int]]) -> None:
+    def _unplan(victim: _Seq, out: StepPlan, fed: list[tuple[_Seq, int]]) -> None:
         """Take ``victim`` out of this step's plan, where it is in it."""
         for k, (seq, _) in enumerate(fed):
             if seq is victim:
@@ -718,7 +719,7 @@ class Scheduler:
                 break
         out.prefill = [c for c in out.prefill if c.id != victim.id]
 
-    def _grow(self, seq: _Seq, n: int, out: ScheduleOutput, fed: list[tuple[_Seq, int]],
+    def _grow(self, seq: _Seq, n: int, out: StepPlan, fed: list[tuple[_Seq, int]],
               paused: list[_Seq] | None = None,
               protected: Callable[[_Seq], bool] | None = None) -> bool:
         """Room for ``n`` positions, preempting from the bottom; False when ``seq`` was the victim.
@@ -742,7 +743,7 @@ class Scheduler:
                 if victim is seq:
                     return False
 
-    def _preempt(self, victim: _Seq, out: ScheduleOutput) -> None:
+    def _preempt(self, victim: _Seq, out: StepPlan) -> None:
         """Preemption by recompute (docs/scheduler.md §5): free the blocks now, requeue with the same rank."""
         self._running.remove(victim)
         self._blocks.release(victim.id)
@@ -751,7 +752,7 @@ class Scheduler:
         self._preemptions += 1
         out.preempted.append(victim.id)
 
-    def on_step(self, outputs: Sequence[StepOutput]) -> list[RequestEvent]:
+    def on_step(self, outputs: Sequence[SampledToken]) -> list[RequestEvent]:
         """Advance the last plan: computed positions, sampled tokens, finishes (and their blocks)."""
         blocks = self._blocks
         for seq, n in self._last:
@@ -817,7 +818,7 @@ class Scheduler:
 
     def waiting_blocks(self) -> int:
         """Blocks the waiting requests need at admission (their tokens plus the first new one)."""
-        b = self._blocks.block_tokens
+        b = self._blocks.block_size
         return sum(ceil_div((len(seq.tokens) + 1), b) for seq in self._waiting.items())
 
     def committed_blocks(self) -> int:
@@ -825,7 +826,7 @@ class Scheduler:
         generated all of its ``max_tokens`` (capped at the context): the blocks referenced now
         (a block shared by several requests' prompts counts once), each running request's
         growth beyond its table, and every waiting request at its full length."""
-        b = self._blocks.block_tokens
+        b = self._blocks.block_size
         ctx = self.max_model_len
         blocks = self._blocks
         referenced = blocks.total_blocks - blocks.free_blocks

@@ -58,14 +58,14 @@ K = TypeVar("K", bound=Hashable)
 GATHER_MAX = 4
 
 
-def blocks_for(tokens: int, block_tokens: int) -> int:
+def blocks_for(tokens: int, block_size: int) -> int:
     """Blocks that hold ``tokens`` positions."""
-    return ceil_div(max(tokens, 0), block_tokens)
+    return ceil_div(max(tokens, 0), block_size)
 
 
-def charge_blocks(prompt_tokens: int, block_tokens: int) -> int:
+def charge_blocks(prompt_tokens: int, block_size: int) -> int:
     """Blocks a request is charged when routed: its prompt and its first generated token."""
-    return blocks_for(prompt_tokens + 1, block_tokens)
+    return blocks_for(prompt_tokens + 1, block_size)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,16 +97,16 @@ class RequestShape:
             tpot_target_s=request.tpot_target_s,
         )
 
-    def usable_prefix(self, block_tokens: int) -> int:
+    def usable_prefix(self, block_size: int) -> int:
         """Leading blocks a replica's cache can give the request: full blocks before the prompt's
         last position (that one is always computed: its logits are needed)."""
         per_sample = self.prompt_tokens // max(self.samples, 1)
-        return min(len(self.prefix), max(per_sample - 1, 0) // block_tokens)
+        return min(len(self.prefix), max(per_sample - 1, 0) // block_size)
 
 
-def full_blocks(prompt_tokens: int, max_tokens: int, block_tokens: int) -> int:
+def full_blocks(prompt_tokens: int, max_tokens: int, block_size: int) -> int:
     """Blocks a request holds once it has generated all of its ``max_tokens``."""
-    return blocks_for(prompt_tokens + max(max_tokens, 1), block_tokens)
+    return blocks_for(prompt_tokens + max(max_tokens, 1), block_size)
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,7 +201,7 @@ def rank_replicas(
     rng: random.Random,
     *,
     saturation_waiting: int = 8,
-    default_block_tokens: int = DEFAULT_BLOCK_SIZE,
+    default_block_size: int = DEFAULT_BLOCK_SIZE,
     affinity: Affinity | None = None,
 ) -> list[Ranked[K]]:
     """Best replica first (see the module docstring for the two rankings and the balance rule).
@@ -223,18 +223,18 @@ def rank_replicas(
     affinity = affinity or Affinity()
     reported = [load.stats for load in loads if load.stats is not None]
     assumed_total = max((s.total_blocks for s in reported), default=0)
-    fallback_block_tokens = reported[0].block_tokens if reported else default_block_tokens
+    fallback_block_size = reported[0].block_size if reported else default_block_size
     latency = request.latency
     samples = max(request.samples, 1)
 
     entries: list[Ranked[K]] = []
     for load in loads:
         stats = load.stats
-        block_tokens = stats.block_tokens if stats is not None else fallback_block_tokens
-        hit_blocks = min(load.prefix_hits, request.usable_prefix(block_tokens))
+        block_size = stats.block_size if stats is not None else fallback_block_size
+        hit_blocks = min(load.prefix_hits, request.usable_prefix(block_size))
         shared = hit_blocks * samples  # blocks the request would not take fresh
-        need = max(charge_blocks(request.prompt_tokens, block_tokens) - shared, 1)
-        whole = full_blocks(request.prompt_tokens, request.max_tokens, block_tokens)
+        need = max(charge_blocks(request.prompt_tokens, block_size) - shared, 1)
+        whole = full_blocks(request.prompt_tokens, request.max_tokens, block_size)
         full = max(whole - shared, 1)
         unseen = charged_since_report(stats, load.charges)
         unseen_now = sum(c.blocks for c in unseen)
@@ -260,10 +260,10 @@ def rank_replicas(
             room=room,
             outstanding=len(load.charges),
             full=full,
-            cached=hit_blocks * block_tokens * samples,
+            cached=hit_blocks * block_size * samples,
             short=free_now < need,
-            prefill_ahead=pending * block_tokens + request.prompt_tokens
-            - hit_blocks * block_tokens * samples,
+            prefill_ahead=pending * block_size + request.prompt_tokens
+            - hit_blocks * block_size * samples,
             no_seat=stats is not None and request.tpot_target_s is not None
             and stats.seats - len(unseen) < samples,
             unconstrained=request.tpot_target_s is not None and not (

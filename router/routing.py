@@ -48,7 +48,7 @@ class RouterSettings:
     # A replica out of blocks for a request is saturated from this (estimated) queue length on.
     saturation_waiting: int = 8
     # Block size assumed before any replica has reported.
-    default_block_tokens: int = DEFAULT_BLOCK_SIZE
+    default_block_size: int = DEFAULT_BLOCK_SIZE
     # A tentative charge never confirmed by on_request_routed is forgotten after this long.
     tentative_ttl_s: float = 5.0
     # Seed of the random tie-break (None: from the OS).
@@ -75,9 +75,9 @@ class RouterSettings:
         settings = cls(**kwargs)
         if settings.saturation_waiting < 0:
             raise ValueError(f"saturation_waiting must be >= 0, got {settings.saturation_waiting}")
-        if settings.default_block_tokens <= 0:
+        if settings.default_block_size <= 0:
             raise ValueError(
-                f"default_block_tokens must be positive, got {settings.default_block_tokens}"
+                f"default_block_size must be positive, got {settings.default_block_size}"
             )
         if settings.tentative_ttl_s <= 0:
             raise ValueError(f"tentative_ttl_s must be positive, got {settings.tentative_ttl_s}")
@@ -113,8 +113,8 @@ class RouterState(Generic[R]):
             return 0
         if stats is not None:
             self.index.set_capacity(replica, stats.total_blocks)
-        block_tokens = stats.block_tokens if stats else self.settings.default_block_tokens
-        return self.index.match(replica, request.prefix, request.usable_prefix(block_tokens))
+        block_size = stats.block_size if stats else self.settings.default_block_size
+        return self.index.match(replica, request.prefix, request.usable_prefix(block_size))
 
     def rank(
         self,
@@ -134,7 +134,7 @@ class RouterState(Generic[R]):
             request,
             self.rng,
             saturation_waiting=s.saturation_waiting,
-            default_block_tokens=s.default_block_tokens,
+            default_block_size=s.default_block_size,
             affinity=self._affinity,
         )
 
@@ -174,7 +174,7 @@ class RouterState(Generic[R]):
         def recharge() -> tuple[int, int]:
             shape = request()
             moved.append(shape)
-            bt = stats.block_tokens if stats else self.settings.default_block_tokens
+            bt = stats.block_size if stats else self.settings.default_block_size
             return (
                 charge_blocks(shape.prompt_tokens, bt),
                 full_blocks(shape.prompt_tokens, shape.max_tokens, bt),

@@ -1,7 +1,7 @@
 """A fake model whose outputs are known in advance, over a simulated paged KV cache.
 
-The fake "runs" a ScheduleOutput exactly as the real runner would: every fed token is written into
-a pool of ``total_blocks * block_tokens`` slots through the request's block table, and a sampled
+The fake "runs" a StepPlan exactly as the real runner would: every fed token is written into
+a pool of ``total_blocks * block_size`` slots through the request's block table, and a sampled
 row reads every position of its sequence back through the table. The next token is a fixed hash of
 what it read, so a wrong block table, a block shared by two requests, a recompute from the wrong
 tokens or an off-by-one in positions all change the output.
@@ -17,9 +17,9 @@ from tierserve.replica.scheduler import (
     Request,
     RequestEvent,
     RequestId,
-    ScheduleOutput,
+    SampledToken,
     Scheduler,
-    StepOutput,
+    StepPlan,
     TokenEvent,
 )
 
@@ -40,7 +40,7 @@ class FakeModel:
     def __init__(self, scheduler: Scheduler, stop_token: int | None = None) -> None:
         self.s = scheduler
         blocks = scheduler.blocks
-        self.B = blocks.block_tokens
+        self.B = blocks.block_size
         self.pool: dict[int, int] = {}  # slot -> token written there
         self.stop_token = stop_token
         self.steps = 0
@@ -60,14 +60,14 @@ class FakeModel:
         for p in range(start, start + n):
             self.pool[self._slot(rid, p)] = toks[p]
 
-    def _sample(self, rid: RequestId, upto: int) -> StepOutput:
+    def _sample(self, rid: RequestId, upto: int) -> SampledToken:
         ctx = [self.pool[self._slot(rid, p)] for p in range(upto)]
         tok = next_token(ctx)
-        return StepOutput(rid, tok, stop=self.stop_token is not None and tok == self.stop_token)
+        return SampledToken(rid, tok, stop=self.stop_token is not None and tok == self.stop_token)
 
-    def run(self, plan: ScheduleOutput) -> list[StepOutput]:
-        """Execute ``plan`` and return one StepOutput per decode and per last chunk."""
-        outs: list[StepOutput] = []
+    def run(self, plan: StepPlan) -> list[SampledToken]:
+        """Execute ``plan`` and return one SampledToken per decode and per last chunk."""
+        outs: list[SampledToken] = []
         for rid in plan.decode:
             toks = self.s.tokens(rid)
             assert toks is not None
@@ -81,7 +81,7 @@ class FakeModel:
         self.steps += 1
         return outs
 
-    def step(self) -> tuple[ScheduleOutput, list[RequestEvent]]:
+    def step(self) -> tuple[StepPlan, list[RequestEvent]]:
         plan = self.s.schedule()
         return plan, self.s.on_step(self.run(plan))
 

@@ -31,8 +31,8 @@ class CacheCounters:
 class ProbedPrefixCache(PrefixCachingBlocks):
     """``PrefixCachingBlocks`` that also answers the tests' questions (see the module docstring)."""
 
-    def __init__(self, block_tokens: int, ids: Iterable[int], root: int = 0) -> None:
-        super().__init__(block_tokens, ids, root)
+    def __init__(self, block_size: int, ids: Iterable[int], root: int = 0) -> None:
+        super().__init__(block_size, ids, root)
         self._queried = 0
         self._hits = 0
 
@@ -48,12 +48,12 @@ class ProbedPrefixCache(PrefixCachingBlocks):
 
     def cached_prefix(self, tokens: Sequence[int]) -> int:
         """Positions of ``tokens`` that ``allocate`` would find cached (no change)."""
-        return len(self._matches(tokens)[0]) * self.block_tokens
+        return len(self._matches(tokens)[0]) * self.block_size
 
     def fits(self, tokens: Sequence[int]) -> bool:
         """Whether ``allocate`` would succeed for ``tokens`` now (no change)."""
         hits = self._matches(tokens)[0]
-        need = -(-len(tokens) // self.block_tokens) - len(hits)
+        need = -(-len(tokens) // self.block_size) - len(hits)
         return need <= self.free_blocks - sum(1 for b in hits if b in self._evictable)
 
     def refs(self) -> dict[int, int]:

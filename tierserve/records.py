@@ -307,7 +307,7 @@ class EngineStats:
     waiting: int
     free_blocks: int
     total_blocks: int
-    block_tokens: int
+    block_size: int
     waiting_blocks: int = 0
     committed_blocks: int = 0
     preemptions: int = 0
@@ -352,13 +352,13 @@ class RoutingStats:
 
     free_blocks: int  # KV blocks not held by any running request
     total_blocks: int  # KV blocks in the pool
-    block_tokens: int  # positions per block
+    block_size: int  # positions per block
     waiting: int = 0  # requests in the waiting queue (including preempted ones)
     running: int = 0  # requests holding blocks
     preemptions: int = 0  # total since the replica started
     report_time: float = 0.0  # time.time() on the replica when the snapshot was taken
     # Blocks the waiting queue needs to be admitted: for each waiting request,
-    # ceil((its tokens + 1) / block_tokens). 0 when the replica does not compute it.
+    # ceil((its tokens + 1) / block_size). 0 when the replica does not compute it.
     waiting_blocks: int = 0
     # Blocks every unfinished request (running or waiting) holds once it has generated all its
     # max_tokens: what the pool is promised. 0 when the replica does not compute it.
@@ -386,7 +386,7 @@ class RoutingStats:
         return cls(
             free_blocks=stats.free_blocks,
             total_blocks=stats.total_blocks,
-            block_tokens=stats.block_tokens,
+            block_size=stats.block_size,
             waiting=stats.waiting,
             running=stats.running,
             preemptions=stats.preemptions,
@@ -416,7 +416,7 @@ class RoutingStats:
         """
         if not data:
             return None
-        required = ("free_blocks", "total_blocks", "block_tokens", "report_time")
+        required = ("free_blocks", "total_blocks", "block_size", "report_time")
         missing = [k for k in required if k not in data]
         if missing:
             raise ValueError(f"routing stats lack {', '.join(missing)}: got keys {sorted(data)}")
@@ -435,8 +435,8 @@ class RoutingStats:
                         f"routing stats field {f.name} must be an integer, got {raw!r}"
                     )
                 values[f.name] = int(raw)
-        if values["block_tokens"] <= 0:
+        if values["block_size"] <= 0:
             raise ValueError(
-                f"routing stats block_tokens must be positive, got {values['block_tokens']}"
+                f"routing stats block_size must be positive, got {values['block_size']}"
             )
         return cls(**values)

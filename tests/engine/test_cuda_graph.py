@@ -29,7 +29,7 @@ from tierserve.replica.models.embedded import EMBEDDED_MODEL, build_model
 from tierserve.replica.models.llama import LlamaForCausalLM, ModelOptions
 from tierserve.replica.runner import ForwardBatch, ModelRunner, PromptRows
 from tierserve.replica.sampler import SamplingParams
-from tierserve.replica.scheduler import ScheduleOutput, Scheduler
+from tierserve.replica.scheduler import Scheduler, StepPlan
 
 BS = 16
 
@@ -122,7 +122,7 @@ def test_one_transfer_per_step_and_every_tensor_a_view_of_it() -> None:
 
 def _legacy_batch(
     runner: ModelRunner,
-    plan: ScheduleOutput,
+    plan: StepPlan,
     scheduler: Scheduler,
     prompt_logits_for: Collection[int],
 ) -> ForwardBatch:
@@ -158,7 +158,7 @@ def _legacy_batch(
                 prompt_rows.append(PromptRows(c.id, c.start, count))
     return ForwardBatch(
         torch.tensor(ids, dtype=torch.int64),
-        build_metadata(specs, runner.pool.block_tokens),
+        build_metadata(specs, runner.pool.block_size),
         torch.tensor(rows + extra, dtype=torch.int64),
         sampled,
         prompt_rows,
@@ -194,7 +194,7 @@ def test_the_runner_builds_the_old_batch_with_one_transfer_per_step(
     build = runner.build_batch
     steps = {"n": 0, "mixed": 0, "decodes_only": 0, "prompt_rows": 0}
 
-    def checked(plan: ScheduleOutput, scoring: Collection[int] = ()) -> ForwardBatch:
+    def checked(plan: StepPlan, scoring: Collection[int] = ()) -> ForwardBatch:
         before = uploads.calls
         got = build(plan, scoring)
         assert uploads.calls == before + 1
@@ -361,8 +361,8 @@ def test_the_runner_replays_pure_decode_steps_and_keeps_greedy_outputs() -> None
     old = graphed.runner
     shape = old.pool.shape
     pool = KVPool(shape, old.pool.num_blocks + 1)  # the block space hands out the first 64 only
-    graphs = DecodeGraphs(old.model, pool.kv_caches, shape.block_tokens, 128, 6, "cpu",
-                          pad_slot=old.pool.num_blocks * shape.block_tokens,
+    graphs = DecodeGraphs(old.model, pool.kv_caches, shape.block_size, 128, 6, "cpu",
+                          pad_slot=old.pool.num_blocks * shape.block_size,
                           pad_block=old.pool.num_blocks)
     runner = ModelRunner(old.model, pool, "cpu", graphs=graphs)
     graphed.runner = runner

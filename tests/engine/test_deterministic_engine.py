@@ -12,7 +12,7 @@ import torch
 from tierserve.replica.config import EngineConfig
 from tierserve.replica.engine import Engine
 from tierserve.replica.models.embedded import EMBEDDED_MODEL
-from tierserve.replica.runner import ForwardBatch, RunnerOutput
+from tierserve.replica.runner import ForwardBatch, StepLogits
 from tierserve.replica.sampler import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -34,7 +34,7 @@ def run(ps: list[list[int]], **options: Any) -> tuple[list[list[torch.Tensor]], 
     seen: dict[int, list[torch.Tensor]] = {}
     forward = engine.runner.forward
 
-    def recording(batch: ForwardBatch) -> RunnerOutput:
+    def recording(batch: ForwardBatch) -> StepLogits:
         out = forward(batch)
         for rid, row in zip(out.ids, out.logits, strict=True):
             seen.setdefault(rid, []).append(row.clone())

@@ -41,7 +41,7 @@ SMOLLM2 = ModelConfig(
 
 
 def smollm2_shape(dtype: torch.dtype = torch.bfloat16) -> KVShape:
-    return KVShape(layers=30, kv_heads=3, head_dim=64, block_tokens=16, dtype=dtype)
+    return KVShape(layers=30, kv_heads=3, head_dim=64, block_size=16, dtype=dtype)
 
 
 # ------------------------------------------------------------------ KV sizing by profiling

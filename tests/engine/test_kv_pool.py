@@ -21,7 +21,7 @@ def test_zeroed_is_zero_aligned_and_writable(dtype: torch.dtype) -> None:
 
 
 def test_the_pool_holds_separate_zeroed_tensors_per_layer_and_kind() -> None:
-    shape = KVShape(layers=3, kv_heads=2, head_dim=8, block_tokens=4, dtype=torch.float32)
+    shape = KVShape(layers=3, kv_heads=2, head_dim=8, block_size=4, dtype=torch.float32)
     pool = KVPool(shape, num_blocks=5)
     assert len(pool.kv_caches) == 3
     tensors = [t for pair in pool.kv_caches for t in pair]
@@ -34,7 +34,7 @@ def test_the_pool_holds_separate_zeroed_tensors_per_layer_and_kind() -> None:
 
 
 def test_a_pool_without_blocks_is_refused() -> None:
-    shape = KVShape(layers=1, kv_heads=1, head_dim=8, block_tokens=4, dtype=torch.float32)
+    shape = KVShape(layers=1, kv_heads=1, head_dim=8, block_size=4, dtype=torch.float32)
     with pytest.raises(ValueError, match="num_blocks must be positive, got 0"):
         KVPool(shape, num_blocks=0)
 

@@ -22,7 +22,7 @@ from tests.prefix_probe import probe_engine_caches
 from tierserve.replica.config import EngineConfig
 from tierserve.replica.engine import Engine
 from tierserve.replica.models.embedded import EMBEDDED_MODEL
-from tierserve.replica.runner import ForwardBatch, RunnerOutput
+from tierserve.replica.runner import ForwardBatch, StepLogits
 from tierserve.replica.sampler import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -67,7 +67,7 @@ def run(plan: Plan, cache: bool, **options: Any) -> tuple[dict[int, list[torch.T
     logits: dict[int, list[torch.Tensor]] = {}
     forward = engine.runner.forward
 
-    def recording(batch: ForwardBatch) -> RunnerOutput:
+    def recording(batch: ForwardBatch) -> StepLogits:
         out = forward(batch)
         for rid, row in zip(out.ids, out.logits, strict=True):
             logits.setdefault(rid, []).append(row.clone())

@@ -92,7 +92,7 @@ def test_rope_store_matches_rotary_then_store(
     dtype: torch.dtype, hq: int, hkv: int, head_dim: int
 ) -> None:
     g = _gen(hq * 100 + head_dim)
-    t, blocks, page = 5, 6, 4
+    t, blocks, block_size = 5, 6, 4
     qkv = torch.randn(t, hq + 2 * hkv, head_dim, generator=g).to(dtype).to(DEVICE)
     positions = torch.tensor([0, 7, 3, 19, 11])
     inv = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
@@ -101,7 +101,7 @@ def test_rope_store_matches_rotary_then_store(
     sin = freqs.sin().to(dtype).to(DEVICE).unsqueeze(1)
     # Distinct slots; the third token is padding (negative slot: stored nowhere).
     slots = torch.tensor([5, 22, -1, 0, 13], dtype=torch.int64, device=DEVICE)
-    shape = (blocks, page, hkv, head_dim)
+    shape = (blocks, block_size, hkv, head_dim)
     k_ref = torch.randn(shape, generator=g).to(dtype).to(DEVICE)
     v_ref = torch.randn(shape, generator=g).to(dtype).to(DEVICE)
     k_got, v_got = k_ref.clone(), v_ref.clone()
@@ -121,7 +121,7 @@ def test_rope_store_matches_rotary_then_store(
     assert torch.equal(v_got, v_ref)  # v is copied, not computed
     # Nothing but the four stored slots changed.
     flat_k = k_got.view(-1, hkv, head_dim)
-    untouched = torch.ones(blocks * page, dtype=torch.bool)
+    untouched = torch.ones(blocks * block_size, dtype=torch.bool)
     untouched[slots[keep].cpu()] = False
     assert torch.equal(flat_k[untouched.to(DEVICE)], k_ref.view(-1, hkv, head_dim)[untouched.to(DEVICE)])
 

@@ -21,7 +21,7 @@ from tierserve.replica.metrics import (
 )
 
 GiB = 2**30
-STATS = EngineStats(running=2, waiting=1, free_blocks=10, total_blocks=16, block_tokens=16)
+STATS = EngineStats(running=2, waiting=1, free_blocks=10, total_blocks=16, block_size=16)
 
 
 class FakeGauge:

@@ -24,7 +24,7 @@ def stats(
     free: int, total: int = 100, *, at: float = T0, waiting: int = 0, **kw: int
 ) -> RoutingStats:
     return RoutingStats(
-        free_blocks=free, total_blocks=total, block_tokens=16, waiting=waiting, report_time=at, **kw
+        free_blocks=free, total_blocks=total, block_size=16, waiting=waiting, report_time=at, **kw
     )
 
 
@@ -52,7 +52,7 @@ def test_empty_report_means_no_report_yet() -> None:
 
 
 def test_report_tolerates_unknown_keys_and_defaults_optional_ones() -> None:
-    d = {"free_blocks": 3, "total_blocks": 8, "block_tokens": 16, "report_time": 5, "extra": "x"}
+    d = {"free_blocks": 3, "total_blocks": 8, "block_size": 16, "report_time": 5, "extra": "x"}
     assert RoutingStats.from_dict(d) == RoutingStats(3, 8, 16, report_time=5.0)
 
 
@@ -60,9 +60,9 @@ def test_report_tolerates_unknown_keys_and_defaults_optional_ones() -> None:
     "bad",
     [
         {"free_blocks": 1},
-        {"free_blocks": "1", "total_blocks": 8, "block_tokens": 16, "report_time": 0},
-        {"free_blocks": 1.5, "total_blocks": 8, "block_tokens": 16, "report_time": 0},
-        {"free_blocks": 1, "total_blocks": 8, "block_tokens": 0, "report_time": 0},
+        {"free_blocks": "1", "total_blocks": 8, "block_size": 16, "report_time": 0},
+        {"free_blocks": 1.5, "total_blocks": 8, "block_size": 16, "report_time": 0},
+        {"free_blocks": 1, "total_blocks": 8, "block_size": 0, "report_time": 0},
     ],
 )
 def test_malformed_report_is_an_error(bad: dict[str, object]) -> None:
@@ -259,7 +259,7 @@ def test_a_stats_report_carries_the_step_limit_and_seats() -> None:
     from tierserve.records import EngineStats
 
     s = RoutingStats.from_engine(EngineStats(running=3, waiting=0, free_blocks=10, total_blocks=20,
-                                             block_tokens=16, step_limit_s=0.0804, seats=5),
+                                             block_size=16, step_limit_s=0.0804, seats=5),
                                  T0, True)
     assert (s.step_limit_ms, s.seats) == (80, 5)
     assert RoutingStats.from_dict(json.loads(json.dumps(s.to_dict()))) == s

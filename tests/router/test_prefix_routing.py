@@ -21,7 +21,7 @@ SYSTEM = list(range(1000, 1000 + 10 * B))  # ten full blocks
 
 def stats(free: int = 100, total: int = 100, *, waiting_blocks: int = 0, committed: int = 0,
           at: float = T0) -> RoutingStats:
-    return RoutingStats(free_blocks=free, total_blocks=total, block_tokens=B, report_time=at,
+    return RoutingStats(free_blocks=free, total_blocks=total, block_size=B, report_time=at,
                         waiting_blocks=waiting_blocks, committed_blocks=committed)
 
 

@@ -35,7 +35,7 @@ def test_it_runs_the_replicas_scheduler_as_configured() -> None:
     cfg = sim_config(10, block_size=32, max_num_seqs=3, aging_steps=7, prefill_chunk_tokens=64)
     core = SimCore(cfg, max_model_len=512)
     assert isinstance(core.scheduler, Scheduler) and core.scheduler.cfg is cfg
-    assert (core.total_blocks, core.block_tokens, core.scheduler.max_model_len) == (10, 32, 512)
+    assert (core.total_blocks, core.block_size, core.scheduler.max_model_len) == (10, 32, 512)
     assert repr(core.scheduler.prefill_policy) == "Chunked(64)"
     with pytest.raises(ValueError, match="num_kv_blocks"):
         SimCore(EngineConfig())  # no num_kv_blocks

@@ -22,8 +22,8 @@ from tierserve.replica.scheduler import (
     Request,
     RequestId,
     SchedPolicy,
-    ScheduleOutput,
     Scheduler,
+    StepPlan,
     TokenEvent,
 )
 
@@ -50,9 +50,9 @@ def caps(
     )
 
 
-def blocks_for(tokens: int, block_tokens: int) -> int:
+def blocks_for(tokens: int, block_size: int) -> int:
     """Blocks that hold ``tokens`` positions (docs/scheduler.md §3)."""
-    return -(-tokens // block_tokens)
+    return -(-tokens // block_size)
 
 
 def rank_key(
@@ -81,7 +81,7 @@ class Sim:
 
     cfg: EngineConfig
     total_blocks: int
-    block_tokens: int
+    block_size: int
     policy: PrefillPolicy = field(default_factory=WholePrompt)
     stop_token: int | None = None
     prefix_cache: bool = False  # the prefix cache (ProbedPrefixCache) instead of the free list
@@ -89,9 +89,9 @@ class Sim:
     def __post_init__(self) -> None:
         self.blocks: FreeListBlocks | ProbedPrefixCache
         if self.prefix_cache:
-            self.blocks = ProbedPrefixCache(self.block_tokens, range(self.total_blocks), 7)
+            self.blocks = ProbedPrefixCache(self.block_size, range(self.total_blocks), 7)
         else:
-            self.blocks = FreeListBlocks(self.block_tokens, range(self.total_blocks))
+            self.blocks = FreeListBlocks(self.block_size, range(self.total_blocks))
         self.s = Scheduler(self.cfg, self.blocks, self.policy)
         self.model = FakeModel(self.s, stop_token=self.stop_token)
         self.meta: dict[RequestId, Meta] = {}
@@ -100,7 +100,7 @@ class Sim:
         self.aborted: set[RequestId] = set()
         self.running: set[RequestId] = set()
         self.computed: dict[RequestId, int] = {}  # shadow c_r of running requests
-        self.plans: list[ScheduleOutput] = []
+        self.plans: list[StepPlan] = []
         self.preemptions = 0
         self.steps = 0
         self.abort_kinds: list[str] = []  # "running" or "waiting", per successful abort
@@ -144,7 +144,7 @@ class Sim:
 
     # ------------------------------------------------------------------ one step
 
-    def step(self, abort_mid: Iterable[RequestId] = ()) -> ScheduleOutput:
+    def step(self, abort_mid: Iterable[RequestId] = ()) -> StepPlan:
         """schedule, check the plan, run the fake, optionally abort, on_step, check again."""
         waiting_before = set(self.waiting())
         plan = self.s.schedule()
@@ -176,7 +176,7 @@ class Sim:
 
     # ------------------------------------------------------------------ checks
 
-    def _check_plan(self, plan: ScheduleOutput, waiting_before: set[RequestId]) -> None:
+    def _check_plan(self, plan: StepPlan, waiting_before: set[RequestId]) -> None:
         cfg, s = self.cfg, self.s
         decode, chunks, preempted = plan.decode, plan.prefill, plan.preempted
         scheduled = list(decode) + [c.id for c in chunks]
@@ -205,7 +205,7 @@ class Sim:
             toks = s.tokens(rid) or ()
             if not self.prefix_cache:
                 assert start == 0, f"{rid} admitted at {start} without a prefix cache"
-            assert start % self.block_tokens == 0 and start < len(toks), (rid, start)
+            assert start % self.block_size == 0 and start < len(toks), (rid, start)
             for p in range(start):
                 assert self.model.read(rid, p) == toks[p], f"{rid}: cached position {p} is stale"
             self.computed[rid] = start
@@ -222,7 +222,7 @@ class Sim:
         )
 
         # Positions: decodes feed position n - 1, chunks start at the computed positions.
-        B = self.block_tokens
+        B = self.block_size
         for rid in decode:
             toks = s.tokens(rid)
             assert toks is not None

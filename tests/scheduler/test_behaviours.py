@@ -35,7 +35,7 @@ PROPERTY = settings(max_examples=60, deadline=None, suppress_health_check=[Healt
 
 def make(
     total_blocks: int,
-    block_tokens: int = 4,
+    block_size: int = 4,
     *,
     max_seqs: int = 8,
     max_batch_tokens: int = 64,
@@ -54,7 +54,7 @@ def make(
         aging_steps=aging_steps,
         max_model_len=max_model_len,
     )
-    s = Scheduler(cfg, FreeListBlocks(block_tokens, range(total_blocks)))
+    s = Scheduler(cfg, FreeListBlocks(block_size, range(total_blocks)))
     return s, FakeModel(s, stop_token=stop_token)
 
 

@@ -12,7 +12,7 @@ from tierserve.replica.block_space import Allocation, BlockSpace, FreeListBlocks
 def test_is_a_block_space() -> None:
     fl = FreeListBlocks(16, range(8))
     assert isinstance(fl, BlockSpace)
-    assert (fl.block_tokens, fl.total_blocks, fl.free_blocks) == (16, 8, 8)
+    assert (fl.block_size, fl.total_blocks, fl.free_blocks) == (16, 8, 8)
 
 
 def test_lowest_ids_first_whatever_the_order_given() -> None:
@@ -71,8 +71,8 @@ def test_double_allocate_is_an_error() -> None:
 
 
 @pytest.mark.parametrize("bad", [0, -4])
-def test_block_tokens_must_be_positive(bad: int) -> None:
-    with pytest.raises(ValueError, match="block_tokens must be positive"):
+def test_block_size_must_be_positive(bad: int) -> None:
+    with pytest.raises(ValueError, match="block_size must be positive"):
         FreeListBlocks(bad, range(4))
 
 

@@ -16,14 +16,14 @@ def sim(
     policy: PrefillPolicy,
     *,
     total: int = 64,
-    block_tokens: int = 4,
+    block_size: int = 4,
     max_seqs: int = 8,
     max_batch_tokens: int = 64,
 ) -> Sim:
     cfg = caps(
         max_seqs=max_seqs, max_batch_tokens=max_batch_tokens, max_waiting=64, max_model_len=CTX
     )
-    return Sim(cfg, total, block_tokens, policy)
+    return Sim(cfg, total, block_size, policy)
 
 
 def chunks_of(s: Sim, rid: int) -> list[Chunk]:

@@ -24,10 +24,10 @@ from tierserve.replica.scheduler import (
     Chunk,
     Request,
     RequestId,
+    SampledToken,
     SchedPolicy,
-    ScheduleOutput,
     Scheduler,
-    StepOutput,
+    StepPlan,
     TokenEvent,
 )
 from tierserve.replica.step_cost import CostPrior, StepCostModel
@@ -45,12 +45,12 @@ class PlanModel(FakeModel):
         assert pos // self.B < len(table), f"no block for position {pos}"
         self.pool[table[pos // self.B] * self.B + pos % self.B] = token
 
-    def _answer(self, rid: RequestId, table: Sequence[int], upto: int) -> StepOutput:
+    def _answer(self, rid: RequestId, table: Sequence[int], upto: int) -> SampledToken:
         B = self.B
-        return StepOutput(rid, next_token([self.pool[table[p // B] * B + p % B]
+        return SampledToken(rid, next_token([self.pool[table[p // B] * B + p % B]
                                            for p in range(upto)]))
 
-    def _check(self, plan: ScheduleOutput) -> None:
+    def _check(self, plan: StepPlan) -> None:
         """Each record against the scheduler's own state (before ``on_step`` changes it)."""
         s = self.s
         for d in plan.decodes:
@@ -69,9 +69,9 @@ class PlanModel(FakeModel):
                 self.admissions += 1
                 self.cached_admissions += c.start > 0
 
-    def run(self, plan: ScheduleOutput) -> list[StepOutput]:
+    def run(self, plan: StepPlan) -> list[SampledToken]:
         self._check(plan)
-        outs: list[StepOutput] = []
+        outs: list[SampledToken] = []
         for d in plan.decodes:
             self._write(d.block_table, d.position, d.token)
             outs.append(self._answer(d.id, d.block_table, d.position + 1))

@@ -184,7 +184,7 @@ def test_committed_blocks_count_a_shared_prefix_once() -> None:
 
 @dataclass
 class Workload:
-    block_tokens: int
+    block_size: int
     total_blocks: int
     policy: PrefillPolicy
     max_seqs: int
@@ -222,7 +222,7 @@ def shared_prefix_workloads(draw: st.DrawFn) -> Workload:
 def play(w: Workload, prefix_cache: bool) -> Sim:
     cfg = caps(max_seqs=w.max_seqs, max_batch_tokens=w.budget, max_waiting=100,
                policy=SchedPolicy.PRIORITY, aging_steps=2, max_model_len=w.ctx)
-    sim = Sim(cfg, w.total_blocks, w.block_tokens, w.policy, prefix_cache=prefix_cache)
+    sim = Sim(cfg, w.total_blocks, w.block_size, w.policy, prefix_cache=prefix_cache)
     rids: dict[int, int] = {}
     horizon = max([t for t, _ in w.requests] + [t for t, _, _ in w.aborts]) + 1
     for t in range(horizon):
@@ -251,7 +251,7 @@ def test_shared_prefix_traffic_keeps_every_invariant_and_every_answer(w: Workloa
     plain.check_done()
     done = set(cached.reasons) & set(plain.reasons)  # (aborts may land at other moments)
     assert {r: cached.tokens[r] for r in done} == {r: plain.tokens[r] for r in done}
-    hit = any(c.start > 0 and c.start % w.block_tokens == 0 and not plan.decode
+    hit = any(c.start > 0 and c.start % w.block_size == 0 and not plan.decode
               for plan in cached.plans for c in plan.prefill)
     event(f"a prefix hit: {hit}")
     event(f"preempted: {cached.preemptions > 0}")

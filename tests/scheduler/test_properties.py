@@ -27,7 +27,7 @@ from tierserve.replica.scheduler import FinishReason, QueueFull, Request, SchedP
 @dataclass
 class Workload:
     cfg: EngineConfig
-    block_tokens: int
+    block_size: int
     total_blocks: int
     policy: PrefillPolicy
     requests: list[tuple[int, Request]]  # (arrival step, request)
@@ -88,7 +88,7 @@ def workloads(draw: st.DrawFn) -> Workload:
     )
     return Workload(
         cfg=cfg,
-        block_tokens=B,
+        block_size=B,
         # Small enough to force preemption, often as small as the largest request allows.
         total_blocks=need + draw(st.integers(0, need if pressure else 8)),
         policy=policy,
@@ -99,7 +99,7 @@ def workloads(draw: st.DrawFn) -> Workload:
 
 
 def play(w: Workload) -> Sim:
-    sim = Sim(w.cfg, w.total_blocks, w.block_tokens, w.policy, w.stop_token)
+    sim = Sim(w.cfg, w.total_blocks, w.block_size, w.policy, w.stop_token)
     rids: dict[int, int] = {}  # index into w.requests -> request id
     horizon = max([t for t, _ in w.requests] + [t for t, _, _ in w.aborts]) + 1
     for t in range(horizon):

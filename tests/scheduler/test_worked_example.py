@@ -18,8 +18,8 @@ from tierserve.replica.scheduler import (
     FinishedEvent,
     FinishReason,
     RequestEvent,
-    ScheduleOutput,
     Scheduler,
+    StepPlan,
     TokenEvent,
 )
 
@@ -60,7 +60,7 @@ def finishes(events: list[RequestEvent]) -> set[FinishedEvent]:
     return {e for e in events if isinstance(e, FinishedEvent)}
 
 
-def step(ex: Example) -> tuple[ScheduleOutput, list[RequestEvent]]:
+def step(ex: Example) -> tuple[StepPlan, list[RequestEvent]]:
     return ex.m.step()
 
 
