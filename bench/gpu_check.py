@@ -64,6 +64,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tierserve.arith import ceil_div
+
 SECTIONS = (
     "environment",
     "kernels_real_shapes",
@@ -285,7 +287,7 @@ def _attention_case(
     dtype = torch.bfloat16 if is_cuda(dev) else torch.float32
     tol = 3e-2 if dtype == torch.bfloat16 else 1e-4
     parts = [(c - 1, 1) for c in plan.decode_contexts] + list(plan.chunks)
-    need = [-(-(s + n) // block) for s, n in parts]
+    need = [ceil_div((s + n), block) for s, n in parts]
     num_blocks = sum(need) + 64
     gen = torch.Generator().manual_seed(0)
     perm = torch.randperm(num_blocks, generator=gen).tolist()
@@ -379,7 +381,7 @@ def model_step(plan: Plan, peak: float | None, copy_bps: float | None) -> Figure
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     block = 16
     shape = KVShape(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block, dtype)
-    per_seq = -(-plan.context // block)
+    per_seq = ceil_div(plan.context, block)
     pool = KVPool(shape, max(plan.batches) * per_seq + 1, dev)
     order = (torch.randperm(pool.num_blocks - 1, generator=gen) + 1).tolist()
     graphs, graphs_error = None, None

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
+from tierserve.arith import ceil_div
 from tierserve.bench.common import machine
 
 # HBM peak in bytes/s by device-name fragment (first match wins); --peak-tbps overrides.
@@ -84,7 +85,7 @@ def measure(
     from tierserve.kernels.metadata import SeqSpec, build_metadata
 
     dev = torch.device("cuda")
-    blocks_per_seq = -(-context // block_size)
+    blocks_per_seq = ceil_div(context, block_size)
     num_blocks = batch * blocks_per_seq + 1
     gen = torch.Generator(device=dev).manual_seed(0)
     shape = (num_blocks, block_size, kv_heads, head_dim)

@@ -56,6 +56,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from tierserve.arith import ceil_div
 from tierserve.bench.common import load_avg_1m, machine, percentile, pyplot
 from tierserve.bench.router import (
     LATENCY_FLOOR,
@@ -160,7 +161,7 @@ def run_tierserve(mix: str, prompts: Sequence[Prompt], cache: bool, caps: Caps,
     from tierserve.replica.models.catalog import SMOLLM2
     from tierserve.replica.sampler import SamplingParams
 
-    blocks = sum(-(-(len(p.ids) + p.max_tokens) // 16) for p in prompts) + 64
+    blocks = sum(ceil_div((len(p.ids) + p.max_tokens), 16) for p in prompts) + 64
     llm = LLM(SMOLLM2.name, enable_prefix_caching=cache, num_kv_blocks=blocks, block_size=16,
               **asdict(caps))
     engine = llm.engine

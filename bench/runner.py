@@ -54,6 +54,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from tierserve.arith import ceil_div
 from tierserve.bench.common import load_avg_1m, machine
 from tierserve.kernels import cpu_packing
 from tierserve.kernels.metadata import AttentionMetadata, SeqSpec, build_metadata
@@ -121,7 +122,7 @@ def kv_caches(cfg: ModelConfig, blocks: int) -> list[tuple[torch.Tensor, torch.T
 
 
 def decode_batch(batch: int, ctx: int, vocab: int) -> Batch:
-    per_seq = -(-(ctx + 1) // BLOCK)
+    per_seq = ceil_div((ctx + 1), BLOCK)
     specs = [SeqSpec(ctx, 1, range(s * per_seq, (s + 1) * per_seq)) for s in range(batch)]
     return Batch(
         torch.randint(0, vocab, (batch,)),
@@ -132,7 +133,7 @@ def decode_batch(batch: int, ctx: int, vocab: int) -> Batch:
 
 
 def prefill_batch(n: int, vocab: int) -> Batch:
-    table = range(-(-n // BLOCK))
+    table = range(ceil_div(n, BLOCK))
     return Batch(
         torch.randint(0, vocab, (n,)),
         build_metadata([SeqSpec(0, n, table)], BLOCK),
@@ -164,8 +165,8 @@ def bench_model(name: str, batches: list[int], ctx: int, prefill: int, repeats: 
     plain = build(name, ModelOptions(), pack="none")
     fp32 = build(name, ModelOptions(), pack="fp32")
     cfg = fast.config
-    per_seq = -(-(ctx + 1) // BLOCK)
-    caches = kv_caches(cfg, max(max(batches) * per_seq, -(-prefill // BLOCK)))
+    per_seq = ceil_div((ctx + 1), BLOCK)
+    caches = kv_caches(cfg, max(max(batches) * per_seq, ceil_div(prefill, BLOCK)))
     cases = [(f"decode x{b} (ctx {ctx})", decode_batch(b, ctx, cfg.vocab_size)) for b in batches]
     cases.append((f"prefill {prefill}", prefill_batch(prefill, cfg.vocab_size)))
     rows = []

@@ -97,6 +97,7 @@ from typing import Any
 
 import torch
 
+from tierserve.arith import ceil_div
 from tierserve.bench.common import load_avg_1m, machine, pyplot
 
 THREADS = 2
@@ -369,7 +370,7 @@ class EngineOptions:
 
     def for_mix(self, mix: Sequence[Req]) -> dict[str, Any]:
         """The options plus a KV pool holding every request at full length (no preemption)."""
-        blocks = sum(-(-(len(r.prompt) + r.max_tokens) // self.block_size) for r in mix)
+        blocks = sum(ceil_div((len(r.prompt) + r.max_tokens), self.block_size) for r in mix)
         return {**asdict(self), "num_kv_blocks": blocks + 16, "max_model_len": 1024}
 
 
@@ -623,7 +624,7 @@ def cb_config(mix: Sequence[Req], seqs: int, tokens: int) -> dict[str, Any]:
     256-token pages, the default page size), ``seqs`` requests and ``tokens`` tokens per step at
     most, no CUDA graphs, compilation or prefix sharing, SDPA attention (no flash on CPU)."""
     page = 256
-    pages = sum(-(-(len(r.prompt) + r.max_tokens) // page) for r in mix)
+    pages = sum(ceil_div((len(r.prompt) + r.max_tokens), page) for r in mix)
     return {
         "page_size": page,
         "num_blocks": pages + 2,
