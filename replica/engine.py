@@ -74,7 +74,6 @@ class _Live:
 
     id: RequestId
     prompt: Sequence[int]
-    prompt_len: int
     params: SamplingParams
     sampler: SamplerState
     detok: IncrementalDetokenizer
@@ -103,7 +102,7 @@ class _Live:
         return RequestTimes(
             tier=self.tier,
             reason=reason,
-            prompt_tokens=self.prompt_len,
+            prompt_tokens=len(self.prompt),
             generated_tokens=self.generated,
             queue_s=None if self.admitted is None else self.admitted - self.arrival,
             ttft_s=None if self.first_token is None else self.first_token - self.arrival,
@@ -261,7 +260,6 @@ class Engine:
             self._live[rid] = _Live(
                 id=rid,
                 prompt=ids,
-                prompt_len=len(ids),
                 params=params,
                 sampler=SamplerState(params, prompt=ids, stop_ids=stop_ids),
                 detok=IncrementalDetokenizer(self.tokenizer, ids, params.stop),
@@ -413,13 +411,13 @@ class Engine:
         step_outputs: list[SampledToken] = []
         deltas: dict[RequestId, RequestOutput] = {}
         for live, tok, lp in zip(states, tokens, logprobs, strict=True):
-            delta = RequestOutput(live.id, "", [], prompt_tokens=live.prompt_len, index=live.index)
+            delta = RequestOutput(live.id, "", [], prompt_tokens=len(live.prompt), index=live.index)
             if live.first_token is None:
                 live.first_token = now
                 delta.cached_tokens = live.cached_tokens
             if live.prompt_lp is not None:
                 delta.prompt_logprobs = [
-                    None, *(live.prompt_lp.get(p) for p in range(1, live.prompt_len))
+                    None, *(live.prompt_lp.get(p) for p in range(1, len(live.prompt)))
                 ]
                 live.prompt_lp = None
             if live.discard:  # max_tokens 0: the scheduler ends it now, at its one-token limit
@@ -470,7 +468,7 @@ class Engine:
             [],
             finished=True,
             finish_reason=reason,
-            prompt_tokens=live.prompt_len,
+            prompt_tokens=len(live.prompt),
             completion_tokens=live.generated,
             failure=error,
             index=live.index,
