@@ -1,5 +1,6 @@
 """The ecosystem's load tools in virtualenvs of their own (their dependencies conflict with
-ours): ``guidellm`` and ``aiperf``, installed from the package registry on first use under
+ours): ``guidellm``, ``aiperf`` and ``langchain-openai`` (LangChain's OpenAI chat model, which
+the quick-start tests drive from a script), installed from the package registry on first use under
 ``.venv-tools/`` (git ignores it; a stamp names what was installed), with the CPU build of torch
 that ``make install`` pinned where a tool pulls torch in (guidellm does). The benchmarks and the
 tests that run these tools as users do share them."""
@@ -15,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TOOLS = ROOT / ".venv-tools"
 GUIDELLM = "guidellm==0.8.1"
 AIPERF = "aiperf==0.13.0"
+LANGCHAIN = "langchain-openai==1.8.1"
 
 
 def tool_venv(name: str, requirement: str) -> Path:

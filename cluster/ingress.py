@@ -45,6 +45,7 @@ from tierserve.cluster.protocol import (
     CompletionResponse,
     ModelCard,
     ModelList,
+    ToolCallDelta,
     Usage,
     dump,
     error_body,
@@ -52,7 +53,9 @@ from tierserve.cluster.protocol import (
     now,
     usage,
 )
+from tierserve.cluster.structured import Structured, StructuredError, structured_output, tool_mode
 from tierserve.cluster.tiers import AuthError, Caller, PriorityError, TenantError, TierResolver
+from tierserve.cluster.tool_calls import ToolCallParser, ToolMessageError, render_messages
 from tierserve.records import (
     ErrorRecord,
     GenerateRequest,
@@ -113,14 +116,20 @@ def error_event(error: ApiError) -> str:
 # Pydantic puts the member type of a union in an error's location ("temperature.float",
 # "prompt.str"); the client's ``param`` is the field path only.
 _UNION_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+# The tags of a chat message's union (its role, as pydantic names the member in a location).
+_MESSAGE_TAGS = frozenset({"system", "developer", "user", "assistant", "tool"})
 
 
 def validation_error(errors: Sequence[Any]) -> tuple[str, str | None]:
     """The message and ``param`` of a pydantic validation failure: a validator's own complaint
-    first (in a union it says more than "Input should be a valid string"), else the first."""
+    first (in a union it says more than "Input should be a valid string"), else the first. A
+    discriminated union's bad tag names the discriminator (``messages.0.role``)."""
     first = next((e for e in errors if e.get("type") == "value_error"), errors[0] if errors else {})
     extra = first.get("type") == "extra_forbidden"
     param = error_param(first.get("loc", ()), extra)
+    tag = str((first.get("ctx") or {}).get("discriminator", "")).strip("'")
+    if first.get("type") in ("union_tag_invalid", "union_tag_not_found") and tag:
+        param = f"{param}.{tag}" if param else tag
     msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
     if extra:
         return f"unknown field {param!r}", param
@@ -128,9 +137,19 @@ def validation_error(errors: Sequence[Any]) -> tuple[str, str | None]:
 
 
 def error_param(loc: Sequence[int | str], extra: bool = False) -> str | None:
-    """The field path of an error; ``extra``: the location is an unknown field's name, as is."""
-    parts = [str(p) for p in loc if p != "body" and (
-        extra or isinstance(p, int) or (p not in _UNION_TAGS and "[" not in p))]
+    """The field path of an error; ``extra``: the location is an unknown field's name, as is.
+    A chat message's role, which pydantic puts after its index (its union's tag), is left out:
+    ``messages.0.user.content`` is ``messages.0.content``."""
+    parts: list[str] = []
+    for i, p in enumerate(loc):
+        if p == "body":
+            continue
+        after_index = i > 0 and isinstance(loc[i - 1], int)
+        if isinstance(p, str) and after_index and p in _MESSAGE_TAGS and (
+                i + 1 < len(loc) or not extra):
+            continue
+        if extra or isinstance(p, int) or (p not in _UNION_TAGS and "[" not in p):
+            parts.append(str(p))
     return ".".join(parts) or None
 
 
@@ -145,6 +164,19 @@ class _Call:
     logprobs: bool = False
     include_usage: bool = False
     continuous_usage: bool = False
+    # Chat with tools the model may call: their names (the answer is parsed for calls).
+    tools: frozenset[str] | None = None
+
+    def parser(self) -> ToolCallParser | None:
+        """A fresh parser of one answer's tool calls (None: no tools)."""
+        return None if self.tools is None else ToolCallParser(self.tools)
+
+
+def _finish_reason(reason: str | None, parser: ToolCallParser | None) -> str | None:
+    """An answer that stopped on its own after calling a tool finished for ``tool_calls``."""
+    if reason == "stop" and parser is not None and parser.calls:
+        return "tool_calls"
+    return reason
 
 
 @dataclass(slots=True)
@@ -237,6 +269,9 @@ class Ingress:
         self.vocab_size = load_model_config(self.cfg.engine.model,
                                             self.cfg.engine.trust_remote_code).vocab_size
         self.special_ids = frozenset(self.tokenizer.all_special_ids)
+        # A chat template that lists tools itself; else they go in the system prompt
+        # (tierserve.cluster.tool_calls).
+        self.template_takes_tools = "tools" in str(getattr(self.tokenizer, "chat_template", "") or "")
         self.token_text = TokenText(self.tokenizer)
         self.metrics = IngressMetrics([t.name for t in self.cfg.tiers])
         self.gate = (FlowGate(self.cfg, self.metrics, self._replica_count)
@@ -297,10 +332,16 @@ class Ingress:
         body = await self._body(request, ChatCompletionRequest)
         assert isinstance(body, ChatCompletionRequest)
         caller = self._caller(request)
-        messages = [{"role": m.template_role(), "content": m.text()} for m in body.messages]
+        try:
+            mode = tool_mode(body)
+            messages, tools = render_messages(body.messages, body.tools, body.tool_choice,
+                                              self.template_takes_tools)
+        except (StructuredError, ToolMessageError) as e:
+            raise ApiError(400, str(e), "invalid_request", e.param) from None
         try:
             ids = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True, return_dict=False
+                messages, tools=tools, add_generation_prompt=True, tokenize=True,
+                return_dict=False
             )
         except Exception as e:
             raise ApiError(400, f"the chat template could not render these messages: {e}",
@@ -309,8 +350,11 @@ class Ingress:
             ids = ids["input_ids"]
         if body.max_completion_tokens is not None:
             body.max_tokens = body.max_completion_tokens
+        names = (frozenset(t.function.name for t in body.tools or ())
+                 if mode != "none" else None)
         call = _Call(chat=True, n=body.n, ids=list(ids), logprobs=body.logprobs,
-                     include_usage=body.include_usage, continuous_usage=body.continuous_usage)
+                     include_usage=body.include_usage, continuous_usage=body.continuous_usage,
+                     tools=names)
         return await self._serve(request, body, call, caller)
 
     # ------------------------------------------------------------------ helpers
@@ -365,7 +409,8 @@ class Ingress:
         views = registry.routers(self.llm.app_name, self.llm.deployment_name)
         return max((v.replica_count() for v in views), default=1)
 
-    def _sampling(self, body: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
+    def _sampling(self, body: CompletionRequest | ChatCompletionRequest,
+                  structured: Structured | None = None) -> SamplingParams:
         if body.model != self.cfg.model_name:
             raise ApiError(400, f"unknown model {body.model!r}; this server serves "
                                 f"{self.cfg.model_name!r}", "model_not_found", "model")
@@ -389,6 +434,11 @@ class Ingress:
         if isinstance(body, CompletionRequest):
             logprobs = body.logprobs
             prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
+            if structured is not None and (prompt_logprobs is not None or max_tokens == 0):
+                raise ApiError(400, f"{structured.output.param}: a request that scores its "
+                                    "prompt (echo with logprobs, or max_tokens 0) generates "
+                                    "nothing to constrain: leave the structured output out",
+                               "invalid_request", structured.output.param)
         else:
             logprobs = (body.top_logprobs or 0) if body.logprobs else None
             prompt_logprobs = None
@@ -410,6 +460,7 @@ class Ingress:
                 logit_bias=bias or None,
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
+                structured=structured.output if structured is not None else None,
             )
         except InvalidSamplingParam as e:  # the record checks how the fields go together
             raise ApiError(400, str(e), "invalid_request", e.param) from None
@@ -418,7 +469,13 @@ class Ingress:
 
     async def _serve(self, request: Request, body: CompletionRequest | ChatCompletionRequest,
                      call: _Call, caller: Caller) -> Response:
-        sampling = self._sampling(body)
+        try:
+            structured = structured_output(body)
+        except StructuredError as e:
+            raise ApiError(400, str(e), "invalid_structured_output", e.param) from None
+        sampling = self._sampling(body, structured)
+        if structured is not None:
+            self.metrics.structured(caller.tier.name, structured.kind)
         route = _Route(sampling, caller, self.cfg.replica_retries)
         try:
             self._admit(caller)
@@ -518,11 +575,7 @@ class Ingress:
         if call.chat:
             out = ChatCompletionResponse(
                 id=rid, created=now(), model=self.cfg.model_name, usage=u,
-                choices=[ChatChoice(index=i, message=ChatMessageOut(content=c.text),
-                                    finish_reason=c.finish_reason,
-                                    logprobs=(chat_logprobs(c.logprobs, self.token_text)
-                                              if call.logprobs else None))
-                         for i, c in enumerate(choices)])
+                choices=[self._chat_choice(call, i, c) for i, c in enumerate(choices)])
         else:
             out = CompletionResponse(
                 id=rid, created=now(), model=self.cfg.model_name, usage=u,
@@ -531,6 +584,23 @@ class Ingress:
                                           logprobs=self._completion_logprobs(call, c, 0, True))
                          for i, c in enumerate(choices)])
         return JSONResponse(dump(out))
+
+    def _chat_choice(self, call: _Call, index: int, c: _Choice) -> ChatChoice:
+        """One answer of a chat request, its tool calls parsed out when it had tools."""
+        logprobs = chat_logprobs(c.logprobs, self.token_text) if call.logprobs else None
+        parser = call.parser()
+        if parser is None:
+            return ChatChoice(index=index, message=ChatMessageOut(content=c.text),
+                              finish_reason=c.finish_reason, logprobs=logprobs)
+        parser.feed(c.text)
+        parser.finish()
+        content: str | None = parser.content
+        if parser.calls:
+            content = (content or "").strip() or None
+        return ChatChoice(index=index,
+                          message=ChatMessageOut(content=content, tool_calls=parser.calls or None),
+                          finish_reason=_finish_reason(c.finish_reason, parser),
+                          logprobs=logprobs)
 
     @staticmethod
     def _usage(call: _Call, choices: Sequence[_Choice]) -> Usage:
@@ -682,6 +752,7 @@ class Ingress:
         created = now()
         model = self.cfg.model_name
         choices = [_Choice() for _ in range(call.n)]
+        parsers = [call.parser() for _ in range(call.n)]
         try:
             if call.chat:
                 for i in range(call.n):
@@ -694,6 +765,7 @@ class Ingress:
             async for item in items:
                 if item is None:  # sent again before any of the answer went out: start over
                     choices = [_Choice() for _ in range(call.n)]
+                    parsers = [call.parser() for _ in range(call.n)]
                     continue
                 index = item.index
                 c = choices[index]
@@ -708,14 +780,24 @@ class Ingress:
                     break
                 lps = c.logprobs[new_logprobs:]
                 echo = (call.echo or "") if first_of_choice and not call.chat else ""
-                if item.text or echo or reason is not None or (call.logprobs and lps):
+                text = item.text
+                calls: list[ToolCallDelta] = []
+                parser = parsers[index]
+                if parser is not None:  # the answer's tool calls go out as deltas of their own
+                    text, calls = parser.feed(item.text)
+                    if reason is not None:
+                        rest, more = parser.finish()
+                        text, calls = text + rest, calls + more
+                        reason = _finish_reason(reason, parser)
+                if text or calls or echo or reason is not None or (call.logprobs and lps):
                     chunk: Any
                     u = self._usage(call, choices) if call.continuous_usage else None
                     if call.chat:
                         chunk = ChatCompletionChunk(
                             id=rid, created=created, model=model, usage=u,
                             choices=[ChatChunkChoice(
-                                index=index, delta=ChatDelta(content=item.text or None),
+                                index=index, delta=ChatDelta(content=text or None,
+                                                             tool_calls=calls or None),
                                 finish_reason=reason,
                                 logprobs=(chat_logprobs(lps, self.token_text)
                                           if call.logprobs else None))])

@@ -14,6 +14,7 @@ from tierserve.replica.metrics import (
     SHED_REASONS,
     SLO_OUTCOMES,
     SLO_TARGETS,
+    STRUCTURED_KINDS,
     _zero,
     zero_counters,
 )
@@ -49,6 +50,8 @@ class IngressMetrics:
                           {"tier": tier, "target": target, "outcome": outcome})
             for reason in SHED_REASONS:
                 _zero(self.counters["tierserve_flow_shed"], {"tier": tier, "reason": reason})
+            for kind in STRUCTURED_KINDS:
+                _zero(self.counters["tierserve_structured_requests"], {"tier": tier, "kind": kind})
 
     def rejected(self, reason: str, tier: str) -> None:
         self.rejections.inc(1, tags={"reason": reason, "tier": tier or NO_TIER})
@@ -63,6 +66,10 @@ class IngressMetrics:
                 c.inc(1, tags={"tier": tier, "target": target,
                                "outcome": "met" if met else "missed"})
         c.inc(1, tags={"tier": tier, "target": "both", "outcome": "met" if both else "missed"})
+
+    def structured(self, tier: str, kind: str) -> None:
+        """A request whose output is constrained (``kind``: one of ``STRUCTURED_KINDS``)."""
+        self.counters["tierserve_structured_requests"].inc(1, tags={"tier": tier, "kind": kind})
 
     def shed(self, tier: str, reason: str) -> None:
         self.counters["tierserve_flow_shed"].inc(1, tags={"tier": tier, "reason": reason})

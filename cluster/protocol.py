@@ -12,11 +12,13 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    SerializerFunctionWrapHandler,
     StrictBool,
     StrictFloat,
     StrictInt,
     StrictStr,
     WithJsonSchema,
+    model_serializer,
     model_validator,
 )
 
@@ -62,6 +64,65 @@ class StreamOptions(_Body):
 
 Bias = Annotated[Number, Field(ge=-100.0, le=100.0)]
 
+# A JSON schema as a request carries it: an object (or a boolean schema), or that object as a
+# JSON string (vLLM's ``guided_json`` takes both).
+Schema = dict[str, Any] | StrictBool | StrictStr
+
+
+class JsonSchemaFormat(_Body):
+    """``response_format.json_schema``: OpenAI's structured output (``name`` as OpenAI limits it)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: Annotated[StrictStr, Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")]
+    description: StrictStr | None = None
+    schema_: Schema = Field(default_factory=dict, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(_Body):
+    """``{"type": "text"}`` (no constraint), ``{"type": "json_object"}`` (any JSON object) or
+    ``{"type": "json_schema", "json_schema": {...}}`` (JSON that validates against the schema)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type 'json_schema' needs its 'json_schema' object")
+        if self.type != "json_schema" and self.json_schema is not None:
+            raise ValueError(f"'json_schema' goes with type 'json_schema', not {self.type!r}")
+        return self
+
+
+class StructuredOutputs(_Body):
+    """vLLM's ``structured_outputs`` request extra: exactly one of ``json`` (a JSON schema),
+    ``regex``, ``choice`` (one of these strings), ``grammar`` (EBNF, as xgrammar reads it) or
+    ``json_object`` (any JSON object). ``disable_any_whitespace``: JSON without free whitespace
+    between its tokens."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    json_: Schema | None = Field(default=None, alias="json")
+    regex: StrictStr | None = None
+    choice: Annotated[list[StrictStr], Field(min_length=1, max_length=1024)] | None = None
+    grammar: StrictStr | None = None
+    json_object: StrictBool | None = None
+    disable_any_whitespace: StrictBool = False
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutputs:
+        given = [k for k, v in (("json", self.json_), ("regex", self.regex),
+                                ("choice", self.choice), ("grammar", self.grammar))
+                 if v is not None]
+        if self.json_object:  # false asks for nothing
+            given.append("json_object")
+        if len(given) != 1:
+            raise ValueError("give exactly one of json, regex, choice, grammar or json_object"
+                             + (f" (got {', '.join(given)})" if given else ""))
+        return self
+
 
 class _SamplingFields(_Body):
     model: StrictStr
@@ -85,6 +146,13 @@ class _SamplingFields(_Body):
     repetition_penalty: Annotated[Number, Field(gt=0.0, le=10.0)] = 1.0
     # Token id (as a JSON object key) -> bias added to its logit.
     logit_bias: dict[StrictStr, Bias] | None = Field(default=None, max_length=1024)
+    # Structured outputs (docs/structured.md): at most one of these constrains the output.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: Schema | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: Annotated[list[StrictStr], Field(min_length=1, max_length=1024)] | None = None
+    guided_grammar: StrictStr | None = None
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -139,14 +207,74 @@ class TextPart(BaseModel):
         return self
 
 
+FunctionName = Annotated[StrictStr, Field(min_length=1, max_length=64,
+                                           pattern=r"^[a-zA-Z0-9_.-]+$")]
+
+
+class FunctionDef(_Body):
+    """A tool's function: its name, what it does, and its arguments as a JSON schema (an
+    object schema; absent: no arguments)."""
+
+    name: FunctionName
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Body):
+    name: StrictStr
+
+
+class NamedToolChoice(_Body):
+    """``tool_choice`` naming one function: the answer is a call of it."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class FunctionCall(_Body):
+    name: StrictStr
+    arguments: StrictStr  # a JSON object, as text
+    # What the openai SDK's parse() adds to the message it returns: sent back as it is, ignored.
+    parsed_arguments: Any = None
+
+
+class ToolCall(_Body):
+    """A call an assistant message made (sent back in the next turn's history)."""
+
+    id: StrictStr
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
-    # "developer" is what OpenAI's newer models call the system message.
-    role: Literal["system", "developer", "user", "assistant"]
-    content: StrictStr | list[TextPart]
+    """A chat message, whatever its role (the fields every role's model has); a request's
+    messages are validated by role (``Message``: ``SystemMessage``, ``UserMessage``,
+    ``AssistantMessage``, ``ToolMessage``), each saying what its role carries."""
+
+    # "developer" is what OpenAI's newer models call the system message; "tool" answers a call.
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     name: StrictStr | None = None
+    content: StrictStr | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: StrictStr | None = None
+    # An earlier answer's fields, sent back with it (OpenAI's assistant message; the openai
+    # SDK's parse() adds ``parsed``): accepted and not shown to the model.
+    refusal: StrictStr | None = None
+    annotations: list[Any] | None = None
+    parsed: Any = None
+    function_call: Unsupported = None
+    audio: Unsupported = None
 
     def text(self) -> str:
         """The content as one string (text parts joined by newlines, as vLLM does)."""
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "\n".join(p.text or "" for p in self.content)
@@ -155,20 +283,62 @@ class ChatMessage(_Body):
         return "system" if self.role == "developer" else self.role
 
 
+
+Content = StrictStr | list[TextPart]
+
+
+class SystemMessage(ChatMessage):
+    role: Literal["system", "developer"]
+    content: Content
+    tool_calls: None = None
+    tool_call_id: None = None
+
+
+class UserMessage(ChatMessage):
+    role: Literal["user"]
+    content: Content
+    tool_calls: None = None
+    tool_call_id: None = None
+
+
+class AssistantMessage(ChatMessage):
+    """An earlier answer: its text, its tool calls, or both (content null with calls)."""
+
+    role: Literal["assistant"]
+    tool_call_id: None = None
+
+    @model_validator(mode="after")
+    def _says_something(self) -> AssistantMessage:
+        if self.content is None and not self.tool_calls:
+            raise ValueError("an assistant message needs its content or its tool_calls")
+        return self
+
+
+class ToolMessage(ChatMessage):
+    """A tool's answer to the call ``tool_call_id`` names."""
+
+    role: Literal["tool"]
+    content: Content
+    tool_call_id: StrictStr
+    tool_calls: None = None
+
+
+Message = Annotated[SystemMessage | UserMessage | AssistantMessage | ToolMessage,
+                    Field(discriminator="role")]
+
 class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions``. ``logprobs``: the log-probability of every generated
     token, with the ``top_logprobs`` most likely alternatives."""
 
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[Message] = Field(min_length=1)
     max_completion_tokens: Annotated[Int, Field(ge=1)] | None = None
     logprobs: StrictBool = False
     top_logprobs: TopLogprobs | None = None
-    tools: Unsupported = None
-    tool_choice: Unsupported = None
+    tools: Annotated[list[Tool], Field(min_length=1, max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool = True
     functions: Unsupported = None
     function_call: Unsupported = None
-    parallel_tool_calls: Unsupported = None
-    response_format: Unsupported = None
     audio: Unsupported = None
     modalities: Unsupported = None
     prediction: Unsupported = None
@@ -218,9 +388,45 @@ class CompletionResponse(BaseModel):
     usage: Usage | None = None
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
+class _SetFieldsOnly(BaseModel):
+    """Written without its unset (None) fields, as OpenAI streams a tool call's pieces: a client
+    that copies every key of a piece would take a null ``type`` or ``id`` for a value."""
+
+    @model_serializer(mode="wrap")
+    def _without_nulls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class FunctionDelta(_SetFieldsOnly):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(_SetFieldsOnly):
+    """A streamed tool call's piece: its first carries ``id``, ``type`` and the function's
+    ``name``; the next ones fragments of its ``arguments``."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionDelta | None = None
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class TopLogprob(BaseModel):
@@ -256,6 +462,7 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -35,6 +35,7 @@ from tierserve.records import (
 )
 from tierserve.replica.config import EngineConfig
 from tierserve.replica.scheduler import AdmitError
+from tierserve.replica.structured import GrammarError
 
 log = logging.getLogger("tierserve.replica")
 
@@ -122,6 +123,8 @@ class LLMServer:
             yield refusal(e)
         except InvalidToken as e:
             yield ErrorRecord(400, "invalid_token", str(e), e.param)
+        except GrammarError as e:
+            yield ErrorRecord(400, "invalid_structured_output", str(e), e.param)
         except EngineDead as e:
             yield ErrorRecord(503, "replica_unavailable", str(e), replica=self.replica_id)
         except ValueError as e:

@@ -40,6 +40,7 @@ from tierserve.replica.scheduler import (
     SampledToken,
     StepPlan,
 )
+from tierserve.replica.structured import Grammars
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,8 @@ class EngineObserver(Protocol):
     def request_done(self, times: RequestTimes) -> None: ...
     def step_done(self, duration_s: float, tokens: int, preempted: int) -> None: ...
     def rejected(self, reason: str, tier: str) -> None: ...
+    def grammar_compiled(self, kind: str, seconds: float) -> None: ...
+    def grammar_lookup(self, hit: bool) -> None: ...
 
 
 @dataclass(slots=True)
@@ -142,6 +145,10 @@ class Engine:
         self.max_model_len = parts.max_model_len
         self.vocab_size = parts.model_config.vocab_size
         self.eos_ids = frozenset(parts.model_config.eos_token_ids)
+        self.grammars = Grammars(
+            self.tokenizer, self.vocab_size, sorted(self.eos_ids),
+            on_compile=observer.grammar_compiled if observer is not None else None,
+            on_lookup=observer.grammar_lookup if observer is not None else None)
         self.times = StepTimes()
         self._live: dict[RequestId, _Live] = {}
         self._lock = threading.RLock()
@@ -163,10 +170,13 @@ class Engine:
     ) -> None:
         """Raise what ``add_request`` would raise for this request, a full queue aside, without
         queueing it (``LLM.generate`` checks every prompt before any work): ``InvalidToken``
-        (``_check_tokens``), ``ValueError`` for a bad priority and the scheduler's ``AdmitError``
-        for what it can never run. ``params`` were checked when they were made."""
+        (``_check_tokens``), ``ValueError`` for a bad priority, the scheduler's ``AdmitError``
+        for what it can never run and ``GrammarError`` for a structured output that does not
+        compile (compiled here, once). ``params`` were checked when they were made."""
         params = params or SamplingParams()
         self._check_tokens(prompt_ids, params)
+        if params.structured is not None:
+            self.grammars.compile(params.structured)
         request = self._request(prompt_ids, params, priority)
         with self._lock:
             self.scheduler.check(request)
@@ -226,12 +236,16 @@ class Engine:
         the finish, instead of incrementally.
 
         ``validated``: the caller checked these token ids already (``validate``, or ``generate``
-        once for its ``n`` samples); they are not scanned again.
+        once for its ``n`` samples); they are not scanned again, and a structured output's
+        grammar was compiled (``generate`` awaits it off the step loop); else it is compiled
+        here, on the grammar thread while this caller waits (``GrammarError`` if it does not).
         """
         params = params or SamplingParams()
         ids = list(prompt_ids)
         if not validated:
             self._check_tokens(ids, params)
+            if params.structured is not None:
+                self.grammars.compile(params.structured)
         try:
             return self._add(ids, params, priority, sink, tier, stream_text, index, tpot_target_s)
         except AdmitError as e:  # empty, too_long, never_fits, queue_full
@@ -253,6 +267,9 @@ class Engine:
         stop_ids = frozenset(params.stop_token_ids or ())
         if not params.ignore_eos:
             stop_ids |= self.eos_ids
+        # Each sample its own matcher (max_tokens 0 samples nothing to constrain).
+        constraint = (self.grammars.constraint(params.structured)
+                      if params.structured is not None and params.max_tokens else None)
         with self._lock:
             if self.error is not None:
                 raise EngineDead(f"the engine's step loop died: {self.error!r}")
@@ -261,7 +278,8 @@ class Engine:
                 id=rid,
                 prompt=ids,
                 params=params,
-                sampler=SamplerState(params, prompt=ids, stop_ids=stop_ids),
+                sampler=SamplerState(params, prompt=ids, stop_ids=stop_ids,
+                                     constraint=constraint),
                 detok=IncrementalDetokenizer(self.tokenizer, ids, params.stop),
                 stop_ids=stop_ids,
                 sink=sink,
@@ -429,7 +447,11 @@ class Engine:
                 delta.text = live.detok.add(tok)
             else:
                 live.held.append(tok)
-            stop = tok in live.stop_ids or live.detok.stopped is not None
+            # A grammar ends its output once complete (its stop token accepted), even with
+            # ignore_eos; a token it refused (never, while its mask applies) ends it too.
+            grammar = live.sampler.constraint
+            stop = (tok in live.stop_ids or live.detok.stopped is not None
+                    or (grammar is not None and (grammar.terminated or live.sampler.rejected)))
             step_outputs.append(SampledToken(live.id, tok, stop))
             delta.token_ids = [tok]
             delta.completion_tokens = live.generated
@@ -527,6 +549,7 @@ class Engine:
         return self._thread is not None and self._thread.is_alive() and self.error is None
 
     def shutdown(self) -> None:
+        self.grammars.shutdown()
         with self._lock:
             self._stopping = True
             self._wake.notify_all()
@@ -552,6 +575,8 @@ class Engine:
         params = params or SamplingParams()
         ids = list(prompt_ids)
         self._check_tokens(ids, params)  # once for the n samples
+        if params.structured is not None:  # compiled off the step loop, while this one waits
+            await self.grammars.prepare(params.structured)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
 

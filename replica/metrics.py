@@ -36,6 +36,7 @@ LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 
 # server's time per output token with a client's inter-token latency.
 TPOT_BUCKETS = [float(f"{0.001 * 2 ** (i / 6):.4g}") for i in range(68)]
 STEP_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12]
+COMPILE_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5]
 TOKEN_BUCKETS: list[float] = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
 
 GAUGES = {
@@ -67,6 +68,9 @@ COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
         "Prompt tokens looked up in the prefix cache at admission.", ("tier",)),
     "tierserve_prefix_cache_hits": (
         "Prompt tokens found in the prefix cache at admission.", ("tier",)),
+    "tierserve_grammar_cache": (
+        "Structured-output grammar lookups, per request: hit (compiled before, or compiling "
+        "for another request) or miss (compiled for this one).", ("result",)),
 }
 HISTOGRAMS: dict[str, tuple[str, list[float], tuple[str, ...]]] = {
     "tierserve_time_to_first_token_seconds": ("Time to first token.", LATENCY_BUCKETS, ("tier",)),
@@ -75,8 +79,12 @@ HISTOGRAMS: dict[str, tuple[str, list[float], tuple[str, ...]]] = {
     "tierserve_queue_time_seconds": ("Time from arrival to admission.", LATENCY_BUCKETS, ("tier",)),
     "tierserve_step_duration_seconds": ("Duration of one engine step.", STEP_BUCKETS, ()),
     "tierserve_step_tokens": ("Tokens processed in one engine step.", TOKEN_BUCKETS, ()),
+    "tierserve_grammar_compile_seconds": (
+        "Time to compile a structured output's grammar (once per spec and replica).",
+        COMPILE_BUCKETS, ("kind",)),
 }
 
+GRAMMAR_LOOKUPS = ("hit", "miss")
 REJECTION_REASONS = ("queue_full", "empty", "too_long", "never_fits", "shed")
 FINISH_REASONS = ("stop", "length", "abort", "error")
 # What the ingress itself refuses, at its in-flight bound (the rest is refused by the replicas).
@@ -93,7 +101,11 @@ INGRESS_COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "tierserve_tenant_tokens": (
         "Tokens (prompt and output) served per tenant of a tier (fair share).",
         ("tier", "tenant")),
+    "tierserve_structured_requests": (
+        "Requests with a structured output, by tier and kind (json_schema, json_object, regex, "
+        "choice, grammar, tool_call: tool_choice required or named).", ("tier", "kind")),
 }
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "tool_call")
 INGRESS_GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
     "tierserve_flow_held": ("Requests held at the ingress, per tier.", ("tier",)),
     "tierserve_flow_starting": (
@@ -125,6 +137,9 @@ def zero_counters(counters: dict[str, Any], tiers: Sequence[str],
         _, keys = COUNTERS[name]
         if not keys:
             _zero(counter, {})
+        elif keys == ("result",):
+            for result in GRAMMAR_LOOKUPS:
+                _zero(counter, {"result": result})
         elif keys == ("tier",):
             for t in tiers:
                 _zero(counter, {"tier": t})
@@ -248,6 +263,12 @@ class ReplicaMetrics:
 
     def rejected(self, reason: str, tier: str) -> None:
         self.counters["tierserve_rejections"].inc(1, tags={"reason": reason, "tier": tier or NO_TIER})
+
+    def grammar_compiled(self, kind: str, seconds: float) -> None:
+        self.histograms["tierserve_grammar_compile_seconds"].observe(seconds, tags={"kind": kind})
+
+    def grammar_lookup(self, hit: bool) -> None:
+        self.counters["tierserve_grammar_cache"].inc(1, tags={"result": "hit" if hit else "miss"})
 
     # gauges
     def start(self, read: Callable[[], EngineStats]) -> None:

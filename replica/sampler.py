@@ -13,6 +13,10 @@ randomness per token whatever else is in the batch, so a seeded request samples 
 alone, in any batch, and across a preemption (the generator and the token counts stay with the
 request). Every operation is per row, so a row's result does not depend on the other rows.
 
+A structured output's grammar masks its row last (``tierserve.replica.structured``): the tokens
+it does not allow next are set to -inf after the processors, before greedy or the draw, in one
+bitmask for the batch's constrained rows; the drawn token advances the row's matcher.
+
 Log-probabilities (``logprobs``) are those of the model's own distribution, the log-softmax of
 the raw logits, before any processor or temperature (vLLM's default).
 """
@@ -22,6 +26,7 @@ from __future__ import annotations
 import random
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -37,6 +42,15 @@ __all__ = [
     "token_logprobs",
 ]
 
+class TokenConstraint(Protocol):
+    """One sample's grammar (``tierserve.replica.structured.Constraint``)."""
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None: ...
+    def accept(self, token: int) -> bool: ...
+    @property
+    def terminated(self) -> bool: ...
+
+
 @dataclass(slots=True)
 class SamplerState:
     """A request's sampling parameters, its own generator and what its processors remember:
@@ -47,11 +61,16 @@ class SamplerState:
     first step that needs them, seeded from ``params.seed`` or a random seed): nothing of a
     step crosses to the host but the sampled ids.
 
-    ``stop_ids``: the ids ``min_tokens`` holds back (EOS and ``stop_token_ids``)."""
+    ``stop_ids``: the ids ``min_tokens`` holds back (EOS and ``stop_token_ids``).
+    ``constraint``: the grammar of a structured output (None: unconstrained); ``rejected``: it
+    refused a drawn token (cannot happen while its mask is applied; the engine ends such a
+    request rather than let it leave its grammar)."""
 
     params: SamplingParams
     prompt: Sequence[int] = ()
     stop_ids: Collection[int] = ()
+    constraint: TokenConstraint | None = None
+    rejected: bool = field(init=False, default=False)
     seed: int = field(init=False)
     generated: int = field(init=False, default=0)
     _generator: torch.Generator | None = field(init=False, default=None)
@@ -77,6 +96,8 @@ class SamplerState:
     def record(self, token: int) -> None:
         """Account for a generated token (``sample`` calls it)."""
         self.generated += 1
+        if self.constraint is not None and not self.constraint.accept(token):
+            self.rejected = True
         if self.counts is not None and self.seen is not None:
             self.counts[token] += 1
             self.seen[token] = True
@@ -111,9 +132,16 @@ def sample(logits: torch.Tensor, states: Sequence[SamplerState]) -> list[int]:
         return []
     logits = logits.float()
     processed = [i for i, s in enumerate(states) if s.processed]
-    if processed:
+    constrained = [i for i, s in enumerate(states) if s.constraint is not None]
+    if processed or constrained:
         logits = logits.clone()
+    if processed:
         _process(logits, [states[i] for i in processed], processed)
+    if constrained:
+        from tierserve.replica.structured import apply_constraints
+
+        apply_constraints(logits, constrained,
+                          [c for i in constrained if (c := states[i].constraint) is not None])
     greedy = [s.params.greedy for s in states]
     if all(greedy):
         out = logits.argmax(dim=-1).tolist()

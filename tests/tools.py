@@ -1,5 +1,6 @@
-"""The ecosystem's own tools for the tests that run them as users do: ``guidellm`` and ``aiperf``
-(``tierserve.bench.tools``: virtualenvs of their own), Debian's ``prometheus``.
+"""The ecosystem's own tools for the tests that run them as users do: ``guidellm``, ``aiperf``
+and LangChain's ``langchain-openai`` (``tierserve.bench.tools``: virtualenvs of their own),
+Debian's ``prometheus``.
 
 Each is installed by the test setup when missing, from the package registries only:
 ``prometheus`` with apt (its service is not started: the tests start their own).
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import httpx
 
-from tierserve.bench.tools import AIPERF, GUIDELLM, ROOT, TOOLS, tool_venv  # noqa: F401 (the tests' names)
+from tierserve.bench.tools import AIPERF, GUIDELLM, LANGCHAIN, ROOT, TOOLS, tool_venv  # noqa: F401 (the tests' names)
 
 
 def free_port() -> int:

@@ -48,6 +48,46 @@ class InvalidSamplingParam(ValueError):
         return type(self), (str(self), self.param)  # it crosses processes whole
 
 
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutput:
+    """What a request's output must match (docs/structured.md): the replica compiles it into a
+    grammar and masks every sampled token to it.
+
+    ``kind``: ``json`` (``spec`` a JSON schema as JSON text), ``json_object`` (any JSON object;
+    ``spec`` empty), ``regex``, ``choice`` (``spec`` a JSON list of the allowed strings) or
+    ``grammar`` (EBNF). ``prefix`` and ``suffix``: literal text around a ``json`` output (a tool
+    call's tags). ``any_whitespace``: JSON may put whitespace between its tokens (else none).
+    ``param``: the request field it came from, named by a compile error.
+    """
+
+    kind: str
+    spec: str = ""
+    param: str = "structured_outputs"
+    any_whitespace: bool = True
+    prefix: str = ""
+    suffix: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise InvalidSamplingParam(
+                f"structured output kind must be one of {', '.join(STRUCTURED_KINDS)}, "
+                f"got {self.kind!r}", self.param)
+        if not isinstance(self.spec, str) or (not self.spec and self.kind != "json_object"):
+            raise InvalidSamplingParam(f"a {self.kind} structured output needs its spec",
+                                       self.param)
+        if (self.prefix or self.suffix) and self.kind != "json":
+            raise InvalidSamplingParam("prefix and suffix go with a json structured output",
+                                       self.param)
+
+    @property
+    def key(self) -> tuple[str, str, bool, str, str]:
+        """What names its compiled grammar in a replica's cache."""
+        return (self.kind, self.spec, self.any_whitespace, self.prefix, self.suffix)
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """How to pick each next token and when to stop (close to vLLM's ``SamplingParams``).
@@ -59,7 +99,9 @@ class SamplingParams:
     id -> bias in [-100, 100]) as in the module docstring. ``logprobs``: with every generated
     token, its log-probability and the ``logprobs`` most likely alternatives (0: the token's
     alone); ``prompt_logprobs``: the same for every prompt token after the first. ``max_tokens``
-    0 generates nothing (with ``prompt_logprobs``: scoring a prompt).
+    0 generates nothing (with ``prompt_logprobs``: scoring a prompt). ``structured``: the
+    output is constrained to it (a ``StructuredOutput``; the grammar decides where it ends, so
+    it takes neither ``min_tokens`` nor ``max_tokens`` 0).
     """
 
     max_tokens: int = 16
@@ -78,6 +120,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -155,6 +198,19 @@ class SamplingParams:
             ):
                 raise InvalidSamplingParam(
                     f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}", name)
+        s = self.structured
+        if s is not None:
+            if not isinstance(s, StructuredOutput):
+                raise InvalidSamplingParam(
+                    f"structured must be a StructuredOutput, got {type(s).__name__}", "structured")
+            if self.max_tokens == 0:
+                raise InvalidSamplingParam(
+                    "a structured output needs max_tokens of at least 1 (0 generates nothing "
+                    "to constrain)", s.param)
+            if self.min_tokens:
+                raise InvalidSamplingParam(
+                    "min_tokens cannot go with a structured output: its grammar decides where "
+                    "the output ends", "min_tokens")
 
     @property
     def greedy(self) -> bool:

@@ -113,6 +113,8 @@ BAD_BODIES: list[tuple[str, dict[str, Any], str, str | None]] = [
     (C, comp(stop_token_ids=[-3]), "invalid_request", "stop_token_ids.0"),
     (CHAT, chat(messages=[]), "invalid_request", "messages"),
     (CHAT, chat(messages=[{"role": "tool", "content": "x"}]), "invalid_request",
+     "messages.0.tool_call_id"),
+    (CHAT, chat(messages=[{"role": "critic", "content": "x"}]), "invalid_request",
      "messages.0.role"),
     (CHAT, chat(max_completion_tokens=0), "invalid_request", "max_completion_tokens"),
     # unknown model, unknown or unsupported fields
@@ -121,7 +123,8 @@ BAD_BODIES: list[tuple[str, dict[str, Any], str, str | None]] = [
     (C, comp(suffix="x"), "invalid_request", "suffix"),
     (CHAT, chat(tools=[]), "invalid_request", "tools"),
     (CHAT, chat(tool_choice="auto"), "invalid_request", "tool_choice"),
-    (CHAT, chat(response_format={"type": "json_object"}), "invalid_request", "response_format"),
+    (CHAT, chat(response_format={"type": "xml"}), "invalid_request", "response_format.type"),
+    (CHAT, chat(functions=[{"name": "f"}]), "invalid_request", "functions"),
     (CHAT, chat(audio={"voice": "alloy", "format": "wav"}), "invalid_request", "audio"),
     (CHAT, chat(modalities=["text", "audio"]), "invalid_request", "modalities"),
     (C, comp(echo="yes"), "invalid_request", "echo"),

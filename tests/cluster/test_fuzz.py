@@ -75,6 +75,9 @@ def test_the_document_lists_every_field_and_error(fuzz_app: ServeApp) -> None:
     assert "422" not in str(doc["paths"])
 
 
+STRUCTURED_FIELDS = frozenset({
+    "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+    "guided_grammar", "tools", "tool_choice", "parallel_tool_calls"})
 OPERATIONS = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
               ("GET", "/v1/models"), ("GET", "/health")]
 EXAMPLES = 40  # per operation and mode
@@ -96,6 +99,13 @@ def test_fuzzed_requests_get_documented_answers(api_schema: Any, fuzz_app: Serve
     @settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
               suppress_health_check=list(HealthCheck))
     def fuzz(case: Any) -> None:
+        # The structured-output fields are fuzzed too, but every one of them (a random schema,
+        # regex or grammar, two of them at once) almost always makes a valid-shaped request
+        # that the server must refuse: every other generated request goes without them, so
+        # that positive mode also sends requests the server can serve.
+        if (mode is GenerationMode.POSITIVE and isinstance(case.body, dict)
+                and sum(statuses.values()) % 2):
+            case.body = {k: v for k, v in case.body.items() if k not in STRUCTURED_FIELDS}
         response = case.call_and_validate(
             base_url=fuzz_app.base_url, timeout=60,
             excluded_checks=[st_checks.positive_data_acceptance])

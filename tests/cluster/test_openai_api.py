@@ -217,10 +217,9 @@ def test_text_content_parts_equal_a_plain_string(main_app: ServeApp) -> None:
 @pytest.mark.parametrize(
     ("path", "body", "param"),
     [
-        ("/v1/chat/completions", {"messages": USER, "tools": [{"type": "function", "function": {
-            "name": "f", "parameters": {}}}]}, "tools"),
-        ("/v1/chat/completions", {"messages": USER, "response_format": {"type": "json_object"}},
-         "response_format"),
+        ("/v1/chat/completions", {"messages": USER, "functions": [{"name": "f"}]}, "functions"),
+        ("/v1/chat/completions", {"messages": USER, "prediction": {"type": "content",
+                                                                   "content": "x"}}, "prediction"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]},
          "messages.0.content.0"),

@@ -24,8 +24,8 @@ def first_error(model: Any, body: dict[str, Any]) -> dict[str, Any]:
 @pytest.mark.parametrize(
     ("model", "body", "field"),
     [
-        (ChatCompletionRequest, CHAT | {"tools": [{"type": "function"}]}, "tools"),
-        (ChatCompletionRequest, CHAT | {"response_format": {"type": "json_object"}}, "response_format"),
+        (ChatCompletionRequest, CHAT | {"functions": [{"name": "f"}]}, "functions"),
+        (ChatCompletionRequest, CHAT | {"prediction": {"type": "content"}}, "prediction"),
         (ChatCompletionRequest, CHAT | {"audio": {"voice": "x"}}, "audio"),
         (CompletionRequest, COMPLETION | {"suffix": "!"}, "suffix"),
     ],

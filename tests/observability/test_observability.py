@@ -136,9 +136,10 @@ def cluster() -> Iterator[Cluster]:
             ray.shutdown()
 
 
-def _post(url: str, tier: str, prompt: list[int], max_tokens: int) -> tuple[int, str | None]:
+def _post(url: str, tier: str, prompt: list[int], max_tokens: int,
+          **extra: Any) -> tuple[int, str | None]:
     r = httpx.post(url, json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens,
-                              "ignore_eos": True},
+                              "ignore_eos": True, **extra},
                    headers={"Authorization": f"Bearer {KEYS[tier]}"}, timeout=120)
     code = r.json()["error"]["code"] if r.status_code != 200 else None
     return r.status_code, code
@@ -217,6 +218,17 @@ def provoked(cluster: Cluster, prometheus: Prometheus,
     statuses = {  # one short request per tier while idle: each tier's latencies are observed
         tier: [_post(url, tier, [70] * 8, 4)] for tier in ("interactive", "standard", "batch")}
     assert all(v == [(200, None)] for v in statuses.values()), statuses
+    # The same structured output twice: a compilation (a miss), then a hit on the same replica
+    # or a second miss on the other. Once the compile-time histogram is in the scrape, a new
+    # spec compiles again, so that its rate (the dashboard's quantiles) has an increase to show.
+    statuses["structured"] = [_post(url, "interactive", [70] * 8, 8, guided_choice=["ab", "cd"])
+                              for _ in range(2)]
+    cluster.wait_scrape("the grammar compile histogram", lambda ss: bool(
+        ours(ss, "ray_tierserve_grammar_compile_seconds_count")))
+    time.sleep(3)  # a scrape or two of it before the next compilation
+    statuses["structured"].append(
+        _post(url, "interactive", [70] * 8, 8, guided_choice=["ef", "gh"]))
+    assert statuses["structured"] == [(200, None)] * 3, statuses
     assert _hang_up(url), "the stream to hang up on did not start"
     waiting = lambda: sum(int(x["waiting"]) for x in cluster.app.replica_stats().values())  # noqa: E731
     statuses |= asyncio.run(_burst(url, 12, 64, waiting))
@@ -277,6 +289,32 @@ def test_a_scrape_holds_every_exported_metric(cluster: Cluster, provoked: Provok
 
 def total(samples: list[Sample], name: str) -> float:
     return sum(s.value for s in ours(samples, name))
+
+
+def test_structured_outputs_are_counted(cluster: Cluster, provoked: Provoked) -> None:
+    """The three structured requests of the provoked load (two specs, one of them twice):
+    counted per tier and kind at the ingress; in the replicas, a compilation (timed) per miss,
+    and each request looked up once."""
+    def misses(ss: list[Sample]) -> float:
+        return total([x for x in ss if x.labels.get("result") == "miss"],
+                     "ray_tierserve_grammar_cache_total")
+
+    # A lookup is counted when the request asks, its compilation timed when it is done, and
+    # the ingress's and the replicas' series reach the scrape each on its own schedule.
+    samples = cluster.wait_scrape(
+        "the structured requests' counts",
+        lambda ss: total(ss, "ray_tierserve_grammar_cache_total") >= 3
+        and total(ss, "ray_tierserve_structured_requests_total") >= 3
+        and misses(ss) == total(ss, "ray_tierserve_grammar_compile_seconds_count"))
+    kinds = {(x.labels["tier"], x.labels["kind"]): x.value
+             for x in ours(samples, "ray_tierserve_structured_requests_total")}
+    assert kinds[("interactive", "choice")] == 3
+    assert sum(v for (t, k), v in kinds.items() if (t, k) != ("interactive", "choice")) == 0
+    cache = {x.labels["result"]: x.value for x in ours(samples, "ray_tierserve_grammar_cache_total")}
+    assert cache.get("miss", 0) + cache.get("hit", 0) == 3 and cache.get("miss", 0) >= 2
+    compiled = total([x for x in samples if x.labels.get("kind") == "choice"],
+                     "ray_tierserve_grammar_compile_seconds_count")
+    assert compiled == cache["miss"]
 
 
 def test_preemptions_aborts_and_finishes_are_counted(cluster: Cluster, provoked: Provoked) -> None:

