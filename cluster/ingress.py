@@ -55,7 +55,12 @@ from tierserve.cluster.protocol import (
 )
 from tierserve.cluster.structured import Structured, StructuredError, structured_output, tool_mode
 from tierserve.cluster.tiers import AuthError, Caller, PriorityError, TenantError, TierResolver
-from tierserve.cluster.tool_calls import ToolCallParser, ToolMessageError, render_messages
+from tierserve.cluster.tool_calls import (
+    ToolCallParser,
+    ToolMessageError,
+    parse_tool_calls,
+    render_messages,
+)
 from tierserve.records import (
     ErrorRecord,
     GenerateRequest,
@@ -164,7 +169,9 @@ class _Call:
     logprobs: bool = False
     include_usage: bool = False
     continuous_usage: bool = False
-    # Chat with tools the model may call: their names (the answer is parsed for calls).
+    # Chat: how it may call tools (``tool_mode``) and, unless "none", their names (the answer
+    # is parsed for calls).
+    tool_mode: str = "none"
     tools: frozenset[str] | None = None
 
     def parser(self) -> ToolCallParser | None:
@@ -172,11 +179,9 @@ class _Call:
         return None if self.tools is None else ToolCallParser(self.tools)
 
 
-def _finish_reason(reason: str | None, parser: ToolCallParser | None) -> str | None:
+def _finish_reason(reason: str | None, called: bool) -> str | None:
     """An answer that stopped on its own after calling a tool finished for ``tool_calls``."""
-    if reason == "stop" and parser is not None and parser.calls:
-        return "tool_calls"
-    return reason
+    return "tool_calls" if reason == "stop" and called else reason
 
 
 @dataclass(slots=True)
@@ -354,7 +359,7 @@ class Ingress:
                  if mode != "none" else None)
         call = _Call(chat=True, n=body.n, ids=list(ids), logprobs=body.logprobs,
                      include_usage=body.include_usage, continuous_usage=body.continuous_usage,
-                     tools=names)
+                     tool_mode=mode, tools=names)
         return await self._serve(request, body, call, caller)
 
     # ------------------------------------------------------------------ helpers
@@ -470,7 +475,7 @@ class Ingress:
     async def _serve(self, request: Request, body: CompletionRequest | ChatCompletionRequest,
                      call: _Call, caller: Caller) -> Response:
         try:
-            structured = structured_output(body)
+            structured = structured_output(body, call.tool_mode if call.chat else None)
         except StructuredError as e:
             raise ApiError(400, str(e), "invalid_structured_output", e.param) from None
         sampling = self._sampling(body, structured)
@@ -588,18 +593,13 @@ class Ingress:
     def _chat_choice(self, call: _Call, index: int, c: _Choice) -> ChatChoice:
         """One answer of a chat request, its tool calls parsed out when it had tools."""
         logprobs = chat_logprobs(c.logprobs, self.token_text) if call.logprobs else None
-        parser = call.parser()
-        if parser is None:
+        if call.tools is None:
             return ChatChoice(index=index, message=ChatMessageOut(content=c.text),
                               finish_reason=c.finish_reason, logprobs=logprobs)
-        parser.feed(c.text)
-        parser.finish()
-        content: str | None = parser.content
-        if parser.calls:
-            content = (content or "").strip() or None
+        content, calls = parse_tool_calls(c.text, call.tools)
         return ChatChoice(index=index,
-                          message=ChatMessageOut(content=content, tool_calls=parser.calls or None),
-                          finish_reason=_finish_reason(c.finish_reason, parser),
+                          message=ChatMessageOut(content=content, tool_calls=calls or None),
+                          finish_reason=_finish_reason(c.finish_reason, bool(calls)),
                           logprobs=logprobs)
 
     @staticmethod
@@ -788,7 +788,7 @@ class Ingress:
                     if reason is not None:
                         rest, more = parser.finish()
                         text, calls = text + rest, calls + more
-                        reason = _finish_reason(reason, parser)
+                        reason = _finish_reason(reason, bool(parser.calls))
                 if text or calls or echo or reason is not None or (call.logprobs and lps):
                     chunk: Any
                     u = self._usage(call, choices) if call.continuous_usage else None

@@ -31,6 +31,7 @@ from tierserve.cluster.tool_calls import (
     call_schema,
 )
 from tierserve.records import StructuredOutput
+from tierserve.replica.structured import subschemas
 
 # Keywords the grammar does not enforce (an output could break them): refused, not ignored.
 UNSUPPORTED_KEYWORDS = frozenset({
@@ -38,11 +39,6 @@ UNSUPPORTED_KEYWORDS = frozenset({
     "uniqueItems", "unevaluatedItems", "$dynamicRef", "$dynamicAnchor", "$recursiveRef",
     "$recursiveAnchor",
 })
-# Where a schema holds subschemas: by name, a list of them, or one.
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
-_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_SCHEMA_ONE = ("items", "additionalProperties", "propertyNames", "contains", "additionalItems",
-               "unevaluatedProperties")
 
 
 class StructuredError(ValueError):
@@ -70,23 +66,8 @@ def _walk(schema: Any, path: str) -> Iterator[tuple[str, str]]:
         yield key, path
     if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
         yield "allOf (with more than one schema)", path
-    for key in _SCHEMA_MAPS:
-        subs = schema.get(key)
-        if isinstance(subs, dict):
-            for name, sub in subs.items():
-                yield from _walk(sub, f"{path}/{key}/{name}")
-    for key in _SCHEMA_LISTS:
-        subs = schema.get(key)
-        if isinstance(subs, list):
-            for i, sub in enumerate(subs):
-                yield from _walk(sub, f"{path}/{key}/{i}")
-    for key in _SCHEMA_ONE:
-        sub = schema.get(key)
-        if isinstance(sub, list):  # the old array form of items
-            for i, s in enumerate(sub):
-                yield from _walk(s, f"{path}/{key}/{i}")
-        else:
-            yield from _walk(sub, f"{path}/{key}")
+    for where, sub in subschemas(schema):
+        yield from _walk(sub, f"{path}/{where}")
 
 
 def check_schema(schema: Any, param: str) -> str:
@@ -142,9 +123,11 @@ def _from_vllm(so: StructuredOutputs) -> Structured:
                       "json_object")
 
 
-def structured_output(body: CompletionRequest | ChatCompletionRequest) -> Structured | None:
+def structured_output(body: CompletionRequest | ChatCompletionRequest,
+                      tools: str | None = None) -> Structured | None:
     """The request's structured output (None: its output is free text); ``StructuredError``
-    for a field the server cannot take or two fields that both constrain the output."""
+    for a field the server cannot take or two fields that both constrain the output.
+    ``tools``: a chat request's ``tool_mode``, when the caller has it already."""
     given: list[tuple[str, Structured | None]] = []
     rf = body.response_format
     if rf is not None and rf.type != "text":
@@ -174,9 +157,9 @@ def structured_output(body: CompletionRequest | ChatCompletionRequest) -> Struct
         given.append(("guided_grammar", Structured(
             StructuredOutput("grammar", body.guided_grammar, "guided_grammar"), "grammar")))
     if isinstance(body, ChatCompletionRequest):
-        tools = tool_output(body)
-        if tools is not None:
-            given.append(("tool_choice", tools))
+        call = tool_output(body, tool_mode(body) if tools is None else tools)
+        if call is not None:
+            given.append(("tool_choice", call))
     if len(given) > 1:
         names = [name for name, _ in given]
         raise StructuredError(
@@ -216,10 +199,9 @@ def tool_mode(body: ChatCompletionRequest) -> str:
     return choice or "auto"
 
 
-def tool_output(body: ChatCompletionRequest) -> Structured | None:
-    """The constraint of ``tool_choice`` ``required`` or named: a call of the declared tools,
-    between the tool-call tags (None for ``auto`` and ``none``)."""
-    mode = tool_mode(body)
+def tool_output(body: ChatCompletionRequest, mode: str) -> Structured | None:
+    """The constraint of ``tool_choice`` ``required`` or named (``mode``, ``tool_mode``'s): a
+    call of the declared tools, between the tool-call tags (None for ``auto`` and ``none``)."""
     if mode not in ("required", "named"):
         return None
     assert body.tools is not None

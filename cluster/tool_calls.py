@@ -319,20 +319,12 @@ def new_call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
 
 
-def _held_back(text: str) -> int:
-    """How many trailing characters of ``text`` may be the beginning of ``<tool_call>``."""
-    for k in range(min(len(text), len(TOOL_CALL_OPEN) - 1), 0, -1):
-        if text.endswith(TOOL_CALL_OPEN[:k]):
+def _partial_tag(text: str, tag: str) -> int:
+    """How many trailing characters of ``text`` may be the beginning of ``tag`` (0: none)."""
+    for k in range(min(len(text), len(tag) - 1), 0, -1):
+        if text.endswith(tag[:k]):
             return k
     return 0
-
-
-def _strip_partial_close(text: str) -> str:
-    """``text`` without a trailing beginning of ``</tool_call>`` (an answer cut off there)."""
-    for k in range(min(len(text), len(TOOL_CALL_CLOSE) - 1), 0, -1):
-        if text.endswith(TOOL_CALL_CLOSE[:k]):
-            return text[:-k]
-    return text
 
 
 class ToolCallParser:
@@ -371,7 +363,7 @@ class ToolCallParser:
             if not self._inside:
                 start = self._buffer.find(TOOL_CALL_OPEN)
                 if start < 0:
-                    keep = _held_back(self._buffer)
+                    keep = _partial_tag(self._buffer, TOOL_CALL_OPEN)
                     out.append(self._buffer[:len(self._buffer) - keep])
                     self._buffer = self._buffer[len(self._buffer) - keep:]
                     break
@@ -395,7 +387,8 @@ class ToolCallParser:
         deltas: list[ToolCallDelta] = []
         if self._inside:
             raw = TOOL_CALL_OPEN + self._buffer
-            text = self._block(_strip_partial_close(self._buffer), raw, deltas)
+            cut = _partial_tag(self._buffer, TOOL_CALL_CLOSE)  # an answer cut inside the tag
+            text = self._block(self._buffer[:len(self._buffer) - cut], raw, deltas)
         else:
             text = self._buffer
         self._buffer, self._inside, self._scanned = "", False, 0

@@ -22,7 +22,7 @@ import asyncio
 import json
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -56,13 +56,46 @@ CompileObserver = Callable[[str, float], None]
 CacheObserver = Callable[[bool], None]
 
 
-# Subschemas of a schema: by name, in a list, or one.
+# Where a JSON schema holds subschemas: by name, in a list, or one (a list too: the old array
+# form of ``items``).
 _SUB_MAPS = ("properties", "patternProperties", "$defs", "definitions")
 _SUB_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SUB_ONE = ("items", "additionalProperties", "propertyNames", "contains", "additionalItems",
             "unevaluatedProperties")
 # A JSON string's characters without escapes, control characters or surrogates.
 _PLAIN_CHARS = '[^"\\\\\\x00-\\x1f\\uD800-\\uDFFF]'
+
+
+def subschemas(schema: dict[str, Any]) -> Iterator[tuple[str, Any]]:
+    """Each direct subschema of ``schema`` with its path from it (``properties/a``,
+    ``anyOf/0``, ``items``)."""
+    for key in _SUB_MAPS:
+        subs = schema.get(key)
+        if isinstance(subs, dict):
+            for name, sub in subs.items():
+                yield f"{key}/{name}", sub
+    for key in _SUB_LISTS + _SUB_ONE:
+        sub = schema.get(key)
+        if isinstance(sub, list) and (key in _SUB_LISTS or key == "items"):
+            for i, s in enumerate(sub):
+                yield f"{key}/{i}", s
+        elif key in _SUB_ONE and sub is not None:
+            yield key, sub
+
+
+def map_subschemas(schema: dict[str, Any], fn: Callable[[Any], Any]) -> dict[str, Any]:
+    """A copy of ``schema`` with ``fn`` applied to each direct subschema (``subschemas``)."""
+    out = dict(schema)
+    for key in _SUB_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: fn(v) for k, v in out[key].items()}
+    for key in _SUB_LISTS + _SUB_ONE:
+        sub = out.get(key)
+        if isinstance(sub, list) and (key in _SUB_LISTS or key == "items"):
+            out[key] = [fn(v) for v in sub]
+        elif key in _SUB_ONE and sub is not None:
+            out[key] = fn(sub)
+    return out
 
 
 def enforceable(schema: Any) -> Any:
@@ -77,17 +110,9 @@ def enforceable(schema: Any) -> Any:
       or ``const``) becomes that many plain characters: xgrammar's bounded string lets control
       characters through, which no JSON parser takes.
     """
-    if isinstance(schema, list):
-        return [enforceable(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = dict(schema)
-    for key in _SUB_MAPS:
-        if isinstance(out.get(key), dict):
-            out[key] = {k: enforceable(v) for k, v in out[key].items()}
-    for key in _SUB_LISTS + _SUB_ONE:
-        if key in out and isinstance(out[key], (dict, list)):
-            out[key] = enforceable(out[key])
+    out = map_subschemas(schema, enforceable)
     if ("properties" in out and not {"additionalProperties", "patternProperties",
                                      "unevaluatedProperties"} & out.keys()):
         out["additionalProperties"] = False
@@ -223,12 +248,6 @@ class Grammars:
         compiled = self._future(spec, count=False).result()
         matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=self.stop_ids)
         return Constraint(matcher)
-
-    def cached(self, spec: StructuredOutput) -> bool:
-        """Whether ``spec`` is compiled already (a lookup that does not count)."""
-        with self._lock:
-            future = self._futures.get(spec.key)
-        return future is not None and future.done() and future.exception() is None
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
