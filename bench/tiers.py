@@ -81,12 +81,14 @@ import secrets
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import yaml
@@ -115,6 +117,7 @@ from tierserve.bench.serving import answers, completion_ready, stop, wait_for
 from tierserve.bench.tools import ROOT
 from tierserve.replica.metrics import INGRESS_COUNTERS, INGRESS_GAUGES
 
+T = TypeVar("T")
 DEFAULT_CONFIG = "configs/cluster.yaml"
 SYSTEMS = ("tiers", "off", "fcfs")
 TIERS = ("interactive", "standard", "batch")
@@ -676,6 +679,25 @@ class Plan:
     drain_s: float
     seed: int
     progress: bool
+    # The load client's threads run this much nicer than the cluster (Linux: per thread, so the
+    # clusters this process starts keep their priority): a client on the server's own cores
+    # stands in for users on other machines, and should not take the server's CPU.
+    client_nice: int = 0
+
+
+def niced(fn: Callable[[], T], nice: int) -> T:
+    """``fn()`` in a thread of its own at ``nice`` more than this one (threads it starts
+    inherit it); at once in this thread when ``nice`` is 0."""
+    if nice == 0:
+        return fn()
+
+    def body() -> T:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
+        return fn()
+
+    with ThreadPoolExecutor(1, thread_name_prefix="load-client") as pool:
+        return pool.submit(body).result()
 
 
 def run_load(plan: Plan, classes: list[TrafficClass], seed: int, *, rate: float | None = None,
@@ -691,7 +713,8 @@ def run_load(plan: Plan, classes: list[TrafficClass], seed: int, *, rate: float 
                      drain_timeout_s=plan.drain_s, request_timeout_s=duration + plan.drain_s + 60,
                      progress=plan.progress)
     workload = Workload(classes, plan.prompt_len, plan.output_len, seed=seed)
-    return asyncio.run(LoadRunner(cfg, workload).run()), cfg, workload
+    run = niced(lambda: asyncio.run(LoadRunner(cfg, workload).run()), plan.client_nice)
+    return run, cfg, workload
 
 
 def ready(url: str, key: str) -> bool:
@@ -803,6 +826,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--start-timeout", type=float, default=600.0)
     p.add_argument("--out-dir", default="bench/out")
     p.add_argument("--name", default="tiers")
+    p.add_argument("--client-nice", type=int, default=0,
+                   help="run the load client this much nicer than the cluster (0 to 19; "
+                   "the client shares the server's cores)")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--dry-run", action="store_true", help="write the configs, start nothing")
@@ -825,6 +851,8 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], list[float]]:
         raise ValueError("--settle and --warmup must be 0 or more")
     if not 1 <= args.capacity_concurrency <= 4096:
         raise ValueError("--capacity-concurrency must be in [1, 4096]")
+    if not 0 <= args.client_nice <= 19:
+        raise ValueError("--client-nice must be in [0, 19]")
     LengthDist.parse(args.prompt_len)
     LengthDist.parse(args.output_len)
     if args.capacity is None:  # the capacity system runs first (measured there)
@@ -891,7 +919,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     classes = traffic(keys)
     plan = Plan(url, metrics_url, LengthDist.parse(args.prompt_len),
                 LengthDist.parse(args.output_len), args.duration, args.drain_timeout,
-                args.seed, not args.no_progress)
+                args.seed, not args.no_progress, args.client_nice)
     capacity = args.capacity
     try:
         with tempfile.TemporaryDirectory(prefix="bench-tiers-") as tmp:

@@ -7,6 +7,7 @@ own per-deployment options (replicas, resources, the router) come from the YAML'
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, cast
 
 from pydantic import ValidationError
@@ -21,12 +22,50 @@ class ConfigError(ValueError):
     """The application's ``args`` are not a valid tierserve config."""
 
 
+BUILDER = "tierserve.cluster.app:build_app"
+POLICY = "tierserve.cluster.autoscaling:TierPolicy"
+
+
+def _lines(e: ValidationError, prefix: tuple[str, ...] = ()) -> str:
+    return "\n".join(
+        f"  {'.'.join([*prefix, *(str(p) for p in err['loc'])]) or '(top)'}: {err['msg']}"
+        for err in e.errors())
+
+
 def load_config(args: dict[str, Any] | None) -> ClusterConfig:
     try:
         return ClusterConfig(**(args or {}))
     except ValidationError as e:
-        lines = [f"  {'.'.join(str(p) for p in err['loc']) or '(top)'}: {err['msg']}" for err in e.errors()]
-        raise ConfigError("invalid tierserve config:\n" + "\n".join(lines)) from None
+        raise ConfigError("invalid tierserve config:\n" + _lines(e)) from None
+
+
+def check_serve_config(raw: Mapping[str, Any]) -> None:
+    """A whole Serve config file, checked before anything starts (``tierserve serve`` does):
+    Serve's own schema, then, for each application this package builds, its ``args`` and the
+    ``policy_kwargs`` of an ``autoscaling_config`` that uses tierserve's policy. Raises
+    ``ConfigError`` naming each field at fault."""
+    from ray.serve.schema import ServeDeploySchema
+
+    from tierserve.cluster.autoscaling import AutoscalePolicyConfig
+
+    try:
+        ServeDeploySchema.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError("invalid Serve config:\n" + _lines(e)) from None
+    for i, app in enumerate(raw.get("applications") or []):
+        if app.get("import_path") != BUILDER:
+            continue
+        load_config(app.get("args"))
+        for dep in app.get("deployments") or []:
+            policy = (dep.get("autoscaling_config") or {}).get("policy") or {}
+            if policy.get("policy_function") != POLICY:
+                continue
+            try:
+                AutoscalePolicyConfig(**(policy.get("policy_kwargs") or {}))
+            except ValidationError as e:
+                where = ("applications", str(i), "deployments", str(dep.get("name")),
+                         "autoscaling_config", "policy", "policy_kwargs")
+                raise ConfigError("invalid autoscaling policy:\n" + _lines(e, where)) from None
 
 
 def build_app(args: dict[str, Any] | None = None) -> Application:

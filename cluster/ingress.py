@@ -635,7 +635,8 @@ class Ingress:
                 tier=caller.tier.name, queue_share=caller.tier.queue_share, n=call.n,
                 latency=caller.latency, prefix_hashes=prefixes,
                 avoid_replicas=tuple(route.avoid), ttft_target_s=caller.tier.ttft_target_s,
-                tpot_target_s=caller.tier.tpot_target_s))
+                tpot_target_s=caller.tier.tpot_target_s,
+                waited_s=time.monotonic() - route.arrival))
             try:
                 first = await self._next(stream)
                 if first is None:

@@ -6,7 +6,8 @@ This process starts a Ray instance on this machine with Ray's metrics exported o
 ``http://127.0.0.1:8080/metrics``), then runs ``serve run CONFIG`` against it. Ctrl-C (SIGINT
 to the process group) stops ``serve run`` (which deletes the applications), then this process
 shuts its Ray instance down, so every process it started is gone and the ports are free again.
-On a multi-node Ray cluster, start Ray with ``ray start`` on every node and use ``serve run``
+The config is checked first (``tierserve.cluster.app.check_serve_config``): a field at fault is
+named and nothing starts. On a multi-node Ray cluster, start Ray with ``ray start`` on every node and use ``serve run``
 directly (see the README).
 """
 
@@ -18,8 +19,12 @@ import shutil
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import ray
+import yaml
+
+from tierserve.cluster.app import ConfigError, check_serve_config
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -60,6 +65,11 @@ def cli(argv: list[str] | None = None) -> int:
 def _serve(args: argparse.Namespace) -> int:
     if not os.path.exists(args.config):
         print(f"tierserve: no config file at {args.config}", file=sys.stderr)
+        return 2
+    try:
+        check_serve_config(yaml.safe_load(Path(args.config).read_text()) or {})
+    except (ConfigError, yaml.YAMLError) as e:
+        print(f"tierserve: {args.config}: {e}", file=sys.stderr)
         return 2
     serve_bin = shutil.which("serve", path=os.path.dirname(sys.executable)) or shutil.which("serve")
     if serve_bin is None:

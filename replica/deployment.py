@@ -34,6 +34,7 @@ from tierserve.records import (
     share_of,
 )
 from tierserve.replica.config import EngineConfig
+from tierserve.replica.load_report import LoadWindow, within_targets
 from tierserve.replica.scheduler import AdmitError
 from tierserve.replica.structured import GrammarError
 
@@ -84,6 +85,7 @@ class LLMServer:
         self.engine.start()
         self.metrics.start(self.stats)
         self.started = time.time()
+        self.load = LoadWindow(self.config.block_size)
         self.replica_id = _replica_id()
         log.info("replica ready: %s", self.engine.stats())
 
@@ -107,6 +109,10 @@ class LLMServer:
             list(request.prompt_ids), request.sampling, request.priority, request.tier,
             n=request.n, tpot_target_s=request.tpot_target_s,
         )
+        ticket = self.load.arrived(request.tier, len(request.prompt_ids) * request.n)
+        start = time.monotonic()
+        first = last = None
+        tokens = 0
         produced = False
         try:
             async for out in stream:
@@ -117,7 +123,13 @@ class LLMServer:
                                       out.failure or "the replica's engine failed",
                                       replica=self.replica_id)
                     return
-                produced = True
+                if not produced:
+                    produced = True
+                    self.load.answering(ticket)
+                if out.index == 0 and out.token_ids:
+                    last = time.monotonic()
+                    first = first if first is not None else last
+                    tokens += len(out.token_ids)
                 yield out
         except AdmitError as e:
             yield refusal(e)
@@ -130,12 +142,27 @@ class LLMServer:
         except ValueError as e:
             yield ErrorRecord(400, "invalid_request", str(e))
         finally:
+            self.load.answering(ticket)
+            if first is not None and (request.ttft_target_s is not None
+                                      or request.tpot_target_s is not None):
+                assert last is not None
+                self.load.finished(request.tier, within_targets(
+                    request.waited_s + first - start,
+                    (last - first) / (tokens - 1) if tokens > 1 else None,
+                    request.ttft_target_s, request.tpot_target_s))
             await stream.aclose()
 
     def record_routing_stats(self) -> dict[str, Any]:
         """What the router ranks replicas by (``tierserve.records.RoutingStats``, as Serve wants it:
         a dict)."""
         return RoutingStats.from_engine(self.stats(), time.time(), self.engine.alive).to_dict()
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """What Serve's autoscaler hands the policy for this replica
+        (``tierserve.replica.load_report``; docs/autoscaling.md)."""
+        stats = self.engine.stats()
+        kv = stats.committed_blocks / stats.total_blocks if stats.total_blocks else 0.0
+        return self.load.report(kv, self.engine.times.total_s, stats.preemptions).to_dict()
 
     def check_health(self) -> None:
         """Serve calls this periodically; raising marks the replica unhealthy (it is replaced)."""

@@ -113,6 +113,22 @@ INGRESS_GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
     "tierserve_flow_window": (
         "The dispatch window: requests that may be starting at once.", ()),
 }
+# Serve's controller exports these (``tierserve.cluster.autoscaling``: only for a deployment
+# autoscaled by its policy), per application and deployment.
+AUTOSCALE_GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "tierserve_autoscale_target_replicas": (
+        "The replicas the autoscaling policy asks for (after the configured bounds).", ()),
+    "tierserve_autoscale_running_replicas": ("The replicas running when it decided.", ()),
+    "tierserve_autoscale_reason": (
+        "1 for the reason of the policy's last decision (steady, changing, missed_targets, "
+        "kv_pressure, waiting, preemptions, room_to_spare, bounds), 0 for the others.",
+        ("reason",)),
+    "tierserve_autoscale_signal": (
+        "What the policy saw: miss_ratio (the watched tiers' requests past a target, of those "
+        "finished in the report window), kv (mean share of the KV pool promised), busy (step "
+        "loops' busy shares, summed), waiting (requests not yet answering), preemptions (per "
+        "second).", ("signal",)),
+}
 SLO_TARGETS = ("ttft", "tpot", "both")
 SLO_OUTCOMES = ("met", "missed")
 SHED_REASONS = ("ttl", "band_full", "queue_full", "evicted")
@@ -204,6 +220,7 @@ def exported_names() -> set[str]:
     names |= {f"ray_{c}_total" for c in COUNTERS}
     names |= {f"ray_{g}" for g in INGRESS_GAUGES}
     names |= {f"ray_{c}_total" for c in INGRESS_COUNTERS}
+    names |= {f"ray_{g}" for g in AUTOSCALE_GAUGES}
     for h in HISTOGRAMS:
         names |= {f"ray_{h}_bucket", f"ray_{h}_sum", f"ray_{h}_count"}
     return names

@@ -34,10 +34,12 @@ than ``Affinity.balance_abs`` requests outstanding beyond the least loaded one a
 ``Affinity.balance_rel`` times its count. Then both rankings fall back to load alone (prefix hits
 only break ties): affinity must not pile a popular prefix onto one replica while others idle.
 
-A replica that has not reported yet is assumed to be as large as the largest reported pool
-(replicas of one deployment share a pool size; a new replica's pool is empty), minus everything
-this router has sent it. Before any replica has reported this falls back to "fewest blocks
-outstanding from this router".
+A replica that has not reported yet while another has (one that autoscaling or a restart just
+added) ranks after every reported one: its pool and room are not known until it reports, so a
+burst is not sent to it on a guess; only a replica whose engine has failed ranks below it.
+Before any replica
+has reported, each is assumed to be as large as the others, minus everything this router has
+sent it: this falls back to "fewest blocks outstanding from this router".
 """
 
 from __future__ import annotations
@@ -186,6 +188,8 @@ class Ranked(Generic[K]):
     # keeping that target loses nothing more. Requests with a target gather first where their
     # target is already kept, seats allowing.
     unconstrained: bool = False
+    # It has not reported yet, while another replica has: ranked after the reported ones.
+    unreported: bool = False
 
 
 def charged_since_report(stats: RoutingStats | None, charges: Sequence[Charge]) -> list[Charge]:
@@ -270,6 +274,7 @@ def rank_replicas(
                 stats is not None
                 and stats.tpot_target_ms == round(request.tpot_target_s * 1000)
                 and stats.target_requests + len(unseen) < GATHER_MAX),
+            unreported=stats is None and bool(reported),
         ))
 
     eligible = [r for r in entries if not (r.dead or r.never_fits or r.saturated)]
@@ -280,7 +285,7 @@ def rank_replicas(
     )
 
     def order(r: Ranked[K]) -> tuple[Any, ...]:
-        head = (r.dead, r.never_fits, r.saturated, r.no_seat)
+        head = (r.dead, r.unreported, r.never_fits, r.saturated, r.no_seat)
         gather = balanced and r.unconstrained  # never past the balance rule
         if latency:
             if balanced:

@@ -252,7 +252,9 @@ class GenerateRequest:
     anything (``ErrorRecord.replica``): the router sends a retry elsewhere while it can.
     ``ttft_target_s``, ``tpot_target_s``: the latency its tier promises (None: no target); the
     replica's SLO-aware steps keep the TPOT target, the router prefers a replica with a seat
-    for it.
+    for it. ``waited_s``: seconds since the request reached the ingress (held there, or sent to
+    a replica that failed it): its time to first token counts from then (the replica's
+    autoscaling report, ``tierserve.replica.load_report``).
     """
 
     prompt_ids: tuple[int, ...]
@@ -266,6 +268,7 @@ class GenerateRequest:
     avoid_replicas: tuple[str, ...] = ()
     ttft_target_s: float | None = None
     tpot_target_s: float | None = None
+    waited_s: float = 0.0
 
     @property
     def prompt_tokens(self) -> int:

@@ -391,6 +391,8 @@ def test_the_capacity_system_runs_first() -> None:
     (["--prompt-len", "uniform:9:1"], "bad length"),
     (["--name", "a/b"], "--name"),
     (["--config", "configs/no-such.yaml"], "no-such.yaml"),
+    (["--client-nice", "20"], "--client-nice must be in [0, 19]"),
+    (["--client-nice", "-1"], "--client-nice must be in [0, 19]"),
 ])
 def test_bad_arguments_are_refused_before_anything_starts(
         argv: list[str], message: str, capsys: pytest.CaptureFixture[str],
@@ -398,3 +400,28 @@ def test_bad_arguments_are_refused_before_anything_starts(
     assert tiers.main([*argv, "--out-dir", str(tmp_path)]) == 2
     assert message in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
+
+
+def test_the_load_client_runs_nicer_than_the_cluster_and_so_do_its_threads() -> None:
+    """``--client-nice``: the run goes on a thread of its own at that much more niceness (Linux
+    sets it per thread), and threads it starts inherit it; this thread, the one that starts
+    the clusters, keeps its own."""
+    import os
+    import threading
+
+    def nice_here() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    mine = nice_here()
+
+    def run() -> tuple[int, int, int]:
+        seen: list[int] = []
+        child = threading.Thread(target=lambda: seen.append(nice_here()))
+        child.start()
+        child.join()
+        return threading.get_native_id(), nice_here(), seen[0]
+
+    tid, nice, child = tiers.niced(run, 5)
+    assert tid != threading.get_native_id() and nice == child == min(mine + 5, 19)
+    assert nice_here() == mine
+    assert tiers.niced(lambda: threading.get_native_id(), 0) == threading.get_native_id()

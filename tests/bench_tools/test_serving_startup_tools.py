@@ -7,7 +7,6 @@ answer or with clear errors it does not ask for fails ``serving``."""
 from __future__ import annotations
 
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -48,11 +47,10 @@ def test_wait_ready_returns_the_served_model_once_a_completion_of_it_is_answered
 
 def test_wait_ready_stops_at_once_on_a_refusal_for_good(
         sleeper: subprocess.Popen[bytes], log: Path) -> None:
-    with FakeApi(Behaviour(refuse=(404, "model_not_found"))) as api:
-        t0 = time.perf_counter()
-        with pytest.raises(RequestsFailed, match=r"was refused: 404 model_not_found"):
-            serving.wait_ready(sleeper, api.url, log, timeout_s=60)
-        assert time.perf_counter() - t0 < 30  # not the timeout
+    with FakeApi(Behaviour(refuse=(404, "model_not_found"))) as api, pytest.raises(
+            RequestsFailed, match=r"was refused: 404 model_not_found"):
+        serving.wait_ready(sleeper, api.url, log, timeout_s=60)
+    assert len(api.completions) == 1  # at once: no second try (not timed: a shared machine)
     with FakeApi(Behaviour(models=[])) as api, pytest.raises(RequestsFailed,
                                                              match="serves no model"):
         serving.wait_ready(sleeper, api.url, log, timeout_s=60)
@@ -169,11 +167,12 @@ def test_startup_sends_the_served_model(tmp_path: Path) -> None:
 
 @pytest.mark.usefixtures("no_launcher")
 def test_startup_stops_at_once_on_a_refusal_for_good(tmp_path: Path) -> None:
-    with FakeApi(Behaviour(refuse=(404, "model_not_found"))) as api:
-        t0 = time.perf_counter()
-        with pytest.raises(RequestsFailed, match="404 model_not_found"):
-            startup.measure("tierserve", 0, tmp_path / "c.yaml", api.port, tmp_path / "t.log")
-        assert time.perf_counter() - t0 < 30
+    with FakeApi(Behaviour(refuse=(404, "model_not_found"))) as api, pytest.raises(
+            RequestsFailed, match="404 model_not_found"):
+        startup.measure("tierserve", 0, tmp_path / "c.yaml", api.port, tmp_path / "t.log")
+    # At once: the first refusal ends the wait, no second try (no assertion on time: the
+    # machine is shared).
+    assert len(api.completions) == 1
 
 
 @pytest.mark.usefixtures("no_launcher")

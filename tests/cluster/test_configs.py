@@ -8,12 +8,13 @@ import pytest
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
-from tierserve.cluster.app import load_config
+from tierserve.cluster.app import POLICY, check_serve_config, load_config
 
 ROOT = Path(__file__).resolve().parents[2] / "configs"
 CPU, GPU = ROOT / "cluster.yaml", ROOT / "cluster-gpu.yaml"
 CPU_ONE = ROOT / "cpu-one-replica.yaml"
-CONFIGS = [CPU, GPU, CPU_ONE]
+AUTOSCALE = ROOT / "cluster-autoscale.yaml"
+CONFIGS = [CPU, GPU, CPU_ONE, AUTOSCALE]
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
@@ -27,6 +28,32 @@ def test_config_is_valid(path: Path) -> None:
     llm = next(d for d in app.deployments if d.name == "LLMServer")
     assert llm.request_router_config is not None
     assert cfg.engine.model
+    check_serve_config(raw)
+
+
+def test_autoscaling_is_one_block_of_the_default_config() -> None:
+    """configs/cluster-autoscale.yaml is the default config with the engine deployment's
+    ``num_replicas`` replaced by an ``autoscaling_config`` on tierserve's policy (and Serve's
+    graceful shutdown given time to finish what a replica holds)."""
+    cpu, auto = (yaml.safe_load(p.read_text()) for p in (CPU, AUTOSCALE))
+    llm = {c: next(d for d in raw["applications"][0]["deployments"] if d["name"] == "LLMServer")
+           for c, raw in (("cpu", cpu), ("auto", auto))}
+    scaling = llm["auto"].pop("autoscaling_config")
+    assert llm["cpu"].pop("num_replicas") == scaling["max_replicas"] == 2
+    assert scaling["min_replicas"] == 1
+    assert scaling["policy"]["policy_function"] == POLICY
+    assert scaling["upscale_delay_s"] == scaling["downscale_delay_s"] == 0
+    assert llm["auto"].pop("graceful_shutdown_timeout_s") >= 30
+    llm["auto"].pop("graceful_shutdown_wait_loop_s")
+    assert llm["auto"] == llm["cpu"]
+    for raw in (cpu, auto):
+        raw["applications"][0]["deployments"] = [
+            d for d in raw["applications"][0]["deployments"] if d["name"] != "LLMServer"]
+    assert cpu == auto
+    # Serve builds the policy from its kwargs, as its controller will.
+    from tierserve.cluster.autoscaling import TierPolicy
+
+    assert TierPolicy(**scaling["policy"]["policy_kwargs"]).params.downscale_after_s == 60
 
 
 def test_default_config_binds_loopback_and_runs_two_cpu_replicas() -> None:

@@ -24,6 +24,7 @@ from tierserve.records import (
     failed_before_first_token,
 )
 from tierserve.replica.deployment import LLMServer
+from tierserve.replica.load_report import LoadWindow
 
 # ------------------------------------------------------------------ the builder
 
@@ -148,6 +149,7 @@ def replica_stream(steps: Sequence[RequestOutput]) -> list[RequestOutput | Error
     engine = FakeEngine(steps)
     server.engine = engine  # type: ignore[assignment]
     server.replica_id = "replica-7"
+    server.load = LoadWindow(block_size=16)
 
     async def go() -> list[RequestOutput | ErrorRecord]:
         request = GenerateRequest((1, 2, 3), SamplingParams(max_tokens=4), n=2)

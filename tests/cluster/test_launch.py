@@ -1,6 +1,6 @@
 """The launcher's checks before anything starts (``tierserve serve CONFIG``, what ``make serve``
 runs, and ``python -m tierserve.cluster.launch CONFIG``): a missing config file, a missing or
-unknown command."""
+unknown command, a config that does not validate."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 
 from tierserve.cluster import launch
 
@@ -32,6 +34,35 @@ def test_launch_refuses_a_missing_config(
     assert f"no config file at {missing}" in capsys.readouterr().err
     assert launch.cli(["serve", str(missing), "--metrics-port", "0"]) == 2
     assert f"no config file at {missing}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (lambda raw: raw["applications"][0]["args"]["engine"].update(block_size=-1),
+     "engine.block_size"),
+    (lambda raw: raw["applications"][0]["deployments"][0].update(num_replicas="many"),
+     "invalid Serve config"),
+    (lambda raw: raw["applications"][0]["deployments"][0]["autoscaling_config"]["policy"][
+        "policy_kwargs"].update(kv_low=0.95),
+     "applications.0.deployments.LLMServer.autoscaling_config.policy.policy_kwargs: Value "
+     "error, kv_low (0.95) must be below kv_high"),
+    (lambda raw: raw["applications"][0]["deployments"][0]["autoscaling_config"]["policy"][
+        "policy_kwargs"].update(upscale_after=5),
+     "policy_kwargs.upscale_after: Extra inputs are not permitted"),
+])
+def test_launch_refuses_a_config_that_does_not_validate(
+    capsys: pytest.CaptureFixture[str], no_ray: None, tmp_path: Path,
+    edit: Any, needle: str,
+) -> None:
+    raw = yaml.safe_load((ROOT / "configs" / "cluster-autoscale.yaml").read_text())
+    edit(raw)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(raw))
+    assert launch.main([str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert needle in err, err
+    bad.write_text("applications: [")
+    assert launch.main([str(bad)]) == 2
+    assert "while parsing" in capsys.readouterr().err
 
 
 def test_the_console_script_names_its_commands(

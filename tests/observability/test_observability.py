@@ -4,7 +4,8 @@ One Ray instance for the module, started here with its metrics exported on a fre
 ``make serve`` does on 8080) and a 2 s metrics report interval instead of Ray's 10 s, so the
 counters reach the endpoint sooner (gauges then expire after 4 s unless refreshed: a stricter
 check of the replicas' gauge refresher than the default 20 s). The app is the YAML's
-(``configs/cluster.yaml``, with the tiers' test API keys) with one small engine replica: 16 KV
+(``configs/cluster.yaml``, with the tiers' test API keys) with one small engine replica (on the
+autoscaling policy, held at one replica, so that its gauges are exported too): 16 KV
 blocks of 16 tokens, 4 running sequences, a queue of 4 (batch is shed from 2 waiting, standard
 from 3, interactive refused at 4).
 
@@ -45,6 +46,7 @@ from tests.cluster.helpers import (
 from tests.observability import promql
 from tests.tools import Prometheus
 from tierserve.bench import load as loadgen
+from tierserve.cluster.app import POLICY
 from tierserve.replica.metrics import EXPORTED, GAUGES
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -125,7 +127,16 @@ def cluster() -> Iterator[Cluster]:
              _system_config={"metrics_report_interval_ms": REPORT_INTERVAL_MS})
     try:
         client = start_serve(http_port)
-        deploy(client, [app_config(APP, "/", ENGINE, {}, {"LLMServer": {"num_replicas": 1}})])
+        config = app_config(APP, "/", ENGINE, {})
+        llm = next(d for d in config["deployments"] if d["name"] == "LLMServer")
+        # One replica, on tierserve's autoscaling policy held at one (min = max): Serve's
+        # controller then exports the policy's gauges too (the dashboard's autoscaling panels).
+        llm.pop("num_replicas")
+        llm["autoscaling_config"] = {
+            "min_replicas": 1, "max_replicas": 1, "initial_replicas": 1,
+            "metrics_interval_s": 1, "look_back_period_s": 2, "upscale_delay_s": 0,
+            "downscale_delay_s": 0, "policy": {"policy_function": POLICY}}
+        deploy(client, [config])
         app = ServeApp(APP, f"http://127.0.0.1:{http_port}", 1)
         app.wait_ready()
         yield Cluster(app, f"http://127.0.0.1:{metrics_port}/metrics")
@@ -285,6 +296,21 @@ def test_a_scrape_holds_every_exported_metric(cluster: Cluster, provoked: Provok
     assert replicas == {name.rsplit("#", 1)[1] for name in cluster.app.replicas()}
     tiers = set(by_label(samples, "ray_tierserve_time_to_first_token_seconds_count", "tier"))
     assert {"interactive", "standard", "batch"} <= tiers
+
+
+def test_the_autoscaling_policy_exports_its_decision(cluster: Cluster) -> None:
+    """Serve's controller runs tierserve's policy for the replica and exports what it decided:
+    one replica asked for and running, exactly one reason current, every signal."""
+    samples = cluster.wait_scrape(
+        "the autoscaling policy's gauges",
+        lambda ss: bool(ours(ss, "ray_tierserve_autoscale_target_replicas"))
+        and bool(ours(ss, "ray_tierserve_autoscale_signal")))
+    assert [s.value for s in ours(samples, "ray_tierserve_autoscale_target_replicas")] == [1.0]
+    assert [s.value for s in ours(samples, "ray_tierserve_autoscale_running_replicas")] == [1.0]
+    reasons = by_label(samples, "ray_tierserve_autoscale_reason", "reason")
+    assert sum(reasons.values()) == 1.0 and set(reasons) >= {"steady", "room_to_spare"}, reasons
+    assert set(by_label(samples, "ray_tierserve_autoscale_signal", "signal")) == {
+        "miss_ratio", "kv", "busy", "waiting", "preemptions"}
 
 
 def total(samples: list[Sample], name: str) -> float:

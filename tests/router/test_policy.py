@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 
@@ -130,14 +131,21 @@ def test_ties_are_broken_at_random() -> None:
     assert order(loads, seed=7) == order(loads, seed=7)
 
 
-def test_unreported_replica_is_assumed_as_large_as_the_largest_pool() -> None:
-    loads = [ReplicaLoad("old", stats(20, total=100)), ReplicaLoad("new", None)]
-    assert order(loads) == ["new", "old"]
-    ranked = rank_replicas(loads, RequestShape(31, latency=True), random.Random(0))
-    assert ranked[0].est_free == 100
-    # ... minus everything this router has sent it (no report: all charges are unseen).
-    loads[1] = ReplicaLoad("new", None, [Charge(50, T0 - 5), Charge(40, T0 + 5)])
-    assert order(loads) == ["old", "new"]
+def test_a_replica_is_ranked_only_once_it_reports_its_pool() -> None:
+    """A new replica (autoscaling, a restart) goes after every reported one, even a busy or
+    saturated one, until its report says what its pool holds; then it is ranked on it."""
+    old = stats(20, total=100)
+    for loads in ([ReplicaLoad("old", old), ReplicaLoad("new", None)],
+                  [ReplicaLoad("new", None), ReplicaLoad("old", stats(0, total=100, waiting=30))]):
+        for latency in (False, True):
+            ranked = rank_replicas(loads, RequestShape(31, latency=latency), random.Random(0))
+            assert [r.key for r in ranked] == ["old", "new"]
+            assert ranked[1].unreported and not ranked[0].unreported
+    assert order([ReplicaLoad("old", old), ReplicaLoad("new", stats(100, total=100))]) == [
+        "new", "old"]
+    # Only a dead replica ranks below it.
+    dead = ReplicaLoad("old", replace(old, alive=False))
+    assert order([dead, ReplicaLoad("new", None)]) == ["new", "old"]
 
 
 def test_without_any_report_fewest_outstanding_blocks_wins() -> None:

@@ -205,13 +205,50 @@ def test_unconfirmed_tentative_charges_expire() -> None:
     run(body, FakeReplica("a", 100), tentative_ttl_s=0.05)
 
 
-def test_replicas_without_a_report_get_traffic() -> None:
+def test_a_new_replica_takes_traffic_once_it_reports_and_a_burst_only_to_its_room() -> None:
+    """Autoscaling adds a replica: until its first report it gets nothing (its pool is not
+    known); then a burst of long requests is spread, and what goes to the new, empty replica
+    stays within its room (its pool, at every request's full length)."""
     async def body(router: FreeKVBlocksRouter, reps: list[FakeReplica]) -> None:
-        reps[1].routing_stats = {}  # just started
+        old, new = reps
+        new.routing_stats = {}  # just started
         router.update_replicas(cast(list[RunningReplica], reps))
-        assert await choose(router, request()) == "new"
+        assert await choose(router, request()) == "old"
+        new.report(64, total=64)
+        router.update_replicas(cast(list[RunningReplica], reps))
+        sent: Counter[str] = Counter()
+        for _ in range(24):
+            pr = request(prompt=255, latency=False)  # 16 blocks at its full length + 2 more
+            name = await choose(router, pr)
+            rep = old if name == "old" else new
+            router.on_request_routed(pr, rep.replica_id, RESULT)
+            sent[name] += 1
+        assert sent["new"] >= 1 and sent["old"] >= 1
+        assert sent["new"] * 18 <= 64 + 18, sent  # never beyond its room once it is full
 
-    run(body, FakeReplica("old", 40, total=256), FakeReplica("new", 0))
+    run(body, FakeReplica("old", 900, total=1000, committed_blocks=100), FakeReplica("new", 0))
+
+
+def test_a_replica_serve_stops_is_dropped_with_its_charges_and_prefix_entries() -> None:
+    """Scaling down: Serve's broadcast of the running set leaves the stopping replica out; the
+    router forgets what it sent there and the prefixes it recorded there, and never ranks it."""
+    async def body(router: FreeKVBlocksRouter, reps: list[FakeReplica]) -> None:
+        sent = GenerateRequest((7,) * 64, SamplingParams(max_tokens=8), latency=True,
+                               prefix_hashes=(11, 12, 13, 14))
+        pr = PendingRequest(args=[sent], kwargs={}, metadata=metadata("p1"))
+        name = await choose(router, pr)
+        gone = next(r for r in reps if r.replica_id.unique_id == name)
+        router.on_request_routed(pr, gone.replica_id, RESULT)
+        state = router._state
+        assert state.index.size(gone.replica_id) > 0 and state.ledger.charges(gone.replica_id)
+        stay = [r for r in reps if r is not gone]
+        router.update_replicas(cast(list[RunningReplica], stay))
+        assert state.index.size(gone.replica_id) == 0
+        assert state.ledger.charges(gone.replica_id) == []
+        for _ in range(5):
+            assert await choose(router, request()) != name
+
+    run(body, FakeReplica("a", 100), FakeReplica("b", 100))
 
 
 def test_malformed_report_is_treated_as_no_report() -> None:
