@@ -316,9 +316,3 @@ class TierPolicy:
         except OSError as e:
             log.warning("tierserve autoscaling: cannot write the trace %s: %s", self.trace, e)
             self.trace = None
-
-
-def replicas_for(kv: float, replicas: int, kv_high: float) -> int:
-    """Replicas that would bring a mean promised-KV share ``kv`` on ``replicas`` under
-    ``kv_high`` (for sizing a config; the policy itself steps one replica at a time)."""
-    return max(1, math.ceil(kv * replicas / kv_high))

@@ -6,6 +6,7 @@ answer or with clear errors it does not ask for fails ``serving``."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,9 +22,15 @@ from tierserve.bench.common import RequestsFailed
 DEFAULT = Path(__file__).resolve().parents[2] / "configs" / "cluster.yaml"
 
 
+def _default_sigint() -> None:
+    """In the stand-in process: Ctrl-C (``stop``'s SIGINT) ends it, as it ends the real
+    launcher, even where the tests run with SIGINT ignored (a background job of a shell)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.fixture
 def sleeper() -> Iterator[subprocess.Popen[bytes]]:
-    proc = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    proc = subprocess.Popen(["sleep", "60"], start_new_session=True, preexec_fn=_default_sigint)
     yield proc
     serving.stop(proc)
 
@@ -144,7 +151,7 @@ def no_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
 
     def popen(cmd: list[str], **kw: Any) -> subprocess.Popen[bytes]:
         assert cmd[1:3] == ["-m", "tierserve.cluster.launch"]
-        return real(["sleep", "60"], **kw)
+        return real(["sleep", "60"], preexec_fn=_default_sigint, **kw)
 
     monkeypatch.setattr(startup.subprocess, "Popen", popen)
 

@@ -6,6 +6,7 @@ bench stops with exit status 1 and the level's verdict in its report."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 from collections.abc import Mapping
 from pathlib import Path
@@ -71,7 +72,10 @@ def run_main(tmp_path: Path, api: FakeApi, monkeypatch: pytest.MonkeyPatch,
         if accept_only_the_interactive_key:
             api.behaviour.only_key = key
         assert tiers.ready(url, key)
-        return subprocess.Popen(["sleep", "60"], start_new_session=True), 0.1
+        # Ctrl-C (the bench's stop) ends it, even where SIGINT is ignored (a background job).
+        return subprocess.Popen(["sleep", "60"], start_new_session=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT,
+                                                                 signal.SIG_DFL)), 0.1
 
     monkeypatch.setattr(tiers, "start_cluster", start)
     monkeypatch.setattr(tiers, "answers", lambda call: False)  # "nothing serves there yet"

@@ -198,6 +198,24 @@ class ServeApp:
             timeout_s,
         )
 
+    def until_every_replica_serves(self, timeout_s: float = 120.0) -> None:
+        """Short completions until every replica has run a step for one, then until all are
+        idle again: the ingress's router ranks a replica only once the replica's first report
+        has reached it, so a test that needs the router to choose between all of them waits
+        for this (``wait_ready`` asks the replicas themselves)."""
+        before = {k: int(v["steps"]) for k, v in self.replica_stats().items()}
+
+        def served() -> bool:
+            for i in range(4):
+                r = httpx.post(self.url("/v1/completions"), timeout=60, json={
+                    "model": MODEL, "prompt": f"warm {i}", "max_tokens": 2})
+                assert r.status_code == 200, r.text
+            now = {k: int(v["steps"]) for k, v in self.replica_stats().items()}
+            return len(now) == self.num_replicas and all(now[k] > before.get(k, 0) for k in now)
+
+        wait_for(f"{self.name}: every replica serving", served, timeout_s, every_s=0.5)
+        self.wait_idle()
+
     def wait_ready(self) -> None:
         """The app runs, has all its replicas and every one is idle; records the baseline."""
         wait_for(f"{self.name} to run",

@@ -126,24 +126,6 @@ def test_a_queueing_load_scales_up_then_down_and_loses_nothing(
     app.wait_idle()  # every KV block free, nothing queued
 
 
-def until_every_replica_serves(app: ServeApp, timeout_s: float = 120.0) -> None:
-    """Short requests until every replica has run a step for one: the ingress's router ranks a
-    new replica only once it has reported its pool, so until then it gets nothing."""
-    before = {k: int(v["steps"]) for k, v in app.replica_stats().items()}
-
-    async def few() -> None:
-        async with httpx.AsyncClient(base_url=app.base_url, timeout=60) as c:
-            complete(list(await asyncio.gather(*(stream_one(c, 4, f"warm {i}")
-                                                 for i in range(4)))))
-
-    def served() -> bool:
-        asyncio.run(few())
-        now = {k: int(v["steps"]) for k, v in app.replica_stats().items()}
-        return len(now) == app.num_replicas and all(now[k] > before.get(k, 0) for k in now)
-
-    wait_for("every replica serving", served, timeout_s, every_s=0.5)
-
-
 def test_a_replica_taken_away_finishes_what_it_streams(
         auto: tuple[LocalServe, ServeApp]) -> None:
     """Two replicas stream; the config goes to one: the replica Serve stops drains first."""
@@ -152,8 +134,7 @@ def test_a_replica_taken_away_finishes_what_it_streams(
     wait_for("two replicas", lambda: running(app) == 2, timeout_s=180, every_s=0.5)
     app.num_replicas = 2
     app.wait_ready()
-    until_every_replica_serves(app)
-    app.wait_idle()
+    app.until_every_replica_serves()
 
     async def go() -> list[Outcome]:
         async with httpx.AsyncClient(base_url=app.base_url, timeout=180) as c:
@@ -185,8 +166,7 @@ def test_a_replica_killed_while_it_drains_loses_nothing_that_had_not_streamed(
     wait_for("two fresh replicas", lambda: running(app) == 2, timeout_s=180, every_s=0.5)
     app.num_replicas = 2
     app.wait_ready()
-    until_every_replica_serves(app)
-    app.wait_idle()
+    app.until_every_replica_serves()
 
     async def go() -> tuple[list[Outcome], str]:
         async with httpx.AsyncClient(base_url=app.base_url, timeout=180) as c:

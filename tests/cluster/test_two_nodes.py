@@ -89,6 +89,7 @@ def test_requests_reach_both_nodes_ranked_by_kv_room(
 ) -> None:
     app, names = two_nodes
     nodes = app.node_ids()
+    app.until_every_replica_serves()  # the router has both replicas' reports
     with contextlib.ExitStack() as stack:
         client = stack.enter_context(httpx.Client(base_url=app.base_url, timeout=120))
         # A 700-token prompt holds 44 of one replica's 96 blocks now, and is promised 94 of them
