@@ -94,10 +94,10 @@ def timeline(results: Sequence[tuple[float, Result]], trace: Sequence[dict[str, 
     """Per ``BIN_S`` bin from ``start``: requests sent per second, the interactive share within
     targets, and the replicas (target and running) at the bin's end."""
     rows = []
+    inter = [(w, r) for w, r in results if r.cls == "interactive"]
     t = start
     while t < end:
         sent = [r for w, r in results if t <= w < t + BIN_S]
-        inter = [(w, r) for w, r in results if r.cls == "interactive"]
         last = next((x for x in reversed(trace) if x["t"] < t + BIN_S), None)
         rows.append({"t": round(t - start, 1), "sent_per_s": round(len(sent) / BIN_S, 3),
                      "interactive": attainment(inter, interactive, t, t + BIN_S),

@@ -45,7 +45,7 @@ TRACE_ENV = "TIERSERVE_AUTOSCALE_TRACE"
 policy appends what it saw and decided to that file, one JSON line a second (``TRACE_PERIOD_S``)
 and one for every decision that changes the replicas:
 the recorded traces the tests replay, and ``tierserve.bench.autoscale``'s timeline."""
-TRACE_PERIOD_S = 1.0
+TRACE_PERIOD_S = 1.0  # also how often the gauges are refreshed
 UP_REASONS = ("missed_targets", "kv_pressure", "waiting", "preemptions")
 REASONS = ("steady", "changing", *UP_REASONS, "room_to_spare", "bounds")
 
@@ -119,8 +119,8 @@ class Signals:
 
 @dataclass(frozen=True, slots=True)
 class Decision:
-    """What the policy answers: ``replicas`` (before Serve's bounds), ``action`` (hold, up or
-    down), ``reason`` (one of ``REASONS``) and what it saw."""
+    """What the policy answers: ``replicas`` (within the bounds ``decide`` was given),
+    ``action`` (hold, up or down), ``reason`` (one of ``REASONS``) and what it saw."""
 
     replicas: int
     action: str
@@ -278,7 +278,7 @@ class TierPolicy:
         self.params = AutoscalePolicyConfig(**policy_kwargs)
         path = os.environ.get(TRACE_ENV)
         self.trace = Path(path) if path else None
-        self._traced = -math.inf
+        self._traced = self._exported = -math.inf
 
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
         state = dict(ctx.policy_state or {})
@@ -295,9 +295,14 @@ class TierPolicy:
                                        or ctx.current_time - self._traced >= TRACE_PERIOD_S):
             self._traced = ctx.current_time
             self._record(ctx, reports, decision)
-        if decision.action != HOLD or state.get("tierserve_last") != decision.reason:
+        changed = decision.action != HOLD or state.get("tierserve_last") != decision.reason
+        if changed:
             log.info("tierserve autoscaling %s: %s", ctx.deployment_name, decision.describe())
-        _export(str(ctx.app_name or ""), ctx.deployment_name, decision)
+        # Serve calls this about ten times a second, in its control loop: the gauges need a
+        # refresh a second (Ray lets one expire after about 20 s), and at once on a change.
+        if changed or ctx.current_time - self._exported >= TRACE_PERIOD_S:
+            self._exported = ctx.current_time
+            _export(str(ctx.app_name or ""), ctx.deployment_name, decision)
         state.update({"tierserve": mine, "tierserve_last": decision.reason,
                       "tierserve_decision": asdict(decision)})
         return decision.replicas, state

@@ -70,6 +70,7 @@ from tierserve.records import (
     TokenLogprob,
     failed_before_first_token,
     share_of,
+    targets_kept,
 )
 from tierserve.replica.models.meta import load_model_config, load_tokenizer
 from tierserve.replica.prefix_cache import block_hashes
@@ -534,13 +535,14 @@ class Ingress:
         tier = route.caller.tier
         if tier.ttft_target_s is None and tier.tpot_target_s is None:
             return
-        ttft_met = tpot_met = None
-        if tier.ttft_target_s is not None:
-            ttft_met = (not failed and route.first is not None
-                        and route.first - route.arrival <= tier.ttft_target_s)
-        if tier.tpot_target_s is not None and not failed and route.tokens > 1:
-            assert route.first is not None and route.last is not None
-            tpot_met = (route.last - route.first) / (route.tokens - 1) <= tier.tpot_target_s
+        ttft_s = tpot_s = None
+        if not failed and route.first is not None:
+            ttft_s = route.first - route.arrival
+            if route.tokens > 1:
+                assert route.last is not None
+                tpot_s = (route.last - route.first) / (route.tokens - 1)
+        ttft_met, tpot_met = targets_kept(ttft_s, tpot_s, tier.ttft_target_s,
+                                          tier.tpot_target_s)
         both = not failed and ttft_met is not False and tpot_met is not False
         self.metrics.slo(tier.name, ttft_met, tpot_met, both)
 

@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from tierserve.arith import ceil_div
+from tierserve.records import targets_kept
 
 WINDOW_S = 10.0
 """Seconds of finished requests (and of step time and preemptions) a report covers."""
@@ -141,9 +142,7 @@ def within_targets(ttft_s: float | None, tpot_s: float | None, ttft_target_s: fl
                    tpot_target_s: float | None) -> bool:
     """Whether a finished request kept its tier's targets: a first token (``ttft_s`` None: it
     never produced one) within ``ttft_target_s``, and a time per output token (None: one token,
-    nothing to judge) within ``tpot_target_s``; a target of None is always kept."""
-    if ttft_s is None:
-        return False
-    if ttft_target_s is not None and ttft_s > ttft_target_s:
-        return False
-    return not (tpot_target_s is not None and tpot_s is not None and tpot_s > tpot_target_s)
+    nothing to judge) within ``tpot_target_s``; a target of None is always kept
+    (``tierserve.records.targets_kept``, both)."""
+    return ttft_s is not None and False not in targets_kept(ttft_s, tpot_s, ttft_target_s,
+                                                            tpot_target_s)

@@ -399,6 +399,17 @@ class InvalidToken(ValueError):
         self.param = param
 
 
+def targets_kept(ttft_s: float | None, tpot_s: float | None, ttft_target_s: float | None,
+                 tpot_target_s: float | None) -> tuple[bool | None, bool | None]:
+    """Whether a request kept each of its tier's targets: (TTFT, TPOT), None where the tier sets
+    no such target. ``ttft_s`` None: no first token (misses a TTFT target); ``tpot_s`` None:
+    at most one token, nothing to judge (no verdict on TPOT). The ingress counts goodput with
+    it, a replica its autoscaling report."""
+    ttft = None if ttft_target_s is None else ttft_s is not None and ttft_s <= ttft_target_s
+    tpot = (None if tpot_target_s is None or tpot_s is None else tpot_s <= tpot_target_s)
+    return ttft, tpot
+
+
 def share_of(capacity: int, share: float) -> int:
     """A tier's part of a bound: ``share`` of ``capacity``, at least one. The ingress bounds each
     tier's requests in flight with it, a replica each tier's part of its waiting queue."""

@@ -386,3 +386,19 @@ def test_busy_is_a_share_of_the_window() -> None:
 def test_within_targets(ttft: float | None, tpot: float | None, ttft_target: float | None,
                         tpot_target: float | None, ok: bool) -> None:
     assert within_targets(ttft, tpot, ttft_target, tpot_target) is ok
+
+
+@pytest.mark.parametrize("ttft, tpot, ttft_target, tpot_target, kept", [
+    (1.0, 0.05, 3.0, 0.1, (True, True)),
+    (None, None, 3.0, 0.1, (False, None)),  # no first token: TTFT missed, TPOT not judged
+    (1.0, None, 3.0, 0.1, (True, None)),  # one token
+    (4.0, 0.2, None, 0.1, (None, False)),
+    (4.0, 0.2, None, None, (None, None)),
+])
+def test_targets_kept_one_verdict_per_target(
+        ttft: float | None, tpot: float | None, ttft_target: float | None,
+        tpot_target: float | None, kept: tuple[bool | None, bool | None]) -> None:
+    """What the ingress counts as goodput and a replica reports to the autoscaler."""
+    from tierserve.records import targets_kept
+
+    assert targets_kept(ttft, tpot, ttft_target, tpot_target) == kept
