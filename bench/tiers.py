@@ -86,7 +86,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -795,6 +795,15 @@ def summarize_level(run: RunData, cfg: LoadConfig, workload: Workload, multiple:
     }
 
 
+def append_results(path: Path, system: str, multiple: float, results: Iterable[Result]) -> None:
+    """Every request of one level as a JSON line (the client's view: start, first and last
+    token, status, tokens; times in seconds since the level started), for looking at misses
+    one by one."""
+    with open(path, "a") as f:
+        for r in results:
+            f.write(json.dumps({"system": system, "multiple": multiple, **asdict(r)}) + "\n")
+
+
 def write_report(report: Mapping[str, Any], out_dir: Path, name: str) -> Path:
     path = out_dir / f"{name}.json"
     tmp = path.with_suffix(".json.tmp")
@@ -829,6 +838,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--client-nice", type=int, default=0,
                    help="run the load client this much nicer than the cluster (0 to 19; "
                    "the client shares the server's cores)")
+    p.add_argument("--results", action="store_true",
+                   help="also write every request, a JSON line each, to OUT_DIR/NAME_requests.jsonl")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--dry-run", action="store_true", help="write the configs, start nothing")
@@ -913,6 +924,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if answers(lambda: httpx.get(f"{url}/v1/models", timeout=5)):
         print(f"tierserve.bench.tiers: something already serves on {url}; stop it first", file=sys.stderr)
         return 1
+    if args.results:  # this run's requests only
+        (out_dir / f"{args.name}_requests.jsonl").unlink(missing_ok=True)
     raise_fd_limit()
     keys = new_keys()
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")} | keys
@@ -966,6 +979,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         level = summarize_level(run, cfg, workload, mult, targets[s], after, idle)
                         level["verdict"] = loadgen.run_verdict(run.results).record()
                         entry["levels"].append(level)
+                        if args.results:
+                            append_results(out_dir / f"{args.name}_requests.jsonl", s, mult,
+                                           run.results)
                         write_report(report, out_dir, args.name)
                         check_run(run, f"{s}: level {mult:g}x")
                 finally:

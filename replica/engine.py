@@ -341,6 +341,8 @@ class Engine:
             seats=s.seats,
             tpot_target_s=self.scheduler.strictest_target() or 0.0,
             target_requests=self.scheduler.strictest_count(),
+            target_prefill=self.scheduler.strictest_prefill(),
+            slo_steps=self.scheduler.slo_steps,
         )
 
     # ------------------------------------------------------------------ the step

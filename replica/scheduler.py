@@ -441,6 +441,22 @@ class Scheduler:
         t = self.strictest_target()
         return self._targets[t] if t is not None else 0
 
+    def strictest_prefill(self) -> int:
+        """Prompt positions not yet computed of the unfinished requests holding the strictest
+        TPOT target (0 without one): the prefill a new request of that target finds ahead of it
+        (a waiting one counts its whole prompt: what its cache holds is known at admission)."""
+        t = self.strictest_target()
+        if t is None:
+            return 0
+        ahead = sum(len(s.tokens) - s.computed for s in self._running
+                    if s.target == t and len(s.tokens) - s.computed > 1)
+        return ahead + sum(len(s.tokens) for s in self._waiting.items() if s.target == t)
+
+    @property
+    def slo_steps(self) -> bool:
+        """Whether SLO-aware steps are on (§8)."""
+        return self.cost is not None
+
     def strictest_target(self) -> float | None:
         """The strictest TPOT target of the unfinished requests (None: none, or steps off)."""
         if self.cost is None or not self._targets:
@@ -476,7 +492,16 @@ class Scheduler:
         # With a limit, part of the step is kept for the strictest tier's prompts (their first
         # token has a target too): lower tiers' decodes fill the rest.
         reserve = self._reserve(limit, protected) if limit is not None else StepShape()
-        floors = [1]  # a block's worth past the limit, for one protected prompt a step
+        floors = [1]  # a block's worth past the limit, while no protected prompt has a chunk
+        kept = [reserve.tokens]  # of the reserve, what protected chunks have not yet taken
+
+        def with_reserve(shape: StepShape, seq: _Seq) -> StepShape:
+            """What a chunk of ``seq`` is timed against: the step so far, plus what is still
+            kept for the strictest tier's prompts unless ``seq`` is one of them."""
+            k = kept[0]
+            if k <= 0 or protected(seq):
+                return shape
+            return shape.plus(k, 1, chunk_attention(0, k))
 
         # Phase 1: decodes, highest rank first. ``running`` is re-read: _grow may preempt from
         # its bottom, never a request already scheduled.
@@ -517,10 +542,12 @@ class Scheduler:
                 continue
             take = policy.chunk_len(remaining, budget, not fed)
             if take > 0 and limit is not None and cost is not None:
-                take = self._timed_chunk(seq.computed, take, shape, limit,
+                take = self._timed_chunk(seq.computed, take, with_reserve(shape, seq), limit,
                                          protected(seq), floors)
                 if take == 0:
                     paused.append(seq)
+                elif protected(seq):
+                    kept[0] -= take
             if take > 0:
                 start = seq.computed
                 out.prefill.append(Chunk(seq.id, start, take, take == remaining,
@@ -542,7 +569,7 @@ class Scheduler:
                 # would otherwise hand it its own blocks back at once, and it would thrash).
                 break
             if (limit is not None and not protected(head)
-                    and not self._fits(head, fed, shape, limit)):
+                    and not self._fits(head, fed, with_reserve(shape, head), limit)):
                 # It would take the step, or the decodes to come, past the limit: it waits.
                 found = None if passed else self._first_protected_waiting(protected, out)
                 passed = True
@@ -566,9 +593,12 @@ class Scheduler:
             remaining = len(head.tokens) - cached
             take = policy.chunk_len(remaining, budget, not fed)
             if take > 0 and limit is not None and cost is not None:
-                take = self._timed_chunk(cached, take, shape, limit, protected(head), floors)
+                take = self._timed_chunk(cached, take, with_reserve(shape, head), limit,
+                                         protected(head), floors)
                 if take and not protected(head) and not self._carries(head, fed, limit):
                     take = 0  # it would slow the decodes past the limit once it decodes
+                if protected(head):
+                    kept[0] -= take
             if take == 0:
                 blocks.release(head.id)  # all or nothing: it waits, holding nothing
                 break
@@ -634,14 +664,16 @@ class Scheduler:
     def _timed_chunk(self, start: int, take: int, shape: StepShape, limit: float,
                      protect: bool, floors: list[int]) -> int:
         """The part of a ``take``-token chunk (after ``start`` computed positions) that keeps the
-        step within ``limit``; the first request of the strictest tier a step that fits nothing
-        gets a block's worth all the same (its first token has a target too), and uses up
-        ``floors``."""
+        step within ``limit`` (``shape``: the step so far, with what is kept for the strictest
+        tier's prompts unless this is one). A request of that tier that fits nothing gets a
+        block's worth all the same while none of its tier has a chunk in this step (its first
+        token has a target too); a chunk of that tier uses up ``floors``."""
         assert self.cost is not None
         fit = self.cost.max_tokens(shape, limit, start, take, new_sequence=True)
         if protect and fit == 0 and floors[0] > 0:
-            floors[0] -= 1
             fit = min(take, self._blocks.block_size)
+        if protect and fit > 0:
+            floors[0] = 0  # one protected prompt progressing a step is all the floor promises
         return fit
 
     def _fits(self, head: _Seq, fed: list[tuple[_Seq, int]], shape: StepShape,

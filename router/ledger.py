@@ -21,6 +21,7 @@ not thread-safe: the router holds its lock around every call.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
@@ -74,7 +75,7 @@ class InFlightLedger(Generic[R]):
     ) -> None:
         """Charge the request (routing ``key``) to the replica ranked first, as of ``now``."""
         self.tentative[key] = Tentative(
-            best.key, request_id, Charge(best.need, now, best.full), holder
+            best.key, request_id, Charge(best.need, now, best.full, best.own_prefill), holder
         )
 
     def drop_tentative(self, key: Hashable) -> None:
@@ -86,21 +87,19 @@ class InFlightLedger(Generic[R]):
         replica: R,
         request_id: Hashable,
         now: float,
-        recharge: Callable[[], tuple[int, int]],
+        recharge: Callable[[], Charge],
         holder: object = None,
     ) -> Charge:
         """``replica`` took the request: its charge is confirmed there, dated ``now``.
 
         The tentative charge moves when it was made for this replica (and this ``holder``);
         otherwise the request went elsewhere (the first choice was full) and ``recharge()``
-        gives its ``(blocks, full blocks)`` on ``replica``.
+        gives its charge on ``replica`` (dated here).
         """
         t = self.tentative.pop(key, None)
-        if t is not None and t.holder is holder and t.replica == replica:
-            blocks, full = t.charge.blocks, t.charge.full
-        else:
-            blocks, full = recharge()
-        charge = Charge(blocks, now, full)
+        base = (t.charge if t is not None and t.holder is holder and t.replica == replica
+                else recharge())
+        charge = dataclasses.replace(base, routed_at=now)
         self.confirmed.setdefault(replica, {}).setdefault(request_id, []).append(charge)
         return charge
 

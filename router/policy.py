@@ -19,7 +19,10 @@ Two rankings, by the request's kind:
   queue's blocks plus the unseen charges: a long prompt admitted in the same step delays
   everyone's first token, and a request that has to wait for blocks waits for decodes to finish)
   plus the request's own uncached positions, so a cached system prompt weighs against a queue;
-  then the most free blocks.
+  then the most free blocks. Where the replica's SLO-aware steps let a request of the strictest
+  target pass the lower tiers' queue (``RoutingStats.slo_steps``), only the prompts of its own
+  target are ahead of it: the reported ``target_prefill`` and the latency requests sent since
+  (``target_work``).
 - Throughput (lower priorities): the replica that can take the whole request without
   preempting anyone and has the least of this router's work. First those whose committed blocks
   (every unfinished request at its full ``max_tokens``, plus the unseen charges at theirs) leave
@@ -58,6 +61,10 @@ K = TypeVar("K", bound=Hashable)
 # A tier's requests gather on a replica already keeping their target while it holds fewer than
 # this many of them: beyond, they spread (a replica's step carries only so many within a limit).
 GATHER_MAX = 4
+# A latency request gathers there only while less than this many prompt positions of its target
+# are ahead of it (about half a second of the reserve's prefill on one CPU core): beyond, the
+# first token comes sooner on a replica that would have to start keeping the target.
+GATHER_PREFILL = 128
 
 
 def blocks_for(tokens: int, block_size: int) -> int:
@@ -118,6 +125,9 @@ class Charge:
     blocks: int  # at admission: prompt and first token
     routed_at: float  # time.time() on the router when it was sent
     full: int = 0  # at its full length (prompt + max_tokens); 0: unknown, taken as ``blocks``
+    # A latency request's uncached prompt positions (0 for others): prefill ahead of the next
+    # latency request there until the report shows it.
+    prefill: int = 0
 
     @property
     def full_blocks(self) -> int:
@@ -177,9 +187,13 @@ class Ranked(Generic[K]):
     full: int = 0  # blocks this request holds at its full length
     cached: int = 0  # prompt positions it would probably find cached there (all samples)
     short: bool = False  # its free blocks less what was sent since its report cannot hold it now
-    # Prefill positions before this request's first token there: the queue's, then its own
-    # uncached ones.
+    # Prefill positions before this request's first token there: the queue's (where SLO-aware
+    # steps let a request of the strictest target pass the lower tiers, only that target's),
+    # then its own uncached ones.
     prefill_ahead: int = 0
+    # This request's own uncached prompt positions if it is a latency request, else 0 (its
+    # charge's ``prefill``).
+    own_prefill: int = 0
     # Its last report leaves no seat within its step limit for this request (one with a TPOT
     # target), counting what was sent since the report.
     no_seat: bool = False
@@ -197,6 +211,24 @@ def charged_since_report(stats: RoutingStats | None, charges: Sequence[Charge]) 
     if stats is None:
         return list(charges)
     return [c for c in charges if c.routed_at >= stats.report_time]
+
+
+def target_work(stats: RoutingStats | None, request: RequestShape,
+                unseen: Sequence[Charge]) -> int | None:
+    """The prefill ahead of a latency request with a TPOT target on a replica whose SLO-aware
+    steps let it pass the lower tiers' queue: the reported prompt positions of its target there
+    (none where the replica's strictest target is laxer or absent: it would be the strictest),
+    plus the latency requests sent since the report. None where that does not apply (no such
+    steps, no report, no target, not a latency request, or a stricter target there): then the
+    whole queue is ahead of it."""
+    if (stats is None or not stats.slo_steps or not request.latency
+            or request.tpot_target_s is None):
+        return None
+    target_ms = round(request.tpot_target_s * 1000)
+    if stats.tpot_target_ms and stats.tpot_target_ms < target_ms:
+        return None
+    reported = stats.target_prefill if stats.tpot_target_ms == target_ms else 0
+    return reported + sum(c.prefill for c in unseen)
 
 
 def rank_replicas(
@@ -220,7 +252,8 @@ def rank_replicas(
     step already keeps the request's own target as its strictest goes first (a replica keeping a
     top tier's target loses nothing more by one more such request, where another would shorten
     all its steps for it: a tier's requests gather where their target is already kept, while
-    fewer than ``GATHER_MAX`` of them are there). Remaining ties
+    fewer than ``GATHER_MAX`` of them are there and, for a latency request, less than
+    ``GATHER_PREFILL`` positions of their prompts are ahead of it). Remaining ties
     at random (``rng``). A replica without a report is never saturated, never too small and never
     dead (nothing is known against it). ``affinity`` None: ``Affinity()``.
     """
@@ -252,6 +285,10 @@ def rank_replicas(
             room = stats.total_blocks - stats.committed_blocks - unseen_full
             est_waiting = stats.waiting + len(unseen)
         est_free = free_now - (stats.waiting_blocks if stats is not None else 0)
+        own = request.prompt_tokens - hit_blocks * block_size * samples
+        ahead = target_work(stats, request, unseen)
+        keeps_target = (request.tpot_target_s is not None and stats is not None
+                        and stats.tpot_target_ms == round(request.tpot_target_s * 1000))
         entries.append(Ranked(
             key=load.key,
             est_free=est_free,
@@ -266,14 +303,14 @@ def rank_replicas(
             full=full,
             cached=hit_blocks * block_size * samples,
             short=free_now < need,
-            prefill_ahead=pending * block_size + request.prompt_tokens
-            - hit_blocks * block_size * samples,
+            prefill_ahead=(pending * block_size if ahead is None else ahead) + own,
+            own_prefill=own if latency else 0,
             no_seat=stats is not None and request.tpot_target_s is not None
             and stats.seats - len(unseen) < samples,
             unconstrained=request.tpot_target_s is not None and not (
-                stats is not None
-                and stats.tpot_target_ms == round(request.tpot_target_s * 1000)
-                and stats.target_requests + len(unseen) < GATHER_MAX),
+                keeps_target and stats is not None
+                and stats.target_requests + len(unseen) < GATHER_MAX
+                and not (latency and ahead is not None and ahead >= GATHER_PREFILL)),
             unreported=stats is None and bool(reported),
         ))
 

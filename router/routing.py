@@ -26,6 +26,7 @@ from tierserve.records import DEFAULT_BLOCK_SIZE, RoutingStats
 from tierserve.router.ledger import InFlightLedger
 from tierserve.router.policy import (
     Affinity,
+    Charge,
     Ranked,
     ReplicaLoad,
     RequestShape,
@@ -171,14 +172,13 @@ class RouterState(Generic[R]):
         when the charge has to be recomputed (it went elsewhere than ranked first)."""
         moved: list[RequestShape] = []
 
-        def recharge() -> tuple[int, int]:
+        def recharge() -> Charge:
             shape = request()
             moved.append(shape)
             bt = stats.block_size if stats else self.settings.default_block_size
-            return (
-                charge_blocks(shape.prompt_tokens, bt),
-                full_blocks(shape.prompt_tokens, shape.max_tokens, bt),
-            )
+            return Charge(charge_blocks(shape.prompt_tokens, bt), now,
+                          full_blocks(shape.prompt_tokens, shape.max_tokens, bt),
+                          shape.prompt_tokens if shape.latency else 0)
 
         self.ledger.confirm(key, replica, request_id, now, recharge, holder=holder)
         for shape in moved:

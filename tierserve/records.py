@@ -381,6 +381,8 @@ class EngineStats:
     seats: int = 0
     tpot_target_s: float = 0.0  # the strictest TPOT target of its unfinished requests (0: none)
     target_requests: int = 0  # unfinished requests holding that target
+    target_prefill: int = 0  # their prompt positions not yet computed
+    slo_steps: bool = False  # SLO-aware steps are on
     kv_pool_bytes: int = 0
     gpu_memory_used_bytes: int = 0
     gpu_memory_total_bytes: int = 0
@@ -449,6 +451,11 @@ class RoutingStats:
     # The strictest TPOT target of its unfinished requests, in ms (0: none), and how many hold it.
     tpot_target_ms: int = 0
     target_requests: int = 0
+    # Their prompt positions not yet computed (running and waiting), and 1 where SLO-aware steps
+    # are on (then a request of the strictest target passes the lower tiers' queue: only that
+    # prefill is ahead of it).
+    target_prefill: int = 0
+    slo_steps: int = 0
 
     @classmethod
     def from_engine(cls, stats: EngineStats, report_time: float, alive: bool) -> RoutingStats:
@@ -471,6 +478,8 @@ class RoutingStats:
             seats=stats.seats,
             tpot_target_ms=round(stats.tpot_target_s * 1000),
             target_requests=stats.target_requests,
+            target_prefill=stats.target_prefill,
+            slo_steps=int(stats.slo_steps),
         )
 
     def to_dict(self) -> dict[str, Any]:

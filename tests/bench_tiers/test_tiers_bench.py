@@ -425,3 +425,18 @@ def test_the_load_client_runs_nicer_than_the_cluster_and_so_do_its_threads() -> 
     assert tid != threading.get_native_id() and nice == child == min(mine + 5, 19)
     assert nice_here() == mine
     assert tiers.niced(lambda: threading.get_native_id(), 0) == threading.get_native_id()
+
+
+def test_results_are_written_a_request_a_line(tmp_path: Path) -> None:
+    """``--results``: every request of a level as the client saw it, appended level by level."""
+    path = tmp_path / "run_requests.jsonl"
+    ok = Result(3, "interactive", 1.0, 2.5, 200, first_token=1.4, last_token=2.5,
+                prompt_tokens=120, completion_tokens=12, finish_reason="length")
+    shed = Result(4, "batch", 1.1, 1.2, 429, code="shed", retry_after=2.0)
+    tiers.append_results(path, "tiers", 2.0, [ok])
+    tiers.append_results(path, "tiers", 4.0, [shed])
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["multiple"], r["index"], r["status"]) for r in lines] == [(2.0, 3, 200),
+                                                                         (4.0, 4, 429)]
+    assert lines[0]["first_token"] == 1.4 and lines[1]["code"] == "shed"
+    assert tiers.parse_args(["--results"]).results and not tiers.parse_args([]).results

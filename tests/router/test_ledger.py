@@ -16,7 +16,7 @@ def best(replica: str, need: int = 3, full: int = 5) -> Ranked[str]:
     return Ranked(replica, 100, need, 0, False, False, full=full)
 
 
-def no_recharge() -> tuple[int, int]:
+def no_recharge() -> Charge:
     raise AssertionError("the tentative charge should have moved")
 
 
@@ -33,11 +33,11 @@ def test_a_request_from_ranking_to_completion() -> None:
 def test_a_request_taken_by_another_replica_is_charged_there() -> None:
     ledger: InFlightLedger[str] = InFlightLedger()
     ledger.charge_tentatively("k1", best("a"), "r1", T0)
-    ledger.confirm("k1", "b", "r1", T0 + 1, lambda: (7, 9))
-    assert ledger.charges("a") == [] and ledger.charges("b") == [Charge(7, T0 + 1, 9)]
+    ledger.confirm("k1", "b", "r1", T0 + 1, lambda: Charge(7, 0.0, 9, 120))
+    assert ledger.charges("a") == [] and ledger.charges("b") == [Charge(7, T0 + 1, 9, 120)]
     # ... and so is one whose routing key now names another request (another holder).
     ledger.charge_tentatively("k2", best("b"), "r2", T0, holder=object())
-    ledger.confirm("k2", "b", "r2", T0 + 2, lambda: (1, 1), holder=object())
+    ledger.confirm("k2", "b", "r2", T0 + 2, lambda: Charge(1, 0.0, 1), holder=object())
     assert ledger.charges("b")[-1] == Charge(1, T0 + 2, 1)
 
 

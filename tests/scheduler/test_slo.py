@@ -320,3 +320,62 @@ def test_a_target_no_step_can_meet_still_makes_progress() -> None:
         s.add(req(8, 5, 0, None, 2 + i))
     _, reasons = drive(s, m, max_steps=500)
     assert len(reasons) == 4 and s.blocks.free_blocks == s.blocks.total_blocks
+
+
+def test_lower_tier_prompts_leave_the_reserve_to_a_top_tier_prompt() -> None:
+    """Three standard-tier prompts mid-prefill when an interactive prompt arrives (80 ms: 70
+    tokens a step): the lower tiers' chunks are cut to what the reserve leaves (3/4 of 70
+    tokens kept), so the interactive prompt's first chunk is the reserve's and no step is
+    planned past the limit (a lower chunk taking the room, then the interactive prompt a
+    block's worth past it, would be)."""
+    s, m = make(2000, slo=True, chunk=64, budget=256)
+    for i in range(3):
+        s.add(req(300, 10, 5, 0.5, i))
+    m.step()
+    top = s.add(req(120, 5, 10, 0.1, 99))
+    first = None
+    while s.has_unfinished():
+        plan, _ = m.step()
+        assert s.cost is not None
+        if plan.limit_s == pytest.approx(0.08):
+            assert s.cost.predict(plan.shape) <= 0.08 + 1e-9
+        chunk = next((c for c in plan.prefill if c.id == top), None)
+        if first is None and chunk is not None:
+            first = len(chunk.tokens)
+    assert first == 70 * 3 // 4
+    assert s.blocks.free_blocks == s.blocks.total_blocks
+
+
+def test_only_one_top_tier_prompt_a_step_goes_past_the_limit() -> None:
+    """Two interactive prompts at once under a 20 ms limit (10 tokens a step): the first takes
+    what fits, the second waits for the next step instead of taking a block's worth past the
+    limit (the floor is for a step where no top-tier prompt progresses)."""
+    s, m = make(slo=True, headroom=1.0)
+    a = s.add(req(40, 4, 10, 0.02, 1))
+    b = s.add(req(40, 4, 10, 0.02, 2))
+    plan, _ = m.step()
+    assert [c.id for c in plan.prefill] == [a]
+    while s.has_unfinished():
+        plan, _ = m.step()
+        assert s.cost is not None
+        if plan.prefill:
+            assert s.cost.predict(plan.shape) <= 0.02 + 1e-9
+    assert not s.is_waiting(b) and s.blocks.free_blocks == s.blocks.total_blocks
+
+
+def test_strictest_prefill_counts_the_top_tiers_prompts_not_yet_computed() -> None:
+    """What a new top-tier request finds ahead of it: the uncomputed prompt positions of the
+    requests holding the strictest target, running or waiting, and nothing of lower tiers."""
+    s, m = make(slo=True, headroom=1.0)  # 20 ms: 10 tokens a step
+    assert s.slo_steps and s.strictest_prefill() == 0
+    s.add(req(200, 4, 0, 0.5, 1))
+    s.add(req(40, 4, 10, 0.02, 2))
+    s.add(req(30, 4, 10, 0.02, 3))
+    assert s.strictest_prefill() == 70  # both waiting: their whole prompts
+    m.step()
+    assert 0 < s.strictest_prefill() < 70
+    drive(s, m, max_steps=500)
+    assert s.strictest_prefill() == 0
+    off, _ = make(slo=False)
+    off.add(req(40, 4, 10, 0.02, 4))
+    assert not off.slo_steps and off.strictest_prefill() == 0
