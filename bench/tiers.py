@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import copy
 import json
 import math
@@ -84,7 +85,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -679,25 +680,53 @@ class Plan:
     drain_s: float
     seed: int
     progress: bool
-    # The load client's threads run this much nicer than the cluster (Linux: per thread, so the
-    # clusters this process starts keep their priority): a client on the server's own cores
-    # stands in for users on other machines, and should not take the server's CPU.
+    # The load client's threads run at this niceness (Linux: per thread, so the clusters this
+    # process starts keep theirs; Ray runs its workers, the replicas, the ingress and the proxy,
+    # at RAY_WORKER_NICENESS): a client on the server's own cores stands in for users on other
+    # machines, and at 19 it takes the CPU only when they leave it.
     client_nice: int = 0
 
 
-def niced(fn: Callable[[], T], nice: int) -> T:
-    """``fn()`` in a thread of its own at ``nice`` more than this one (threads it starts
-    inherit it); at once in this thread when ``nice`` is 0."""
-    if nice == 0:
-        return fn()
+# Ray's default niceness of its worker processes (its ``worker_niceness`` setting, which this
+# benchmark leaves as it is: the clusters it starts get no RAY_ variables).
+RAY_WORKER_NICENESS = 15
+
+
+def run_niced(make: Callable[[], Coroutine[Any, Any, T]], nice: int) -> T:
+    """Run the coroutine ``make()`` returns on an event loop in a thread of its own at
+    niceness ``nice`` (threads it starts inherit it); in this thread when ``nice`` is not above
+    this thread's own. Ctrl-C here cancels it there, and is raised once it has stopped."""
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    if nice <= mine:
+        return asyncio.run(make())
+    loop = asyncio.new_event_loop()
+    started = threading.Event()
+    box: dict[str, asyncio.Task[T]] = {}
 
     def body() -> T:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
-        return fn()
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+        asyncio.set_event_loop(loop)
+        try:
+            box["task"] = loop.create_task(make())
+            started.set()
+            return loop.run_until_complete(box["task"])
+        finally:
+            started.set()
+            loop.close()
 
     with ThreadPoolExecutor(1, thread_name_prefix="load-client") as pool:
-        return pool.submit(body).result()
+        future = pool.submit(body)
+        try:
+            return future.result()
+        except KeyboardInterrupt:
+            started.wait()
+            task = box.get("task")
+            if task is not None and not loop.is_closed():
+                with contextlib.suppress(RuntimeError):  # it ended meanwhile
+                    loop.call_soon_threadsafe(task.cancel)
+            with contextlib.suppress(BaseException):
+                future.result()
+            raise
 
 
 def run_load(plan: Plan, classes: list[TrafficClass], seed: int, *, rate: float | None = None,
@@ -713,7 +742,7 @@ def run_load(plan: Plan, classes: list[TrafficClass], seed: int, *, rate: float 
                      drain_timeout_s=plan.drain_s, request_timeout_s=duration + plan.drain_s + 60,
                      progress=plan.progress)
     workload = Workload(classes, plan.prompt_len, plan.output_len, seed=seed)
-    run = niced(lambda: asyncio.run(LoadRunner(cfg, workload).run()), plan.client_nice)
+    run = run_niced(LoadRunner(cfg, workload).run, plan.client_nice)
     return run, cfg, workload
 
 
@@ -836,8 +865,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--out-dir", default="bench/out")
     p.add_argument("--name", default="tiers")
     p.add_argument("--client-nice", type=int, default=0,
-                   help="run the load client this much nicer than the cluster (0 to 19; "
-                   "the client shares the server's cores)")
+                   help="run the load client's threads at this niceness (0 to 19; Ray runs "
+                   f"the cluster's workers at {RAY_WORKER_NICENESS}: 19 puts the client below "
+                   "them, where it shares the server's cores)")
     p.add_argument("--results", action="store_true",
                    help="also write every request, a JSON line each, to OUT_DIR/NAME_requests.jsonl")
     p.add_argument("--no-plots", action="store_true")
@@ -905,6 +935,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "machine": machine(torch_info=False),
         "base_config": str(base_path),
         "settings": {k: v for k, v in vars(args).items()},
+        "niceness": {"load_client": args.client_nice, "ray_workers": RAY_WORKER_NICENESS},
         "classes": [{"name": c.name, "weight": c.weight, "tier": c.tier, "tenant": c.tenant}
                     for c in CLASSES],
         "capacity": {"requests_per_s": args.capacity,

@@ -324,6 +324,10 @@ class Engine:
             waiting_blocks = self.scheduler.waiting_blocks() if s.waiting else 0
             committed = self.scheduler.committed_blocks() if s.waiting or s.running else 0
             cached = self.scheduler.blocks.cached_blocks
+            sched = self.scheduler
+            target_s = sched.strictest_target() or 0.0
+            target_requests, target_prefill = sched.strictest_count(), sched.strictest_prefill()
+            prefill_rate = sched.strictest_prefill_rate()
         return EngineStats(
             running=s.running,
             waiting=s.waiting,
@@ -339,9 +343,10 @@ class Engine:
             step_limit_s=s.limit_s or 0.0,
             paused=s.paused,
             seats=s.seats,
-            tpot_target_s=self.scheduler.strictest_target() or 0.0,
-            target_requests=self.scheduler.strictest_count(),
-            target_prefill=self.scheduler.strictest_prefill(),
+            tpot_target_s=target_s,
+            target_requests=target_requests,
+            target_prefill=target_prefill,
+            target_prefill_per_s=prefill_rate,
             slo_steps=self.scheduler.slo_steps,
         )
 

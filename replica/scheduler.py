@@ -454,8 +454,10 @@ class Scheduler:
 
     @property
     def slo_steps(self) -> bool:
-        """Whether SLO-aware steps are on (§8)."""
-        return self.cost is not None
+        """Whether SLO-aware steps are on (§8) under priority scheduling: then a request of the
+        strictest target passes the lower tiers' queue (under FCFS a lower tier's head that fits
+        the limit is admitted first)."""
+        return self.cost is not None and self.policy is SchedPolicy.PRIORITY
 
     def strictest_target(self) -> float | None:
         """The strictest TPOT target of the unfinished requests (None: none, or steps off)."""
@@ -598,7 +600,7 @@ class Scheduler:
                 if take and not protected(head) and not self._carries(head, fed, limit):
                     take = 0  # it would slow the decodes past the limit once it decodes
                 if protected(head):
-                    kept[0] -= take
+                    kept[0] = 0  # the reserve's part for the queue's protected head is spent
             if take == 0:
                 blocks.release(head.id)  # all or nothing: it waits, holding nothing
                 break
@@ -645,21 +647,37 @@ class Scheduler:
     # ------------------------------------------------------------------ SLO-aware steps (§8)
 
     def _reserve(self, limit: float, protected: Callable[[_Seq], bool]) -> StepShape:
-        """The part of a step kept for prompts of the strictest tier: their remaining positions
-        (those running and the head of the queue), at most three quarters of what an empty step
-        holds within ``limit``."""
+        """The part of a step kept for prompts of the strictest tier: what the prefill policy
+        would give each of them this step (those running and the head of the queue), at most
+        ``_reserve_cap(limit)``."""
         assert self.cost is not None
-        want = sum(len(s.tokens) - s.computed for s in self._running
+        beta = self.cfg.max_num_batched_tokens
+        chunk = self._policy.chunk_len
+        want = sum(chunk(len(s.tokens) - s.computed, beta, False) for s in self._running
                    if protected(s) and len(s.tokens) - s.computed > 1)
         head = self._waiting.peek()
         if head is not None and protected(head):
-            want += len(head.tokens)
-        if want == 0:
+            want += chunk(len(head.tokens), beta, False)
+        if want <= 0:
             return StepShape()
+        take = min(want, self._reserve_cap(limit))
+        return StepShape(take, 1, chunk_attention(0, take))
+
+    def _reserve_cap(self, limit: float) -> int:
+        """The most of a step kept for the strictest tier's prompts: three quarters of what an
+        empty step holds within ``limit``."""
+        assert self.cost is not None
         cap = self.cost.max_tokens(StepShape(), limit, 0, self.cfg.max_num_batched_tokens,
                                    new_sequence=True)
-        take = min(want, cap * 3 // 4)
-        return StepShape(take, 1, chunk_attention(0, take))
+        return cap * 3 // 4
+
+    def strictest_prefill_rate(self) -> float:
+        """Prompt positions a second the strictest tier's prompts get under the current limit
+        (the reserve, at least a block's worth a step, over the limit); 0 without a limit."""
+        limit = self.step_limit()
+        if limit is None or limit <= 0:
+            return 0.0
+        return max(self._reserve_cap(limit), self._blocks.block_size) / limit
 
     def _timed_chunk(self, start: int, take: int, shape: StepShape, limit: float,
                      protect: bool, floors: list[int]) -> int:

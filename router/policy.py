@@ -61,10 +61,10 @@ K = TypeVar("K", bound=Hashable)
 # A tier's requests gather on a replica already keeping their target while it holds fewer than
 # this many of them: beyond, they spread (a replica's step carries only so many within a limit).
 GATHER_MAX = 4
-# A latency request gathers there only while less than this many prompt positions of its target
-# are ahead of it (about half a second of the reserve's prefill on one CPU core): beyond, the
-# first token comes sooner on a replica that would have to start keeping the target.
-GATHER_PREFILL = 128
+# A latency request gathers there only while the prompts of its target ahead of it take less
+# than this many seconds at the rate the replica reports for them (``target_prefill_per_s``):
+# beyond, the first token comes sooner on a replica that would have to start keeping the target.
+GATHER_PREFILL_S = 0.5
 
 
 def blocks_for(tokens: int, block_size: int) -> int:
@@ -253,7 +253,7 @@ def rank_replicas(
     top tier's target loses nothing more by one more such request, where another would shorten
     all its steps for it: a tier's requests gather where their target is already kept, while
     fewer than ``GATHER_MAX`` of them are there and, for a latency request, less than
-    ``GATHER_PREFILL`` positions of their prompts are ahead of it). Remaining ties
+    ``GATHER_PREFILL_S`` of their prompts' prefill is ahead of it). Remaining ties
     at random (``rng``). A replica without a report is never saturated, never too small and never
     dead (nothing is known against it). ``affinity`` None: ``Affinity()``.
     """
@@ -310,7 +310,8 @@ def rank_replicas(
             unconstrained=request.tpot_target_s is not None and not (
                 keeps_target and stats is not None
                 and stats.target_requests + len(unseen) < GATHER_MAX
-                and not (latency and ahead is not None and ahead >= GATHER_PREFILL)),
+                and not (latency and ahead is not None
+                         and ahead >= GATHER_PREFILL_S * stats.target_prefill_per_s)),
             unreported=stats is None and bool(reported),
         ))
 

@@ -382,6 +382,7 @@ class EngineStats:
     tpot_target_s: float = 0.0  # the strictest TPOT target of its unfinished requests (0: none)
     target_requests: int = 0  # unfinished requests holding that target
     target_prefill: int = 0  # their prompt positions not yet computed
+    target_prefill_per_s: float = 0.0  # prompt positions a second they get within the limit
     slo_steps: bool = False  # SLO-aware steps are on
     kv_pool_bytes: int = 0
     gpu_memory_used_bytes: int = 0
@@ -456,6 +457,8 @@ class RoutingStats:
     # prefill is ahead of it).
     target_prefill: int = 0
     slo_steps: int = 0
+    # Prompt positions a second that target's prompts get within the step limit (0: no limit).
+    target_prefill_per_s: int = 0
 
     @classmethod
     def from_engine(cls, stats: EngineStats, report_time: float, alive: bool) -> RoutingStats:
@@ -480,6 +483,7 @@ class RoutingStats:
             target_requests=stats.target_requests,
             target_prefill=stats.target_prefill,
             slo_steps=int(stats.slo_steps),
+            target_prefill_per_s=round(stats.target_prefill_per_s),
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -5,6 +5,7 @@ fake scrapes, the plots, and arguments refused before anything starts."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 from pathlib import Path
@@ -402,10 +403,10 @@ def test_bad_arguments_are_refused_before_anything_starts(
     assert not list(tmp_path.iterdir())
 
 
-def test_the_load_client_runs_nicer_than_the_cluster_and_so_do_its_threads() -> None:
-    """``--client-nice``: the run goes on a thread of its own at that much more niceness (Linux
-    sets it per thread), and threads it starts inherit it; this thread, the one that starts
-    the clusters, keeps its own."""
+def test_the_load_client_runs_at_its_niceness_and_so_do_its_threads() -> None:
+    """``--client-nice``: the run goes on a thread of its own at that niceness (Linux sets it
+    per thread), and threads it starts inherit it; this thread, the one that starts the
+    clusters, keeps its own; a niceness not above this thread's runs here."""
     import os
     import threading
 
@@ -413,18 +414,51 @@ def test_the_load_client_runs_nicer_than_the_cluster_and_so_do_its_threads() -> 
         return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
 
     mine = nice_here()
+    target = min(mine + 5, 19)
 
-    def run() -> tuple[int, int, int]:
+    async def run() -> tuple[int, int, int]:
         seen: list[int] = []
         child = threading.Thread(target=lambda: seen.append(nice_here()))
         child.start()
         child.join()
         return threading.get_native_id(), nice_here(), seen[0]
 
-    tid, nice, child = tiers.niced(run, 5)
-    assert tid != threading.get_native_id() and nice == child == min(mine + 5, 19)
+    tid, nice, child = tiers.run_niced(run, target)
+    assert tid != threading.get_native_id() and nice == child == target
     assert nice_here() == mine
-    assert tiers.niced(lambda: threading.get_native_id(), 0) == threading.get_native_id()
+
+    async def here() -> int:
+        return threading.get_native_id()
+
+    assert tiers.run_niced(here, mine) == threading.get_native_id()
+
+
+def test_ctrl_c_stops_a_niced_run() -> None:
+    """Ctrl-C in the thread that waits cancels the run on the client's thread, and is raised
+    once that run has stopped (before, the level ran on to its end)."""
+    import os
+    import signal
+    import threading
+
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    cancelled = threading.Event()
+
+    async def forever() -> None:
+        threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
+        try:
+            await asyncio.sleep(600)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    # Python's own handler, also where SIGINT is ignored (a background job's).
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            tiers.run_niced(forever, min(mine + 1, 19))
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert cancelled.is_set()
 
 
 def test_results_are_written_a_request_a_line(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ import pytest
 
 from tierserve.records import RoutingStats
 from tierserve.router.policy import (
-    GATHER_PREFILL,
+    GATHER_PREFILL_S,
     Charge,
     ReplicaLoad,
     RequestShape,
@@ -269,9 +269,11 @@ def test_a_stats_report_carries_the_step_limit_and_seats() -> None:
 
     s = RoutingStats.from_engine(EngineStats(running=3, waiting=0, free_blocks=10, total_blocks=20,
                                              block_size=16, step_limit_s=0.0804, seats=5,
-                                             target_prefill=230, slo_steps=True),
+                                             target_prefill=230, slo_steps=True,
+                                             target_prefill_per_s=412.6),
                                  T0, True)
-    assert (s.step_limit_ms, s.seats, s.target_prefill, s.slo_steps) == (80, 5, 230, 1)
+    assert (s.step_limit_ms, s.seats, s.target_prefill, s.slo_steps,
+            s.target_prefill_per_s) == (80, 5, 230, 1, 413)
     assert RoutingStats.from_dict(json.loads(json.dumps(s.to_dict()))) == s
 
 
@@ -298,18 +300,20 @@ def test_a_request_with_a_target_joins_a_replica_already_keeping_it() -> None:
 
 def test_a_latency_request_counts_only_its_targets_prefill_where_steps_let_it_pass() -> None:
     """With SLO-aware steps a top-tier request passes the lower tiers' queue: between two
-    replicas keeping its target, it goes where less of its own tier's prompts is ahead (300
-    positions there against a long queue of lower tiers here); without those steps the whole
-    queue counts, as before."""
+    replicas keeping its target (both worth gathering at), it goes where less of its own tier's
+    prompts is ahead (100 positions there against a long queue of lower tiers here); without
+    those steps the whole queue counts, as before."""
     busy_top = stats(60, seats=3, step_limit_ms=70, tpot_target_ms=100, target_requests=2,
-                     target_prefill=300, slo_steps=1, waiting=1, waiting_blocks=2)
+                     target_prefill=100, slo_steps=1, target_prefill_per_s=300, waiting=1,
+                     waiting_blocks=2)
     long_queue = stats(60, seats=3, step_limit_ms=70, tpot_target_ms=100, target_requests=2,
-                       target_prefill=0, slo_steps=1, waiting=6, waiting_blocks=40)
+                       target_prefill=0, slo_steps=1, target_prefill_per_s=300, waiting=6,
+                       waiting_blocks=40)
     shape = RequestShape(100, 16, latency=True, tpot_target_s=0.1)
     loads = [ReplicaLoad("busy-top", busy_top), ReplicaLoad("long-queue", long_queue)]
     ranked = rank_replicas(loads, shape, random.Random(0))
-    assert [r.key for r in ranked] == ["long-queue", "busy-top"]
-    assert [r.prefill_ahead for r in ranked] == [100, 400]
+    assert not any(r.unconstrained for r in ranked)  # both gather: the prefill ahead decides
+    assert [(r.key, r.prefill_ahead) for r in ranked] == [("long-queue", 100), ("busy-top", 200)]
     off = [ReplicaLoad(k, replace(s, slo_steps=0)) for k, s in
            (("busy-top", busy_top), ("long-queue", long_queue))]
     assert [r.key for r in rank_replicas(off, shape, random.Random(0))] == ["busy-top",
@@ -321,17 +325,21 @@ def test_a_latency_request_counts_only_its_targets_prefill_where_steps_let_it_pa
 
 
 def test_a_latency_request_gathers_only_while_little_of_its_tier_is_ahead() -> None:
-    """A replica keeping the top tier's target takes the next such request while under
-    GATHER_PREFILL of its prompts are ahead there (it loses nothing more); past that, a replica
-    without a target starts it sooner. Latency requests sent since the report count too."""
+    """A replica keeping the top tier's target takes the next such request while the prompts
+    of that tier ahead there take under GATHER_PREFILL_S at the rate it reports (it loses
+    nothing more); past that, a replica without a target starts it sooner. Latency requests sent
+    since the report count too."""
+    rate = 200  # prompt positions a second within the limit
+
     def keeping(ahead: int) -> RoutingStats:
         return stats(60, seats=3, step_limit_ms=70, tpot_target_ms=100, target_requests=1,
-                     target_prefill=ahead, slo_steps=1)
+                     target_prefill=ahead, slo_steps=1, target_prefill_per_s=rate)
 
     lax = stats(60, seats=20, step_limit_ms=350, tpot_target_ms=500, target_requests=6,
                 slo_steps=1, waiting=4, waiting_blocks=40)
     shape = RequestShape(100, 16, latency=True, tpot_target_s=0.1)
-    for ahead, first in ((GATHER_PREFILL - 1, "keeping"), (GATHER_PREFILL, "lax")):
+    edge = round(GATHER_PREFILL_S * rate)
+    for ahead, first in ((edge - 1, "keeping"), (edge, "lax")):
         loads = [ReplicaLoad("keeping", keeping(ahead)), ReplicaLoad("lax", lax)]
         ranked = rank_replicas(loads, shape, random.Random(0))
         assert ranked[0].key == first, ahead

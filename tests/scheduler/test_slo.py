@@ -334,7 +334,9 @@ def test_lower_tier_prompts_leave_the_reserve_to_a_top_tier_prompt() -> None:
     m.step()
     top = s.add(req(120, 5, 10, 0.1, 99))
     first = None
-    while s.has_unfinished():
+    for _ in range(500):
+        if not s.has_unfinished():
+            break
         plan, _ = m.step()
         assert s.cost is not None
         if plan.limit_s == pytest.approx(0.08):
@@ -355,12 +357,17 @@ def test_only_one_top_tier_prompt_a_step_goes_past_the_limit() -> None:
     b = s.add(req(40, 4, 10, 0.02, 2))
     plan, _ = m.step()
     assert [c.id for c in plan.prefill] == [a]
-    while s.has_unfinished():
+    started = set()
+    for _ in range(500):
+        if not s.has_unfinished():
+            break
         plan, _ = m.step()
         assert s.cost is not None
         if plan.prefill:
             assert s.cost.predict(plan.shape) <= 0.02 + 1e-9
-    assert not s.is_waiting(b) and s.blocks.free_blocks == s.blocks.total_blocks
+        started |= {c.id for c in plan.prefill}
+    assert b in started and not s.has_unfinished()
+    assert s.blocks.free_blocks == s.blocks.total_blocks
 
 
 def test_strictest_prefill_counts_the_top_tiers_prompts_not_yet_computed() -> None:
@@ -379,3 +386,48 @@ def test_strictest_prefill_counts_the_top_tiers_prompts_not_yet_computed() -> No
     off, _ = make(slo=False)
     off.add(req(40, 4, 10, 0.02, 4))
     assert not off.slo_steps and off.strictest_prefill() == 0
+
+
+def test_what_a_top_tier_chunk_took_of_the_reserve_is_free_for_lower_tiers() -> None:
+    """An interactive prompt and a standard one both mid-prefill (80 ms: 70 tokens a step; 64
+    a chunk): the interactive chunk takes 64 positions, more than the 52 kept for it, so the
+    standard chunk after it gets the 6 left, not nothing."""
+    s, m = make(2000, slo=True, chunk=64, budget=256)
+    low = s.add(req(300, 5, 5, 0.5, 1))
+    m.step()  # the standard prompt starts alone (limit 400 ms)
+    top = s.add(req(300, 5, 10, 0.1, 2))
+    m.step()  # the interactive prompt is admitted
+    plan, _ = m.step()
+    chunks = {c.id: len(c.tokens) for c in plan.prefill}
+    assert chunks == {top: 64, low: 6}
+    assert s.cost is not None and s.cost.predict(plan.shape) <= 0.08 + 1e-9
+
+
+def test_the_reserve_is_what_the_prefill_policy_would_give() -> None:
+    """A top-tier prompt cut into 16-position chunks gets 16 a step: the reserve keeps 16 for
+    it, not three quarters of the step, and lower tiers' decodes fill the rest."""
+    s, m = make(2000, slo=True, max_seqs=64, chunk=16, budget=256)
+    for i in range(60):
+        s.add(req(8, 200, 0, None, i))
+    for _ in range(4):
+        m.step()
+    s.add(req(300, 5, 10, 0.1, 99))
+    m.step()
+    plan, _ = m.step()
+    assert s.cost is not None
+    assert [len(c.tokens) for c in plan.prefill] == [16]
+    assert len(plan.decodes) == 70 - 16  # (18 while the reserve kept 52)
+    assert s.cost.predict(plan.shape) <= 0.08 + 1e-9
+
+
+def test_prefill_rate_and_whether_steps_pass_the_lower_tiers() -> None:
+    """The rate the router reads: the reserve (3/4 of 70 positions) over the 80 ms limit; none
+    without a limit. Steps pass the lower tiers only under priority scheduling."""
+    s, _ = make(slo=True)
+    assert s.strictest_prefill_rate() == 0.0
+    s.add(req(40, 4, 10, 0.1, 1))
+    assert s.strictest_prefill_rate() == pytest.approx(52 / 0.08)
+    cfg = caps(max_seqs=16, max_batch_tokens=256, policy=SchedPolicy.FCFS, aging_steps=0,
+               max_model_len=512).model_copy(update={"slo_scheduling": True})
+    fcfs = Scheduler(cfg, FreeListBlocks(4, range(64)), Chunked(32), cost=StepCostModel(PRIOR))
+    assert not fcfs.slo_steps and s.slo_steps
