@@ -392,6 +392,61 @@ def window_tokens(results: Sequence[Result], start: float, end: float,
     return total
 
 
+def max_min_level(demands: Sequence[float], weights: Sequence[float],
+                  service: float) -> float:
+    """The water level of a weighted max-min share of ``service`` among demands: each gets
+    ``min(demand, level * weight)``, and they sum to ``service`` (``inf`` when everything
+    asked for fits). Weights must be positive."""
+    if any(w <= 0 for w in weights):
+        raise ValueError("weights must be positive")
+    if sum(demands) <= service:
+        return math.inf
+    left, rest = service, sorted(zip(demands, weights, strict=True), key=lambda p: p[0] / p[1])
+    while rest:
+        wsum = sum(w for _, w in rest)
+        d, w = rest[0]
+        if d / w * wsum > left:
+            return left / wsum
+        left -= d
+        rest.pop(0)
+    return math.inf  # not reached: the demands sum above the service
+
+
+def below_share(results: Sequence[Result], window: tuple[float, float],
+                classes: Sequence[ClassDef] = CLASSES,
+                weights: Mapping[str, float] | None = None) -> dict[str, dict[str, Any]]:
+    """Whether each tenant asked for less than its fair share of its tier in ``window`` (run
+    seconds; the level's steady state), and what it got. The tier's service there is the number
+    of its requests whose first token came inside it, shared max-min between its tenants
+    (``weights`` by tenant, default equal) by the requests each sent inside it: ``below`` when a
+    tenant's requests fit its share; ``sent`` and ``ok``, its requests inside the window and those
+    answered (a tenant below its share should have them all). Counted in requests: the classes
+    draw their lengths from the same distributions."""
+    w0, w1 = window
+    if not w1 > w0:
+        raise ValueError("the window must have an end after its start")
+    out: dict[str, dict[str, Any]] = {}
+    for tier in dict.fromkeys(c.tier for c in classes):
+        mine = [c for c in classes if c.tier == tier and c.tenant is not None]
+        if len(mine) < 2:
+            continue
+        inside = [r for r in results if w0 <= r.start < w1]
+        names = {c.name for c in mine}
+        service = sum(1 for r in results if r.cls in names and r.outcome == "ok"
+                      and r.first_token is not None and w0 <= r.first_token < w1)
+        sent = {c.name: [r for r in inside if r.cls == c.name] for c in mine}
+        wts = [(weights or {}).get(c.tenant or "", 1.0) for c in mine]
+        level = max_min_level([len(sent[c.name]) for c in mine], wts, service)
+        for c, w in zip(mine, wts, strict=True):
+            n = len(sent[c.name])
+            ok = sum(1 for r in sent[c.name] if r.outcome == "ok")
+            out[c.name] = {"tenant": c.tenant, "below": n <= level * w, "sent": n, "ok": ok,
+                           "served": round(ok / n, 4) if n else None,
+                           "share": None if math.isinf(level) else round(level * w, 1),
+                           "tier_served": service}
+    return out
+
+
 def fairness(figs: Mapping[str, Mapping[str, Any]],
              classes: Sequence[ClassDef] = CLASSES,
              results: Sequence[Result] = (),
@@ -403,7 +458,9 @@ def fairness(figs: Mapping[str, Mapping[str, Any]],
     (``jain_steady_service``): the level's whole span counts the ramp before the queues fill
     and the drain after arrivals stop, when one tenant is served alone because the other has
     nothing left held, which is not a share between backlogged tenants; output tokens alone
-    also vary with the lengths each tenant's prompts happened to draw."""
+    also vary with the lengths each tenant's prompts happened to draw. ``below_share``: inside
+    the same window, which tenant asked for less than its fair share and what it got
+    (``below_share``'s rows)."""
     mine = {c.tenant: figs[c.name] for c in classes if c.tenant is not None and c.name in figs}
     thr = [float(f["output_tokens_per_s"] or 0.0) for f in mine.values()]
     shares = [f["served_share"] for f in mine.values()]
@@ -413,6 +470,7 @@ def fairness(figs: Mapping[str, Mapping[str, Any]],
         "tenants": {t: {"output_tokens_per_s": f["output_tokens_per_s"],
                         "served_share": f["served_share"]} for t, f in mine.items()},
         "steady_window_s": None, "jain_steady": None, "jain_steady_service": None,
+        "below_share": None,
     }
     if steady is not None and steady[1] > steady[0]:
         w0, w1 = steady
@@ -427,6 +485,7 @@ def fairness(figs: Mapping[str, Mapping[str, Any]],
         out["steady_window_s"] = [round(w0, 3), round(w1, 3)]
         out["jain_steady"] = jain(list(rates.values()))
         out["jain_steady_service"] = jain(list(service.values()))
+        out["below_share"] = below_share(results, (w0, w1), classes)
     return out
 
 
@@ -501,6 +560,15 @@ def steady_text(f: Mapping[str, Any], key: str = "steady_output_tokens_per_s") -
     return " / ".join(_fmt(r, digits=4) for r in rates) if None not in rates else "-"
 
 
+def below_text(rows: Mapping[str, Mapping[str, Any]] | None) -> str:
+    """The tenants below their fair share in the steady state and what they got, for the
+    table's notes."""
+    if not rows:
+        return "below fair share: -"
+    below = [f"{name} {r['ok']}/{r['sent']}" for name, r in rows.items() if r["below"]]
+    return "below fair share (answered/sent): " + (", ".join(below) or "none")
+
+
 def table_text(system: dict[str, Any]) -> str:
     """The printed table of one system: one row per level x group, a summary line per level."""
     head = ["load", "req/s", "class", "sent", "ok", "429", "503", "err", "TTFT p50/p99 s",
@@ -525,7 +593,8 @@ def table_text(system: dict[str, Any]) -> str:
             f"served shares {_fmt(f['jain_served_share'])}, in steady state (tokens/s "
             f"{steady_text(f)}) {_fmt(f.get('jain_steady'))}, of prompt and output tokens "
             f"({steady_text(f, 'steady_service_tokens_per_s')}) "
-            f"{_fmt(f.get('jain_steady_service'))}; preemptions "
+            f"{_fmt(f.get('jain_steady_service'))}; {below_text(f.get('below_share'))}; "
+            "preemptions "
             f"{_fmt(srv.get('preemptions'), digits=6)}; server goodput (both) {gp_text}")
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = [f"system {system['name']}: {system['description']}; both, ttft, tpot: the fraction "

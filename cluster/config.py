@@ -116,7 +116,10 @@ class FlowConfig(_Strict):
     inside the caller's tier (for gateways that authenticate upstream); None: tenants are API
     keys. aging_s, aged_share: a request held longer than ``aging_s`` goes ahead of higher
     tiers, for at most ``aged_share`` of the dispatches (no tier starves; under overload the
-    lower tiers still absorb it); ``aging_s`` None: strict priority.
+    lower tiers still absorb it); ``aging_s`` None: strict priority. tenant_burst_tokens: the
+    service (prompt plus output tokens) a tenant coming back from idle may take ahead of its
+    tier's backlogged tenants, so that a burst of one asking less than its share over time is
+    not shed while the tier is short (0: the plain Virtual Token Counter, no credit banked).
     """
 
     enabled: bool = True
@@ -126,6 +129,7 @@ class FlowConfig(_Strict):
     tenant_header: str | None = Field(default=None, pattern=r"^[A-Za-z0-9-]{1,64}$")
     aging_s: float | None = Field(default=20.0, gt=0.0)
     aged_share: float = Field(default=0.05, ge=0.0, le=1.0)
+    tenant_burst_tokens: int = Field(default=4096, ge=0, le=1 << 30)
 
 
 class ClusterConfig(_Strict):

@@ -8,9 +8,14 @@ ingress drives it; its unit tests drive it in virtual time).
 - **Fairness inside a band** (the Virtual Token Counter): every tenant has a counter of the
   service it received, in tokens (prompt and output) divided by its weight. ``pop`` takes the
   oldest request of the backlogged tenant with the smallest counter. A tenant that was not
-  backlogged has its counter lifted, when a request of it arrives, to the smallest counter of the
-  backlogged tenants (or to the band's virtual time when none is), so idle time banks no credit;
-  a tenant asking less than its share is never behind anyone and gets all it asks for.
+  backlogged has its counter lifted, when a request of it arrives, to at most ``burst_tokens``
+  (divided by its weight) below the smallest counter of the backlogged tenants (or the band's
+  virtual time when none is): idle time banks at most that much credit. With none
+  (``burst_tokens`` 0, the plain Virtual Token Counter) a returning tenant takes turns with the
+  backlogged ones at once, so a burst of a tenant that asks less than its share over time still
+  gets only half the band while the band is short; with some, such a burst goes first for up to
+  ``burst_tokens`` of service, and two backlogged tenants still stay within ``burst_tokens`` plus
+  one request of each other.
 - **Aging.** Strict priority alone starves a lower band behind a steady stream above it: a
   request held longer than ``aging_s`` goes ahead of the bands above it, the oldest such first,
   but such aged dispatches are at most ``aged_share`` of all dispatches, so that under overload
@@ -77,7 +82,7 @@ class FlowQueues(Generic[T]):
     """The held requests of every band (see the module docstring)."""
 
     def __init__(self, bands: Sequence[BandSpec], max_held: int, aging_s: float | None = None,
-                 aged_share: float = 0.05) -> None:
+                 aged_share: float = 0.05, burst_tokens: float = 0.0) -> None:
         if not bands:
             raise ValueError("flow control needs at least one band")
         if max_held < 0:
@@ -86,7 +91,10 @@ class FlowQueues(Generic[T]):
             raise ValueError(f"aging_s must be positive, got {aging_s}")
         if not 0.0 <= aged_share <= 1.0:
             raise ValueError(f"aged_share must be in [0, 1], got {aged_share}")
+        if burst_tokens < 0:
+            raise ValueError(f"burst_tokens must be >= 0, got {burst_tokens}")
         self.aging_s = aging_s
+        self.burst_tokens = burst_tokens
         self.aged_share = aged_share
         # Aged dispatches earn ``aged_share`` of a dispatch each time one is made, up to one:
         # at most that share of any run of dispatches, never a burst.
@@ -134,7 +142,8 @@ class FlowQueues(Generic[T]):
         if q is None:
             backlogged = [b.counters.get(t, 0.0) for t in b.queues]
             floor = min(backlogged) if backlogged else b.vtime
-            b.counters[held.tenant] = max(b.counters.get(held.tenant, 0.0), floor)
+            b.counters[held.tenant] = max(b.counters.get(held.tenant, 0.0),
+                                          floor - self.burst_tokens / held.weight)
             q = b.queues[held.tenant] = deque()
         q.append(held)
         b.held += 1

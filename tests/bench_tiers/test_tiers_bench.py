@@ -221,7 +221,40 @@ def test_steady_fairness_leaves_out_the_ramp_and_the_drain() -> None:
     assert tiers.steady_window([], 20.0) is None
     none = tiers.level_figures(rs, TARGETS, offered, span_s=40.0)["fairness"]
     assert none["jain_steady"] is None and none["steady_window_s"] is None
-    assert none["jain_steady_service"] is None
+    assert none["jain_steady_service"] is None and none["below_share"] is None
+    assert f["below_share"]["std-b"]["below"] and f["below_share"]["std-b"]["served"] == 1.0
+
+
+def test_max_min_level_shares_the_service_by_weight() -> None:
+    assert tiers.max_min_level([3, 20], [1, 1], 10) == 7  # 3 fits; 7 left for the other
+    assert tiers.max_min_level([8, 20], [1, 1], 10) == 5
+    assert tiers.max_min_level([8, 20], [1, 3], 10) == 2.5  # shares 2.5 and 7.5
+    assert tiers.max_min_level([3, 4], [1, 1], 10) == float("inf")
+    with pytest.raises(ValueError, match="positive"):
+        tiers.max_min_level([1], [0], 1)
+
+
+def test_below_share_judges_each_tenant_against_what_its_tier_served() -> None:
+    # 10..30 s: the tier answers 12 (a 9, b 3); a sent 20, b 4 of which one was shed.
+    rs = [ok(i, "std-a", 1.0, 0.1, start=10.0 + i) for i in range(9)]
+    rs += [refused(100 + i, "std-a") for i in range(11)]
+    for r in rs[9:]:
+        r.start = 20.0
+    rs += [ok(200 + i, "std-b", 1.0, 0.1, start=12.0 + i) for i in range(3)]
+    shed_b = refused(300, "std-b")
+    shed_b.start = 25.0
+    rs += [shed_b, ok(400, "interactive", 0.1, 0.05, start=11.0)]
+    rows = tiers.below_share(rs, (10.0, 30.0))
+    assert set(rows) == {"std-a", "std-b"}  # one tier with tenants; interactive has none
+    assert rows["std-b"] == {"tenant": "tenant-b", "below": True, "sent": 4, "ok": 3,
+                             "served": 0.75, "share": 8.0, "tier_served": 12}
+    assert rows["std-a"]["below"] is False and rows["std-a"]["sent"] == 20
+    assert tiers.below_text(rows) == "below fair share (answered/sent): std-b 3/4"
+    # b asking more than half of what the tier served is not below its share
+    assert tiers.below_share(rs, (10.0, 30.0), weights={"tenant-a": 4.0})["std-b"]["below"] is False
+    assert tiers.below_text(None) == "below fair share: -"
+    with pytest.raises(ValueError, match="window"):
+        tiers.below_share(rs, (5.0, 5.0))
 
 
 def level_results() -> list[Result]:

@@ -119,6 +119,84 @@ def test_a_tenant_below_its_share_gets_all_it_asks_and_banks_no_credit() -> None
     assert got.count("B") == 4 and got.count("A") == 4
 
 
+def test_a_returning_tenant_takes_at_most_its_burst_credit_first() -> None:
+    """With ``burst_tokens`` 300 and requests of 100 tokens, B coming back from idle while A
+    is backlogged goes first for three requests (its counter starts 300 below A's), then the
+    two take turns as without credit; a heavier weight means less credit in counter units."""
+    q: FlowQueues[str] = FlowQueues(BANDS, 10_000, burst_tokens=300)
+    for _ in range(200):
+        q.push(held(1, "A", item="a"))
+
+    def pop() -> str:
+        h = q.pop(everything)
+        assert h is not None
+        q.charge(1, h.tenant, 100, h.weight)
+        return h.tenant
+
+    for _ in range(40):
+        assert pop() == "A"
+    for _ in range(6):
+        q.push(held(1, "B", item="b"))
+    assert q.counter(1, "B") == q.counter(1, "A") - 300
+    assert [pop() for _ in range(8)] == ["B", "B", "B", "A", "B", "A", "B", "A"]
+    q.push(held(1, "C", weight=3.0, item="c"))  # B, one left, holds the smallest counter
+    assert q.counter(1, "C") == pytest.approx(min(q.counter(1, "A"), q.counter(1, "B")) - 100)
+    with pytest.raises(ValueError, match="burst_tokens"):
+        FlowQueues(BANDS, 10, burst_tokens=-1)
+
+
+def test_burst_credit_never_lets_a_tenant_outgrow_a_backlogged_one() -> None:
+    """B comes and goes in random bursts larger than its share while A is always backlogged:
+    whatever credit B is lifted to, it is served only while its counter is not above A's, so
+    over the run it never gets more than A plus one request, and Jain's index holds."""
+    rng = random.Random(7)
+    q: FlowQueues[int] = FlowQueues(BANDS, 100_000, burst_tokens=2_000)
+    for _ in range(5_000):
+        q.push(held(1, "A", item=rng.randint(64, 320)))
+    served = {"A": 0, "B": 0}
+    for _ in range(1_500):
+        if rng.random() < 0.3:
+            for _ in range(rng.randint(1, 6)):
+                q.push(held(1, "B", item=rng.randint(64, 320)))
+        h = q.pop(everything)
+        assert h is not None
+        served[h.tenant] += h.item
+        q.charge(1, h.tenant, h.item, 1.0)
+        assert served["B"] <= served["A"] + 320
+    assert jain(list(served.values())) >= 0.95
+
+
+@pytest.mark.parametrize(("burst", "shed_b"), [(0, True), (4096, False)])
+def test_a_burst_below_the_tenants_share_is_not_shed_while_the_tier_is_short(
+        burst: int, shed_b: bool) -> None:
+    """Virtual time: the band dispatches one request a second, A keeps it backlogged with
+    three a second, B sends eight at once every 40 s (a fifth of a second's worth: well below
+    half), every request 200 tokens, held at most 10 s. Without credit B takes turns with A
+    and the last of each burst outlives the TTL; with 4096 tokens of credit, every one of B's
+    is dispatched in time (A's overflow is shed instead)."""
+    q: FlowQueues[str] = FlowQueues([BandSpec("standard", 10_000, 10.0)], 100_000,
+                                    burst_tokens=burst)
+    shed = {"A": 0, "B": 0}
+    sent = {"A": 0, "B": 0}
+    for t in range(200):
+        now = float(t)
+        for _ in range(3):
+            q.push(held(0, "A", at=now))
+            sent["A"] += 1
+        if t % 40 == 5:
+            for _ in range(8):
+                q.push(held(0, "B", at=now))
+                sent["B"] += 1
+        for h in q.expire(now):
+            shed[h.tenant] += 1
+        h = q.pop(everything, now)
+        if h is not None:
+            q.charge(0, h.tenant, 200, 1.0)
+    assert sent["B"] == 40
+    assert (shed["B"] > 0) is shed_b
+    assert shed["A"] > 0
+
+
 def test_a_full_band_refuses_and_a_full_queue_evicts_the_newest_of_the_lowest_band() -> None:
     q: FlowQueues[str] = FlowQueues([BandSpec("i", 2, 10), BandSpec("s", 8, 10),
                                      BandSpec("b", 8, 10)], 4)
