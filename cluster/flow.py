@@ -8,14 +8,15 @@ ingress drives it; its unit tests drive it in virtual time).
 - **Fairness inside a band** (the Virtual Token Counter): every tenant has a counter of the
   service it received, in tokens (prompt and output) divided by its weight. ``pop`` takes the
   oldest request of the backlogged tenant with the smallest counter. A tenant that was not
-  backlogged has its counter lifted, when a request of it arrives, to at most ``burst_tokens``
-  (divided by its weight) below the smallest counter of the backlogged tenants (or the band's
-  virtual time when none is): idle time banks at most that much credit. With none
-  (``burst_tokens`` 0, the plain Virtual Token Counter) a returning tenant takes turns with the
-  backlogged ones at once, so a burst of a tenant that asks less than its share over time still
-  gets only half the band while the band is short; with some, such a burst goes first for up to
-  ``burst_tokens`` of service, and two backlogged tenants still stay within ``burst_tokens`` plus
-  one request of each other.
+  backlogged has its counter lifted, when a request of it arrives, to the band's floor (the
+  smallest counter of the backlogged tenants, or the band's virtual time when none is) as it
+  was ``burst_s`` ago, if that is lower than now: idle time banks no more credit than what the
+  band served in the last ``burst_s`` seconds. With ``burst_s`` 0 (the plain Virtual Token
+  Counter) a returning tenant takes turns with the backlogged ones at once, so a burst of a
+  tenant that asks less than its share over time gets only half of a band that a higher band
+  leaves short, and the rest of it can outlive its TTL; with some, it first catches up what it
+  missed while idle in that span. Either way a tenant is served only while its counter is not
+  above a backlogged one's, so it never gets more than a backlogged tenant plus one request.
 - **Aging.** Strict priority alone starves a lower band behind a steady stream above it: a
   request held longer than ``aging_s`` goes ahead of the bands above it, the oldest such first,
   but such aged dispatches are at most ``aged_share`` of all dispatches, so that under overload
@@ -31,6 +32,7 @@ ingress drives it; its unit tests drive it in virtual time).
 from __future__ import annotations
 
 import itertools
+import math
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -76,13 +78,15 @@ class _Band(Generic[T]):
     counters: dict[str, float] = field(default_factory=dict)
     vtime: float = 0.0
     held: int = 0
+    # (time, floor) samples over the last burst_s seconds (FlowQueues._note); bounded
+    floors: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=4096))
 
 
 class FlowQueues(Generic[T]):
     """The held requests of every band (see the module docstring)."""
 
     def __init__(self, bands: Sequence[BandSpec], max_held: int, aging_s: float | None = None,
-                 aged_share: float = 0.05, burst_tokens: float = 0.0) -> None:
+                 aged_share: float = 0.05, burst_s: float = 0.0) -> None:
         if not bands:
             raise ValueError("flow control needs at least one band")
         if max_held < 0:
@@ -91,10 +95,10 @@ class FlowQueues(Generic[T]):
             raise ValueError(f"aging_s must be positive, got {aging_s}")
         if not 0.0 <= aged_share <= 1.0:
             raise ValueError(f"aged_share must be in [0, 1], got {aged_share}")
-        if burst_tokens < 0:
-            raise ValueError(f"burst_tokens must be >= 0, got {burst_tokens}")
+        if burst_s < 0:
+            raise ValueError(f"burst_s must be >= 0, got {burst_s}")
         self.aging_s = aging_s
-        self.burst_tokens = burst_tokens
+        self.burst_s = burst_s
         self.aged_share = aged_share
         # Aged dispatches earn ``aged_share`` of a dispatch each time one is made, up to one:
         # at most that share of any run of dispatches, never a burst.
@@ -140,15 +144,44 @@ class FlowQueues(Generic[T]):
         held.seq = next(self._seq)
         q = b.queues.get(held.tenant)
         if q is None:
-            backlogged = [b.counters.get(t, 0.0) for t in b.queues]
-            floor = min(backlogged) if backlogged else b.vtime
-            b.counters[held.tenant] = max(b.counters.get(held.tenant, 0.0),
-                                          floor - self.burst_tokens / held.weight)
+            floor = min(self._floor(b), self._floor_at(b, held.arrival - self.burst_s))
+            b.counters[held.tenant] = max(b.counters.get(held.tenant, 0.0), floor)
             q = b.queues[held.tenant] = deque()
         q.append(held)
         b.held += 1
         self._held += 1
+        self._note(b, held.arrival)
         return evicted
+
+    @staticmethod
+    def _floor(b: _Band[T]) -> float:
+        backlogged = [b.counters.get(t, 0.0) for t in b.queues]
+        return min(backlogged) if backlogged else b.vtime
+
+    def _note(self, b: _Band[T], now: float) -> None:
+        """Remember how far the band had got at ``now`` (for ``_floor_at``): the highest floor
+        so far, which a tenant lifted below the floor cannot pull back (so credit never chains
+        from one returning tenant to the next); one sample at or before ``now - burst_s`` is
+        kept, none older."""
+        if self.burst_s <= 0:
+            return
+        h = b.floors
+        h.append((now, max(self._floor(b), h[-1][1] if h else -math.inf)))
+        while len(h) >= 2 and h[1][0] <= now - self.burst_s:
+            h.popleft()
+
+    def _floor_at(self, b: _Band[T], when: float) -> float:
+        """How far the band had got at ``when`` (the newest sample at or before it; the
+        oldest kept when none is that old: less credit, never more); its floor now without
+        samples."""
+        if self.burst_s <= 0 or not b.floors:
+            return self._floor(b)
+        at = b.floors[0][1]
+        for t, f in b.floors:
+            if t > when:
+                break
+            at = f
+        return at
 
     def _newest_below(self, band: int) -> Held[T] | None:
         for b in reversed(self._bands[band + 1:]):
@@ -165,12 +198,12 @@ class FlowQueues(Generic[T]):
         aged = self._aged_candidate(allowed, now)
         if aged is not None:
             self._aged_credit -= 1.0
-            return self._take(aged.band, aged.tenant)
+            return self._take(aged.band, aged.tenant, now)
         for i, b in enumerate(self._bands):
             if not b.queues or not allowed(i):
                 continue
             tenant = min(b.queues, key=lambda t: (b.counters.get(t, 0.0), b.queues[t][0].seq))
-            return self._take(i, tenant)
+            return self._take(i, tenant, now)
         return None
 
     def _aged_candidate(self, allowed: Callable[[int], bool],
@@ -186,7 +219,7 @@ class FlowQueues(Generic[T]):
             return None
         return oldest
 
-    def _take(self, band: int, tenant: str) -> Held[T]:
+    def _take(self, band: int, tenant: str, now: float | None = None) -> Held[T]:
         b = self._bands[band]
         q = b.queues[tenant]
         held = q.popleft()
@@ -196,6 +229,8 @@ class FlowQueues(Generic[T]):
         b.held -= 1
         self._held -= 1
         self._aged_credit = min(self._aged_credit + self.aged_share, 1.0)
+        if now is not None:
+            self._note(b, now)
         return held
 
     def remove(self, held: Held[T]) -> bool:

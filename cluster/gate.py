@@ -68,7 +68,7 @@ class FlowGate:
         self.band_of = {t.name: i for i, t in enumerate(tiers)}
         self.queues: FlowQueues[tuple[Ticket, asyncio.Future[Shed | None]]] = FlowQueues(
             [BandSpec(t.name, t.max_held, t.held_ttl_s) for t in tiers], self.cfg.max_held,
-            self.cfg.aging_s, self.cfg.aged_share, self.cfg.tenant_burst_tokens)
+            self.cfg.aging_s, self.cfg.aged_share, self.cfg.tenant_burst_s)
         self.known_tenants = {
             t.name: {name for name, _ in t.all_keys()} | {n.name for n in t.tenants}
             | {DEFAULT_TENANT} for t in tiers}

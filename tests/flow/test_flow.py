@@ -119,16 +119,19 @@ def test_a_tenant_below_its_share_gets_all_it_asks_and_banks_no_credit() -> None
     assert got.count("B") == 4 and got.count("A") == 4
 
 
-def test_a_returning_tenant_takes_at_most_its_burst_credit_first() -> None:
-    """With ``burst_tokens`` 300 and requests of 100 tokens, B coming back from idle while A
-    is backlogged goes first for three requests (its counter starts 300 below A's), then the
-    two take turns as without credit; a heavier weight means less credit in counter units."""
-    q: FlowQueues[str] = FlowQueues(BANDS, 10_000, burst_tokens=300)
+def test_a_returning_tenant_catches_up_only_what_the_band_served_in_burst_s() -> None:
+    """Virtual time, one dispatch of 100 tokens a second, A backlogged. B comes back at 40 s
+    with ``burst_s`` 3: it starts where the band was 3 s ago (A's counter then, 300 below
+    now), so it goes first for three requests, then the two take turns. C, back at 43 s, gets
+    only what the band got past in those 3 s, though B, lifted below A, was the floor 3 s
+    before: credit does not chain from one returning tenant to the next."""
+    q: FlowQueues[str] = FlowQueues(BANDS, 10_000, burst_s=3.0)
     for _ in range(200):
         q.push(held(1, "A", item="a"))
+    clock = iter(range(1_000))
 
     def pop() -> str:
-        h = q.pop(everything)
+        h = q.pop(everything, float(next(clock)))
         assert h is not None
         q.charge(1, h.tenant, 100, h.weight)
         return h.tenant
@@ -136,13 +139,16 @@ def test_a_returning_tenant_takes_at_most_its_burst_credit_first() -> None:
     for _ in range(40):
         assert pop() == "A"
     for _ in range(6):
-        q.push(held(1, "B", item="b"))
-    assert q.counter(1, "B") == q.counter(1, "A") - 300
-    assert [pop() for _ in range(8)] == ["B", "B", "B", "A", "B", "A", "B", "A"]
-    q.push(held(1, "C", weight=3.0, item="c"))  # B, one left, holds the smallest counter
-    assert q.counter(1, "C") == pytest.approx(min(q.counter(1, "A"), q.counter(1, "B")) - 100)
-    with pytest.raises(ValueError, match="burst_tokens"):
-        FlowQueues(BANDS, 10, burst_tokens=-1)
+        q.push(held(1, "B", at=40.0, item="b"))
+    assert q.counter(1, "A") == 4000 and q.counter(1, "B") == 3700
+    assert [pop() for _ in range(3)] == ["B", "B", "B"]  # at 40, 41, 42
+    q.push(held(1, "C", at=43.0, weight=3.0, item="c"))
+    # The band had got to 3900 by 40 s (sampled at its dispatches, before their charge), not
+    # 3700, where B's lifted counter put the floor: 100 of credit, not 400.
+    assert q.counter(1, "C") == 3900
+    assert [pop() for _ in range(6)] == ["C", "A", "B", "A", "B", "A"]
+    with pytest.raises(ValueError, match="burst_s"):
+        FlowQueues(BANDS, 10, burst_s=-1)
 
 
 def test_burst_credit_never_lets_a_tenant_outgrow_a_backlogged_one() -> None:
@@ -150,15 +156,15 @@ def test_burst_credit_never_lets_a_tenant_outgrow_a_backlogged_one() -> None:
     whatever credit B is lifted to, it is served only while its counter is not above A's, so
     over the run it never gets more than A plus one request, and Jain's index holds."""
     rng = random.Random(7)
-    q: FlowQueues[int] = FlowQueues(BANDS, 100_000, burst_tokens=2_000)
+    q: FlowQueues[int] = FlowQueues(BANDS, 100_000, burst_s=5.0)
     for _ in range(5_000):
         q.push(held(1, "A", item=rng.randint(64, 320)))
     served = {"A": 0, "B": 0}
-    for _ in range(1_500):
+    for t in range(1_500):
         if rng.random() < 0.3:
             for _ in range(rng.randint(1, 6)):
-                q.push(held(1, "B", item=rng.randint(64, 320)))
-        h = q.pop(everything)
+                q.push(held(1, "B", at=float(t), item=rng.randint(64, 320)))
+        h = q.pop(everything, float(t))
         assert h is not None
         served[h.tenant] += h.item
         q.charge(1, h.tenant, h.item, 1.0)
@@ -166,16 +172,16 @@ def test_burst_credit_never_lets_a_tenant_outgrow_a_backlogged_one() -> None:
     assert jain(list(served.values())) >= 0.95
 
 
-@pytest.mark.parametrize(("burst", "shed_b"), [(0, True), (4096, False)])
+@pytest.mark.parametrize(("burst_s", "shed_b"), [(0.0, True), (5.0, False)])
 def test_a_burst_below_the_tenants_share_is_not_shed_while_the_tier_is_short(
-        burst: int, shed_b: bool) -> None:
+        burst_s: float, shed_b: bool) -> None:
     """Virtual time: the band dispatches one request a second, A keeps it backlogged with
-    three a second, B sends eight at once every 40 s (a fifth of a second's worth: well below
-    half), every request 200 tokens, held at most 10 s. Without credit B takes turns with A
-    and the last of each burst outlives the TTL; with 4096 tokens of credit, every one of B's
+    three a second, B sends eight at once every 40 s (a fifth of a request a second: well
+    below half), every request 200 tokens, held at most 10 s. Without credit B takes turns
+    with A and the last of each burst outlives the TTL; with 5 s of credit, every one of B's
     is dispatched in time (A's overflow is shed instead)."""
     q: FlowQueues[str] = FlowQueues([BandSpec("standard", 10_000, 10.0)], 100_000,
-                                    burst_tokens=burst)
+                                    burst_s=burst_s)
     shed = {"A": 0, "B": 0}
     sent = {"A": 0, "B": 0}
     for t in range(200):
