@@ -118,9 +118,9 @@ class FlowConfig(_Strict):
     tiers, for at most ``aged_share`` of the dispatches (no tier starves; under overload the
     lower tiers still absorb it); ``aging_s`` None: strict priority. tenant_burst_s: a tenant
     coming back from idle to a tier whose other tenants are backlogged first catches up what
-    it missed in the last ``tenant_burst_s`` seconds, so that a burst of one asking less than
-    its share over time is not shed while a higher tier leaves its tier short (0: the plain
-    Virtual Token Counter, idle time banks nothing).
+    it missed in the last ``tenant_burst_s`` seconds, so that its burst goes ahead of them while
+    a higher tier leaves its tier short, at the cost of their shares over that span (0, the
+    default: the plain Virtual Token Counter, idle time banks nothing).
     """
 
     enabled: bool = True
@@ -130,7 +130,7 @@ class FlowConfig(_Strict):
     tenant_header: str | None = Field(default=None, pattern=r"^[A-Za-z0-9-]{1,64}$")
     aging_s: float | None = Field(default=20.0, gt=0.0)
     aged_share: float = Field(default=0.05, ge=0.0, le=1.0)
-    tenant_burst_s: float = Field(default=5.0, ge=0.0, le=3600.0)
+    tenant_burst_s: float = Field(default=0.0, ge=0.0, le=3600.0)
 
 
 class ClusterConfig(_Strict):
