@@ -9,9 +9,9 @@ ingress drives it; its unit tests drive it in virtual time).
   service it received, in tokens (prompt and output) divided by its weight. ``pop`` takes the
   oldest request of the backlogged tenant with the smallest counter. A tenant that was not
   backlogged has its counter lifted, when a request of it arrives, to the band's floor (the
-  smallest counter of the backlogged tenants, or the band's virtual time when none is) as it
-  was ``burst_s`` ago, if that is lower than now: idle time banks no more credit than what the
-  band served in the last ``burst_s`` seconds. With ``burst_s`` 0 (the plain Virtual Token
+  smallest counter of the backlogged tenants, or the band's virtual time when none is), or to
+  the highest floor the band had reached ``burst_s`` ago if that is lower: idle time banks no
+  more credit than what the band served in the last ``burst_s`` seconds. With ``burst_s`` 0 (the plain Virtual Token
   Counter) a returning tenant takes turns with the backlogged ones at once, so a burst of a
   tenant that asks less than its share over time gets only half of a band that a higher band
   leaves short, and the rest of it can outlive its TTL; with some, it first catches up what it
@@ -78,7 +78,7 @@ class _Band(Generic[T]):
     counters: dict[str, float] = field(default_factory=dict)
     vtime: float = 0.0
     held: int = 0
-    # (time, floor) samples over the last burst_s seconds (FlowQueues._note); bounded
+    # (time, highest floor so far) over the last burst_s seconds (FlowQueues._note); bounded
     floors: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=4096))
 
 
