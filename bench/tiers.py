@@ -418,19 +418,19 @@ def below_share(results: Sequence[Result], window: tuple[float, float],
     """Whether each tenant asked for less than its fair share of its tier in ``window`` (run
     seconds; the level's steady state), and what it got. The tier's service there is the number
     of its requests whose first token came inside it, shared max-min between its tenants
-    (``weights`` by tenant, default equal) by the requests each sent inside it: ``below`` when a
-    tenant's requests fit its share; ``sent`` and ``ok``, its requests inside the window and those
+    (``weights`` by tenant, default equal, as the bench's tenants are) by the requests each sent
+    inside it: ``below`` when a tenant sent some and they fit its share; ``sent`` and ``ok``, its requests inside the window and those
     answered (a tenant below its share should have them all). Counted in requests: the classes
     draw their lengths from the same distributions."""
     w0, w1 = window
     if not w1 > w0:
         raise ValueError("the window must have an end after its start")
     out: dict[str, dict[str, Any]] = {}
+    inside = [r for r in results if w0 <= r.start < w1]
     for tier in dict.fromkeys(c.tier for c in classes):
         mine = [c for c in classes if c.tier == tier and c.tenant is not None]
-        if len(mine) < 2:
+        if len({c.tenant for c in mine}) < 2:
             continue
-        inside = [r for r in results if w0 <= r.start < w1]
         names = {c.name for c in mine}
         service = sum(1 for r in results if r.cls in names and r.outcome == "ok"
                       and r.first_token is not None and w0 <= r.first_token < w1)
@@ -440,7 +440,7 @@ def below_share(results: Sequence[Result], window: tuple[float, float],
         for c, w in zip(mine, wts, strict=True):
             n = len(sent[c.name])
             ok = sum(1 for r in sent[c.name] if r.outcome == "ok")
-            out[c.name] = {"tenant": c.tenant, "below": n <= level * w, "sent": n, "ok": ok,
+            out[c.name] = {"tenant": c.tenant, "below": 0 < n <= level * w, "sent": n, "ok": ok,
                            "served": round(ok / n, 4) if n else None,
                            "share": None if math.isinf(level) else round(level * w, 1),
                            "tier_served": service}

@@ -78,7 +78,8 @@ class _Band(Generic[T]):
     counters: dict[str, float] = field(default_factory=dict)
     vtime: float = 0.0
     held: int = 0
-    # (time, highest floor so far) over the last burst_s seconds (FlowQueues._note); bounded
+    # (time, highest floor so far) over the last burst_s seconds (FlowQueues._note); at most
+    # 4096 of them (beyond, the oldest go: less credit)
     floors: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=4096))
 
 
@@ -144,7 +145,7 @@ class FlowQueues(Generic[T]):
         held.seq = next(self._seq)
         q = b.queues.get(held.tenant)
         if q is None:
-            floor = min(self._floor(b), self._floor_at(b, held.arrival - self.burst_s))
+            floor = self._floor_at(b, held.arrival - self.burst_s)
             b.counters[held.tenant] = max(b.counters.get(held.tenant, 0.0), floor)
             q = b.queues[held.tenant] = deque()
         q.append(held)
@@ -161,27 +162,29 @@ class FlowQueues(Generic[T]):
     def _note(self, b: _Band[T], now: float) -> None:
         """Remember how far the band had got at ``now`` (for ``_floor_at``): the highest floor
         so far, which a tenant lifted below the floor cannot pull back (so credit never chains
-        from one returning tenant to the next); one sample at or before ``now - burst_s`` is
-        kept, none older."""
+        from one returning tenant to the next). Samples older than ``burst_s`` are dropped,
+        and a time earlier than the last sample's counts as that time."""
         if self.burst_s <= 0:
             return
         h = b.floors
+        if h:
+            now = max(now, h[-1][0])
         h.append((now, max(self._floor(b), h[-1][1] if h else -math.inf)))
-        while len(h) >= 2 and h[1][0] <= now - self.burst_s:
+        while h[0][0] < now - self.burst_s:
             h.popleft()
 
     def _floor_at(self, b: _Band[T], when: float) -> float:
-        """How far the band had got at ``when`` (the newest sample at or before it; the
-        oldest kept when none is that old: less credit, never more); its floor now without
-        samples."""
-        if self.burst_s <= 0 or not b.floors:
-            return self._floor(b)
-        at = b.floors[0][1]
+        """How far the band had got by ``when``, at most: the oldest sample at or after it (the
+        band may have got further between samples, unseen: service charged outside a push or
+        a pop takes none, so this errs towards less credit, never more); its floor now when no
+        sample is that recent."""
+        floor = self._floor(b)
+        if self.burst_s <= 0:
+            return floor
         for t, f in b.floors:
-            if t > when:
-                break
-            at = f
-        return at
+            if t >= when:
+                return min(f, floor)
+        return floor
 
     def _newest_below(self, band: int) -> Held[T] | None:
         for b in reversed(self._bands[band + 1:]):

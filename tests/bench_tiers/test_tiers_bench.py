@@ -250,7 +250,7 @@ def test_below_share_judges_each_tenant_against_what_its_tier_served() -> None:
                              "served": 0.75, "share": 8.0, "tier_served": 12}
     assert rows["std-a"]["below"] is False and rows["std-a"]["sent"] == 20
     assert tiers.below_text(rows) == "below fair share (answered/sent): std-b 3/4"
-    # b asking more than half of what the tier served is not below its share
+    # with weights 4:1, b's share of the 12 served is 2.4, under the 4 it sent
     assert tiers.below_share(rs, (10.0, 30.0), weights={"tenant-a": 4.0})["std-b"]["below"] is False
     assert tiers.below_text(None) == "below fair share: -"
     with pytest.raises(ValueError, match="window"):
