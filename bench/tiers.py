@@ -419,8 +419,9 @@ def below_share(results: Sequence[Result], window: tuple[float, float],
     seconds; the level's steady state), and what it got. The tier's service there is the number
     of its requests whose first token came inside it, shared max-min between its tenants
     (``weights`` by tenant, default equal, as the bench's tenants are) by the requests each sent
-    inside it: ``below`` when a tenant sent some and they fit its share; ``sent`` and ``ok``, its requests inside the window and those
-    answered (a tenant below its share should have them all). Counted in requests: the classes
+    inside it: ``below`` when a tenant sent some and they fit its share; ``sent`` and ``ok``,
+    its requests inside the window and those answered (a tenant below its share should have
+    them all). Counted in requests: the classes
     draw their lengths from the same distributions."""
     w0, w1 = window
     if not w1 > w0:

@@ -9,10 +9,10 @@ ingress drives it; its unit tests drive it in virtual time).
   service it received, in tokens (prompt and output) divided by its weight. ``pop`` takes the
   oldest request of the backlogged tenant with the smallest counter. A tenant that was not
   backlogged has its counter lifted, when a request of it arrives, to the band's floor (the
-  smallest counter of the backlogged tenants, or the band's virtual time when none is), or to
-  the highest floor the band had reached ``burst_s`` ago if that is lower: idle time banks no
-  more credit than what the band served in the last ``burst_s`` seconds. With ``burst_s`` 0 (the plain Virtual Token
-  Counter) a returning tenant takes turns with the backlogged ones at once, so a burst of a
+  smallest counter of the backlogged tenants, or the band's virtual time when none is); with
+  ``burst_s``, to the highest floor the band had reached ``burst_s`` ago instead: idle time
+  banks no more credit than what the band served in the last ``burst_s`` seconds. With
+  ``burst_s`` 0 (the plain Virtual Token Counter) a returning tenant takes turns with the backlogged ones at once, so a burst of a
   tenant that asks less than its share over time gets only half of a band that a higher band
   leaves short, and the rest of it can outlive its TTL; with some, it first catches up what it
   missed while idle in that span. Either way a tenant is served only while its counter is not
@@ -174,17 +174,17 @@ class FlowQueues(Generic[T]):
             h.popleft()
 
     def _floor_at(self, b: _Band[T], when: float) -> float:
-        """How far the band had got by ``when``, at most: the oldest sample at or after it (the
-        band may have got further between samples, unseen: service charged outside a push or
-        a pop takes none, so this errs towards less credit, never more); its floor now when no
-        sample is that recent."""
-        floor = self._floor(b)
-        if self.burst_s <= 0:
-            return floor
-        for t, f in b.floors:
-            if t >= when:
-                return min(f, floor)
-        return floor
+        """Where a tenant back from idle starts: with credit, how far the band had got by
+        ``when``, at most: the oldest sample at or after it (the band may have got further
+        between samples, unseen: service charged outside a push or a pop takes none, so this
+        errs towards less credit, never more), even where a credited tenant still backlogged
+        holds the floor lower (its credit is not passed on); the floor now when no sample is
+        that recent, or without credit."""
+        if self.burst_s > 0:
+            for t, f in b.floors:
+                if t >= when:
+                    return f
+        return self._floor(b)
 
     def _newest_below(self, band: int) -> Held[T] | None:
         for b in reversed(self._bands[band + 1:]):

@@ -182,8 +182,8 @@ def test_burst_credit_never_lets_a_tenant_outgrow_a_backlogged_one(burst_s: floa
 
 def test_credit_is_never_more_than_burst_s_worth_whatever_the_samples() -> None:
     """Service charged with no push or pop to sample it (the gate's direct dispatches) must
-    not turn into credit: after 1000 s of such charges to A, B coming back gets none of it.
-    A clock that goes back counts as standing still."""
+    not turn into credit: after 1000 s of such charges to A, B coming back gets none of it,
+    nor does a tenant whose arrival time is earlier than the band has seen."""
     q: FlowQueues[str] = FlowQueues(BANDS, 100, burst_s=5.0)
     q.push(held(1, "A", at=0.0))
     assert q.pop(everything, 0.0) is not None
@@ -194,6 +194,22 @@ def test_credit_is_never_more_than_burst_s_worth_whatever_the_samples() -> None:
     assert q.counter(1, "B") == q.counter(1, "A") == 100_000
     q.push(held(1, "C", at=10.0))  # earlier than the band has seen: no older credit
     assert q.counter(1, "C") == 100_000
+
+
+def test_a_credited_tenant_does_not_pass_its_credit_on() -> None:
+    """B comes back at 40 s with 3 s of credit and still holds the floor (3700) when C comes
+    back at 40.2 s: C starts where the band had got by 37.2 s (3800, its dispatch at 38 s),
+    not at B's lifted counter."""
+    q: FlowQueues[str] = FlowQueues(BANDS, 10_000, burst_s=3.0)
+    for _ in range(100):
+        q.push(held(1, "A", item="a"))
+    for t in range(40):
+        h = q.pop(everything, float(t))
+        assert h is not None
+        q.charge(1, h.tenant, 100, 1.0)
+    q.push(held(1, "B", at=40.0))
+    q.push(held(1, "C", at=40.2))
+    assert (q.counter(1, "A"), q.counter(1, "B"), q.counter(1, "C")) == (4000, 3700, 3800)
 
 
 @pytest.mark.parametrize(("burst_s", "shed_b"), [(0.0, True), (5.0, False)])
