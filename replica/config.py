@@ -47,6 +47,11 @@ class EngineConfig(BaseModel):
       the engine's own step times to take at most ``slo_headroom`` of the strictest target; off
       (or without targets) the scheduler is exactly §1 to §7.
     - ``slo_headroom``: the share of the strictest TPOT target a step may be predicted to take.
+    - ``slo_prefill_headroom``: a step that prefills prompts of the strictest target may take
+      longer, as long as every running request of that target keeps its time per output token
+      so far within this share of its target (its TPOT is a mean: steps shorter than the limit
+      leave a budget); with none of them decoding, such a prompt takes its whole chunk. None:
+      never past the step limit.
     - ``prefill_chunk_tokens``: a prompt's chunk per step at most (chunked prefill; vLLM's
       ``long_prefill_token_threshold``); None: whole prompts.
     - ``enable_prefix_caching``: share the KV blocks of common prompt prefixes between requests
@@ -80,6 +85,7 @@ class EngineConfig(BaseModel):
     aging_steps: int = Field(default=100, ge=0)
     slo_scheduling: bool = True
     slo_headroom: float = Field(default=0.7, gt=0.0, le=1.0)
+    slo_prefill_headroom: float | None = Field(default=0.85, gt=0.0, le=1.0)
     prefill_chunk_tokens: int | None = Field(default=256, gt=0)
     enable_prefix_caching: bool = True
     dtype: DType = "auto"

@@ -23,6 +23,8 @@ from __future__ import annotations
 import bisect
 import contextlib
 import enum
+import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -271,6 +273,8 @@ class _Seq:
     __slots__ = (
         "cached",
         "computed",
+        "emitted",
+        "first_at",
         "handle",
         "id",
         "max_tokens",
@@ -294,6 +298,10 @@ class _Seq:
         self.computed = 0  # positions whose K/V are in the cache
         self.cached: int | None = None  # prompt positions found cached at first admission
         self.handle: Handle[_Seq] | None = None  # set while waiting
+        # Tokens sampled so far and when the first came (the scheduler's clock; §8's budget):
+        # kept across preemption, as the client's clock runs on.
+        self.emitted = 0
+        self.first_at: float | None = None
 
 
 def _rank_of(seq: _Seq) -> tuple[int, int]:
@@ -328,13 +336,15 @@ class Scheduler:
         prefill_policy: PrefillPolicy | None = None,
         max_model_len: int | None = None,
         cost: StepCostModel | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """Caps from ``cfg`` (``max_num_seqs``, ``max_num_batched_tokens``, ``max_waiting``,
         ``scheduling_policy``, ``aging_steps``); the context is ``max_model_len`` (the engine
         resolves it from the model) or else ``cfg.max_model_len``; the prefill policy is
         ``prefill_policy`` or else chunks of ``cfg.prefill_chunk_tokens`` (whole prompts when
         None). ``cost``: the step cost model of SLO-aware steps (§8), when ``cfg.slo_scheduling``
-        is on (a default one when None); requests' ``tpot_target_s`` then bound each step."""
+        is on (a default one when None); requests' ``tpot_target_s`` then bound each step.
+        ``clock``: seconds, for the TPOT budget of §8 (when each request's first token came)."""
         context = max_model_len if max_model_len is not None else cfg.max_model_len
         if context is None or context < 2:
             raise ValueError(
@@ -363,6 +373,7 @@ class Scheduler:
         self._limit: float | None = None
         self._paused = 0
         self._decoding: StepShape | None = None  # the last plan as decodes, with a limit
+        self._clock = clock
 
     # ------------------------------------------------------------------ admission
 
@@ -494,6 +505,9 @@ class Scheduler:
         # With a limit, part of the step is kept for the strictest tier's prompts (their first
         # token has a target too): lower tiers' decodes fill the rest.
         reserve = self._reserve(limit, protected) if limit is not None else StepShape()
+        # How long the step may take for protected prompts: past L by what every running
+        # protected request's TPOT budget allows (§8).
+        burst = self._burst_limit(limit, strict) if limit is not None else 0.0
         floors = [1]  # a block's worth past the limit, while no protected prompt has a chunk
         kept = [reserve.tokens]  # of the reserve, what protected chunks have not yet taken
 
@@ -544,8 +558,9 @@ class Scheduler:
                 continue
             take = policy.chunk_len(remaining, budget, not fed)
             if take > 0 and limit is not None and cost is not None:
-                take = self._timed_chunk(seq.computed, take, with_reserve(shape, seq), limit,
-                                         protected(seq), floors)
+                take = self._timed_chunk(seq.computed, take, with_reserve(shape, seq),
+                                         burst if protected(seq) else limit, protected(seq),
+                                         floors)
                 if take == 0:
                     paused.append(seq)
                 elif protected(seq):
@@ -595,8 +610,9 @@ class Scheduler:
             remaining = len(head.tokens) - cached
             take = policy.chunk_len(remaining, budget, not fed)
             if take > 0 and limit is not None and cost is not None:
-                take = self._timed_chunk(cached, take, with_reserve(shape, head), limit,
-                                         protected(head), floors)
+                take = self._timed_chunk(cached, take, with_reserve(shape, head),
+                                         burst if protected(head) else limit, protected(head),
+                                         floors)
                 if take and not protected(head) and not self._carries(head, fed, limit):
                     take = 0  # it would slow the decodes past the limit once it decodes
                 if protected(head):
@@ -645,6 +661,24 @@ class Scheduler:
         return out
 
     # ------------------------------------------------------------------ SLO-aware steps (§8)
+
+    def _burst_limit(self, limit: float, strict: float) -> float:
+        """How long a step may take for the strictest tier's prompts (§8): past ``limit`` by
+        as much as every running request of that tier can spend and keep its time per output
+        token so far within ``slo_prefill_headroom`` of its target (``limit`` when that is
+        None; no bound while none of them has a first token)."""
+        share = self.cfg.slo_prefill_headroom
+        if share is None:
+            return limit
+        now = self._clock()
+        budget = math.inf
+        for seq in self._running:
+            first = seq.first_at
+            if seq.target is not None and seq.target <= strict and first is not None:
+                # After this step it has emitted one more: its mean gap stays within
+                # share * target while the step ends by first + share * target * emitted.
+                budget = min(budget, share * seq.target * seq.emitted - (now - first))
+        return max(limit, budget)
 
     def _reserve(self, limit: float, protected: Callable[[_Seq], bool]) -> StepShape:
         """The part of a step kept for prompts of the strictest tier: what the prefill policy
@@ -814,12 +848,16 @@ class Scheduler:
         ctx = self.max_model_len
         finished: list[_Seq] = []
         seqs = self._seqs
+        now = self._clock() if self.cost is not None else 0.0
         for o in outputs:
             got = seqs.get(o.id)
             if got is None or got.handle is not None:
                 continue  # aborted (or preempted) between schedule and on_step
             seq = got
             seq.tokens.append(o.token)
+            seq.emitted += 1
+            if seq.first_at is None:
+                seq.first_at = now
             events.append(TokenEvent(o.id, o.token))
             n = len(seq.tokens)
             if o.stop:

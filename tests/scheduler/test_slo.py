@@ -7,6 +7,7 @@ observed), so every prediction is a known linear function of the step's shape.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import pytest
 
@@ -22,12 +23,17 @@ PRIOR = CostPrior(base_s=0.01, per_token_s=0.001, per_sequence_s=0.0, per_pair_s
 
 
 def make(total_blocks: int = 256, *, slo: bool = True, max_seqs: int = 16, chunk: int = 32,
-         budget: int = 256, headroom: float = 0.8) -> tuple[Scheduler, FakeModel]:
+         budget: int = 256, headroom: float = 0.8, prefill_headroom: float | None = None,
+         clock: Callable[[], float] | None = None) -> tuple[Scheduler, FakeModel]:
+    """A scheduler on the fake model. The TPOT budget of protected prompts
+    (``slo_prefill_headroom``) is off unless a test asks for it: the rules of the step limit
+    are tested alone, the budget on its own."""
     cfg = caps(max_seqs=max_seqs, max_batch_tokens=budget, policy=SchedPolicy.PRIORITY,
                aging_steps=0, max_model_len=512).model_copy(
-        update={"slo_scheduling": slo, "slo_headroom": headroom})
+        update={"slo_scheduling": slo, "slo_headroom": headroom,
+                "slo_prefill_headroom": prefill_headroom})
     s = Scheduler(cfg, FreeListBlocks(4, range(total_blocks)), Chunked(chunk),
-                  cost=StepCostModel(PRIOR))
+                  cost=StepCostModel(PRIOR), clock=clock or (lambda: 0.0))
     return s, FakeModel(s)
 
 
@@ -431,3 +437,124 @@ def test_prefill_rate_and_whether_steps_pass_the_lower_tiers() -> None:
                max_model_len=512).model_copy(update={"slo_scheduling": True})
     fcfs = Scheduler(cfg, FreeListBlocks(4, range(64)), Chunked(32), cost=StepCostModel(PRIOR))
     assert not fcfs.slo_steps and s.slo_steps
+
+
+# ---------------------------------------------------------------------- the TPOT budget
+
+
+def timed_run(prefill_headroom: float | None, arrivals: dict[int, list[Request]]
+              ) -> tuple[dict[int, tuple[float, float, float, int]], list[int], int, float]:
+    """Step a scheduler (chunks of 128 positions: 138 ms and more, past the 80 ms limit) whose
+    clock advances by each step's predicted time (the prior's, so exact), adding
+    ``arrivals[k]`` before step ``k``. Returns each request's (arrival, first token, last token,
+    tokens) on that clock, the ids of those with the 100 ms target, the steps planned past the
+    limit (each with a protected chunk in it) and the largest time per output token so far that
+    one of those requests had at any of its tokens."""
+    now = [0.0]
+    s, m = make(4000, slo=True, max_seqs=32, chunk=128, budget=256, headroom=0.8,
+                prefill_headroom=prefill_headroom, clock=lambda: now[0])
+    assert s.cost is not None
+    seen: dict[int, list[float]] = {}
+    targets: dict[int, float | None] = {}
+    past = 0
+    worst = 0.0
+    for k in range(5000):
+        for r in arrivals.get(k, []):
+            rid = s.add(r)
+            seen[rid] = [now[0], -1.0, -1.0, 0]
+            targets[rid] = r.tpot_target_s
+        if k > max(arrivals) and not s.has_unfinished():
+            break
+        plan = s.schedule()
+        took = s.cost.predict(plan.shape) if not plan.is_empty else 0.001
+        strict = [c for c in plan.prefill if targets[c.id] == 0.1]
+        if plan.limit_s is not None and took > plan.limit_s + 1e-9:
+            assert strict, "only a protected prompt's chunk takes a step past the limit"
+            past += 1
+        now[0] += took
+        for e in s.on_step(m.run(plan)):
+            if isinstance(e, TokenEvent):
+                rec = seen[e.id]
+                rec[1] = now[0] if rec[1] < 0 else rec[1]
+                rec[2] = now[0]
+                rec[3] = int(rec[3]) + 1
+                if targets[e.id] == 0.1 and rec[3] >= 2:
+                    worst = max(worst, (now[0] - rec[1]) / (rec[3] - 1))
+    assert not s.has_unfinished()
+    assert s.blocks.free_blocks == s.blocks.total_blocks
+    top = [rid for rid, t in targets.items() if t == 0.1]
+    return {rid: (a, f, last, int(n)) for rid, (a, f, last, n) in seen.items()}, top, past, worst
+
+
+def budget_workload() -> dict[int, list[Request]]:
+    """Standard-tier requests (500 ms target) with long prompts and answers filling the
+    steps, an interactive one (100 ms target) decoding 150 tokens, and an interactive prompt of
+    250 tokens every 6 steps (so that the budget binds)."""
+    arrivals: dict[int, list[Request]] = {0: [req(300, 120, 5, 0.5, i) for i in range(4)]}
+    arrivals[0].append(req(8, 150, 10, 0.1, 50))
+    for j in range(16):
+        arrivals.setdefault(20 + 6 * j, []).append(req(250, 12, 10, 0.1, 60 + j))
+    for j in range(60):  # and more of the standard tier, so that its chunks fill the steps
+        arrivals.setdefault(3 * j, []).append(req(200, 40, 5, 0.5, 100 + j))
+    return arrivals
+
+
+def test_the_tpot_budget_lets_top_tier_prompts_past_the_limit_within_each_share() -> None:
+    """With ``slo_prefill_headroom`` 0.9 and an 80 ms limit (100 ms target), interactive
+    prompts take steps past the limit, and every interactive request keeps its time per output
+    token so far within 90 ms at each of its tokens; their first tokens come sooner than with the budget off,
+    where no step passes the limit (here by little: a step's base cost is small beside its
+    tokens, so longer steps save little of it)."""
+    on, top, past_on, worst = timed_run(0.9, budget_workload())
+    off, _, past_off, _ = timed_run(None, budget_workload())
+    assert past_on > 0 and past_off == 0
+    assert all(on[rid][3] >= 2 for rid in top)
+    # At every token of every interactive request, its mean so far is within 90 ms, and the
+    # budget was spent (past the 80 ms the limit alone would give) but never overspent.
+    assert 0.08 < worst <= 0.9 * 0.1 + 1e-9
+    ttft_on = sum(on[r][1] - on[r][0] for r in top)
+    ttft_off = sum(off[r][1] - off[r][0] for r in top)
+    assert ttft_on < ttft_off
+
+
+def test_a_top_tier_prompt_takes_its_whole_chunk_while_none_of_its_tier_has_a_token() -> None:
+    """No interactive request has a first token yet: nothing of that tier's TPOT is at stake,
+    so its prompt takes the prefill policy's whole chunk (64) past the 80 ms limit, where with
+    the budget off it gets the reserve (3/4 of the 70 tokens an empty step holds)."""
+    firsts = []
+    for share in (0.85, None):
+        s, m = make(2000, slo=True, chunk=64, budget=256, prefill_headroom=share)
+        for i in range(3):
+            s.add(req(300, 10, 5, 0.5, i))
+        m.step()
+        top = s.add(req(120, 5, 10, 0.1, 99))
+        plan, _ = m.step()
+        firsts.append(next(len(c.tokens) for c in plan.prefill if c.id == top))
+        drive(s, m, max_steps=2000)
+        assert s.blocks.free_blocks == s.blocks.total_blocks
+    assert firsts == [64, 70 * 3 // 4]
+
+
+def test_a_budget_is_what_the_running_request_has_left() -> None:
+    """An interactive request decoding, 90 ms a token its share: with 10 tokens in 500 ms it
+    has 400 ms left, so a new interactive prompt takes its whole chunk (128) in a step past the
+    80 ms limit that ends within them; with one token 200 ms ago it has spent its budget, and
+    the prompt is held to the limit."""
+    for tokens, elapsed, past in ((10, 0.5, True), (1, 0.2, False)):
+        now = [0.0]
+        s, m = make(2000, slo=True, chunk=128, budget=256, prefill_headroom=0.9,
+                    clock=lambda now=now: now[0])
+        running = s.add(req(8, 50, 10, 0.1, 1))
+        m.step()  # its prompt and first token, at t = 0
+        for _ in range(tokens - 1):
+            m.step()
+        now[0] = elapsed
+        top = s.add(req(200, 5, 10, 0.1, 2))
+        plan, _ = m.step()
+        assert s.cost is not None and running in plan.decode
+        took = s.cost.predict(plan.shape)
+        chunk = next(c for c in plan.prefill if c.id == top)
+        if past:
+            assert chunk.len == 128 and 0.08 < took <= 0.9 * 0.1 * tokens - elapsed + 1e-9
+        else:
+            assert took <= 0.08 + 1e-9

@@ -1,0 +1,92 @@
+"""``tierserve.bench.tiers_sim``: the simulated cluster is deterministic, answers or sheds every
+request, leaks nothing, and refuses what it cannot run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tierserve.bench import tiers_sim as ts
+from tierserve.replica.scheduler import Chunk, Decode, StepPlan
+
+
+def setup(headroom: float | None = 0.85, **kw: object) -> ts.Setup:
+    return ts.load_setup(ts.DEFAULT_CONFIG, 728, headroom, **kw)  # type: ignore[arg-type]
+
+
+def run(headroom: float | None, seed: int = 0) -> list[ts.SimRequest]:
+    s = setup(headroom, truth=ts.StepTruth(scale=1.6))
+    return ts.simulate(ts.traffic(4 * 2.963, 12.0, 7, s), s, seed)
+
+
+def test_the_step_truth_is_its_linear_cost() -> None:
+    plan = StepPlan(prefill=[Chunk(1, 10, 20, False, [1] * 20, [0], 40)],
+                    decodes=[Decode(2, 1, 5, [0]), Decode(3, 1, 7, [0])])
+    truth = ts.StepTruth(base_s=0.01, per_position_s=0.001, per_decode_s=0.002,
+                         per_pair_s=1e-6, scale=2.0)
+    pairs = 20 * (10 + 21 / 2)
+    assert truth.seconds(plan) == pytest.approx(2 * (0.01 + 0.02 + 0.004 + pairs * 1e-6))
+
+
+def test_the_config_gives_the_tiers_and_the_engine() -> None:
+    s = setup(None)
+    assert s.engine.slo_prefill_headroom is None and s.engine.num_kv_blocks == 728
+    assert {t.name for t in s.tiers.values()} == {"interactive", "standard", "batch"}
+    assert s.tiers["interactive"].tpot_s == 0.1 and s.starting_per_replica == 8
+
+
+def test_every_request_is_answered_or_shed_and_the_same_seed_gives_the_same_run() -> None:
+    first = run(0.85)
+    again = run(0.85)
+    assert [(r.first, r.last, r.tokens, r.shed) for r in first] == [
+        (r.first, r.last, r.tokens, r.shed) for r in again]
+    assert first and all(r.shed != (r.tokens == r.output) for r in first)
+    assert all(r.shed == (r.first is None) for r in first)
+    shed = {r.tier for r in first if r.shed}
+    assert "interactive" not in shed  # 4x: the lower tiers are shed, never the top one
+    figs = ts.level_figures(first, setup(), 12.0)
+    assert 0.0 <= figs["within"] <= 1.0 and figs["requests"] == len(first)
+
+
+def test_the_budget_changes_the_steps() -> None:
+    """With the budget on, a top-tier prompt's first token comes sooner somewhere (not a
+    figure of merit: only that the setting reaches the scheduler)."""
+    on = [r.ttft for r in run(0.85) if r.tier == "interactive"]
+    off = [r.ttft for r in run(None) if r.tier == "interactive"]
+    assert on != off
+
+
+def test_a_config_without_the_traffics_tiers_is_refused(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(ts.DEFAULT_CONFIG.read_text().replace("name: interactive", "name: gold"))
+    with pytest.raises(ValueError, match=r"\['interactive'\] are not configured"):
+        ts.load_setup(cfg, 728, None)
+
+
+def test_main_prints_the_table_and_writes_json(tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "sim.json"
+    assert ts.main(["--levels", "2", "--duration", "6", "--scale", "1.6", "--seeds", "1",
+                    "--traffic-seeds", "1", "--prefill-headroom", "none,0.85",
+                    "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "prefill_headroom" in text and "\n            none  1.60 |" in text
+    assert "\n            0.85  1.60 |" in text
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["prefill_headroom"] for r in rows] == [None, 0.85]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--levels", "2,x"], "not a number"),
+    (["--seeds", "0"], "must be positive"),
+    (["--prefill-headroom", "lots"], "not a number"),
+    (["--prefill-headroom", "1.5"], "slo_prefill_headroom"),
+    (["--config", "/nonexistent.yaml"], "cannot run /nonexistent.yaml"),
+])
+def test_bad_arguments_are_refused(argv: list[str], message: str,
+                                   capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        ts.main(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
