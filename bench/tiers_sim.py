@@ -7,29 +7,31 @@ interactive tier within its targets at 4x on one day). Here the same seed gives 
 figures, a run takes seconds, and the step's cost can be scaled to see how much margin a
 setting leaves.
 
-The simulated cluster (Ray-free, one process, simulated time):
+The simulated cluster (no Ray cluster: one process, simulated time):
 
 - ``--replicas`` replicas, each the replica's own ``tierserve.replica.scheduler.Scheduler``
   configured by the engine section of ``--config`` (default ``configs/cluster.yaml``) over a
   pool of ``--kv-blocks`` blocks (728: what 512 MiB hold for the default model). A step takes
   ``StepTruth.seconds(plan)`` times a log-normal noise (``--noise``); the scheduler's cost model
   learns it from ``observe_step`` as in a replica, and its clock is the simulation's.
-- The router's own ranking (``tierserve.router.policy.rank_replicas``) over reports refreshed
-  every ``--report-s`` seconds (the config's ``request_routing_stats_period_s``), plus the
-  requests sent since the report (``Charge``), as ``FreeKVBlocksRouter`` does.
+- The router's own ranking (``tierserve.router.policy.rank_replicas``) over reports taken
+  every ``--report-s`` seconds (the config's ``request_routing_stats_period_s``), as old as they
+  are by then, plus the requests sent since the report (``Charge``), as ``FreeKVBlocksRouter``
+  does.
 - A gate like the ingress's (``tierserve.cluster.gate``): a request is dispatched at once while
   nothing of its tier or above is held and the dispatch window has room for its tier
-  (``flow.starting_per_replica`` times the replicas, times the tier's ``queue_share``; a request
-  counts until its first token); otherwise it is held per tier, strict priority between tiers,
-  first come first served inside one, and shed (a 429) once held past the tier's
-  ``held_ttl_s``.
-- Not modelled: tenants (one per tier), the HTTP path and streaming, the prefix cache (random
+  (``flow.starting_per_replica`` times the replicas, times the tier's ``queue_share``, at least
+  one; a request counts until its first token); otherwise it is held per tier, strict priority
+  between tiers, first come first served inside one, and shed (a 429) when its tier already
+  holds ``max_held`` or once held past the tier's ``held_ttl_s``.
+- Not modelled: tenants (one per tier), the gate's aging (``flow.aging_s``) and its capacity
+  over all tiers (``flow.max_held``), the HTTP path and streaming, the prefix cache (random
   prompts share nothing), the client.
 
 Traffic: ``tierserve.bench.tiers``'s four classes (interactive 1, standard tenant A 5, tenant B
 1, batch 3), open-loop Poisson at each of ``--levels`` times ``--capacity`` requests/s for
 ``--duration`` s, prompts uniform 64-256 tokens and outputs 16-64, the same for the same
-``--seed`` and level. A request is within its tier's targets when its first token came within
+``--seed``, level and traffic seed. A request is within its tier's targets when its first token came within
 ``ttft_target_s`` of its arrival and its mean gap after it within ``tpot_target_s``; a shed one
 is a miss.
 
@@ -37,8 +39,10 @@ Variants: each ``--prefill-headroom`` value (``none``: off) runs every level at 
 ``--scale`` (a factor on every coefficient of the step's cost) and every noise seed
 (``--seeds``). The table prints, per variant and scale, the interactive tier's share within both
 targets at each load (the lowest over the seeds, then the mean), its TTFT and TPOT (p50: the
-mean over levels and seeds; p99: the highest) and the lower tiers' prompt and output tokens
-served a second.
+mean over levels and seeds; p99: the highest), the share of the standard tier within its
+targets (the mean), and the prompt and output tokens of the lower tiers' requests that were
+not shed, a second of arrivals (every admitted request runs to its end: this counts what the
+gate let through, not a rate the replicas sustained).
 
 The step's cost (``StepTruth``'s defaults) was measured with ``engine.step`` on one core of the
 2-core Xeon of the README (SmolLM2-135M, fp32, one torch thread, nothing else running): about
@@ -104,6 +108,7 @@ class Tier:
     ttl_s: float
     ttft_s: float | None
     tpot_s: float | None
+    max_held: int = 256
 
 
 @dataclass(slots=True)
@@ -178,7 +183,7 @@ def load_setup(config: Path, kv_blocks: int, prefill_headroom: float | None,
         tiers[t["name"]] = Tier(t["name"], int(t["base_priority"]),
                                 float(t.get("queue_share", 1.0)),
                                 float(t.get("held_ttl_s", 30.0)), t.get("ttft_target_s"),
-                                t.get("tpot_target_s"))
+                                t.get("tpot_target_s"), int(t.get("max_held", 256)))
     missing = {c.tier for c in CLASSES} - tiers.keys()
     if missing:
         raise ValueError(f"{config}: the traffic's tiers {sorted(missing)} are not configured")
@@ -188,7 +193,7 @@ def load_setup(config: Path, kv_blocks: int, prefill_headroom: float | None,
                  starting_per_replica=int(flow.get("starting_per_replica", 8)), **overrides)
 
 
-def traffic(rate: float, duration_s: float, seed: int, setup: Setup) -> list[SimRequest]:
+def traffic(rate: float, duration_s: float, seed: int | str, setup: Setup) -> list[SimRequest]:
     """Poisson arrivals of ``tierserve.bench.tiers``'s classes at ``rate`` requests/s."""
     rng = random.Random(seed)
     weights = [c.weight for c in CLASSES]
@@ -235,7 +240,7 @@ def simulate(requests: Sequence[SimRequest], setup: Setup, seed: int = 0) -> lis
     top = order[0].name
 
     def room(tier: str) -> bool:
-        return starting < int(setup.tiers[tier].share * window)
+        return starting < max(1, int(setup.tiers[tier].share * window))
 
     def start(rep: _Replica) -> None:
         if not rep.scheduler.has_unfinished():
@@ -249,9 +254,6 @@ def simulate(requests: Sequence[SimRequest], setup: Setup, seed: int = 0) -> lis
     def dispatch(req: SimRequest) -> None:
         nonlocal starting
         tier = setup.tiers[req.tier]
-        for rep in reps:
-            if rep.stats is None or now - rep.stats.report_time >= setup.report_s:
-                rep.stats = _report(rep, now)
         shape = RequestShape(req.prompt, req.output, latency=req.tier == top,
                              tpot_target_s=tier.tpot_s)
         loads = [ReplicaLoad(k, r.stats, list(r.charges.values())) for k, r in enumerate(reps)]
@@ -276,13 +278,21 @@ def simulate(requests: Sequence[SimRequest], setup: Setup, seed: int = 0) -> lis
 
     pending = list(requests)
     pending.reverse()
+    next_report = 0.0
     while True:
         busy = [r for r in reps if r.end is not None]
         rep = min(busy, key=lambda r: r.end or 0.0) if busy else None
         arrival = pending[-1].arrival if pending else math.inf
+        if rep is None and not pending and not any(held.values()):
+            break
+        if next_report <= min(arrival, rep.end if rep is not None and rep.end is not None
+                              else math.inf):
+            now = next_report  # every replica reports; the router ranks by these until the next
+            for r in reps:
+                r.stats = _report(r, now)
+            next_report += setup.report_s
+            continue
         if rep is None and not pending:
-            if not any(held.values()):
-                break
             now += 0.05  # only held requests are left: the pump's period
             pump()
             continue
@@ -311,6 +321,8 @@ def simulate(requests: Sequence[SimRequest], setup: Setup, seed: int = 0) -> lis
             above = order[:[t.name for t in order].index(req.tier) + 1]
             if not any(held[t.name] for t in above) and room(req.tier):
                 dispatch(req)
+            elif len(held[req.tier]) >= setup.tiers[req.tier].max_held:
+                req.shed = True  # its tier's queue is full: refused at once
             else:
                 held[req.tier].append(req)
     for rep in reps:
@@ -326,8 +338,9 @@ def _q(xs: Sequence[float], q: float) -> float:
 
 
 def level_figures(reqs: Sequence[SimRequest], setup: Setup, duration_s: float) -> dict[str, Any]:
-    """The top tier's share within both targets, its TTFT and TPOT p50/p99, the lower
-    tiers' tokens a second, and the requests shed per tier."""
+    """The top tier's share within both targets, its TTFT and TPOT p50/p99, each tier's share
+    within its targets, the tokens of the lower tiers' requests not shed a second of arrivals,
+    and the requests shed per tier."""
     top = max(setup.tiers.values(), key=lambda t: t.priority)
     mine = [r for r in reqs if r.tier == top.name]
     ttfts = [r.ttft for r in mine if r.ttft is not None]
@@ -338,6 +351,9 @@ def level_figures(reqs: Sequence[SimRequest], setup: Setup, duration_s: float) -
         "ttft_p50_s": _q(ttfts, 0.5), "ttft_p99_s": _q(ttfts, 0.99),
         "tpot_p50_s": _q(tpots, 0.5), "tpot_p99_s": _q(tpots, 0.99),
         "lower_tokens_per_s": lower / duration_s,
+        "within_by_tier": {t.name: (sum(r.within(t) for r in reqs if r.tier == t.name)
+                                    / max(sum(r.tier == t.name for r in reqs), 1))
+                           for t in setup.tiers.values()},
         "shed": {t: sum(r.shed for r in reqs if r.tier == t) for t in setup.tiers},
         "requests": len(reqs),
     }
@@ -379,7 +395,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"seeds; step {StepTruth()} times the scale")
     header = " | ".join(f"{m:g}x within min/mean" for m in levels)
     print(f"{'prefill_headroom':>16} {'scale':>5} | {header} | TTFT p50 mean | TTFT p99 max "
-          f"| TPOT p50 mean | TPOT p99 max | lower tok/s")
+          f"| TPOT p50 mean | TPOT p99 max | standard within | lower tok/s")
     for scale in scales:
         for variant in variants:
             try:
@@ -392,7 +408,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for k, mult in enumerate(levels):
                 for ts in range(args.traffic_seeds):
                     reqs = traffic(mult * args.capacity, args.duration,
-                                   args.seed * 1000 + k * 10 + ts, setup)
+                                   f"{args.seed}:{k}:{ts}", setup)
                     for ns in range(args.seeds):
                         done = simulate([SimRequest(r.arrival, r.cls, r.tier, r.prompt,
                                                     r.output) for r in reqs], setup, ns)
@@ -411,6 +427,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"{max(f['ttft_p99_s'] for f in every):9.2f} s | "
                   f"{1000 * statistics.mean(f['tpot_p50_s'] for f in every):10.0f} ms | "
                   f"{1000 * max(f['tpot_p99_s'] for f in every):9.0f} ms | "
+                  f"{100 * statistics.mean(f['within_by_tier'].get('standard', math.nan) for f in every):14.1f}% | "
                   f"{statistics.mean(f['lower_tokens_per_s'] for f in every):9.0f}", flush=True)
     if args.json is not None:
         # The figures are the simulation's, the same on any machine; the machine is recorded

@@ -48,10 +48,12 @@ class EngineConfig(BaseModel):
       (or without targets) the scheduler is exactly §1 to §7.
     - ``slo_headroom``: the share of the strictest TPOT target a step may be predicted to take.
     - ``slo_prefill_headroom``: a step that prefills prompts of the strictest target may take
-      longer, as long as every running request of that target keeps its time per output token
-      so far within this share of its target (its TPOT is a mean: steps shorter than the limit
-      leave a budget); with none of them decoding, such a prompt takes its whole chunk. None:
-      never past the step limit.
+      longer, as long as every unfinished request of that target with a first token keeps its
+      time per output token so far within this share of its target if its next token comes at
+      the step's end (its TPOT is a mean: steps shorter than the limit leave a budget), and
+      never longer than the next laxer target's limit; while none of them has a first token,
+      such a prompt takes its whole chunk within that. None: those prompts are timed against
+      the limit like the rest.
     - ``prefill_chunk_tokens``: a prompt's chunk per step at most (chunked prefill; vLLM's
       ``long_prefill_token_threshold``); None: whole prompts.
     - ``enable_prefix_caching``: share the KV blocks of common prompt prefixes between requests

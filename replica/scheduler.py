@@ -664,20 +664,25 @@ class Scheduler:
 
     def _burst_limit(self, limit: float, strict: float) -> float:
         """How long a step may take for the strictest tier's prompts (§8): past ``limit`` by
-        as much as every running request of that tier can spend and keep its time per output
-        token so far within ``slo_prefill_headroom`` of its target (``limit`` when that is
-        None; no bound while none of them has a first token)."""
+        as much as every unfinished request of that tier with a first token (running or
+        preempted) can spend and keep its time per output token so far within
+        ``slo_prefill_headroom`` of its target, and never past the limit of the next laxer
+        target present (the lower tiers' work in the step keeps its own); ``limit`` when
+        ``slo_prefill_headroom`` is None."""
         share = self.cfg.slo_prefill_headroom
         if share is None:
             return limit
         now = self._clock()
         budget = math.inf
-        for seq in self._running:
+        for seq in self._seqs.values():
             first = seq.first_at
             if seq.target is not None and seq.target <= strict and first is not None:
-                # After this step it has emitted one more: its mean gap stays within
+                # If its next token comes at the end of this step, its mean gap stays within
                 # share * target while the step ends by first + share * target * emitted.
                 budget = min(budget, share * seq.target * seq.emitted - (now - first))
+        laxer = [t for t in self._targets if t > strict]
+        if laxer:
+            budget = min(budget, min(laxer) * self.cfg.slo_headroom)
         return max(limit, budget)
 
     def _reserve(self, limit: float, protected: Callable[[_Seq], bool]) -> StepShape:

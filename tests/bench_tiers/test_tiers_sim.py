@@ -3,8 +3,10 @@ request, leaks nothing, and refuses what it cannot run."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -13,7 +15,7 @@ from tierserve.replica.scheduler import Chunk, Decode, StepPlan
 
 
 def setup(headroom: float | None = 0.85, **kw: object) -> ts.Setup:
-    return ts.load_setup(ts.DEFAULT_CONFIG, 728, headroom, **kw)  # type: ignore[arg-type]
+    return ts.load_setup(ts.DEFAULT_CONFIG, 728, headroom, **kw)
 
 
 def run(headroom: float | None, seed: int = 0) -> list[ts.SimRequest]:
@@ -51,8 +53,8 @@ def test_every_request_is_answered_or_shed_and_the_same_seed_gives_the_same_run(
 
 
 def test_the_budget_changes_the_steps() -> None:
-    """With the budget on, a top-tier prompt's first token comes sooner somewhere (not a
-    figure of merit: only that the setting reaches the scheduler)."""
+    """With the budget on, the top tier's first tokens come at other times than with it off
+    (not a figure of merit: only that the setting reaches the scheduler)."""
     on = [r.ttft for r in run(0.85) if r.tier == "interactive"]
     off = [r.ttft for r in run(None) if r.tier == "interactive"]
     assert on != off
@@ -90,3 +92,38 @@ def test_bad_arguments_are_refused(argv: list[str], message: str,
     with pytest.raises(SystemExit) as e:
         ts.main(argv)
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_reports_are_taken_every_period_and_the_router_ranks_by_them(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every report is taken at a multiple of ``report_s`` (so a dispatch sees one as old as
+    it is by then), and each replica reports at each of them."""
+    times: list[float] = []
+    real = ts._report
+
+    def spy(rep: Any, now: float) -> Any:
+        times.append(now)
+        return real(rep, now)
+
+    monkeypatch.setattr(ts, "_report", spy)
+    s = setup(0.85, report_s=0.5)
+    ts.simulate(ts.traffic(2 * 2.963, 6.0, 3, s), s, 0)
+    assert times and all(abs(t / 0.5 - round(t / 0.5)) < 1e-9 for t in times)
+    counts = {round(t / 0.5): times.count(t) for t in times}
+    assert set(counts.values()) == {s.replicas}
+
+
+def test_a_tier_whose_queue_is_full_is_shed_at_once() -> None:
+    """With ``max_held`` 0 for batch, a batch request that finds no room is refused when it
+    arrives (the TTL never comes into it): more are shed than with the config's 128."""
+    base = setup(0.85, truth=ts.StepTruth(scale=1.6))
+    tiers = dict(base.tiers)
+    tiers["batch"] = dataclasses.replace(tiers["batch"], max_held=0)
+    full = dataclasses.replace(base, tiers=tiers)
+    traffic = ts.traffic(4 * 2.963, 12.0, 5, base)
+    shed_base = sum(r.shed for r in ts.simulate(traffic, base, 0) if r.tier == "batch")
+    traffic = ts.traffic(4 * 2.963, 12.0, 5, base)
+    done = ts.simulate(traffic, full, 0)
+    shed_full = sum(r.shed for r in done if r.tier == "batch")
+    assert shed_full > shed_base
+    assert all(r.first is None for r in done if r.shed)

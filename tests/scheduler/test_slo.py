@@ -37,6 +37,16 @@ def make(total_blocks: int = 256, *, slo: bool = True, max_seqs: int = 16, chunk
     return s, FakeModel(s)
 
 
+class Clock:
+    """Seconds on a scheduler's clock, set by the test."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
 def req(prompt_len: int, max_tokens: int, priority: int, target: float | None,
         seed: int) -> Request:
     prompt = [(seed * 7919 + i * 31) % VOCAB for i in range(prompt_len)]
@@ -541,14 +551,13 @@ def test_a_budget_is_what_the_running_request_has_left() -> None:
     80 ms limit that ends within them; with one token 200 ms ago it has spent its budget, and
     the prompt is held to the limit."""
     for tokens, elapsed, past in ((10, 0.5, True), (1, 0.2, False)):
-        now = [0.0]
-        s, m = make(2000, slo=True, chunk=128, budget=256, prefill_headroom=0.9,
-                    clock=lambda now=now: now[0])
+        clock = Clock()
+        s, m = make(2000, slo=True, chunk=128, budget=256, prefill_headroom=0.9, clock=clock)
         running = s.add(req(8, 50, 10, 0.1, 1))
         m.step()  # its prompt and first token, at t = 0
         for _ in range(tokens - 1):
             m.step()
-        now[0] = elapsed
+        clock.t = elapsed
         top = s.add(req(200, 5, 10, 0.1, 2))
         plan, _ = m.step()
         assert s.cost is not None and running in plan.decode
@@ -558,3 +567,65 @@ def test_a_budget_is_what_the_running_request_has_left() -> None:
             assert chunk.len == 128 and 0.08 < took <= 0.9 * 0.1 * tokens - elapsed + 1e-9
         else:
             assert took <= 0.08 + 1e-9
+
+
+def test_preempted_top_tier_requests_bound_the_steps_past_the_limit_too() -> None:
+    """Top-tier requests in pools small enough that they preempt one another: every step past
+    the 80 ms limit ends within the budget (90 ms a token) of every unfinished top-tier request
+    with a first token, those preempted and waiting to be recomputed included (counting only
+    the running ones once let a step take a waiting one to 104 ms a token)."""
+    rng = random.Random(0)
+    past = preempted = 0
+    for _ in range(40):
+        clock = Clock()
+        s, m = make(rng.choice([40, 48, 64]), slo=True, chunk=rng.choice([32, 64, 128]),
+                    budget=256, headroom=0.8, prefill_headroom=0.9, clock=clock)
+        arrivals: dict[int, list[Request]] = {}
+        for i in range(rng.randint(2, 5)):
+            arrivals.setdefault(rng.randint(0, 30), []).append(
+                req(rng.randint(4, 100), rng.randint(5, 60), rng.randint(10, 12), 0.1, i))
+        first: dict[int, float] = {}
+        tokens: dict[int, int] = {}
+        for k in range(3000):
+            for r in arrivals.get(k, []):
+                s.add(r)
+            if k > max(arrivals) and not s.has_unfinished():
+                break
+            budgets = [0.9 * 0.1 * tokens[rid] - (clock.t - first[rid]) for rid in first]
+            plan = s.schedule()
+            assert s.cost is not None
+            took = s.cost.predict(plan.shape) if not plan.is_empty else 0.001
+            if plan.limit_s is not None and took > plan.limit_s + 1e-9 and plan.prefill:
+                assert all(took <= b + 1e-9 for b in budgets)
+                past += 1
+            clock.t += took
+            for e in s.on_step(m.run(plan)):
+                if isinstance(e, TokenEvent):
+                    first.setdefault(e.id, clock.t)
+                    tokens[e.id] = tokens.get(e.id, 0) + 1
+                elif isinstance(e, FinishedEvent):
+                    del first[e.id]
+        assert not s.has_unfinished() and s.blocks.free_blocks == s.blocks.total_blocks
+        preempted += s.stats().preemptions
+    assert past > 0 and preempted > 0
+
+
+def test_a_step_past_the_limit_keeps_within_the_next_tiers_limit() -> None:
+    """No interactive request has a first token, so its 480-position prompt may take its whole
+    chunk (490 ms); with a standard-tier request (500 ms target) present the step is cut to that
+    tier's 400 ms limit, whose decode rides in it."""
+    taken = []
+    for lower in (False, True):
+        s, m = make(2000, slo=True, chunk=512, budget=512, prefill_headroom=0.9)
+        if lower:
+            s.add(req(8, 50, 5, 0.5, 1))
+            m.step()
+        top = s.add(req(480, 5, 10, 0.1, 2))
+        plan, _ = m.step()
+        assert s.cost is not None
+        taken.append((next(c.len for c in plan.prefill if c.id == top),
+                      round(s.cost.predict(plan.shape), 6)))
+        drive(s, m, max_steps=2000)
+        assert s.blocks.free_blocks == s.blocks.total_blocks
+    assert taken[0] == (480, 0.49)
+    assert taken[1][0] < 480 and taken[1][1] <= 0.4
