@@ -273,7 +273,6 @@ class _Seq:
     __slots__ = (
         "cached",
         "computed",
-        "emitted",
         "first_at",
         "handle",
         "id",
@@ -298,9 +297,8 @@ class _Seq:
         self.computed = 0  # positions whose K/V are in the cache
         self.cached: int | None = None  # prompt positions found cached at first admission
         self.handle: Handle[_Seq] | None = None  # set while waiting
-        # Tokens sampled so far and when the first came (the scheduler's clock; §8's budget):
-        # kept across preemption, as the client's clock runs on.
-        self.emitted = 0
+        # When its first token was sampled (the scheduler's clock; §8's budget): kept across
+        # preemption, as the client's clock runs on.
         self.first_at: float | None = None
 
 
@@ -505,9 +503,18 @@ class Scheduler:
         # With a limit, part of the step is kept for the strictest tier's prompts (their first
         # token has a target too): lower tiers' decodes fill the rest.
         reserve = self._reserve(limit, protected) if limit is not None else StepShape()
-        # How long the step may take for protected prompts: past L by what every running
-        # protected request's TPOT budget allows (§8).
-        burst = self._burst_limit(limit, strict) if limit is not None else 0.0
+        # How long the step may take for protected prompts (§8's TPOT budget): worked out
+        # when a protected chunk is first timed, not on every step.
+        burst: list[float] = []
+
+        def chunk_limit(seq: _Seq) -> float:
+            """What a chunk of ``seq`` is timed against: L, or L′ for a protected one."""
+            assert limit is not None
+            if not protected(seq):
+                return limit
+            if not burst:
+                burst.append(self._burst_limit(limit, strict))
+            return burst[0]
         floors = [1]  # a block's worth past the limit, while no protected prompt has a chunk
         kept = [reserve.tokens]  # of the reserve, what protected chunks have not yet taken
 
@@ -559,8 +566,7 @@ class Scheduler:
             take = policy.chunk_len(remaining, budget, not fed)
             if take > 0 and limit is not None and cost is not None:
                 take = self._timed_chunk(seq.computed, take, with_reserve(shape, seq),
-                                         burst if protected(seq) else limit, protected(seq),
-                                         floors)
+                                         chunk_limit(seq), protected(seq), floors)
                 if take == 0:
                     paused.append(seq)
                 elif protected(seq):
@@ -611,8 +617,7 @@ class Scheduler:
             take = policy.chunk_len(remaining, budget, not fed)
             if take > 0 and limit is not None and cost is not None:
                 take = self._timed_chunk(cached, take, with_reserve(shape, head),
-                                         burst if protected(head) else limit, protected(head),
-                                         floors)
+                                         chunk_limit(head), protected(head), floors)
                 if take and not protected(head) and not self._carries(head, fed, limit):
                     take = 0  # it would slow the decodes past the limit once it decodes
                 if protected(head):
@@ -678,8 +683,10 @@ class Scheduler:
             first = seq.first_at
             if seq.target is not None and seq.target <= strict and first is not None:
                 # If its next token comes at the end of this step, its mean gap stays within
-                # share * target while the step ends by first + share * target * emitted.
-                budget = min(budget, share * seq.target * seq.emitted - (now - first))
+                # share * target while the step ends by first + share * target * (tokens it
+                # has sampled).
+                sampled = len(seq.tokens) - seq.prompt_len
+                budget = min(budget, share * seq.target * sampled - (now - first))
         laxer = [t for t in self._targets if t > strict]
         if laxer:
             budget = min(budget, min(laxer) * self.cfg.slo_headroom)
@@ -860,7 +867,6 @@ class Scheduler:
                 continue  # aborted (or preempted) between schedule and on_step
             seq = got
             seq.tokens.append(o.token)
-            seq.emitted += 1
             if seq.first_at is None:
                 seq.first_at = now
             events.append(TokenEvent(o.id, o.token))

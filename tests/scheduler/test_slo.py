@@ -512,9 +512,9 @@ def budget_workload() -> dict[int, list[Request]]:
 def test_the_tpot_budget_lets_top_tier_prompts_past_the_limit_within_each_share() -> None:
     """With ``slo_prefill_headroom`` 0.9 and an 80 ms limit (100 ms target), interactive
     prompts take steps past the limit, and every interactive request keeps its time per output
-    token so far within 90 ms at each of its tokens; their first tokens come sooner than with the budget off,
-    where no step passes the limit (here by little: a step's base cost is small beside its
-    tokens, so longer steps save little of it)."""
+    token so far within 90 ms at each of its tokens; their first tokens come sooner than with
+    the budget off, where no step passes the limit (here by little: a step's base cost is small
+    beside its tokens, so longer steps save little of it)."""
     on, top, past_on, worst = timed_run(0.9, budget_workload())
     off, _, past_off, _ = timed_run(None, budget_workload())
     assert past_on > 0 and past_off == 0
