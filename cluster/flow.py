@@ -15,8 +15,9 @@ ingress drives it; its unit tests drive it in virtual time).
   ``burst_s`` 0 (the plain Virtual Token Counter) a returning tenant takes turns with the
   backlogged ones at once, so a burst of a tenant that asks less than its share over time gets
   only half of a band that a higher band leaves short, and the rest of it can outlive its TTL;
-  with some, it first catches up what it missed while idle in that span. Either way a tenant is served only while its counter is not
-  above a backlogged one's, so it never gets more than a backlogged tenant plus one request.
+  with some, it first catches up what it missed while idle in that span. Either way a tenant is
+  served only while its counter is not above a backlogged one's, so it never gets more than a
+  backlogged tenant plus one request.
 - **Aging.** Strict priority alone starves a lower band behind a steady stream above it: a
   request held longer than ``aging_s`` goes ahead of the bands above it, the oldest such first,
   but such aged dispatches are at most ``aged_share`` of all dispatches, so that under overload
