@@ -9,8 +9,12 @@ shed (its tier's capacity, the whole queue's capacity, its TTL: ``Shed``, answer
 The dispatch window: requests dispatched to a replica that have not answered their first token
 yet ("starting") are at most ``starting_per_replica`` times the replicas the router sees; a tier
 may fill its ``queue_share`` of it, so the top tier always finds room that lower tiers cannot
-take. While the window is full, overload queues here, where tiers, tenants and TTLs are known,
-instead of in the replicas' waiting queues.
+take. Under priority scheduling (the engine's ``scheduling_policy``) a tier counts only its own
+starting requests and those of the tiers above it: a replica admits a request ahead of every
+lower tier's waiting there, so those do not delay its first token, and holding it here behind
+them would (under ``fcfs`` every starting request counts). While its window is full, overload
+queues here, where tiers, tenants and TTLs are known, instead of in the replicas' waiting
+queues.
 """
 
 from __future__ import annotations
@@ -73,6 +77,10 @@ class FlowGate:
             t.name: {name for name, _ in t.all_keys()} | {n.name for n in t.tenants}
             | {DEFAULT_TENANT} for t in tiers}
         self.starting = 0
+        self.starting_by = [0] * len(tiers)  # per band
+        # Whether a replica admits a higher tier's request ahead of a lower tier's (priority
+        # scheduling): then a tier's window counts only its band and those above it.
+        self._passes_lower = cfg.engine.scheduling_policy == "priority"
         self.replicas = 1
         self._wake: asyncio.Event | None = None
         self._pump_task: asyncio.Task[None] | None = None
@@ -82,8 +90,12 @@ class FlowGate:
         return self.cfg.starting_per_replica * max(self.replicas, 1)
 
     def allowed(self, band: int) -> bool:
+        """Whether ``band`` may dispatch now: the starting requests it counts (its own and the
+        bands above it under priority scheduling, all of them under fcfs) fill less than its
+        ``queue_share`` of the window."""
         share = self.tiers[band].queue_share
-        return self.starting < max(1, int(self.window() * share))
+        counted = sum(self.starting_by[: band + 1]) if self._passes_lower else self.starting
+        return counted < max(1, int(self.window() * share))
 
     # ------------------------------------------------------------------ a request
 
@@ -126,6 +138,7 @@ class FlowGate:
         if ticket.starting:
             ticket.starting = False
             self.starting -= 1
+            self.starting_by[ticket.band] -= 1
             if self._wake is not None:
                 self._wake.set()
 
@@ -139,6 +152,7 @@ class FlowGate:
     def _dispatch(self, ticket: Ticket) -> None:
         ticket.starting = True
         self.starting += 1
+        self.starting_by[ticket.band] += 1
         self.charge(ticket, ticket.prompt_tokens)
 
     def _shed(self, tier: str, reason: str, why: str) -> Shed:

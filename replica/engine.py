@@ -343,6 +343,7 @@ class Engine:
             step_limit_s=s.limit_s or 0.0,
             paused=s.paused,
             seats=s.seats,
+            target_seats=s.target_seats,
             tpot_target_s=target_s,
             target_requests=target_requests,
             target_prefill=target_prefill,

@@ -261,10 +261,12 @@ class SchedStats:
     rejected: dict[str, int]
     step: int
     # With SLO-aware steps (§8): the last step's limit in seconds (None: no target present),
-    # running requests it left out, and how many more decoding requests it could carry.
+    # running requests it left out, and how many more decoding requests it could carry (any,
+    # then of the strictest target, for which the lower tiers' decodes give way).
     limit_s: float | None = None
     paused: int = 0
     seats: int = 0
+    target_seats: int = 0
 
 
 class _Seq:
@@ -766,8 +768,27 @@ class Scheduler:
         ``max_num_seqs`` (computed when asked, not every step)."""
         free = max(self.cfg.max_num_seqs - len(self._running), 0)
         decoding, limit = self._decoding, self._limit
-        if decoding is None or limit is None or self.cost is None:
+        if decoding is None or limit is None:
             return free
+        return self._seats_within(decoding, free, limit)
+
+    def _target_seats(self) -> int:
+        """More decoding requests of the strictest target the steps could carry within the
+        last step's limit. The lower tiers' decodes give way to them (§8, phase 1), so only
+        that target's running requests count, and ``max_num_seqs`` less them (a lower tier's
+        request gives its seat up too); ``_free_seats`` without a limit."""
+        limit = self._limit
+        if self._decoding is None or limit is None or not self._targets:
+            return self._free_seats()
+        strict = min(self._targets)
+        mine = [(s, 1) for s in self._running if s.target is not None and s.target <= strict]
+        return self._seats_within(_decoding(mine), max(self.cfg.max_num_seqs - len(mine), 0),
+                                  limit)
+
+    def _seats_within(self, decoding: StepShape, free: int, limit: float) -> int:
+        """How many more decodes (at most ``free``, each at the mean context of ``decoding``)
+        a step decoding ``decoding`` takes within ``limit``."""
+        assert self.cost is not None
         per = decoding.attention / decoding.sequences if decoding.sequences else 256.0
         seats = 0
         while seats < free and self.cost.predict(decoding.plus(seats + 1, seats + 1,
@@ -958,6 +979,7 @@ class Scheduler:
             limit_s=self._limit,
             paused=self._paused,
             seats=self._free_seats(),
+            target_seats=self._target_seats(),
         )
 
     def observe_step(self, shape: StepShape, seconds: float) -> None:

@@ -47,6 +47,7 @@ sent it: this falls back to "fewest blocks outstanding from this router".
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -231,6 +232,19 @@ def target_work(stats: RoutingStats | None, request: RequestShape,
     return reported + sum(c.prefill for c in unseen)
 
 
+def seats_for(stats: RoutingStats, tpot_target_s: float) -> float:
+    """The seats a replica's SLO-aware step has for a request with ``tpot_target_s``: the
+    reported ``target_seats`` where that is the strictest target there (the lower tiers'
+    decodes give way to it), unlimited where it would be stricter than every target there
+    (it would become the strictest, and everything else gives way), ``seats`` otherwise."""
+    target_ms = round(tpot_target_s * 1000)
+    if stats.tpot_target_ms and target_ms < stats.tpot_target_ms:
+        return math.inf
+    if stats.tpot_target_ms == target_ms and stats.target_seats >= 0:
+        return stats.target_seats
+    return stats.seats
+
+
 def rank_replicas(
     loads: Sequence[ReplicaLoad[K]],
     request: RequestShape,
@@ -245,8 +259,8 @@ def rank_replicas(
     Before either ranking: replicas whose engine has failed go last, then those whose pool can
     never hold ``prompt + max_tokens``, then saturated ones (the estimated free blocks cannot
     hold the request and the estimated queue is at least ``saturation_waiting``), then, for a
-    request with a TPOT target, those whose SLO-aware step has no seat left for it (its
-    reported ``seats`` less the requests sent since the report). Inside either ranking, while
+    request with a TPOT target, those whose SLO-aware step has no seat left for it
+    (``seats_for``, less the requests sent since the report). Inside either ranking, while
     the replicas are balanced and after whether the request fits there now (and after prefix
     hits where affinity applies), a replica whose
     step already keeps the request's own target as its strictest goes first (a replica keeping a
@@ -306,7 +320,7 @@ def rank_replicas(
             prefill_ahead=(pending * block_size if ahead is None else ahead) + own,
             own_prefill=own if latency else 0,
             no_seat=stats is not None and request.tpot_target_s is not None
-            and stats.seats - len(unseen) < samples,
+            and seats_for(stats, request.tpot_target_s) - len(unseen) < samples,
             unconstrained=request.tpot_target_s is not None and not (
                 keeps_target and stats is not None
                 and stats.target_requests + len(unseen) < GATHER_MAX

@@ -375,10 +375,12 @@ class EngineStats:
     rss_bytes: int = 0
     cached_blocks: int = 0
     # SLO-aware steps (docs/scheduler.md §8): the last step's limit (0: none), the running
-    # requests it left out, and how many more decoding requests the step could carry.
+    # requests it left out, and how many more decoding requests the step could carry (any, then
+    # of the strictest target, for which the lower tiers' decodes give way).
     step_limit_s: float = 0.0
     paused: int = 0
     seats: int = 0
+    target_seats: int = 0
     tpot_target_s: float = 0.0  # the strictest TPOT target of its unfinished requests (0: none)
     target_requests: int = 0  # unfinished requests holding that target
     target_prefill: int = 0  # their prompt positions not yet computed
@@ -446,9 +448,12 @@ class RoutingStats:
     # Free blocks that hold a cached prefix (evictable; counted in free_blocks).
     cached_blocks: int = 0
     # SLO-aware steps: the last step's limit in ms (0: no target present) and how many more
-    # decoding requests the step could carry within it (by max_num_seqs without a limit).
+    # decoding requests the step could carry within it (by max_num_seqs without a limit); then
+    # how many more of its strictest target, for which the lower tiers' decodes give way (-1:
+    # not reported, ``seats`` stands for it).
     step_limit_ms: int = 0
     seats: int = 0
+    target_seats: int = -1
     # The strictest TPOT target of its unfinished requests, in ms (0: none), and how many hold it.
     tpot_target_ms: int = 0
     target_requests: int = 0
@@ -479,6 +484,7 @@ class RoutingStats:
             cached_blocks=stats.cached_blocks,
             step_limit_ms=round(stats.step_limit_s * 1000),
             seats=stats.seats,
+            target_seats=stats.target_seats,
             tpot_target_ms=round(stats.tpot_target_s * 1000),
             target_requests=stats.target_requests,
             target_prefill=stats.target_prefill,

@@ -357,6 +357,36 @@ def test_gate_dispatches_at_once_within_each_tiers_share_of_the_window() -> None
     asyncio.run(go())
 
 
+@pytest.mark.parametrize("policy", ["priority", "fcfs"])
+def test_gate_window_counts_the_tiers_a_replica_would_not_pass(policy: str) -> None:
+    """Under priority scheduling a replica admits a request ahead of every lower tier's
+    waiting there: a tier's window counts its own starting requests and those of the tiers
+    above it, so lower tiers' never hold it here. Under fcfs every starting request counts."""
+    async def go() -> None:
+        base = config()
+        cfg = base.model_copy(update={"engine": base.engine.model_copy(
+            update={"scheduling_policy": policy})})
+        gate, _ = gate_of(cfg)
+        for _ in range(2):  # window 4: batch's share (2) full
+            await gate.enter(caller(cfg, "batch"), 1)
+        tasks = [asyncio.create_task(gate.enter(caller(cfg, tier), 1))
+                 for tier in ("standard", "standard", "standard", "interactive", "interactive")]
+        await asyncio.sleep(0.01)
+        done = [t.done() for t in tasks]
+        if policy == "priority":
+            # standard counts itself (3 of its share of 3), interactive itself (2 of 4)
+            assert done == [True] * 5 and gate.starting == 7
+            assert gate.starting_by == [2, 3, 2]
+        else:
+            # standard stops at 3 starting, interactive at the whole window of 4
+            assert done == [True, False, False, True, False] and gate.starting == 4
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        assert len(gate.queues) == 0
+    asyncio.run(go())
+
+
 def test_gate_serves_held_requests_by_tier_when_slots_free() -> None:
     async def go() -> None:
         cfg = config()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import random
 from collections import Counter
 from dataclasses import replace
@@ -17,6 +18,7 @@ from tierserve.router.policy import (
     RequestShape,
     charge_blocks,
     rank_replicas,
+    seats_for,
 )
 
 T0 = 1000.0
@@ -256,6 +258,34 @@ def test_a_request_with_a_tpot_target_goes_where_a_seat_is_left() -> None:
     assert order(loads) == ["full", "room"]
 
 
+def test_the_strictest_targets_seats_are_its_own() -> None:
+    """A replica keeping the 100 ms target whose step is full of lower tiers' decodes (no seat)
+    still has seats for a 100 ms request (the lower tiers' decodes give way to it) and for a
+    stricter one (it would become the strictest); a 500 ms request has none there; a report
+    without ``target_seats`` (-1) falls back to ``seats``."""
+    full = stats(90, seats=0, target_seats=4, step_limit_ms=70, tpot_target_ms=100)
+    other = stats(40, seats=2, target_seats=2, step_limit_ms=70, tpot_target_ms=100)
+    loads = [ReplicaLoad("full", full), ReplicaLoad("other", other)]
+
+    def no_seat(target_s: float) -> dict[str, bool]:
+        shape = RequestShape(31, 0, latency=target_s <= 0.1, tpot_target_s=target_s)
+        return {r.key: r.no_seat for r in rank_replicas(loads, shape, random.Random(0))}
+
+    assert no_seat(0.1) == {"full": False, "other": False}
+    assert no_seat(0.05) == {"full": False, "other": False}
+    assert no_seat(0.5) == {"full": True, "other": False}
+    assert seats_for(full, 0.1) == 4 and seats_for(full, 0.5) == 0
+    assert seats_for(full, 0.05) == math.inf
+    old = stats(90, seats=1, step_limit_ms=70, tpot_target_ms=100)
+    assert old.target_seats == -1 and seats_for(old, 0.1) == 1
+    # What was sent since the report takes its seats too.
+    charges = [Charge(blocks=2, routed_at=T0 + k) for k in (1, 2, 3, 4)]
+    taken = [ReplicaLoad("full", full, charges), ReplicaLoad("other", other)]
+    ranked = rank_replicas(taken, RequestShape(31, 0, latency=True, tpot_target_s=0.1),
+                           random.Random(0))
+    assert [(r.key, r.no_seat) for r in ranked] == [("other", False), ("full", True)]
+
+
 def test_seats_count_what_was_sent_since_the_report() -> None:
     charges = [Charge(blocks=2, routed_at=T0 + 1), Charge(blocks=2, routed_at=T0 + 2)]
     loads = [ReplicaLoad("a", stats(90, seats=2), charges),
@@ -269,11 +299,11 @@ def test_a_stats_report_carries_the_step_limit_and_seats() -> None:
 
     s = RoutingStats.from_engine(EngineStats(running=3, waiting=0, free_blocks=10, total_blocks=20,
                                              block_size=16, step_limit_s=0.0804, seats=5,
-                                             target_prefill=230, slo_steps=True,
-                                             target_prefill_per_s=412.6),
+                                             target_seats=7, target_prefill=230,
+                                             slo_steps=True, target_prefill_per_s=412.6),
                                  T0, True)
-    assert (s.step_limit_ms, s.seats, s.target_prefill, s.slo_steps,
-            s.target_prefill_per_s) == (80, 5, 230, 1, 413)
+    assert (s.step_limit_ms, s.seats, s.target_seats, s.target_prefill, s.slo_steps,
+            s.target_prefill_per_s) == (80, 5, 7, 230, 1, 413)
     assert RoutingStats.from_dict(json.loads(json.dumps(s.to_dict()))) == s
 
 

@@ -254,6 +254,31 @@ def test_a_lower_tier_request_is_not_admitted_past_the_limit() -> None:
     assert s.stats().limit_s == pytest.approx(0.08)
 
 
+def test_the_strictest_targets_seats_count_only_its_own_decodes() -> None:
+    """A step full of lower tiers' decodes has no seat for another of them, but their decodes
+    give way to the strictest target's (phase 1): that target's seats count only its own
+    running requests. Without a limit both are the seats ``max_num_seqs`` leaves."""
+    s, m = make(2000, max_seqs=64, chunk=64, budget=256, headroom=0.5)
+    for i in range(50):
+        s.add(req(8, 200, 0, None, i))
+    for _ in range(3):
+        m.step()
+    assert s.stats().seats == s.stats().target_seats == 64 - 50
+    for i in range(2):
+        s.add(req(8, 200, 10, 0.1, 100 + i))
+    for _ in range(4):
+        plan, _ = m.step()
+    # 10 ms + 1 ms a token within 50 ms: about 40 decodes a step, 2 of them the top tier's.
+    assert len(plan.decodes) + plan.paused == 52 and len(plan.decodes) >= 39
+    assert s.cost is not None
+    fit = 0
+    while s.cost.predict(StepShape(3 + fit, 3 + fit, 0.0)) <= 0.05:
+        fit += 1
+    st = s.stats()
+    assert st.seats == 0
+    assert st.target_seats == fit and fit >= 37
+
+
 def test_abort_and_finish_release_the_target() -> None:
     s, m = make(slo=True)
     a = s.add(req(8, 3, 10, 0.1, 1))
