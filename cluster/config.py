@@ -109,10 +109,11 @@ class FlowConfig(_Strict):
 
     enabled: hold requests at the ingress while the replicas cannot start them (off: every
     request goes straight to a replica, as before). starting_per_replica: requests dispatched
-    to a replica and not yet answering (no first token yet) at most, per replica: the dispatch
-    window (a tier may use its ``queue_share`` of it; under priority scheduling it counts only
-    its own requests and those of the tiers above it, which a replica admits ahead of the lower
-    tiers' waiting there). max_held: requests held at most, all
+    to a replica and not yet answering (no first token yet) per replica: the dispatch window
+    (a tier dispatches while those it counts fill less than its ``queue_share`` of it; under
+    priority scheduling it counts only its own requests and those of the tiers above it, which
+    a replica admits ahead of the lower tiers' waiting there, so all tiers together may pass
+    it). max_held: requests held at most, all
     tiers (a full queue evicts from the lowest tier first). shed_status: the status of a shed
     request (429 with ``Retry-After``, or 503). tenant_header: a header naming the tenant
     inside the caller's tier (for gateways that authenticate upstream); None: tenants are API

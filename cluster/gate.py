@@ -6,15 +6,18 @@ pump dispatches it (strict priority between tiers, fair share between the tenant
 shed (its tier's capacity, the whole queue's capacity, its TTL: ``Shed``, answered 429 with
 ``Retry-After`` or 503). A client that leaves while held is dropped from the queue at once.
 
-The dispatch window: requests dispatched to a replica that have not answered their first token
-yet ("starting") are at most ``starting_per_replica`` times the replicas the router sees; a tier
-may fill its ``queue_share`` of it, so the top tier always finds room that lower tiers cannot
-take. Under priority scheduling (the engine's ``scheduling_policy``) a tier counts only its own
-starting requests and those of the tiers above it: a replica admits a request ahead of every
-lower tier's waiting there, so those do not delay its first token, and holding it here behind
-them would (under ``fcfs`` every starting request counts). While its window is full, overload
-queues here, where tiers, tenants and TTLs are known, instead of in the replicas' waiting
-queues.
+The dispatch window: ``starting_per_replica`` times the replicas the router sees. A tier may
+dispatch while the requests it counts that were dispatched to a replica and have not answered
+their first token yet ("starting") fill less than its ``queue_share`` of the window, so the top
+tier always finds room that lower tiers cannot take. Under ``fcfs`` (the engine's
+``scheduling_policy``) it counts every starting request. Under priority scheduling it counts
+only its own tier's and the tiers' above it: a replica admits a request ahead of the lower
+tiers' waiting there (aging aside: one waiting ``aging_steps`` a priority level may catch up),
+so those do not delay its first token, and holding it here behind them would. The starting
+requests of all tiers together may then pass the window (with the default shares, up to about
+1.8 times it: the standard tier's 0.8, then the top tier's whole window). While its window is
+full, a tier's overload queues here, where tiers, tenants and TTLs are known, instead of in the
+replicas' waiting queues.
 """
 
 from __future__ import annotations

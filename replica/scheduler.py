@@ -371,6 +371,7 @@ class Scheduler:
             self.cost = cost or StepCostModel()
         self._targets: dict[float, int] = {}  # TPOT target -> unfinished requests holding it
         self._limit: float | None = None
+        self._strict: float | None = None  # the strictest target the last step planned for
         self._paused = 0
         self._decoding: StepShape | None = None  # the last plan as decodes, with a limit
         self._clock = clock
@@ -390,18 +391,21 @@ class Scheduler:
             raise
         rid = self._next_id
         self._next_id += 1
-        if self.policy is SchedPolicy.FCFS:
-            key = 0
-        elif self.cfg.aging_steps == 0:
-            key = -req.priority
-        else:
-            key = self._step - req.priority * self.cfg.aging_steps
-        seq = _Seq(rid, req, (key, rid))
+        seq = _Seq(rid, req, (self._rank_key(req.priority), rid))
         self._seqs[rid] = seq
         if seq.target is not None:
             self._targets[seq.target] = self._targets.get(seq.target, 0) + 1
         self._enqueue(seq)
         return rid
+
+    def _rank_key(self, priority: int) -> int:
+        """The first part of the rank of a request of ``priority`` arriving now (§4): smaller
+        ranks higher, the request id breaks ties (arrival order)."""
+        if self.policy is SchedPolicy.FCFS:
+            return 0
+        if self.cfg.aging_steps == 0:
+            return -priority
+        return self._step - priority * self.cfg.aging_steps
 
     def _check(self, req: Request, queue: bool = True) -> None:
         n = len(req.prompt)
@@ -662,6 +666,7 @@ class Scheduler:
         out.limit_s = limit
         out.paused = sum(1 for seq in paused if seq.handle is None)
         self._limit, self._paused = limit, out.paused
+        self._strict = strict if limit is not None else None
         self._decoding = _decoding(fed) if limit is not None else None
         self._last = fed
         self._step += 1
@@ -773,17 +778,25 @@ class Scheduler:
         return self._seats_within(decoding, free, limit)
 
     def _target_seats(self) -> int:
-        """More decoding requests of the strictest target the steps could carry within the
-        last step's limit. The lower tiers' decodes give way to them (§8, phase 1), so only
-        that target's running requests count, and ``max_num_seqs`` less them (a lower tier's
-        request gives its seat up too); ``_free_seats`` without a limit."""
-        limit = self._limit
-        if self._decoding is None or limit is None or not self._targets:
+        """More decoding requests of the target the last step kept (its strictest) that the
+        steps could carry within its limit. Their decodes always run, and a request of another
+        target gives way to them (§8, phase 1) unless it ranks above them: so what counts is
+        that target's unfinished requests (the waiting ones too: each is admitted whatever the
+        limit) and the running requests of other targets that rank above one of that target
+        arriving now (aged, or any under fcfs); ``max_num_seqs`` less them. ``_free_seats``
+        without a limit or once none of that target is left."""
+        limit, strict = self._limit, self._strict
+        if self._decoding is None or limit is None or strict is None:
             return self._free_seats()
-        strict = min(self._targets)
-        mine = [(s, 1) for s in self._running if s.target is not None and s.target <= strict]
-        return self._seats_within(_decoding(mine), max(self.cfg.max_num_seqs - len(mine), 0),
-                                  limit)
+        mine = [s for s in self._seqs.values() if s.target is not None and s.target <= strict]
+        if not mine:
+            return self._free_seats()
+        arriving = (self._rank_key(max(s.priority for s in mine)), self._next_id)
+        ahead = [s for s in self._running if s.rank < arriving
+                 and not (s.target is not None and s.target <= strict)]
+        counted = [(s, 1) for s in mine + ahead]
+        return self._seats_within(_decoding(counted),
+                                  max(self.cfg.max_num_seqs - len(counted), 0), limit)
 
     def _seats_within(self, decoding: StepShape, free: int, limit: float) -> int:
         """How many more decodes (at most ``free``, each at the mean context of ``decoding``)

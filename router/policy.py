@@ -47,7 +47,6 @@ sent it: this falls back to "fewest blocks outstanding from this router".
 
 from __future__ import annotations
 
-import math
 import random
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -232,15 +231,14 @@ def target_work(stats: RoutingStats | None, request: RequestShape,
     return reported + sum(c.prefill for c in unseen)
 
 
-def seats_for(stats: RoutingStats, tpot_target_s: float) -> float:
+def seats_for(stats: RoutingStats, tpot_target_s: float) -> int:
     """The seats a replica's SLO-aware step has for a request with ``tpot_target_s``: the
-    reported ``target_seats`` where that is the strictest target there (the lower tiers'
-    decodes give way to it), unlimited where it would be stricter than every target there
-    (it would become the strictest, and everything else gives way), ``seats`` otherwise."""
-    target_ms = round(tpot_target_s * 1000)
-    if stats.tpot_target_ms and target_ms < stats.tpot_target_ms:
-        return math.inf
-    if stats.tpot_target_ms == target_ms and stats.target_seats >= 0:
+    reported ``target_seats`` where that is the strictest target there and its steps let
+    that target pass the lower tiers (``slo_steps``: the others' decodes give way to it),
+    else ``seats`` (where it would become the strictest, a seat beyond those is one taken
+    from a running request by preemption: not a free one)."""
+    if (stats.slo_steps and stats.target_seats >= 0
+            and stats.tpot_target_ms == round(tpot_target_s * 1000)):
         return stats.target_seats
     return stats.seats
 

@@ -370,20 +370,26 @@ def test_gate_window_counts_the_tiers_a_replica_would_not_pass(policy: str) -> N
         for _ in range(2):  # window 4: batch's share (2) full
             await gate.enter(caller(cfg, "batch"), 1)
         tasks = [asyncio.create_task(gate.enter(caller(cfg, tier), 1))
-                 for tier in ("standard", "standard", "standard", "interactive", "interactive")]
+                 for tier in ["standard"] * 4 + ["interactive"] * 2]
         await asyncio.sleep(0.01)
         done = [t.done() for t in tasks]
         if policy == "priority":
-            # standard counts itself (3 of its share of 3), interactive itself (2 of 4)
-            assert done == [True] * 5 and gate.starting == 7
+            # standard counts itself and interactive: its share of 3, the fourth held; the
+            # interactive ones count themselves (2 of 4): the total passes the window
+            assert done == [True] * 3 + [False] + [True] * 2 and gate.starting == 7
             assert gate.starting_by == [2, 3, 2]
         else:
-            # standard stops at 3 starting, interactive at the whole window of 4
-            assert done == [True, False, False, True, False] and gate.starting == 4
+            # standard stops at 3 starting in all, interactive at the whole window of 4
+            assert done == [True, False, False, False, True, False] and gate.starting == 4
+        first = tasks[0].result()
+        gate.started(first)
+        gate.started(first)  # twice is once
+        assert sum(gate.starting_by) == gate.starting == (6 if policy == "priority" else 3)
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         assert len(gate.queues) == 0
+        assert sum(gate.starting_by) == gate.starting
     asyncio.run(go())
 
 

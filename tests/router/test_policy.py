@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import random
 from collections import Counter
 from dataclasses import replace
@@ -260,11 +259,13 @@ def test_a_request_with_a_tpot_target_goes_where_a_seat_is_left() -> None:
 
 def test_the_strictest_targets_seats_are_its_own() -> None:
     """A replica keeping the 100 ms target whose step is full of lower tiers' decodes (no seat)
-    still has seats for a 100 ms request (the lower tiers' decodes give way to it) and for a
-    stricter one (it would become the strictest); a 500 ms request has none there; a report
-    without ``target_seats`` (-1) falls back to ``seats``."""
-    full = stats(90, seats=0, target_seats=4, step_limit_ms=70, tpot_target_ms=100)
-    other = stats(40, seats=2, target_seats=2, step_limit_ms=70, tpot_target_ms=100)
+    still has seats for a 100 ms request (the lower tiers' decodes give way to it); a 500 ms
+    request has none there, nor a stricter one (it would take a seat by preemption); nor has
+    a 100 ms request where the steps do not pass the lower tiers (``slo_steps`` 0: fcfs); a
+    report without ``target_seats`` (-1) falls back to ``seats``."""
+    full = stats(90, seats=0, target_seats=4, step_limit_ms=70, tpot_target_ms=100, slo_steps=1)
+    other = stats(40, seats=2, target_seats=2, step_limit_ms=70, tpot_target_ms=100,
+                  slo_steps=1)
     loads = [ReplicaLoad("full", full), ReplicaLoad("other", other)]
 
     def no_seat(target_s: float) -> dict[str, bool]:
@@ -272,11 +273,12 @@ def test_the_strictest_targets_seats_are_its_own() -> None:
         return {r.key: r.no_seat for r in rank_replicas(loads, shape, random.Random(0))}
 
     assert no_seat(0.1) == {"full": False, "other": False}
-    assert no_seat(0.05) == {"full": False, "other": False}
+    assert no_seat(0.05) == {"full": True, "other": False}
     assert no_seat(0.5) == {"full": True, "other": False}
     assert seats_for(full, 0.1) == 4 and seats_for(full, 0.5) == 0
-    assert seats_for(full, 0.05) == math.inf
-    old = stats(90, seats=1, step_limit_ms=70, tpot_target_ms=100)
+    assert seats_for(full, 0.05) == 0
+    assert seats_for(replace(full, slo_steps=0), 0.1) == 0
+    old = stats(90, seats=1, step_limit_ms=70, tpot_target_ms=100, slo_steps=1)
     assert old.target_seats == -1 and seats_for(old, 0.1) == 1
     # What was sent since the report takes its seats too.
     charges = [Charge(blocks=2, routed_at=T0 + k) for k in (1, 2, 3, 4)]

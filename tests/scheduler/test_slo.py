@@ -24,12 +24,13 @@ PRIOR = CostPrior(base_s=0.01, per_token_s=0.001, per_sequence_s=0.0, per_pair_s
 
 def make(total_blocks: int = 256, *, slo: bool = True, max_seqs: int = 16, chunk: int = 32,
          budget: int = 256, headroom: float = 0.8, prefill_headroom: float | None = None,
-         clock: Callable[[], float] | None = None) -> tuple[Scheduler, FakeModel]:
+         clock: Callable[[], float] | None = None, policy: SchedPolicy = SchedPolicy.PRIORITY,
+         aging_steps: int = 0) -> tuple[Scheduler, FakeModel]:
     """A scheduler on the fake model. The TPOT budget of protected prompts
     (``slo_prefill_headroom``) is off unless a test asks for it: the rules of the step limit
     are tested alone, the budget on its own."""
-    cfg = caps(max_seqs=max_seqs, max_batch_tokens=budget, policy=SchedPolicy.PRIORITY,
-               aging_steps=0, max_model_len=512).model_copy(
+    cfg = caps(max_seqs=max_seqs, max_batch_tokens=budget, policy=policy,
+               aging_steps=aging_steps, max_model_len=512).model_copy(
         update={"slo_scheduling": slo, "slo_headroom": headroom,
                 "slo_prefill_headroom": prefill_headroom})
     s = Scheduler(cfg, FreeListBlocks(4, range(total_blocks)), Chunked(chunk),
@@ -277,6 +278,37 @@ def test_the_strictest_targets_seats_count_only_its_own_decodes() -> None:
     st = s.stats()
     assert st.seats == 0
     assert st.target_seats == fit and fit >= 37
+    # Requests of that target still waiting take seats too (each is admitted whatever the
+    # limit).
+    for i in range(3):
+        s.add(req(8, 200, 10, 0.1, 200 + i))
+    assert s.stats().target_seats == fit - 3
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "aged"])
+def test_lower_tiers_ranked_above_the_strictest_target_keep_their_seats(policy: str) -> None:
+    """Under fcfs, or once aging ranks them above a top-tier request arriving now, the lower
+    tiers' decodes run before the top tier's (phase 1 goes by rank): they count against its
+    seats, and a step they fill has none for it."""
+    if policy == "fcfs":
+        s, m = make(2000, max_seqs=64, chunk=64, budget=256, headroom=0.5,
+                    policy=SchedPolicy.FCFS)
+    else:  # one priority level a step: the batch requests outrank a new top-tier one by step 11
+        s, m = make(2000, max_seqs=64, chunk=64, budget=256, headroom=0.5, aging_steps=1)
+    for i in range(50):
+        s.add(req(8, 200, 0, None, i))
+    for _ in range(3):
+        m.step()
+    for i in range(2):
+        s.add(req(8, 200, 10, 0.1, 100 + i))
+    m.step()
+    if policy == "aged":  # step 4: a top-tier request arriving now still ranks first
+        assert s.stats().target_seats >= 37
+        for _ in range(8):
+            m.step()
+    else:
+        m.step()
+    assert s.stats().target_seats == 0
 
 
 def test_abort_and_finish_release_the_target() -> None:
