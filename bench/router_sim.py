@@ -203,20 +203,7 @@ class SimCore:
 
     def stats(self, now: float) -> RoutingStats:
         """The report a real replica makes of the same scheduler state (``Engine.stats``)."""
-        s = self.scheduler.stats()
-        return RoutingStats(
-            free_blocks=s.free_blocks,
-            total_blocks=s.total_blocks,
-            block_size=self.blocks.block_size,
-            waiting=s.waiting,
-            running=s.running,
-            preemptions=s.preemptions,
-            report_time=now,
-            waiting_blocks=self.scheduler.waiting_blocks() if s.waiting else 0,
-            committed_blocks=self.scheduler.committed_blocks() if s.waiting or s.running else 0,
-            steps=s.step,
-            cached_blocks=self.blocks.cached_blocks,
-        )
+        return RoutingStats.from_engine(self.scheduler.engine_stats(), now, True)
 
 
 def _replica_rank() -> int:

@@ -211,20 +211,7 @@ def traffic(rate: float, duration_s: float, seed: int | str, setup: Setup) -> li
 
 def _report(rep: _Replica, now: float) -> RoutingStats:
     """The report a replica would make now (``Engine.stats`` through ``RoutingStats``)."""
-    sched = rep.scheduler
-    s = sched.stats()
-    return RoutingStats(
-        free_blocks=s.free_blocks, total_blocks=s.total_blocks,
-        block_size=sched.cfg.block_size, waiting=s.waiting, running=s.running,
-        preemptions=s.preemptions, report_time=now,
-        waiting_blocks=sched.waiting_blocks() if s.waiting else 0,
-        committed_blocks=sched.committed_blocks() if s.waiting or s.running else 0,
-        step_limit_ms=round((s.limit_s or 0.0) * 1000), seats=s.seats,
-        target_seats=s.target_seats,
-        tpot_target_ms=round((sched.strictest_target() or 0.0) * 1000),
-        target_requests=sched.strictest_count(), target_prefill=sched.strictest_prefill(),
-        slo_steps=int(sched.slo_steps),
-        target_prefill_per_s=round(sched.strictest_prefill_rate()))
+    return RoutingStats.from_engine(rep.scheduler.engine_stats(), now, True)
 
 
 def simulate(requests: Sequence[SimRequest], setup: Setup, seed: int = 0) -> list[SimRequest]:

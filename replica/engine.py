@@ -320,36 +320,7 @@ class Engine:
 
     def stats(self) -> EngineStats:
         with self._lock:
-            s = self.scheduler.stats()
-            waiting_blocks = self.scheduler.waiting_blocks() if s.waiting else 0
-            committed = self.scheduler.committed_blocks() if s.waiting or s.running else 0
-            cached = self.scheduler.blocks.cached_blocks
-            sched = self.scheduler
-            target_s = sched.strictest_target() or 0.0
-            target_requests, target_prefill = sched.strictest_count(), sched.strictest_prefill()
-            prefill_rate = sched.strictest_prefill_rate()
-        return EngineStats(
-            running=s.running,
-            waiting=s.waiting,
-            free_blocks=s.free_blocks,
-            total_blocks=s.total_blocks,
-            block_size=self.scheduler.blocks.block_size,
-            waiting_blocks=waiting_blocks,
-            committed_blocks=committed,
-            preemptions=s.preemptions,
-            steps=s.step,
-            overhead=self.times.overhead,
-            cached_blocks=cached,
-            step_limit_s=s.limit_s or 0.0,
-            paused=s.paused,
-            seats=s.seats,
-            target_seats=s.target_seats,
-            tpot_target_s=target_s,
-            target_requests=target_requests,
-            target_prefill=target_prefill,
-            target_prefill_per_s=prefill_rate,
-            slo_steps=self.scheduler.slo_steps,
-        )
+            return self.scheduler.engine_stats(self.times.overhead)
 
     # ------------------------------------------------------------------ the step
 

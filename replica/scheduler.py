@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from tierserve.arith import ceil_div
+from tierserve.records import EngineStats
 from tierserve.replica.block_space import (
     Allocation,
     BlockSpace,
@@ -786,7 +787,7 @@ class Scheduler:
         arriving now (aged, or any under fcfs); ``max_num_seqs`` less them. ``_free_seats``
         without a limit or once none of that target is left."""
         limit, strict = self._limit, self._strict
-        if self._decoding is None or limit is None or strict is None:
+        if limit is None or strict is None:
             return self._free_seats()
         mine = [s for s in self._seqs.values() if s.target is not None and s.target <= strict]
         if not mine:
@@ -993,6 +994,34 @@ class Scheduler:
             paused=self._paused,
             seats=self._free_seats(),
             target_seats=self._target_seats(),
+        )
+
+    def engine_stats(self, overhead: float = 0.0) -> EngineStats:
+        """What a replica reports of this scheduler (``Engine.stats``, whose ``overhead`` is
+        the step loop's; the simulations report their schedulers the same way)."""
+        s = self.stats()
+        target_s = self.strictest_target()
+        return EngineStats(
+            running=s.running,
+            waiting=s.waiting,
+            free_blocks=s.free_blocks,
+            total_blocks=s.total_blocks,
+            block_size=self._blocks.block_size,
+            waiting_blocks=self.waiting_blocks() if s.waiting else 0,
+            committed_blocks=self.committed_blocks() if s.waiting or s.running else 0,
+            preemptions=s.preemptions,
+            steps=s.step,
+            overhead=overhead,
+            cached_blocks=self._blocks.cached_blocks,
+            step_limit_s=s.limit_s or 0.0,
+            paused=s.paused,
+            seats=s.seats,
+            target_seats=s.target_seats,
+            tpot_target_s=target_s or 0.0,
+            target_requests=self.strictest_count(),
+            target_prefill=self.strictest_prefill(),
+            target_prefill_per_s=self.strictest_prefill_rate(),
+            slo_steps=self.slo_steps,
         )
 
     def observe_step(self, shape: StepShape, seconds: float) -> None:
