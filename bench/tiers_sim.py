@@ -24,7 +24,8 @@ The simulated cluster (no Ray cluster: one process, simulated time):
   one; a request counts until its first token, under priority scheduling only against its own
   tier's window and the lower tiers'); otherwise it is held per tier, strict priority
   between tiers, first come first served inside one, and shed (a 429) when its tier already
-  holds ``max_held`` or once held past the tier's ``held_ttl_s``.
+  holds ``max_held`` or once held past the tier's ``held_ttl_s``. A request reaches its
+  replica with its tier's ``ttft_target_s`` less what it waited at the gate (``ttft_left_s``).
 - Not modelled: tenants (one per tier), the gate's aging (``flow.aging_s``) and its capacity
   over all tiers (``flow.max_held``), the HTTP path and streaming, the prefix cache (random
   prompts share nothing), the client.
@@ -36,8 +37,8 @@ Traffic: ``tierserve.bench.tiers``'s four classes (interactive 1, standard tenan
 came within ``ttft_target_s`` of its arrival and its mean gap after it within
 ``tpot_target_s``; a shed one is a miss.
 
-Variants: each ``--prefill-headroom`` value (``none``: off) runs every level at every
-``--scale`` (a factor on every coefficient of the step's cost) and every noise seed
+Variants: each ``--prefill-headroom`` value (``none``: off) with each ``--late-headroom`` value
+(``slo_prefill_headroom_late``; ``none``: off) runs every level at every ``--scale`` (a factor on every coefficient of the step's cost) and every noise seed
 (``--seeds``). The table prints, per variant and scale, the interactive tier's share within both
 targets at each load (the lowest over the seeds, then the mean), its TTFT and TPOT (p50: the
 mean over levels and seeds; p99: the highest), the share of the standard tier within its
@@ -172,14 +173,16 @@ class Setup:
 
 
 def load_setup(config: Path, kv_blocks: int, prefill_headroom: float | None,
-               **overrides: Any) -> Setup:
+               late_headroom: float | None = None, **overrides: Any) -> Setup:
     """The engine, tiers and flow settings of ``config`` (a cluster config), with the pool set
-    to ``kv_blocks`` blocks and ``slo_prefill_headroom`` to ``prefill_headroom``."""
+    to ``kv_blocks`` blocks, ``slo_prefill_headroom`` to ``prefill_headroom`` and
+    ``slo_prefill_headroom_late`` to ``late_headroom``."""
     raw = yaml.safe_load(config.read_text())
     args = app_args(raw)
     engine = {k: v for k, v in args.get("engine", {}).items()
               if k not in ("kv_cache_memory_bytes", "model", "gguf")}
-    engine.update(num_kv_blocks=kv_blocks, slo_prefill_headroom=prefill_headroom)
+    engine.update(num_kv_blocks=kv_blocks, slo_prefill_headroom=prefill_headroom,
+                  slo_prefill_headroom_late=late_headroom)
     tiers: dict[str, Tier] = {}
     for t in args.get("tiers", []):
         tiers[t["name"]] = Tier(t["name"], int(t["base_priority"]),
@@ -251,8 +254,10 @@ def simulate(requests: Sequence[SimRequest], setup: Setup, seed: int = 0) -> lis
                              tpot_target_s=tier.tpot_s)
         loads = [ReplicaLoad(k, r.stats, list(r.charges.values())) for k, r in enumerate(reps)]
         rep = reps[rank_replicas(loads, shape, rng)[0].key]
+        # As the ingress: its first-token target less what it waited at the gate.
+        left = None if tier.ttft_s is None else tier.ttft_s - (now - req.arrival)
         rid = rep.scheduler.add(Request([1] * req.prompt, req.output, tier.priority,
-                                        tpot_target_s=tier.tpot_s))
+                                        tpot_target_s=tier.tpot_s, ttft_left_s=left))
         rep.requests[rid] = req
         rep.charges[rid] = Charge(blocks_for(req.prompt + 1, cfg.block_size), now,
                                   blocks_for(req.prompt + req.output, cfg.block_size),
@@ -362,6 +367,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
     ap.add_argument("--prefill-headroom", default="none,0.85",
                     help="slo_prefill_headroom values to compare, comma-separated (none: off)")
+    ap.add_argument("--late-headroom", default="none",
+                    help="slo_prefill_headroom_late values to compare with each prefill headroom, "
+                         "comma-separated (none: off)")
     ap.add_argument("--levels", default="2,4", help="load levels, times --capacity")
     ap.add_argument("--capacity", type=float, default=2.963, help="requests/s at 1x")
     ap.add_argument("--duration", type=float, default=120.0, help="seconds of arrivals a level")
@@ -375,7 +383,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None, help="write every figure here")
     args = ap.parse_args(argv)
     try:
-        variants = [parse_headroom(v) for v in args.prefill_headroom.split(",")]
+        variants = [(parse_headroom(v), parse_headroom(w))
+                    for v in args.prefill_headroom.split(",")
+                    for w in args.late_headroom.split(",")]
         levels = [float(x) for x in args.levels.split(",")]
         scales = [float(x) for x in args.scale.split(",")]
     except ValueError as e:
@@ -387,16 +397,17 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{args.duration:g} s a level, {args.traffic_seeds} traffic x {args.seeds} noise "
           f"seeds; step {StepTruth()} times the scale")
     header = " | ".join(f"{m:g}x within min/mean" for m in levels)
-    print(f"{'prefill_headroom':>16} {'scale':>5} | {header} | TTFT p50 mean | TTFT p99 max "
+    print(f"{'prefill_headroom':>16} {'late':>4} {'scale':>5} | {header} | TTFT p50 mean | TTFT p99 max "
           f"| TPOT p50 mean | TPOT p99 max | standard within | lower tok/s")
     for scale in scales:
-        for variant in variants:
+        for variant, late in variants:
             try:
-                setup = load_setup(args.config, args.kv_blocks, variant,
+                setup = load_setup(args.config, args.kv_blocks, variant, late,
                                    replicas=args.replicas, truth=StepTruth(scale=scale),
                                    noise=args.noise)
             except (OSError, ValueError) as e:
-                ap.error(f"cannot run {args.config} with prefill headroom {variant}: {e}")
+                ap.error(f"cannot run {args.config} with prefill headroom {variant} "
+                         f"(late: {late}): {e}")
             figs: dict[float, list[dict[str, Any]]] = {m: [] for m in levels}
             for k, mult in enumerate(levels):
                 for ts in range(args.traffic_seeds):
@@ -407,7 +418,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                     r.output) for r in reqs], setup, ns)
                         f = level_figures(done, setup, args.duration)
                         figs[mult].append(f)
-                        rows.append({"prefill_headroom": variant, "scale": scale,
+                        rows.append({"prefill_headroom": variant, "late_headroom": late,
+                                     "scale": scale,
                                      "multiple": mult, "traffic_seed": ts, "noise_seed": ns,
                                      **f})
             cells = " | ".join(
@@ -416,7 +428,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for m in levels)
             every = [f for m in levels for f in figs[m]]
             standard = [f["within_by_tier"].get("standard", math.nan) for f in every]
-            print(f"{variant if variant is not None else 'none':>16} {scale:5.2f} | {cells} | "
+            print(f"{variant if variant is not None else 'none':>16} "
+                  f"{late if late is not None else 'none':>4} {scale:5.2f} | {cells} | "
                   f"{statistics.mean(f['ttft_p50_s'] for f in every):10.2f} s | "
                   f"{max(f['ttft_p99_s'] for f in every):9.2f} s | "
                   f"{1000 * statistics.mean(f['tpot_p50_s'] for f in every):10.0f} ms | "

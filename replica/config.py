@@ -54,6 +54,12 @@ class EngineConfig(BaseModel):
       never longer than the next laxer target's limit; while none of them has a first token,
       such a prompt takes its whole chunk within that. None: those prompts are timed against
       the limit like the rest.
+    - ``slo_prefill_headroom_late``: the share of the target that budget may use instead while a
+      prompt of the strictest target would miss its first-token target at the rate the reserve
+      gives its tier (``Request.ttft_left_s``: its tier's ``ttft_target_s`` less what it
+      waited before the replica); a burst then spends more of the running requests' margin
+      on first tokens. Used only where above ``slo_prefill_headroom`` (and never without it);
+      None: off.
     - ``prefill_chunk_tokens``: a prompt's chunk per step at most (chunked prefill; vLLM's
       ``long_prefill_token_threshold``); None: whole prompts.
     - ``enable_prefix_caching``: share the KV blocks of common prompt prefixes between requests
@@ -88,6 +94,7 @@ class EngineConfig(BaseModel):
     slo_scheduling: bool = True
     slo_headroom: float = Field(default=0.7, gt=0.0, le=1.0)
     slo_prefill_headroom: float | None = Field(default=0.85, gt=0.0, le=1.0)
+    slo_prefill_headroom_late: float | None = Field(default=None, gt=0.0, le=1.0)
     prefill_chunk_tokens: int | None = Field(default=256, gt=0)
     enable_prefix_caching: bool = True
     dtype: DType = "auto"

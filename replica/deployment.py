@@ -108,6 +108,8 @@ class LLMServer:
         stream = self.engine.generate(
             list(request.prompt_ids), request.sampling, request.priority, request.tier,
             n=request.n, tpot_target_s=request.tpot_target_s,
+            ttft_left_s=(None if request.ttft_target_s is None
+                         else request.ttft_target_s - request.waited_s),
         )
         ticket = self.load.arrived(request.tier, len(request.prompt_ids) * request.n)
         start = time.monotonic()

@@ -195,12 +195,14 @@ class Engine:
         params: SamplingParams,
         priority: int,
         tpot_target_s: float | None = None,
+        ttft_left_s: float | None = None,
     ) -> Request:
         """The scheduler's record of a request. ``max_tokens`` 0 runs the prompt and one sampled
         position (see ``_Live.discard``); scoring a prompt needs every position's logits, so such
         a request takes no cached prefix."""
         return Request(ids, max(params.max_tokens, 1), priority,
-                       reuse_cache=params.prompt_logprobs is None, tpot_target_s=tpot_target_s)
+                       reuse_cache=params.prompt_logprobs is None, tpot_target_s=tpot_target_s,
+                       ttft_left_s=ttft_left_s)
 
     def _check_ids(self, field: str, ids: Iterable[int]) -> None:
         bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
@@ -223,6 +225,7 @@ class Engine:
         tpot_target_s: float | None = None,
         *,
         validated: bool = False,
+        ttft_left_s: float | None = None,
     ) -> RequestId:
         """Queue a request; raises ``ValueError``/``AdmitError`` for bad input or a full queue.
         Each check runs once: token ids here (``_check_tokens``), the admission rules in
@@ -230,6 +233,9 @@ class Engine:
 
         ``tpot_target_s``: the time per output token its tier promises; with SLO-aware steps
         (``EngineConfig.slo_scheduling``) it bounds every step while the request is unfinished.
+        ``ttft_left_s``: seconds left until its tier's first-token target (the target less what
+        it waited before reaching this engine); with ``slo_prefill_headroom_late`` a top-tier
+        prompt that would miss it lets its steps spend more of the TPOT budget.
 
         ``stream_text=False``: the caller wants the text only with the final output (each delta
         still carries its token ids); without stop strings the text is then decoded once, at
@@ -247,7 +253,8 @@ class Engine:
             if params.structured is not None:
                 self.grammars.compile(params.structured)
         try:
-            return self._add(ids, params, priority, sink, tier, stream_text, index, tpot_target_s)
+            return self._add(ids, params, priority, sink, tier, stream_text, index, tpot_target_s,
+                             ttft_left_s)
         except AdmitError as e:  # empty, too_long, never_fits, queue_full
             if self.observer is not None:
                 self.observer.rejected(e.reason, tier)
@@ -263,6 +270,7 @@ class Engine:
         stream_text: bool = True,
         index: int = 0,
         tpot_target_s: float | None = None,
+        ttft_left_s: float | None = None,
     ) -> RequestId:
         stop_ids = frozenset(params.stop_token_ids or ())
         if not params.ignore_eos:
@@ -273,7 +281,8 @@ class Engine:
         with self._lock:
             if self.error is not None:
                 raise EngineDead(f"the engine's step loop died: {self.error!r}")
-            rid = self.scheduler.add(self._request(ids, params, priority, tpot_target_s))
+            rid = self.scheduler.add(self._request(ids, params, priority, tpot_target_s,
+                                                   ttft_left_s))
             self._live[rid] = _Live(
                 id=rid,
                 prompt=ids,
@@ -544,6 +553,7 @@ class Engine:
         tier: str = "",
         n: int = 1,
         tpot_target_s: float | None = None,
+        ttft_left_s: float | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream the deltas of ``n`` samples of one prompt (``RequestOutput.index`` tells them
         apart; with a seed, sample ``i`` draws from ``seed + i``); leaving the iterator early
@@ -569,7 +579,8 @@ class Engine:
                 child = params if i == 0 else replace(params, seed=seed)
                 rids.append(
                     self.add_request(ids, child, priority, sink=sink, tier=tier, index=i,
-                                     tpot_target_s=tpot_target_s, validated=True)
+                                     tpot_target_s=tpot_target_s, validated=True,
+                                     ttft_left_s=ttft_left_s)
                 )
         except BaseException:
             for rid in rids:

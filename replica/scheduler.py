@@ -89,6 +89,9 @@ class Request:
     reuse_cache: bool = True
     # The time per output token its tier promises (docs/scheduler.md §8); None: no target.
     tpot_target_s: float | None = None
+    # Seconds left, as it reaches the scheduler, until its tier's first-token target (that
+    # target less what it already waited upstream; below 0: late already); None: no target.
+    ttft_left_s: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
@@ -101,6 +104,10 @@ class Request:
         if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float))
                               or not 0.0 < t < float("inf")):
             raise ValueError(f"tpot_target_s must be a positive number of seconds, got {t!r}")
+        left = self.ttft_left_s
+        if left is not None and (isinstance(left, bool) or not isinstance(left, (int, float))
+                                 or not math.isfinite(left)):
+            raise ValueError(f"ttft_left_s must be a finite number of seconds, got {left!r}")
 
 
 class AdmitError(Exception):
@@ -276,6 +283,7 @@ class _Seq:
     __slots__ = (
         "cached",
         "computed",
+        "deadline",
         "first_at",
         "handle",
         "id",
@@ -303,6 +311,8 @@ class _Seq:
         # When its first token was sampled (the scheduler's clock; §8's budget): kept across
         # preemption, as the client's clock runs on.
         self.first_at: float | None = None
+        # When its first token is due (the scheduler's clock; set by ``add``); None: no target.
+        self.deadline: float | None = None
 
 
 def _rank_of(seq: _Seq) -> tuple[int, int]:
@@ -393,6 +403,8 @@ class Scheduler:
         rid = self._next_id
         self._next_id += 1
         seq = _Seq(rid, req, (self._rank_key(req.priority), rid))
+        if req.ttft_left_s is not None and self.cost is not None:
+            seq.deadline = self._clock() + req.ttft_left_s
         self._seqs[rid] = seq
         if seq.target is not None:
             self._targets[seq.target] = self._targets.get(seq.target, 0) + 1
@@ -686,6 +698,9 @@ class Scheduler:
         if share is None:
             return limit
         now = self._clock()
+        late = self.cfg.slo_prefill_headroom_late
+        if late is not None and late > share and self._late(now, strict):
+            share = late
         budget = math.inf
         for seq in self._seqs.values():
             first = seq.first_at
@@ -699,6 +714,37 @@ class Scheduler:
         if laxer:
             budget = min(budget, min(laxer) * self.cfg.slo_headroom)
         return max(limit, budget)
+
+    def _late(self, now: float, strict: float) -> bool:
+        """Whether a prompt of the strictest target still without a first token (a preempted one
+        had its first already) would miss its deadline if that target's prompts here were
+        prefilled earliest deadline first at the reserve's rate (its positions a step over the
+        limit, without the block's worth a step ``strictest_prefill_rate`` adds: under load the
+        steps that carry the tier's decodes leave its prompts about that)."""
+        due: list[tuple[float, int]] = []
+        for seq in self._running:
+            left = len(seq.tokens) - seq.computed
+            if (seq.deadline is not None and seq.first_at is None and left > 1
+                    and seq.target is not None and seq.target <= strict):
+                due.append((seq.deadline, left))
+        for seq in self._waiting.items():
+            if (seq.deadline is not None and seq.first_at is None
+                    and seq.target is not None and seq.target <= strict):
+                due.append((seq.deadline, len(seq.tokens)))
+        if not due:
+            return False
+        limit = self.step_limit()
+        if limit is None or limit <= 0:
+            return False
+        rate = self._reserve_cap(limit) / limit
+        if rate <= 0:
+            return True
+        ahead = 0
+        for deadline, positions in sorted(due):
+            ahead += positions
+            if now + ahead / rate > deadline:
+                return True
+        return False
 
     def _reserve(self, limit: float, protected: Callable[[_Seq], bool]) -> StepShape:
         """The part of a step kept for prompts of the strictest tier: what the prefill policy

@@ -60,6 +60,28 @@ def test_the_budget_changes_the_steps() -> None:
     assert on != off
 
 
+def test_each_request_reaches_its_replica_with_what_is_left_of_its_first_token_target(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """As the ingress hands it: the tier's TTFT target less what the request waited at the
+    gate (at 4x the lower tiers wait there, so some get less than their whole target)."""
+    from tierserve.replica.scheduler import Scheduler
+
+    seen: list[tuple[int, float | None]] = []
+    add = Scheduler.add
+
+    def spy(self: Scheduler, req: Any) -> int:
+        seen.append((req.priority, req.ttft_left_s))
+        return add(self, req)
+
+    monkeypatch.setattr(Scheduler, "add", spy)
+    s = setup(0.85, late_headroom=0.95, truth=ts.StepTruth(scale=1.6))
+    assert s.engine.slo_prefill_headroom_late == 0.95
+    ts.simulate(ts.traffic(4 * 2.963, 12.0, 7, s), s, 0)
+    targets = {t.priority: t.ttft_s for t in s.tiers.values()}
+    assert seen and all(left is not None and left <= targets[p] for p, left in seen)
+    assert any(left is not None and left < targets[p] for p, left in seen)
+
+
 def test_a_config_without_the_traffics_tiers_is_refused(tmp_path: Path) -> None:
     cfg = tmp_path / "c.yaml"
     cfg.write_text(ts.DEFAULT_CONFIG.read_text().replace("name: interactive", "name: gold"))
@@ -72,12 +94,13 @@ def test_main_prints_the_table_and_writes_json(tmp_path: Path,
     out = tmp_path / "sim.json"
     assert ts.main(["--levels", "2", "--duration", "6", "--scale", "1.6", "--seeds", "1",
                     "--traffic-seeds", "1", "--prefill-headroom", "none,0.85",
-                    "--json", str(out)]) == 0
+                    "--late-headroom", "none,0.95", "--json", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "prefill_headroom" in text and "\n            none  1.60 |" in text
-    assert "\n            0.85  1.60 |" in text
+    assert "prefill_headroom late" in text and "\n            none none  1.60 |" in text
+    assert "\n            0.85 0.95  1.60 |" in text
     rows = json.loads(out.read_text())["rows"]
-    assert [r["prefill_headroom"] for r in rows] == [None, 0.85]
+    assert [(r["prefill_headroom"], r["late_headroom"]) for r in rows] == [
+        (None, None), (None, 0.95), (0.85, None), (0.85, 0.95)]
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -85,6 +108,7 @@ def test_main_prints_the_table_and_writes_json(tmp_path: Path,
     (["--seeds", "0"], "must be positive"),
     (["--prefill-headroom", "lots"], "not a number"),
     (["--prefill-headroom", "1.5"], "slo_prefill_headroom"),
+    (["--late-headroom", "2"], "slo_prefill_headroom_late"),
     (["--config", "/nonexistent.yaml"], "cannot run /nonexistent.yaml"),
 ])
 def test_bad_arguments_are_refused(argv: list[str], message: str,

@@ -125,6 +125,7 @@ class FakeEngine:
     def __init__(self, steps: Sequence[RequestOutput]) -> None:
         self.steps = list(steps)
         self.closed = False
+        self.kwargs: dict[str, Any] = {}
 
     def num_waiting(self) -> int:
         return 0
@@ -133,6 +134,8 @@ class FakeEngine:
         pass
 
     def generate(self, *args: Any, **kwargs: Any) -> AsyncIterator[RequestOutput]:
+        self.kwargs = kwargs
+
         async def stream() -> AsyncIterator[RequestOutput]:
             try:
                 for step in self.steps:
@@ -172,3 +175,24 @@ def test_the_replica_streams_a_failure_after_the_first_token_as_it_is() -> None:
     # sample's first delta is part of the answer too.
     steps = [delta(1), delta(0, True, "error", "engine died", index=1)]
     assert replica_stream(steps) == steps
+
+
+def test_the_replica_hands_its_engine_the_time_left_to_the_first_token_target() -> None:
+    """What the request waited before the replica (at the gate, or at a replica that failed
+    it) comes off its tier's first-token target; without a target there is nothing to hand."""
+    for target, waited, left in ((3.0, 1.25, 1.75), (3.0, 4.0, -1.0), (None, 1.0, None)):
+        server = object.__new__(LLMServer)
+        server.config = SimpleNamespace(max_waiting=8)  # type: ignore[assignment]
+        engine = FakeEngine([delta(1, True, "length")])
+        server.engine = engine  # type: ignore[assignment]
+        server.replica_id = "replica-7"
+        server.load = LoadWindow(block_size=16)
+
+        async def go(server: LLMServer, target: float | None, waited: float) -> None:
+            request = GenerateRequest((1, 2, 3), SamplingParams(max_tokens=4),
+                                      ttft_target_s=target, tpot_target_s=0.1, waited_s=waited)
+            async for _ in server.generate(request):
+                pass
+
+        asyncio.run(asyncio.wait_for(go(server, target, waited), timeout=30))
+        assert engine.kwargs["ttft_left_s"] == left and engine.kwargs["tpot_target_s"] == 0.1

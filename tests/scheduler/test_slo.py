@@ -14,6 +14,7 @@ import pytest
 from tests.fake_model import VOCAB, FakeModel, drive, expected_output
 from tests.scheduler.harness import caps
 from tierserve.replica.block_space import FreeListBlocks
+from tierserve.replica.config import EngineConfig
 from tierserve.replica.prefill_policy import Chunked
 from tierserve.replica.scheduler import FinishedEvent, Request, SchedPolicy, Scheduler, TokenEvent
 from tierserve.replica.step_cost import CostPrior, StepCostModel, StepShape, chunk_attention
@@ -25,14 +26,14 @@ PRIOR = CostPrior(base_s=0.01, per_token_s=0.001, per_sequence_s=0.0, per_pair_s
 def make(total_blocks: int = 256, *, slo: bool = True, max_seqs: int = 16, chunk: int = 32,
          budget: int = 256, headroom: float = 0.8, prefill_headroom: float | None = None,
          clock: Callable[[], float] | None = None, policy: SchedPolicy = SchedPolicy.PRIORITY,
-         aging_steps: int = 0) -> tuple[Scheduler, FakeModel]:
+         aging_steps: int = 0, late: float | None = None) -> tuple[Scheduler, FakeModel]:
     """A scheduler on the fake model. The TPOT budget of protected prompts
     (``slo_prefill_headroom``) is off unless a test asks for it: the rules of the step limit
     are tested alone, the budget on its own."""
     cfg = caps(max_seqs=max_seqs, max_batch_tokens=budget, policy=policy,
                aging_steps=aging_steps, max_model_len=512).model_copy(
         update={"slo_scheduling": slo, "slo_headroom": headroom,
-                "slo_prefill_headroom": prefill_headroom})
+                "slo_prefill_headroom": prefill_headroom, "slo_prefill_headroom_late": late})
     s = Scheduler(cfg, FreeListBlocks(4, range(total_blocks)), Chunked(chunk),
                   cost=StepCostModel(PRIOR), clock=clock or (lambda: 0.0))
     return s, FakeModel(s)
@@ -49,9 +50,9 @@ class Clock:
 
 
 def req(prompt_len: int, max_tokens: int, priority: int, target: float | None,
-        seed: int) -> Request:
+        seed: int, ttft_left: float | None = None) -> Request:
     prompt = [(seed * 7919 + i * 31) % VOCAB for i in range(prompt_len)]
-    return Request(prompt, max_tokens, priority, tpot_target_s=target)
+    return Request(prompt, max_tokens, priority, tpot_target_s=target, ttft_left_s=ttft_left)
 
 
 # ---------------------------------------------------------------------- the cost model
@@ -118,6 +119,18 @@ def test_request_refuses_a_bad_target() -> None:
     for bad in (0.0, -1.0, float("inf"), True, "0.1"):
         with pytest.raises(ValueError, match="tpot_target_s"):
             Request([1, 2], 4, tpot_target_s=bad)  # type: ignore[arg-type]
+    for bad_left in (float("nan"), float("-inf"), True, "1"):
+        with pytest.raises(ValueError, match="ttft_left_s"):
+            Request([1, 2], 4, ttft_left_s=bad_left)  # type: ignore[arg-type]
+    assert Request([1, 2], 4, ttft_left_s=-0.5).ttft_left_s == -0.5  # late already: allowed
+
+
+def test_the_late_share_is_a_share_of_the_target() -> None:
+    for bad in (0.0, 1.5, -0.1):
+        with pytest.raises(ValueError, match="slo_prefill_headroom_late"):
+            EngineConfig(slo_prefill_headroom_late=bad)
+    assert EngineConfig().slo_prefill_headroom_late is None  # off unless configured
+    assert EngineConfig(slo_prefill_headroom_late=0.95).slo_prefill_headroom_late == 0.95
 
 
 # ---------------------------------------------------------------------- the step
@@ -686,3 +699,82 @@ def test_a_step_past_the_limit_keeps_within_the_next_tiers_limit() -> None:
         assert s.blocks.free_blocks == s.blocks.total_blocks
     assert taken[0] == (480, 0.49)
     assert taken[1][0] < 480 and taken[1][1] <= 0.4
+
+
+def test_a_late_top_tier_prompt_spends_the_late_share() -> None:
+    """An interactive request has sampled 10 tokens in 850 ms: at 0.85 of its 100 ms target it
+    has no budget left, at the late share (1.0) 150 ms. A new interactive prompt of 200
+    positions, at the rate the 80 ms limit guarantees (the reserve, 52 positions a step: 650 a
+    second), needs about 310 ms: with 0.2 s left to its first-token target it is late, and its
+    chunk (128) runs in a step past the limit that ends within the late share's budget; with
+    5 s left, without a late share or one below the budget's own (0.85), or without a
+    first-token target, it is held to the limit."""
+    for late, left, past in ((1.0, 0.2, True), (1.0, 5.0, False), (None, 0.2, False),
+                             (0.8, 0.2, False), (1.0, None, False)):
+        clock = Clock()
+        s, m = make(2000, slo=True, chunk=128, budget=256, prefill_headroom=0.85,
+                    late=late, clock=clock)
+        running = s.add(req(8, 50, 10, 0.1, 1))
+        m.step()  # its prompt and first token, at t = 0
+        for _ in range(9):
+            m.step()
+        clock.t = 0.85
+        top = s.add(req(200, 5, 10, 0.1, 2, ttft_left=left))
+        plan, _ = m.step()
+        assert s.cost is not None and running in plan.decode
+        took = s.cost.predict(plan.shape)
+        chunk = next(c for c in plan.prefill if c.id == top)
+        if past:
+            assert chunk.len == 128 and 0.08 < took <= 1.0 * 0.1 * 10 - 0.85 + 1e-9
+        else:
+            assert took <= 0.08 + 1e-9, (late, left)
+        drive(s, m, max_steps=2000)
+        assert s.blocks.free_blocks == s.blocks.total_blocks
+
+    # A late share below the budget's own never lowers it: 10 tokens in 700 ms leave 150 ms at
+    # 0.85 (the whole 128-position chunk, 139 ms) and would leave 100 ms at 0.8.
+    clock = Clock()
+    s, m = make(2000, slo=True, chunk=128, budget=256, prefill_headroom=0.85, late=0.8,
+                clock=clock)
+    s.add(req(8, 50, 10, 0.1, 1))
+    for _ in range(10):
+        m.step()
+    clock.t = 0.7
+    top = s.add(req(200, 5, 10, 0.1, 2, ttft_left=0.2))
+    plan, _ = m.step()
+    assert s.cost is not None and 0.1 < s.cost.predict(plan.shape) <= 0.15 + 1e-9
+    assert next(c.len for c in plan.prefill if c.id == top) == 128
+
+
+def test_a_prompt_late_behind_others_of_its_tier_counts_their_positions() -> None:
+    """Deadlines are met in order: a prompt with 1 s left is on time alone (10 positions), and
+    late behind two of its tier that are due first (400 positions each, about 1.2 s at the
+    guaranteed rate); one whose first token already came (recomputed after a preemption) is not
+    a prompt waiting for it."""
+    clock = Clock()
+    s, m = make(2000, slo=True, chunk=64, budget=256, prefill_headroom=0.85, late=1.0,
+                clock=clock)
+    s.add(req(10, 5, 10, 0.1, 1, ttft_left=1.0))
+    strict = 0.1
+    assert not s._late(clock.t, strict)
+    s.add(req(400, 5, 10, 0.1, 2, ttft_left=0.9))
+    s.add(req(400, 5, 10, 0.1, 3, ttft_left=0.95))
+    assert s._late(clock.t, strict)
+    drive(s, m, max_steps=2000)
+    assert not s._late(clock.t, strict) and s.blocks.free_blocks == s.blocks.total_blocks
+
+    # Fourteen blocks of four, each request growing to twelve: the better-ranked request's growth preempts the other one after its
+    # first token; waiting to be recomputed, past its deadline, it is not late for a first token.
+    s, m = make(14, slo=True, chunk=64, budget=256, prefill_headroom=0.85, late=1.0,
+                clock=clock)
+    low = s.add(req(8, 40, 10, 0.1, 4, ttft_left=0.0))
+    s.add(req(8, 40, 11, 0.1, 5))
+    for _ in range(40):
+        m.step()
+        if s.stats().preemptions:
+            break
+    assert s.stats().preemptions and s.is_waiting(low)
+    clock.t = 10.0
+    assert not s._late(clock.t, strict)
+    drive(s, m, max_steps=2000)
+    assert s.blocks.free_blocks == s.blocks.total_blocks
