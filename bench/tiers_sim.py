@@ -386,6 +386,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         variants = [(parse_headroom(v), parse_headroom(w))
                     for v in args.prefill_headroom.split(",")
                     for w in args.late_headroom.split(",")]
+        # Without the budget the late share has nothing to raise: one row for it.
+        variants = [(v, w) for v, w in variants if v is not None or w is None] or [(None, None)]
         levels = [float(x) for x in args.levels.split(",")]
         scales = [float(x) for x in args.scale.split(",")]
     except ValueError as e:

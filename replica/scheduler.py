@@ -698,29 +698,30 @@ class Scheduler:
         if share is None:
             return limit
         now = self._clock()
+        # (target, tokens sampled, seconds since the first token) of each such request.
+        spent = [(seq.target, len(seq.tokens) - seq.prompt_len, now - seq.first_at)
+                 for seq in self._seqs.values()
+                 if seq.target is not None and seq.target <= strict and seq.first_at is not None]
         late = self.cfg.slo_prefill_headroom_late
-        if late is not None and late > share and self._late(now, strict):
+        if spent and late is not None and late > share and self._late(now, strict, limit):
             share = late
-        budget = math.inf
-        for seq in self._seqs.values():
-            first = seq.first_at
-            if seq.target is not None and seq.target <= strict and first is not None:
-                # If its next token comes at the end of this step, its mean gap stays within
-                # share * target while the step ends by first + share * target * (tokens it
-                # has sampled).
-                sampled = len(seq.tokens) - seq.prompt_len
-                budget = min(budget, share * seq.target * sampled - (now - first))
+        # If its next token comes at the end of this step, its mean gap stays within share *
+        # target while the step ends by first + share * target * (tokens it has sampled).
+        budget = min((share * target * sampled - elapsed for target, sampled, elapsed in spent),
+                     default=math.inf)
         laxer = [t for t in self._targets if t > strict]
         if laxer:
             budget = min(budget, min(laxer) * self.cfg.slo_headroom)
         return max(limit, budget)
 
-    def _late(self, now: float, strict: float) -> bool:
+    def _late(self, now: float, strict: float, limit: float) -> bool:
         """Whether a prompt of the strictest target still without a first token (a preempted one
         had its first already) would miss its deadline if that target's prompts here were
-        prefilled earliest deadline first at the reserve's rate (its positions a step over the
-        limit, without the block's worth a step ``strictest_prefill_rate`` adds: under load the
-        steps that carry the tier's decodes leave its prompts about that)."""
+        prefilled earliest deadline first at the reserve's rate (its positions a step over
+        ``limit``, without the block's worth a step ``strictest_prefill_rate`` adds: under load
+        the steps that carry the tier's decodes leave its prompts about that; a block's worth
+        where the reserve is empty). A prompt already past its deadline delays those after it
+        but is not itself a reason: its first token can no longer be on time."""
         due: list[tuple[float, int]] = []
         for seq in self._running:
             left = len(seq.tokens) - seq.computed
@@ -733,16 +734,11 @@ class Scheduler:
                 due.append((seq.deadline, len(seq.tokens)))
         if not due:
             return False
-        limit = self.step_limit()
-        if limit is None or limit <= 0:
-            return False
-        rate = self._reserve_cap(limit) / limit
-        if rate <= 0:
-            return True
+        rate = (self._reserve_cap(limit) or self._blocks.block_size) / limit
         ahead = 0
         for deadline, positions in sorted(due):
             ahead += positions
-            if now + ahead / rate > deadline:
+            if deadline > now and now + ahead / rate > deadline:
                 return True
         return False
 

@@ -749,25 +749,38 @@ def test_a_late_top_tier_prompt_spends_the_late_share() -> None:
 def test_a_prompt_late_behind_others_of_its_tier_counts_their_positions() -> None:
     """Deadlines are met in order: a prompt with 1 s left is on time alone (10 positions), and
     late behind two of its tier that are due first (400 positions each, about 1.2 s at the
-    guaranteed rate); one whose first token already came (recomputed after a preemption) is not
-    a prompt waiting for it."""
+    guaranteed rate), and still late once those two are past due, but not once all are (nothing
+    is then at stake); one whose first token already came (recomputed after a preemption) is
+    not a prompt waiting for it."""
     clock = Clock()
     s, m = make(2000, slo=True, chunk=64, budget=256, prefill_headroom=0.85, late=1.0,
                 clock=clock)
     s.add(req(10, 5, 10, 0.1, 1, ttft_left=1.0))
     strict = 0.1
-    assert not s._late(clock.t, strict)
+
+    def limit() -> float:
+        got = s.step_limit()
+        assert got is not None
+        return got
+
+    assert not s._late(clock.t, strict, limit())
     s.add(req(400, 5, 10, 0.1, 2, ttft_left=0.9))
     s.add(req(400, 5, 10, 0.1, 3, ttft_left=0.95))
-    assert s._late(clock.t, strict)
+    assert s._late(clock.t, strict, limit())
+    clock.t = 0.96  # two past due; the third is late behind their 800 positions
+    assert s._late(clock.t, strict, limit())
+    clock.t = 1.5  # all past due: nothing is at stake any more
+    assert not s._late(clock.t, strict, limit())
+    clock.t = 0.0
     drive(s, m, max_steps=2000)
-    assert not s._late(clock.t, strict) and s.blocks.free_blocks == s.blocks.total_blocks
+    assert s.blocks.free_blocks == s.blocks.total_blocks
 
-    # Fourteen blocks of four, each request growing to twelve: the better-ranked request's growth preempts the other one after its
-    # first token; waiting to be recomputed, past its deadline, it is not late for a first token.
+    # Fourteen blocks of four, each request growing to twelve: the better-ranked request's
+    # growth preempts the other after its first token. Waiting to be recomputed, 1 ms before
+    # its deadline, it is not late for a first token: that came already.
     s, m = make(14, slo=True, chunk=64, budget=256, prefill_headroom=0.85, late=1.0,
                 clock=clock)
-    low = s.add(req(8, 40, 10, 0.1, 4, ttft_left=0.0))
+    low = s.add(req(8, 40, 10, 0.1, 4, ttft_left=10.001))
     s.add(req(8, 40, 11, 0.1, 5))
     for _ in range(40):
         m.step()
@@ -775,6 +788,6 @@ def test_a_prompt_late_behind_others_of_its_tier_counts_their_positions() -> Non
             break
     assert s.stats().preemptions and s.is_waiting(low)
     clock.t = 10.0
-    assert not s._late(clock.t, strict)
+    assert not s._late(clock.t, strict, limit())
     drive(s, m, max_steps=2000)
     assert s.blocks.free_blocks == s.blocks.total_blocks
