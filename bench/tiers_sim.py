@@ -23,8 +23,10 @@ The simulated cluster (no Ray cluster: one process, simulated time):
   (``flow.starting_per_replica`` times the replicas, times the tier's ``queue_share``, at least
   one; a request counts until its first token, under priority scheduling only against its own
   tier's window and the lower tiers'); otherwise it is held per tier, strict priority
-  between tiers, first come first served inside one, and shed (a 429) when its tier already
-  holds ``max_held`` or once held past the tier's ``held_ttl_s``. A request reaches its
+  between tiers, first come first served inside one, on-time requests before late ones
+  (held past the tier's ``late_after_s``), and shed (a 429) when its tier already holds
+  ``max_held``, or while late if an on-time request of its tier or above, held, arrived after it
+  became late. A request reaches its
   replica with its tier's ``ttft_target_s`` less what it waited at the gate (``ttft_left_s``).
 - Not modelled: tenants (one per tier), the gate's aging (``flow.aging_s``) and its capacity
   over all tiers (``flow.max_held``), the HTTP path and streaming, the prefix cache (random
@@ -108,7 +110,7 @@ class Tier:
     name: str
     priority: int
     share: float
-    ttl_s: float
+    late_s: float
     ttft_s: float | None
     tpot_s: float | None
     max_held: int = 256
@@ -187,7 +189,7 @@ def load_setup(config: Path, kv_blocks: int, prefill_headroom: float | None,
     for t in args.get("tiers", []):
         tiers[t["name"]] = Tier(t["name"], int(t["base_priority"]),
                                 float(t.get("queue_share", 1.0)),
-                                float(t.get("held_ttl_s", 30.0)), t.get("ttft_target_s"),
+                                float(t.get("late_after_s", 30.0)), t.get("ttft_target_s"),
                                 t.get("tpot_target_s"), int(t.get("max_held", 256)))
     missing = {c.tier for c in CLASSES} - tiers.keys()
     if missing:
@@ -267,10 +269,15 @@ def simulate(requests: Sequence[SimRequest], setup: Setup, seed: int = 0) -> lis
             start(rep)
 
     def pump() -> None:
+        newest_on_time = -math.inf  # as the gate: late ones yield, and go while newer wait
         for t in order:
             queue = held[t.name]
-            while queue and now - queue[0].arrival > t.ttl_s:
-                queue.pop(0).shed = True
+            on_time = [r for r in queue if now - r.arrival <= t.late_s]
+            newest_on_time = max([newest_on_time, *(r.arrival for r in on_time)])
+            late = [r for r in queue if now - r.arrival > t.late_s]
+            for r in late:
+                r.shed = newest_on_time > r.arrival + t.late_s
+            queue[:] = on_time + [r for r in late if not r.shed]
             while queue and room(t.name):
                 dispatch(queue.pop(0))
 

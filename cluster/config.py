@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
@@ -48,11 +48,14 @@ class TierConfig(_Strict):
     ttft_target_s, tpot_target_s: the latency the tier promises (time to first token, time per
     output token after it; None: no target). The replicas' SLO-aware steps keep the TPOT
     target (docs/scheduler.md §8); both are counted as met or missed per request
-    (``tierserve_slo_requests``). max_held, held_ttl_s: with flow control, how many of its
-    requests the ingress may hold while no replica can start them, and for how long one may be
-    held, before it is shed (best below ``ttft_target_s``: a request held past its target can
-    only miss it, and its place goes to one that can still keep it). tenants: named tenants with weights and keys; each key of
-    ``api_keys`` is a tenant of its own (named ``<tier>-key<N>``, weight 1).
+    (``tierserve_slo_requests``). max_held: with flow control, how many of its requests the
+    ingress may hold while no replica can start them. late_after_s: how long one may be held
+    before it is late (best below ``ttft_target_s``: past it, it can only miss its target): a
+    late request yields its turn to every on-time one and is shed only while an on-time request
+    of its tier or a higher one that arrived after it became late is held, or when its tier's
+    queue is full (``cluster/flow.py``); a burst is served in full. tenants: named tenants with
+    weights and keys; each key of ``api_keys`` is a tenant of its own (named ``<tier>-key<N>``,
+    weight 1).
     """
 
     name: str = Field(pattern=r"^[a-z][a-z0-9_-]{0,31}$")
@@ -63,8 +66,16 @@ class TierConfig(_Strict):
     ttft_target_s: float | None = Field(default=None, gt=0.0, le=3600.0)
     tpot_target_s: float | None = Field(default=None, gt=0.0, le=60.0)
     max_held: int = Field(default=256, ge=0)
-    held_ttl_s: float = Field(default=30.0, gt=0.0, le=3600.0)
+    late_after_s: float = Field(default=30.0, gt=0.0, le=3600.0)
     tenants: list[TenantConfig] = Field(default_factory=list)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "held_ttl_s" in data:
+            raise ValueError("held_ttl_s is now late_after_s: a request held longer is late "
+                             "(it yields to on-time requests), no longer refused on a timer")
+        return data
 
     @model_validator(mode="after")
     def _ordered(self) -> TierConfig:
@@ -96,11 +107,11 @@ def _default_tiers() -> list[TierConfig]:
     lone request's time per output token is about 25 ms and its p99 about 50 ms)."""
     return [
         TierConfig(name="interactive", base_priority=10, max_priority=15, queue_share=1.0,
-                   ttft_target_s=3.0, tpot_target_s=0.1, max_held=256, held_ttl_s=10.0),
+                   ttft_target_s=3.0, tpot_target_s=0.1, max_held=256, late_after_s=10.0),
         TierConfig(name="standard", base_priority=5, max_priority=9, queue_share=0.8,
-                   ttft_target_s=15.0, tpot_target_s=0.5, max_held=256, held_ttl_s=10.0),
+                   ttft_target_s=15.0, tpot_target_s=0.5, max_held=256, late_after_s=10.0),
         TierConfig(name="batch", base_priority=0, max_priority=4, queue_share=0.5,
-                   ttft_target_s=60.0, max_held=128, held_ttl_s=40.0),
+                   ttft_target_s=60.0, max_held=128, late_after_s=40.0),
     ]
 
 
@@ -113,22 +124,25 @@ class FlowConfig(_Strict):
     (a tier dispatches while those it counts fill less than its ``queue_share`` of it; under
     priority scheduling it counts only its own requests and those of the tiers above it, which
     a replica admits ahead of the lower tiers' waiting there, so all tiers together may pass
-    it). max_held: requests held at most, all
-    tiers (a full queue evicts from the lowest tier first). shed_status: the status of a shed
-    request (429 with ``Retry-After``, or 503). tenant_header: a header naming the tenant
-    inside the caller's tier (for gateways that authenticate upstream); None: tenants are API
-    keys. aging_s, aged_share: a request held longer than ``aging_s`` goes ahead of higher
-    tiers, for at most ``aged_share`` of the dispatches (no tier starves; under overload the
-    lower tiers still absorb it); ``aging_s`` None: strict priority. tenant_burst_s: a tenant
-    coming back from idle to a tier whose other tenants are backlogged first catches up what
-    it missed in the last ``tenant_burst_s`` seconds, so that its burst goes ahead of them while
-    a higher tier leaves its tier short, at the cost of their shares over that span (0, the
-    default: the plain Virtual Token Counter, idle time banks nothing).
+    it). max_held: requests held at most, all tiers (a full queue sheds late requests, then
+    evicts, from the lowest tier first). max_hold_s: the longest any request is held, late or
+    not (the hard ceiling; a client that leaves sooner is dropped at once). shed_status: the
+    status of a shed request (429 or 503, with a ``Retry-After`` estimated from how fast its
+    tier starts requests). tenant_header: a header naming the tenant inside the caller's tier
+    (for gateways that authenticate upstream); None: tenants are API keys. aging_s,
+    aged_share: a request held longer than ``aging_s`` goes ahead of higher tiers, for at most
+    ``aged_share`` of the dispatches (no tier starves; under overload the lower tiers still
+    absorb it); ``aging_s`` None: strict priority. tenant_burst_s: a tenant coming back from
+    idle to a tier whose other tenants are backlogged first catches up what it missed in the
+    last ``tenant_burst_s`` seconds, so that its burst goes ahead of them while a higher tier
+    leaves its tier short, at the cost of their shares over that span (0, the default: the
+    plain Virtual Token Counter, idle time banks nothing).
     """
 
     enabled: bool = True
     starting_per_replica: int = Field(default=8, ge=1, le=4096)
     max_held: int = Field(default=1024, ge=0)
+    max_hold_s: float = Field(default=300.0, gt=0.0, le=86400.0)
     shed_status: Literal[429, 503] = 429
     tenant_header: str | None = Field(default=None, pattern=r"^[A-Za-z0-9-]{1,64}$")
     aging_s: float | None = Field(default=20.0, gt=0.0)
@@ -143,7 +157,8 @@ class ClusterConfig(_Strict):
     default_tier: the tier of a request without an API key; ``None`` makes a key mandatory.
     max_request_bytes: requests with a larger body get 413. max_tokens_limit: the largest
     ``max_tokens`` a request may ask for. max_stop_strings: the most ``stop`` strings per request.
-    retry_after_s: the ``Retry-After`` of a 429. max_inflight_requests: requests in flight
+    retry_after_s: the least ``Retry-After`` of a 429 (flow control estimates more when a tier
+    starts its held requests slowly). max_inflight_requests: requests in flight
     through the ingress at most (a tier may use its ``queue_share`` of them); beyond, 429.
     max_n: the most samples (``n``) one request may ask for. replica_retries: how many times a request whose
     replica failed before its first token is sent again (to another replica). fault_injection:

@@ -53,6 +53,7 @@ from tierserve.cluster.protocol import (
     now,
     usage,
 )
+from tierserve.cluster.readiness import Readiness, serve_census
 from tierserve.cluster.structured import Structured, StructuredError, structured_output, tool_mode
 from tierserve.cluster.tiers import AuthError, Caller, PriorityError, TenantError, TierResolver
 from tierserve.cluster.tool_calls import (
@@ -91,14 +92,17 @@ def sse_event(payload: str) -> str:
 
 
 class ApiError(Exception):
-    """An error answer: its HTTP status and what ``error_body`` writes of it."""
+    """An error answer: its HTTP status, what ``error_body`` writes of it and, for a refusal
+    under load, its ``Retry-After`` (None: the config's ``retry_after_s``)."""
 
-    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None):
+    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None,
+                 retry_after: int | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.code = code
         self.param = param
+        self.retry_after = retry_after
 
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, self.code, self.param)
@@ -260,7 +264,9 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
 
 @app.exception_handler(ApiError)
 async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-    retry = request.app.state.retry_after if exc.status == 429 or exc.code == "shed" else None
+    retry = exc.retry_after
+    if retry is None and (exc.status == 429 or exc.code == "shed"):
+        retry = request.app.state.retry_after
     return error_response(exc.status, exc.message, exc.code, exc.param, retry)
 
 
@@ -280,7 +286,10 @@ class Ingress:
         self.template_takes_tools = "tools" in str(getattr(self.tokenizer, "chat_template", "") or "")
         self.token_text = TokenText(self.tokenizer)
         self.metrics = IngressMetrics([t.name for t in self.cfg.tiers])
-        self.gate = (FlowGate(self.cfg, self.metrics, self._replica_count)
+        self.readiness = Readiness(
+            lambda: serve_census(self.llm.app_name, self.llm.deployment_name))
+        self.gate = (FlowGate(self.cfg, self.metrics, self._replica_count,
+                              self.readiness.holds_count)
                      if self.cfg.flow.enabled else None)
         self.inflight = 0  # requests between admission and their last byte
         self.created = now()
@@ -303,7 +312,18 @@ class Ingress:
 
     @app.get("/health")
     async def health(self) -> dict[str, str]:
+        """Liveness: the ingress answers (``/ready`` says whether the replicas can take work)."""
         return {"status": "ok"}
+
+    @app.get("/ready", response_model=None)
+    async def ready(self) -> JSONResponse:
+        """Readiness (``tierserve.cluster.readiness``): 200 once every engine replica of the
+        config can take work, then while at least one can; else 503 saying what is missing."""
+        self.readiness.ensure()
+        state = await self.readiness.refresh()
+        body = {"status": "ready" if state.ready else "not_ready", "reason": state.reason,
+                "replicas_ready": state.running}
+        return JSONResponse(body, status_code=200 if state.ready else 503)
 
     @app.get("/v1/models")
     async def models(self) -> dict[str, Any]:
@@ -496,7 +516,8 @@ class Ingress:
                     route.ticket = await self.gate.enter(caller, len(call.ids) * call.n)
                 except Shed as e:
                     self._count_slo(route, failed=True)
-                    raise ApiError(e.status, e.message, "shed") from None
+                    raise ApiError(e.status, e.message, "shed", retry_after=e.retry_after
+                                   ) from None
             response = await self._generate(body.stream, call, route)
             if isinstance(response, StreamingResponse):  # in flight until its stream ends
                 response.body_iterator = self._release_after(response.body_iterator)
@@ -513,9 +534,11 @@ class Ingress:
         if self.inflight >= tier_inflight_limit:
             reason = "shed" if caller.tier.queue_share < 1.0 else "queue_full"
             self.metrics.rejected(reason, caller.tier.name)
+            retry = (self.gate.retry_after(self.gate.band_of[caller.tier.name])
+                     if self.gate is not None else None)
             raise ApiError(429, f"the server is busy: {self.inflight} requests in flight; tier "
                                 f"{caller.tier.name!r} may have at most {tier_inflight_limit}",
-                           reason)
+                           reason, retry_after=retry)
 
     async def _release_after(self, body: AsyncIterable[Any]) -> AsyncIterator[Any]:
         try:

@@ -202,6 +202,16 @@ def openapi_schema(app: FastAPI, limits: dict[str, Any] | None = None) -> dict[s
             "type": "object", "properties": {"status": {"type": "string", "enum": ["ok"]}},
             "required": ["status"]}}},
     }}
+    readiness = {"type": "object", "properties": {
+        "status": {"type": "string", "enum": ["ready", "not_ready"]},
+        "reason": {"type": "string"}, "replicas_ready": {"type": "integer", "minimum": 0}},
+        "required": ["status", "reason", "replicas_ready"]}
+    doc["paths"]["/ready"]["get"]["responses"] = {
+        "200": {"description": "Every replica of the config could take work (and one still can).",
+                "content": {"application/json": {"schema": readiness}}},
+        "503": {"description": "Not ready yet: the reason says what is missing.",
+                "content": {"application/json": {"schema": readiness}}},
+    }
     for path in doc["paths"].values():
         for op in path.values():
             op.get("responses", {}).pop("422", None)

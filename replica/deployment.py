@@ -82,6 +82,10 @@ class LLMServer:
 
         self.metrics = ReplicaMetrics(tiers or [])
         self.engine = Engine(self.config, observer=self.metrics)
+        # Serve counts the replica as running (and the ingress's /ready as able to take work)
+        # once this returns: what a first step builds is built here, not under a first burst.
+        warm_s = self.engine.warm_up()
+        log.info("replica warmed up in %.1f s", warm_s)
         self.engine.start()
         self.metrics.start(self.stats)
         self.started = time.time()

@@ -11,6 +11,7 @@ during a forward frees the request's blocks at once (nothing can reuse them befo
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import threading
 import time
@@ -486,6 +487,33 @@ class Engine:
         )
 
     # ------------------------------------------------------------------ background loop
+
+    def warm_up(self, prompt_tokens: int = 4, max_tokens: int = 2) -> float:
+        """Run one small request through the whole step path before serving, so that what a
+        first step builds or loads (the native CPU kernels on a new cache, first-call costs) is
+        paid here and not by the first request; the step cost model, step times and observer
+        do not see it. Only before ``start``. Returns the seconds it took."""
+        if self._thread is not None:
+            raise RuntimeError("warm_up runs before start(), not beside the step loop")
+        t0 = time.perf_counter()
+        cost = copy.deepcopy(self.scheduler.cost)
+        observer, self.observer = self.observer, None
+        token = next(t for t in range(self.vocab_size) if t not in self.eos_ids)
+        rid: RequestId | None = None
+        try:
+            rid = self.add_request([token] * prompt_tokens,
+                                   SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                                   stream_text=False)
+            while self.has_unfinished():
+                self.step()
+        finally:
+            self.observer = observer
+            with self._lock:
+                if rid is not None and rid in self._live:
+                    self.abort(rid)
+                self.scheduler.cost = cost
+                self.times = StepTimes()
+        return time.perf_counter() - t0
 
     def start(self) -> None:
         """Run the step loop in a daemon thread until ``shutdown``."""

@@ -96,7 +96,7 @@ INGRESS_COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
         "request shed or failed before its first token misses ttft and both).",
         ("tier", "target", "outcome")),
     "tierserve_flow_shed": (
-        "Requests the ingress's flow control shed, by reason (ttl, band_full, queue_full, "
+        "Requests the ingress's flow control shed, by reason (late, max_hold, band_full, queue_full, "
         "evicted).", ("tier", "reason")),
     "tierserve_tenant_tokens": (
         "Tokens (prompt and output) served per tenant of a tier (fair share).",
@@ -131,7 +131,7 @@ AUTOSCALE_GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 SLO_TARGETS = ("ttft", "tpot", "both")
 SLO_OUTCOMES = ("met", "missed")
-SHED_REASONS = ("ttl", "band_full", "queue_full", "evicted")
+SHED_REASONS = ("late", "max_hold", "band_full", "queue_full", "evicted")
 NO_TIER = "none"  # the tier label of a request that came without one (direct handle calls)
 
 

@@ -319,14 +319,14 @@ def test_counter_deltas_and_server_goodput() -> None:
     before = scrape([
         (slo, {"tier": "interactive", "target": "both", "outcome": "met"}, 10.0),
         (slo, {"tier": "interactive", "target": "both", "outcome": "missed"}, 2.0),
-        (tiers.FLOW_SHED, {"tier": "batch", "reason": "ttl"}, 1.0),
+        (tiers.FLOW_SHED, {"tier": "batch", "reason": "late"}, 1.0),
     ])
     after = scrape([
         (slo, {"tier": "interactive", "target": "both", "outcome": "met"}, 16.0),
         (slo, {"tier": "interactive", "target": "both", "outcome": "missed"}, 4.0),
         (slo, {"tier": "interactive", "target": "ttft", "outcome": "met", "replica": "x"}, 3.0),
         (slo, {"tier": "batch", "target": "ttft", "outcome": "missed"}, 5.0),
-        (tiers.FLOW_SHED, {"tier": "batch", "reason": "ttl"}, 1.0),
+        (tiers.FLOW_SHED, {"tier": "batch", "reason": "late"}, 1.0),
         (tiers.FLOW_SHED, {"tier": "batch", "reason": "band_full"}, 7.0),
     ])
     d = tiers.labelled_delta(before, after, slo, ("tier", "target", "outcome"))

@@ -79,7 +79,7 @@ STRUCTURED_FIELDS = frozenset({
     "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
     "guided_grammar", "tools", "tool_choice", "parallel_tool_calls"})
 OPERATIONS = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
-              ("GET", "/v1/models"), ("GET", "/health")]
+              ("GET", "/v1/models"), ("GET", "/health"), ("GET", "/ready")]
 EXAMPLES = 40  # per operation and mode
 
 

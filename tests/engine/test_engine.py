@@ -314,3 +314,45 @@ def test_text_decoded_at_the_finish_equals_the_streamed_text(roomy: LLM) -> None
 
         IncrementalDetokenizer(eng.tokenizer, [1, 2], stop=["ab"]).feed([3])
 
+
+
+def test_warm_up_runs_a_step_and_leaves_nothing_behind() -> None:
+    """A replica warms up before serving: one small request through the step path, after
+    which the pool is whole, nothing is queued, the step times and the SLO cost model are as
+    before and the observer saw nothing; not once the loop runs."""
+    seen: list[str] = []
+
+    class Observer:
+        def request_done(self, times: object) -> None:
+            seen.append("request")
+
+        def step_done(self, duration_s: float, tokens: int, preempted: int) -> None:
+            seen.append("step")
+
+        def rejected(self, reason: str, tier: str) -> None:
+            seen.append("rejected")
+
+        def grammar_compiled(self, kind: str, seconds: float) -> None:
+            pass
+
+        def grammar_lookup(self, hit: bool) -> None:
+            pass
+
+    engine = Engine(EngineConfig(model=EMBEDDED_MODEL, num_kv_blocks=16,
+                                 kv_cache_memory_bytes=None, slo_scheduling=True),
+                    observer=Observer())
+    assert engine.scheduler.cost is not None
+    before = engine.scheduler.cost.coefficients
+    steps = engine.stats().steps
+    assert engine.warm_up() > 0.0
+    stats = engine.stats()
+    assert stats.steps > steps  # it ran
+    assert (stats.running, stats.waiting, stats.free_blocks) == (0, 0, 16)
+    assert engine.scheduler.cost.coefficients == before and engine.scheduler.cost.observed == 0
+    assert engine.times.steps == 0 and seen == []
+    engine.start()
+    try:
+        with pytest.raises(RuntimeError, match="before start"):
+            engine.warm_up()
+    finally:
+        engine.shutdown()

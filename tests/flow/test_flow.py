@@ -1,11 +1,12 @@
 """Flow control at the ingress without Ray: the held queues (strict priority, the tenants' fair
-share, capacity, eviction, TTL) and the asyncio gate around them (dispatch window, shedding,
-clients that leave while held)."""
+share, capacity, eviction, late requests) and the asyncio gate around them (dispatch window,
+shedding, the hold clock, Retry-After, clients that leave while held)."""
 
 from __future__ import annotations
 
 import asyncio
 import random
+import time
 from typing import Any
 
 import pytest
@@ -233,7 +234,8 @@ def test_a_burst_below_the_tenants_share_is_not_shed_while_the_tier_is_short(
             for _ in range(8):
                 q.push(held(0, "B", at=now))
                 sent["B"] += 1
-        for h in q.expire(now):
+        for h, reason in q.overdue(now):
+            assert reason == "late"
             shed[h.tenant] += 1
         h = q.pop(everything, now)
         if h is not None:
@@ -263,15 +265,102 @@ def test_a_full_band_refuses_and_a_full_queue_evicts_the_newest_of_the_lowest_ba
     assert len(q) == 4
 
 
-def test_ttl_expires_only_what_outlived_its_band() -> None:
+def test_a_late_request_is_kept_until_newer_demand_arrives() -> None:
+    """Held past its band's late_s a request is late, not shed: it is shed once an on-time
+    request of its band or above, held, arrived after it became late, and not for one that
+    arrived before (a burst's later members)."""
     q: FlowQueues[str] = FlowQueues(BANDS, 100)
     q.push(held(0, at=0.0, item="i-old"))
-    q.push(held(0, at=5.0, item="i-new"))
+    q.push(held(0, at=5.0, item="i-burst"))  # arrived before i-old became late (10 s)
     q.push(held(2, at=0.0, item="b-old"))
-    gone = q.expire(12.0)
-    assert [h.item for h in gone] == ["i-old"]
-    assert [h.item for h in q.expire(61.0)] == ["i-new", "b-old"]
-    assert len(q) == 0
+    assert q.overdue(12.0) == []
+    assert q.held(0) == 2 and q.on_time(0) == 1  # i-old late, i-burst not yet
+    q.push(held(0, at=12.0, item="i-new"))  # newer demand of the top band
+    gone = q.overdue(12.5)
+    assert [(h.item, reason) for h, reason in gone] == [("i-old", "late")]
+    assert len(q) == 3
+    # batch is late only at 60 s; then i-new (12 s) arrived before it became late
+    assert q.overdue(61.0) == []
+    q.push(held(1, at=61.0, item="s-new"))  # a higher band's newer, on-time request
+    gone = q.overdue(61.5)
+    assert sorted(h.item for h, _ in gone) == ["b-old"]
+
+
+def test_a_burst_with_nothing_behind_it_is_served_in_full() -> None:
+    """64 requests arrive within a second while the band can start one a second (far past
+    late_s): none is shed; the late ones go in arrival order once nothing on time waits."""
+    q: FlowQueues[int] = FlowQueues([BandSpec("standard", 256, 10.0)], 1024,
+                                    max_hold_s=300.0)
+    for i in range(64):
+        q.push(held(0, f"t{i % 3}", at=i / 64, item=i))
+    served: list[int] = []
+    for t in range(1, 100):
+        assert q.overdue(float(t)) == []
+        h = q.pop(everything, float(t))
+        if h is not None:
+            served.append(h.item)
+            q.charge(0, h.tenant, 100, 1.0)
+    assert sorted(served) == list(range(64)) and len(q) == 0
+
+
+def test_late_requests_yield_to_on_time_ones_of_their_band_only() -> None:
+    q: FlowQueues[str] = FlowQueues(BANDS, 100)
+    q.push(held(1, at=0.0, item="s-late"))
+    q.push(held(2, at=0.0, item="b-late"))
+    q.overdue(70.0)  # both late now
+    q.push(held(2, at=69.0, item="b-on-time"))
+    q.push(held(1, at=69.0, item="s-on-time"))
+    order = []
+    while (h := q.pop(everything, 70.0)) is not None:
+        order.append((h.item, h.late))
+    # strict priority between bands holds: a late standard request goes before an on-time
+    # batch one; inside a band the on-time go first
+    assert order == [("s-on-time", False), ("s-late", True), ("b-on-time", False),
+                     ("b-late", True)]
+
+
+def test_a_full_queue_sheds_late_requests_of_the_lowest_tier_first() -> None:
+    q: FlowQueues[str] = FlowQueues([BandSpec("i", 8, 10.0), BandSpec("s", 8, 10.0),
+                                     BandSpec("b", 8, 10.0)], 4)
+    q.push(held(1, at=0.0, item="s-late"))
+    q.push(held(2, at=0.0, item="b-late"))
+    q.push(held(2, at=0.0, item="b-late2"))
+    q.overdue(11.0)
+    q.push(held(2, at=11.0, item="b-on-time"))
+    evicted = q.push(held(1, at=11.0, item="s-new"))  # full: the lowest band's late first
+    assert [(h.item, h.late) for h in evicted] == [("b-late", True)]
+    evicted = q.push(held(1, at=11.0, item="s-new2"))
+    assert [h.item for h in evicted] == ["b-late2"]
+    # no late one at or below standard left but its own: the standard one goes before
+    # evicting the on-time batch request
+    evicted = q.push(held(1, at=11.0, item="s-new3"))
+    assert [h.item for h in evicted] == ["s-late"]
+    evicted = q.push(held(1, at=11.0, item="s-new4"))
+    assert [h.item for h in evicted] == ["b-on-time"]
+
+
+def test_a_full_band_sheds_a_late_request_before_refusing() -> None:
+    q: FlowQueues[str] = FlowQueues([BandSpec("s", 2, 10.0)], 100)
+    q.push(held(0, "A", at=0.0, item="a-late"))
+    q.push(held(0, "A", at=5.0, item="a"))
+    q.overdue(11.0)
+    evicted = q.push(held(0, "A", at=11.0, item="a-new"))
+    assert [(h.item, h.late) for h in evicted] == [("a-late", True)]
+    with pytest.raises(Refused):
+        q.push(held(0, "A", at=11.0, item="a-refused"))
+
+
+def test_max_hold_bounds_every_hold_on_the_wall_clock() -> None:
+    q: FlowQueues[str] = FlowQueues(BANDS, 100, max_hold_s=300.0)
+    a = Held(1, "t", 1.0, 0.0, "stalled", entered=1000.0)
+    b = Held(1, "t", 1.0, 0.0, "younger", entered=1200.0)
+    q.push(a)
+    q.push(b)
+    assert q.overdue(0.0, wall=1299.0) == []  # the hold clock stood still: not late either
+    assert [(h.item, r) for h, r in q.overdue(0.0, wall=1301.0)] == [("stalled", "max_hold")]
+    assert len(q) == 1
+    with pytest.raises(ValueError, match="max_hold_s"):
+        FlowQueues(BANDS, 4, max_hold_s=0.0)
 
 
 def test_remove_is_exact_and_idempotent() -> None:
@@ -312,14 +401,20 @@ class FakeMetrics:
 def config(**flow: Any) -> ClusterConfig:
     tiers = [
         TierConfig(name="interactive", base_priority=10, max_priority=15, queue_share=1.0,
-                   max_held=4, held_ttl_s=0.3),
+                   max_held=4, late_after_s=0.3),
         TierConfig(name="standard", base_priority=5, max_priority=9, queue_share=0.75,
-                   max_held=4, held_ttl_s=5.0,
+                   max_held=4, late_after_s=5.0,
                    tenants=[TenantConfig(name="acme", weight=2.0)]),
         TierConfig(name="batch", base_priority=0, max_priority=4, queue_share=0.5,
-                   max_held=4, held_ttl_s=5.0),
+                   max_held=4, late_after_s=5.0),
     ]
     return ClusterConfig(tiers=tiers, flow=FlowConfig(starting_per_replica=4, **flow))
+
+
+def roomy(cfg: ClusterConfig) -> ClusterConfig:
+    """``cfg`` with every tier holding up to 256 requests."""
+    return cfg.model_copy(update={"tiers": [t.model_copy(update={"max_held": 256})
+                                            for t in cfg.tiers]})
 
 
 def caller(cfg: ClusterConfig, tier: str, tenant: str = "default") -> Caller:
@@ -417,24 +512,108 @@ def test_gate_serves_held_requests_by_tier_when_slots_free() -> None:
     asyncio.run(go())
 
 
-def test_gate_sheds_by_ttl_and_by_capacity_with_the_configured_status() -> None:
+def test_gate_sheds_late_requests_under_contention_and_by_capacity() -> None:
+    """Held past late_after_s (0.3 s) with nothing newer waiting, four interactive requests
+    stay held (late); one newer request arrives: the late ones are shed with the configured
+    status and a Retry-After, and a full band refuses at once."""
     async def go() -> None:
         cfg = config(shed_status=503)
         gate, metrics = gate_of(cfg)
-        for _ in range(4):
-            await gate.enter(caller(cfg, "interactive"), 1)
+        first = [await gate.enter(caller(cfg, "interactive"), 1) for _ in range(4)]
         held = [asyncio.create_task(gate.enter(caller(cfg, "interactive"), 1))
-                for _ in range(4)]
+                for _ in range(3)]
+        await asyncio.sleep(0.6)
+        assert not any(t.done() for t in held)  # late, not shed: nothing newer waits
+        newer = asyncio.create_task(gate.enter(caller(cfg, "interactive"), 1))
+        results = await asyncio.gather(*held, return_exceptions=True)
+        assert all(isinstance(r, Shed) and r.reason == "late" and r.status == 503
+                   for r in results), results
+        assert "late_after_s" in str(results[0])
+        assert all(isinstance(r, Shed) and r.retry_after is not None and r.retry_after >= 1
+                   for r in results)
+        assert metrics.sheds.count(("interactive", "late")) == 3
+        fill = [asyncio.create_task(gate.enter(caller(cfg, "interactive"), 1))
+                for _ in range(3)]  # the band (max_held 4) full behind the newer one
         await asyncio.sleep(0.01)
         with pytest.raises(Shed) as e:
             await gate.enter(caller(cfg, "interactive"), 1)
         assert e.value.reason == "band_full" and e.value.status == 503
-        results = await asyncio.gather(*held, return_exceptions=True)
-        assert all(isinstance(r, Shed) and r.reason == "ttl" for r in results)
-        assert "held_ttl_s" in str(results[0])
-        assert metrics.sheds.count(("interactive", "ttl")) == 4
+        for t in first:
+            gate.started(t)
+        await newer
+        assert not newer.exception()
+        for f in fill:
+            f.cancel()
+        await asyncio.gather(*fill, return_exceptions=True)
         assert len(gate.queues) == 0
     asyncio.run(go())
+
+
+def test_gate_serves_a_burst_in_full_when_nothing_newer_comes() -> None:
+    """A window of 4, 24 requests at once, each answering its first token after 0.1 s (far
+    past the interactive tier's late_after_s of 0.3 s for the last of them): all are served."""
+    async def go() -> None:
+        cfg = roomy(config())
+        gate, metrics = gate_of(cfg)
+
+        async def one() -> None:
+            t = await gate.enter(caller(cfg, "interactive"), 1)
+            await asyncio.sleep(0.1)
+            gate.started(t)
+
+        results = await asyncio.gather(*(one() for _ in range(24)), return_exceptions=True)
+        assert all(r is None for r in results), results
+        assert metrics.sheds == [] and len(gate.queues) == 0
+    asyncio.run(go())
+
+
+def test_gate_hold_clock_stands_still_until_the_replicas_are_ready() -> None:
+    """Requests held while the replicas cannot take work are not charged for it: late only
+    late_after_s after readiness, whatever they waited before."""
+    async def go() -> None:
+        cfg = config()
+        state = {"ready": False}
+        m = FakeMetrics()
+        gate = FlowGate(cfg, m, lambda: 1, lambda: state["ready"])  # type: ignore[arg-type]
+        first = [await gate.enter(caller(cfg, "interactive"), 1) for _ in range(4)]
+        held = [asyncio.create_task(gate.enter(caller(cfg, "interactive"), 1))
+                for _ in range(2)]
+        await asyncio.sleep(0.5)  # past late_after_s (0.3 s) on the wall clock
+        gate.pump_once(time.monotonic())
+        assert gate.hold_clock == 0.0
+        newer = asyncio.create_task(gate.enter(caller(cfg, "interactive"), 1))
+        await asyncio.sleep(0.1)
+        assert not any(t.done() for t in held)  # none late: nothing was charged
+        state["ready"] = True
+        await asyncio.sleep(0.2)
+        assert 0.0 < gate.hold_clock < 0.3 and not any(t.done() for t in held)
+        for t in first:
+            gate.started(t)
+        await asyncio.gather(*held, newer)
+        assert m.sheds == []
+    asyncio.run(go())
+
+
+def test_gate_retry_after_follows_the_rate_its_tier_starts_requests() -> None:
+    cfg = roomy(config())
+    gate, _ = gate_of(cfg)
+    # Nothing dispatched yet: the rate is unknown.
+    assert gate.retry_after(2, now=100.0) == 10
+    # 40 dispatches of interactive and batch over 20 s: 2 a second for bands <= 2, 1 for 0.
+    for i in range(20):
+        gate._dispatched.append((80.0 + i, 0))
+        gate._dispatched.append((80.0 + i + 0.5, 2))
+    for _ in range(3):
+        gate.queues.push(Held(0, "t", 1.0, 0.0, None))  # type: ignore[arg-type]
+    # interactive: 3 held + 1 at 20/20 s -> 4 s; batch: the same 4 at 40/20 s -> 2 s
+    assert gate.retry_after(0, now=100.0) == 4
+    assert gate.retry_after(2, now=100.0) == 2
+    # at least the config's retry_after_s, at most 60 s
+    gate.min_retry_after = 3
+    assert gate.retry_after(2, now=100.0) == 3
+    for _ in range(200):
+        gate.queues.push(Held(1, "u", 1.0, 0.0, None))  # type: ignore[arg-type]
+    assert gate.retry_after(1, now=100.0) == 60
 
 
 def test_gate_evicts_a_lower_tier_for_a_higher_one_when_full() -> None:
@@ -488,6 +667,10 @@ def test_flow_config_is_validated() -> None:
                        tenants=[TenantConfig(name="t", api_keys=["k1"])])])
     with pytest.raises(ValueError, match="ttft_target_s"):
         TierConfig(name="x", base_priority=0, max_priority=0, ttft_target_s=0)
+    with pytest.raises(ValueError, match="held_ttl_s is now late_after_s"):
+        TierConfig(name="x", base_priority=0, max_priority=0, held_ttl_s=10)  # type: ignore[call-arg]
+    with pytest.raises(ValueError, match="max_hold_s"):
+        FlowConfig(max_hold_s=0)
 
 
 def test_aging_lets_a_starved_band_through_within_its_share() -> None:

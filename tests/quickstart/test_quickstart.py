@@ -69,8 +69,8 @@ def _ready(log: Path, proc: subprocess.Popen[bytes]) -> None:
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             pytest.fail(f"`make serve`'s command exited ({proc.returncode}):\n{log.read_text()[-4000:]}")
-        try:
-            if httpx.get(f"{BASE}/v1/models", timeout=2).status_code == 200:
+        try:  # "once it is up", as the README says: /ready
+            if httpx.get(f"{BASE}/ready", timeout=5).status_code == 200:
                 r = httpx.post(f"{BASE}/v1/completions", timeout=60,
                                json={"model": MODEL, "prompt": "Hi", "max_tokens": 1})
                 if r.status_code == 200:
@@ -104,6 +104,14 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[subprocess.Pope
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+
+
+def test_health_is_liveness_and_ready_counts_every_replica(
+        served: subprocess.Popen[bytes]) -> None:
+    assert httpx.get(f"{BASE}/health", timeout=10).json() == {"status": "ok"}
+    r = httpx.get(f"{BASE}/ready", timeout=10)
+    assert r.status_code == 200, r.text
+    assert r.json() == {"status": "ready", "reason": "ready", "replicas_ready": 2}
 
 
 def test_the_default_model_answers_a_chat_request(served: subprocess.Popen[bytes]) -> None:
