@@ -62,17 +62,24 @@ async def first_event(client: httpx.AsyncClient, key: str) -> tuple[Any, Any]:
     return ctx, lines
 
 
+async def fill(app: ServeApp, client: httpx.AsyncClient) -> tuple[list[Any], Any]:
+    """Two long interactive streams in both running seats, then a standard request waiting at
+    the replica (the window's batch share is used up: batch requests are held)."""
+    holders = [await first_event(client, KEYS["interactive"]) for _ in range(2)]
+    await asyncio.to_thread(app.wait_stats, "2 running",
+                            lambda s: next(iter(s.values()))["running"] == 2)
+    standard = asyncio.create_task(client.post(C, json=SHORT,
+                                               headers=headers(KEYS["standard"])))
+    await asyncio.to_thread(app.wait_stats, "the standard request waiting",
+                            lambda s: next(iter(s.values()))["waiting"] == 1)
+    return holders, standard
+
+
 async def scenario(app: ServeApp) -> dict[str, Any]:
     out: dict[str, Any] = {}
     limits = httpx.Limits(max_connections=None)
     async with httpx.AsyncClient(base_url=app.base_url, timeout=120, limits=limits) as client:
-        holders = [await first_event(client, KEYS["interactive"]) for _ in range(2)]
-        await asyncio.to_thread(app.wait_stats, "2 running",
-                                lambda s: next(iter(s.values()))["running"] == 2)
-        standard = asyncio.create_task(client.post(C, json=SHORT,
-                                                   headers=headers(KEYS["standard"])))
-        await asyncio.to_thread(app.wait_stats, "the standard request waiting",
-                                lambda s: next(iter(s.values()))["waiting"] == 1)
+        holders, standard = await fill(app, client)
         held = [asyncio.create_task(client.post(C, json=SHORT, headers=headers(KEYS["batch"])))
                 for _ in range(2)]
         await asyncio.sleep(0.5)
@@ -152,13 +159,7 @@ async def leave_while_held(app: ServeApp) -> dict[str, Any]:
     out: dict[str, Any] = {}
     limits = httpx.Limits(max_connections=None)
     async with httpx.AsyncClient(base_url=app.base_url, timeout=120, limits=limits) as client:
-        holders = [await first_event(client, KEYS["interactive"]) for _ in range(2)]
-        await asyncio.to_thread(app.wait_stats, "2 running",
-                                lambda s: next(iter(s.values()))["running"] == 2)
-        standard = asyncio.create_task(client.post(C, json=SHORT,
-                                                   headers=headers(KEYS["standard"])))
-        await asyncio.to_thread(app.wait_stats, "the standard request waiting",
-                                lambda s: next(iter(s.values()))["waiting"] == 1)
+        holders, standard = await fill(app, client)
         # Batch holds at most 2: a request whose client gives up while held...
         with pytest.raises(httpx.ReadTimeout):
             await client.post(C, json=SHORT, headers=headers(KEYS["batch"]), timeout=1.0)
