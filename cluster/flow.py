@@ -182,6 +182,11 @@ class FlowQueues(Generic[T]):
             evicted.append(victim)
         held.seq = next(self._seq)
         held.late = False
+        # A request never counts as held longer than one before it of its tenant: each queue
+        # stays in arrival order, so what is late or overdue is always a queue's head.
+        last = b.queues.get(held.tenant) or b.late.get(held.tenant)
+        if last:
+            held.arrival = max(held.arrival, last[-1].arrival)
         if held.tenant not in b.queues and held.tenant not in b.late:
             floor = self._floor_at(b, held.arrival - self.burst_s)
             b.counters[held.tenant] = max(b.counters.get(held.tenant, 0.0), floor)
@@ -320,19 +325,16 @@ class FlowQueues(Generic[T]):
         out: list[tuple[Held[T], str]] = []
         newest_on_time = -math.inf  # the newest on-time arrival of this band and those above
         for b in self._bands:
+            # Queues are in arrival order (``push``): only their heads can be overdue.
             for tenant, q in list(b.queues.items()):
-                overdue = [h for h in q if now - h.arrival > b.spec.late_s]
-                if not overdue:
-                    continue
-                late = b.late.setdefault(tenant, deque())
-                for h in overdue:
-                    q.remove(h)
+                while q and now - q[0].arrival > b.spec.late_s:
+                    h = q.popleft()
                     h.late = True
-                    late.append(h)
+                    b.late.setdefault(tenant, deque()).append(h)
                 if not q:
                     del b.queues[tenant]
             for q in b.queues.values():
-                newest_on_time = max(newest_on_time, max(h.arrival for h in q))
+                newest_on_time = max(newest_on_time, q[-1].arrival)
             for qs in (b.queues, b.late):
                 for q in qs.values():
                     for h in q:
@@ -342,6 +344,8 @@ class FlowQueues(Generic[T]):
                             out.append((h, "max_hold"))
                         elif h.late and newest_on_time > h.arrival + b.spec.late_s:
                             out.append((h, "late"))
+                        else:
+                            break  # the rest of this queue arrived later
         for h, _ in out:
             self.remove(h)
         return out

@@ -319,8 +319,7 @@ class Ingress:
     async def ready(self) -> JSONResponse:
         """Readiness (``tierserve.cluster.readiness``): 200 once every engine replica of the
         config can take work, then while at least one can; else 503 saying what is missing."""
-        self.readiness.ensure()
-        state = await self.readiness.refresh()
+        state = await self.readiness.current()
         body = {"status": "ready" if state.ready else "not_ready", "reason": state.reason,
                 "replicas_ready": state.running}
         return JSONResponse(body, status_code=200 if state.ready else 503)

@@ -49,6 +49,16 @@ class Readiness:
         self.ever_ready = False
         self.probe_failed = False
         self._task: asyncio.Task[None] | None = None
+        self._read_at: float | None = None  # the loop's time of the last probe
+
+    async def current(self) -> ReadyState:
+        """The state, probed at most once a ``PERIOD_S`` however often it is asked (``GET
+        /ready`` needs no key: its callers must not drive the controller)."""
+        self.ensure()
+        now = asyncio.get_running_loop().time()
+        if self._read_at is None or now - self._read_at >= PERIOD_S:
+            return await self.refresh()
+        return self.state
 
     def judge(self, census: ReplicaCensus) -> ReadyState:
         """The state a census means (and it is remembered: once ready, one running replica
@@ -72,6 +82,7 @@ class Readiness:
             self._task = asyncio.get_running_loop().create_task(self._watch())
 
     async def refresh(self) -> ReadyState:
+        self._read_at = asyncio.get_running_loop().time()
         try:
             census = await asyncio.to_thread(self._probe)
         except Exception as e:  # Serve's controller unreachable for a moment

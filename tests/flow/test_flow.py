@@ -286,6 +286,19 @@ def test_a_late_request_is_kept_until_newer_demand_arrives() -> None:
     assert sorted(h.item for h, _ in gone) == ["b-old"]
 
 
+def test_a_request_never_counts_as_held_longer_than_one_before_it() -> None:
+    """A tenant's queue stays in arrival order (only its head can be late or overdue): an
+    arrival stamped earlier than the one before it counts from that one's arrival."""
+    q: FlowQueues[str] = FlowQueues(BANDS, 100)
+    q.push(held(0, at=5.0, item="a"))
+    b = held(0, at=0.0, item="b")
+    q.push(b)
+    assert b.arrival == 5.0
+    assert q.overdue(12.0) == [] and q.on_time(0) == 2
+    q.overdue(15.5)
+    assert q.on_time(0) == 0 and q.held(0) == 2
+
+
 def test_a_burst_with_nothing_behind_it_is_served_in_full() -> None:
     """64 requests arrive within a second while the band can start one a second (far past
     late_s): none is shed; the late ones go in arrival order once nothing on time waits."""

@@ -46,3 +46,18 @@ def test_refresh_reads_the_probe_and_a_failing_probe_keeps_the_clock_running() -
         state = await r.refresh()
         assert "controller unreachable" in state.reason and r.holds_count()
     asyncio.run(go())
+
+
+def test_ready_probes_the_controller_at_most_once_a_period_however_often_asked() -> None:
+    calls = []
+
+    def probe() -> ReplicaCensus:
+        calls.append(1)
+        return ReplicaCensus("HEALTHY", 2)
+
+    async def go() -> None:
+        r = Readiness(probe)
+        states = [await r.current() for _ in range(50)]
+        assert all(s.ready for s in states)
+        assert 1 <= len(calls) <= 2  # this caller's one probe, and the watcher's first
+    asyncio.run(go())
