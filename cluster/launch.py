@@ -7,7 +7,9 @@ This process starts a Ray instance on this machine with Ray's metrics exported o
 to the process group) stops ``serve run`` (which deletes the applications), then this process
 shuts its Ray instance down, so every process it started is gone and the ports are free again.
 The config is checked first (``tierserve.cluster.app.check_serve_config``): a field at fault is
-named and nothing starts. On a multi-node Ray cluster, start Ray with ``ray start`` on every node and use ``serve run``
+named and nothing starts. Once ``GET /ready`` answers 200 (every replica can take work) it prints
+one line saying so, among Ray's logs: until then Ray's proxy may answer a request with a 404 (the
+application's routes are not there yet) and the ingress holds what it gets. On a multi-node Ray cluster, start Ray with ``ray start`` on every node and use ``serve run``
 directly (see the README).
 """
 
@@ -19,8 +21,13 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import httpx
 import ray
 import yaml
 
@@ -41,6 +48,32 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-port", type=int,
                         default=int(os.environ.get("METRICS_PORT", 8080)),
                         help="the port of Ray's metrics export (default 8080, or $METRICS_PORT)")
+
+
+def ready_url(raw: dict[str, Any]) -> str:
+    """The ``/ready`` URL of a Serve config's first application on this machine."""
+    http = raw.get("http_options") or {}
+    host = str(http.get("host", "127.0.0.1"))
+    host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    apps = raw.get("applications") or [{}]
+    prefix = str(apps[0].get("route_prefix", "/")).rstrip("/")
+    return f"http://{host}:{int(http.get('port', 8000))}{prefix}/ready"
+
+
+def announce_ready(url: str, running: Callable[[], bool], started: float,
+                   say: Callable[[str], None], poll_s: float = 0.5) -> bool:
+    """Poll ``url`` while ``running()``; once it answers 200, ``say`` so (with the seconds
+    since ``started``, a ``time.monotonic()``) and return True; False if it never did."""
+    while running():
+        try:
+            if httpx.get(url, timeout=5).status_code == 200:
+                say(f"tierserve: ready after {time.monotonic() - started:.0f} s: every replica "
+                    f"can take work ({url})")
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(poll_s)
+    return False
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,7 +100,8 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"tierserve: no config file at {args.config}", file=sys.stderr)
         return 2
     try:
-        check_serve_config(yaml.safe_load(Path(args.config).read_text()) or {})
+        raw = yaml.safe_load(Path(args.config).read_text()) or {}
+        check_serve_config(raw)
     except (ConfigError, yaml.YAMLError) as e:
         print(f"tierserve: {args.config}: {e}", file=sys.stderr)
         return 2
@@ -90,9 +124,13 @@ def _serve(args: argparse.Namespace) -> int:
         f"tierserve: Ray at {address}; metrics at http://127.0.0.1:{args.metrics_port}/metrics",
         file=sys.stderr,
     )
+    started = time.monotonic()
     proc = subprocess.Popen(
         [serve_bin, "run", "--address", address, args.config], preexec_fn=_default_sigint
     )
+    threading.Thread(target=announce_ready, daemon=True, name="tierserve-ready", args=(
+        ready_url(raw), lambda: proc.poll() is None, started,
+        lambda line: print(line, file=sys.stderr, flush=True))).start()
     rc = 1
     try:
         rc = proc.wait()

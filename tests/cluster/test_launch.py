@@ -88,3 +88,36 @@ def test_the_installed_console_script_runs() -> None:
     assert "usage: tierserve serve" in out.stdout and "--metrics-port" in out.stdout
     makefile = (ROOT / "Makefile").read_text()
     assert "$(VENV)/bin/tierserve serve $(CONFIG)" in makefile
+
+
+def test_the_launcher_says_when_the_cluster_is_ready() -> None:
+    """It polls the config's /ready (503 twice, then 200) and says so once; nothing while
+    the cluster is not running."""
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    answers = [503, 503, 200]
+
+    class Ready(BaseHTTPRequestHandler):
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            assert self.path == "/app/ready"
+            self.send_response(answers.pop(0) if len(answers) > 1 else answers[0])
+            self.end_headers()
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Ready)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = launch.ready_url({"http_options": {"host": "0.0.0.0", "port": server.server_port},
+                                "applications": [{"route_prefix": "/app/"}]})
+        assert url == f"http://127.0.0.1:{server.server_port}/app/ready"
+        said: list[str] = []
+        assert launch.announce_ready(url, lambda: True, time.monotonic(), said.append, 0.01)
+        assert len(said) == 1 and "ready after" in said[0] and url in said[0]
+        assert not launch.announce_ready(url, lambda: False, time.monotonic(), said.append)
+    finally:
+        server.shutdown()
+    assert launch.ready_url({}) == "http://127.0.0.1:8000/ready"
