@@ -118,18 +118,28 @@ def wait_replaced(app: ServeApp, gone: str) -> dict[str, Any]:
     return app.replicas()
 
 
-def spread(app: ServeApp, n: int = 16) -> dict[str, int]:
-    """Send ``n`` concurrent requests; the steps each replica ran meanwhile (both must serve)."""
+def spread(app: ServeApp, n: int = 16, timeout_s: float = 90) -> dict[str, int]:
+    """Rounds of ``n`` concurrent requests, each of which must complete, until every replica
+    has run steps since the first round (or ``timeout_s``); the steps each replica ran.
+
+    A new replica is ranked only once the router has its first routing-stats report (see
+    docs/autoscaling.md), which Serve's controller forwards on its own schedule: on a loaded
+    machine the first round can come before it, and then goes to the reported replica."""
     before = {k: int(v["steps"]) for k, v in app.replica_stats().items()}
 
     async def go() -> list[Outcome]:
         async with httpx.AsyncClient(base_url=app.base_url, timeout=180) as client:
             return await asyncio.gather(*(stream_one(client, 32, f"after {i}") for i in range(n)))
 
-    outcomes = asyncio.run(go())
-    assert all(o.error is None and o.finish_reason == "length" for o in outcomes), outcomes
-    after = {k: int(v["steps"]) for k, v in app.replica_stats().items()}
-    return {k: after[k] - before.get(k, 0) for k in after}
+    deadline = time.monotonic() + timeout_s
+    while True:
+        outcomes = asyncio.run(go())
+        assert all(o.error is None and o.finish_reason == "length" for o in outcomes), outcomes
+        after = {k: int(v["steps"]) for k, v in app.replica_stats().items()}
+        steps = {k: after[k] - before.get(k, 0) for k in after}
+        if all(v > 0 for v in steps.values()) or time.monotonic() > deadline:
+            return steps
+        time.sleep(1.0)
 
 
 def test_killing_a_replica_mid_load_loses_nothing_that_had_not_started(
