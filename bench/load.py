@@ -12,7 +12,7 @@ Traffic classes mix tiers: ``--class NAME[=WEIGHT][,key=KEY][,priority=P]``, rep
   (``--class interactive=1,key=env:KEY_I --class batch=3,key=env:KEY_B``): the server counts
   each request under that tier. ``key=env:VAR`` reads the key from the environment; keys never
   reach the report.
-- With the default config (tiers without keys), every request lands in the default tier
+- With the default config (tiers without keys), every request lands in the anonymous tier
   (``standard``, priorities 5 to 9) and the classes differ only by their ``X-TL-Priority``. The
   default mix is ``high=1,priority=9``, ``normal=2,priority=7``, ``low=1,priority=5``. A priority
   outside the caller's tier is refused with 400.

@@ -6,7 +6,7 @@ Run against a running cluster (``make serve`` in another terminal):
 ``http://127.0.0.1:8080/metrics``); ``--duration S``, ``--rate R``, ``--url``, ``--metrics-url``,
 ``--model`` (default: the model the server lists first at ``GET /v1/models``; nothing is sent
 when it lists none), ``--key TIER=KEY`` (repeatable: one traffic class per tier key; without keys
-every request is in the default tier and the classes differ by ``X-TL-Priority``),
+every request is in the anonymous tier and the classes differ by ``X-TL-Priority``),
 ``--invalid-fraction F`` (0), ``--json PATH``. The exit status is 0 when every check passed.
 ``tests/cluster/test_soak.py`` runs a one-minute version.
 

@@ -215,6 +215,8 @@ def derive_config(base: Mapping[str, Any], system: str,
                          f"{sorted(taken & set(TENANTS))[0]!r}")
     std["tenants"] = [*(std.get("tenants") or []),
                       *({"name": t, "weight": 1.0, "api_keys": [ref[t]]} for t in TENANTS)]
+    # Every caller of the bench has a key: a request without one is refused.
+    args["anonymous_tier"] = None
     if system in ("off", "fcfs"):
         args.setdefault("engine", {})["slo_scheduling"] = False
         args["flow"] = {**(args.get("flow") or {}), "enabled": False}

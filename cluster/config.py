@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
+from tierserve.cluster.structured import SchemaLimits
+from tierserve.records import MAX_STOP_STRINGS
 from tierserve.replica.config import EngineConfig
 
 
@@ -33,7 +35,7 @@ class TenantConfig(_Strict):
 
 
 class TierConfig(_Strict):
-    """A priority tier: callers with one of ``api_keys`` (or, for the default tier, no key).
+    """A priority tier: callers with one of ``api_keys`` (or, for the anonymous tier, no key).
 
     An API key is written as ``env:VAR`` (the value of environment variable ``VAR`` in the
     ingress's process), ``file:PATH`` (the file's content, stripped) or literally. Serve logs an
@@ -53,7 +55,10 @@ class TierConfig(_Strict):
     before it is late (best below ``ttft_target_s``: past it, it can only miss its target): a
     late request yields its turn to every on-time one and is shed only while an on-time request
     of its tier or a higher one that arrived after it became late is held, or when its tier's
-    queue is full (``cluster/flow.py``); a burst is served in full. tenants: named tenants with
+    queue is full (``cluster/flow.py``); a burst is served in full. max_stream_bytes: the bytes
+    its open streams may have sent, all together (Ray Serve's proxy keeps what a client has not
+    read: this bounds what a tier's readers that never read make it keep; beyond, its new
+    requests get 429 ``stream_budget`` until streams end). tenants: named tenants with
     weights and keys; each key of ``api_keys`` is a tenant of its own (named ``<tier>-key<N>``,
     weight 1).
     """
@@ -67,6 +72,7 @@ class TierConfig(_Strict):
     tpot_target_s: float | None = Field(default=None, gt=0.0, le=60.0)
     max_held: int = Field(default=256, ge=0)
     late_after_s: float = Field(default=30.0, gt=0.0, le=3600.0)
+    max_stream_bytes: int = Field(default=256 << 20, gt=0)
     tenants: list[TenantConfig] = Field(default_factory=list)
 
     @model_validator(mode="before")
@@ -154,30 +160,43 @@ class ClusterConfig(_Strict):
     """The whole application's settings.
 
     served_model_name: the name clients pass as ``model`` (default: the engine's model).
-    default_tier: the tier of a request without an API key; ``None`` makes a key mandatory.
-    max_request_bytes: requests with a larger body get 413. max_tokens_limit: the largest
+    anonymous_tier: the tier of a request without an API key (without any key configured:
+    every request's); ``None`` makes a key mandatory. With keys configured it may not rank
+    above any tier that has keys (a caller would raise its tier by dropping its key).
+    max_request_bytes: requests with a larger body get 413. body_timeout_s: a body not all
+    received this long after its headers gets 408 (a client that trickles its body holds no
+    more than this). max_tokens_limit: the largest
     ``max_tokens`` a request may ask for. max_stop_strings: the most ``stop`` strings per request.
     retry_after_s: the least ``Retry-After`` of a 429 (flow control estimates more when a tier
     starts its held requests slowly). max_inflight_requests: requests in flight
     through the ingress at most (a tier may use its ``queue_share`` of them); beyond, 429.
     max_n: the most samples (``n``) one request may ask for. replica_retries: how many times a request whose
     replica failed before its first token is sent again (to another replica). fault_injection:
-    lets ``LLMServer.inject_fault`` break a replica (for the fault tests only). flow: flow
-    control at the ingress (``FlowConfig``).
+    lets ``LLMServer.inject_fault`` break a replica (for the fault tests only).
+    prefix_cache_scope: ``tenant`` (the default): a prompt's cached blocks are shared only
+    between requests of the same tenant (and the same ``cache_salt``), so ``cached_tokens`` never
+    tells one tenant about another's prompts; callers who name no tenant (no keys, no tenant
+    header) are one tenant. ``shared``: every tenant shares (more hits, and that side channel):
+    an explicit choice. structured_limits: what the ingress takes in a request's JSON schemas
+    (``tierserve.cluster.structured.SchemaLimits``). flow: flow control at the ingress
+    (``FlowConfig``).
     """
 
     engine: EngineConfig = Field(default_factory=EngineConfig)
     served_model_name: str | None = None
     tiers: list[TierConfig] = Field(default_factory=_default_tiers, min_length=1)
-    default_tier: str | None = "standard"
+    anonymous_tier: str | None = "standard"
     max_request_bytes: int = Field(default=1 << 20, gt=0)
+    body_timeout_s: float = Field(default=30.0, gt=0.0, le=3600.0)
     max_tokens_limit: int = Field(default=4096, gt=0)
-    max_stop_strings: int = Field(default=8, ge=0)
+    max_stop_strings: int = Field(default=8, ge=0, le=MAX_STOP_STRINGS)
     retry_after_s: int = Field(default=1, ge=0)
     replica_retries: int = Field(default=2, ge=0, le=10)
     max_inflight_requests: int = Field(default=1024, gt=0)
     max_n: int = Field(default=8, ge=1, le=128)
     fault_injection: bool = False
+    prefix_cache_scope: Literal["tenant", "shared"] = "tenant"
+    structured_limits: SchemaLimits = Field(default_factory=SchemaLimits)
     flow: FlowConfig = Field(default_factory=FlowConfig)
 
     @field_validator("tiers")
@@ -191,18 +210,38 @@ class ClusterConfig(_Strict):
             raise ValueError("an API key is listed in more than one tier")
         return tiers
 
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "default_tier" in data:
+            raise ValueError(
+                "default_tier is now anonymous_tier: the tier of a request without an API key. "
+                "With keys configured it may not rank above any tier that has keys (null: a key "
+                "is required)")
+        return data
+
     @model_validator(mode="after")
-    def _default_exists(self) -> ClusterConfig:
-        if self.default_tier is not None and self.default_tier not in {t.name for t in self.tiers}:
+    def _anonymous_tier(self) -> ClusterConfig:
+        tiers = {t.name: t for t in self.tiers}
+        anon = tiers.get(self.anonymous_tier) if self.anonymous_tier is not None else None
+        if self.anonymous_tier is not None and anon is None:
             raise ValueError(
-                f"default_tier {self.default_tier!r} is not one of the tiers "
-                f"{[t.name for t in self.tiers]}"
-            )
-        if self.default_tier is None and not any(t.all_keys() for t in self.tiers):
+                f"anonymous_tier {self.anonymous_tier!r} is not one of the tiers {list(tiers)}")
+        keyed = [t for t in self.tiers if t.all_keys()]
+        if anon is None and not keyed:
             raise ValueError(
-                "default_tier is null (an API key is required) but no tier has api_keys: no "
-                "request could ever be served; add keys or name a default tier"
+                "anonymous_tier is null (an API key is required) but no tier has api_keys: no "
+                "request could ever be served; add keys or name an anonymous tier"
             )
+        if anon is not None:
+            above = [t.name for t in keyed if t is not anon and (
+                anon.base_priority > t.base_priority or anon.max_priority > t.max_priority)]
+            if above:
+                raise ValueError(
+                    f"anonymous_tier {anon.name!r} (priorities {anon.base_priority} to "
+                    f"{anon.max_priority}) ranks above the keyed tier(s) {above}: a caller "
+                    "would raise its tier by dropping its key; name the lowest tier, a tier of "
+                    "its own below every keyed one, or null (a key is required)")
         return self
 
     @property

@@ -28,6 +28,14 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tierserve.cluster.config import ClusterConfig
+from tierserve.cluster.edge import (
+    PromptBound,
+    Tokenizing,
+    longest_token_bytes,
+    message_texts,
+    read_json,
+)
+from tierserve.cluster.errors import ApiError
 from tierserve.cluster.gate import FlowGate, Shed, Ticket
 from tierserve.cluster.logprobs import TokenText, chat_logprobs, completion_logprobs
 from tierserve.cluster.metrics import IngressMetrics
@@ -54,8 +62,20 @@ from tierserve.cluster.protocol import (
     usage,
 )
 from tierserve.cluster.readiness import Readiness, serve_census
-from tierserve.cluster.structured import Structured, StructuredError, structured_output, tool_mode
-from tierserve.cluster.tiers import AuthError, Caller, PriorityError, TenantError, TierResolver
+from tierserve.cluster.structured import (
+    SchemaCheckBusy,
+    SchemaChecker,
+    Structured,
+    StructuredError,
+)
+from tierserve.cluster.tiers import (
+    AuthError,
+    Caller,
+    PriorityError,
+    TenantError,
+    TierResolver,
+    cache_partition,
+)
 from tierserve.cluster.tool_calls import (
     ToolCallParser,
     ToolMessageError,
@@ -63,6 +83,8 @@ from tierserve.cluster.tool_calls import (
     render_messages,
 )
 from tierserve.records import (
+    GRAMMAR_REJECTED_TOKEN,
+    MAX_BAD_WORD_TOKENS,
     ErrorRecord,
     GenerateRequest,
     InvalidSamplingParam,
@@ -70,11 +92,13 @@ from tierserve.records import (
     SamplingParams,
     TokenLogprob,
     failed_before_first_token,
+    replica_failed,
     share_of,
     targets_kept,
 )
+from tierserve.replica.config import context_length
 from tierserve.replica.models.meta import load_model_config, load_tokenizer
-from tierserve.replica.prefix_cache import block_hashes
+from tierserve.replica.prefix_cache import block_hashes, partition_root
 from tierserve.router import registry
 
 log = logging.getLogger("tierserve.ingress")
@@ -89,23 +113,6 @@ _LINE_BREAKERS = {0x85: "\\u0085", 0x2028: "\\u2028", 0x2029: "\\u2029"}
 def sse_event(payload: str) -> str:
     """One SSE ``data:`` event of a JSON ``payload`` that every line splitter keeps whole."""
     return f"data: {payload.translate(_LINE_BREAKERS)}\n\n"
-
-
-class ApiError(Exception):
-    """An error answer: its HTTP status, what ``error_body`` writes of it and, for a refusal
-    under load, its ``Retry-After`` (None: the config's ``retry_after_s``)."""
-
-    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None,
-                 retry_after: int | None = None):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.code = code
-        self.param = param
-        self.retry_after = retry_after
-
-    def body(self) -> dict[str, Any]:
-        return error_body(self.status, self.message, self.code, self.param)
 
 
 def error_response(
@@ -178,6 +185,7 @@ class _Call:
     # is parsed for calls).
     tool_mode: str = "none"
     tools: frozenset[str] | None = None
+    cache_partition: str | None = None  # its prompt's prefix-cache partition (``cache_partition``)
 
     def parser(self) -> ToolCallParser | None:
         """A fresh parser of one answer's tool calls (None: no tools)."""
@@ -224,6 +232,7 @@ class _Choice:
     finish_reason: str | None = None
     completion_tokens: int = 0
     failure: str | None = None
+    error_code: str | None = None  # an "error" finish that is the request's, not the replica's
     started: bool = False
     cached_tokens: int | None = None  # prompt positions found cached (known once admitted)
 
@@ -239,12 +248,17 @@ class _Choice:
         if item.finished:
             self.finish_reason = item.finish_reason
             self.failure = item.failure
+            self.error_code = item.error_code
 
 
 def _engine_failed(choice: _Choice) -> ApiError:
     """The error of a sample whose replica's engine failed once the request had started (see
     ``failed_before_first_token``): an HTTP 503 when none of the answer went out, else the event
-    that ends the stream."""
+    that ends the stream. A token its grammar refused (though its mask allowed it) is the
+    server's fault too, not the replica's: a 500 naming it, never a quiet "stop"."""
+    if choice.error_code == GRAMMAR_REJECTED_TOKEN:
+        return ApiError(500, choice.failure or "the structured output's grammar rejected a token",
+                        GRAMMAR_REJECTED_TOKEN)
     return ApiError(503, choice.failure or "the replica failed", "replica_failed")
 
 
@@ -260,6 +274,20 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
     response = error_response(exc.status_code, str(exc.detail), code="http_error")
     response.headers.update(exc.headers or {})  # e.g. the Allow header of a 405
     return response
+
+
+def internal_error(e: BaseException) -> ApiError:
+    """The answer to an exception no check expected (a fault of the server's, never the
+    client's): a 500 in the API's error shape naming only the exception's type."""
+    return ApiError(500, f"the server failed to answer this request ({type(e).__name__}); it "
+                         "is logged", "internal_error")
+
+
+@app.exception_handler(Exception)
+async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+    log.error("request %s %s failed: %r", request.method, request.url.path, exc)
+    e = internal_error(exc)
+    return error_response(e.status, e.message, e.code)
 
 
 @app.exception_handler(ApiError)
@@ -278,9 +306,14 @@ class Ingress:
         self.tiers = TierResolver(self.cfg)
         self.llm = llm.options(stream=True)
         self.tokenizer = load_tokenizer(self.cfg.engine.model, self.cfg.engine.trust_remote_code)
-        self.vocab_size = load_model_config(self.cfg.engine.model,
-                                            self.cfg.engine.trust_remote_code).vocab_size
         self.special_ids = frozenset(self.tokenizer.all_special_ids)
+        mcfg = load_model_config(self.cfg.engine.model, self.cfg.engine.trust_remote_code)
+        self.vocab_size = mcfg.vocab_size
+        self.prompt_bound = PromptBound(
+            context_length(self.cfg.engine, mcfg.max_position_embeddings),
+            longest_token_bytes(self.tokenizer))
+        self.tokenizing = Tokenizing()
+        self.schemas = SchemaChecker(self.cfg.structured_limits)
         # A chat template that lists tools itself; else they go in the system prompt
         # (tierserve.cluster.tool_calls).
         self.template_takes_tools = "tools" in str(getattr(self.tokenizer, "chat_template", "") or "")
@@ -292,6 +325,8 @@ class Ingress:
                               self.readiness.holds_count)
                      if self.cfg.flow.enabled else None)
         self.inflight = 0  # requests between admission and their last byte
+        # Per tier, the bytes its open streams have sent (``TierConfig.max_stream_bytes``).
+        self.stream_bytes: dict[str, int] = {t.name: 0 for t in self.cfg.tiers}
         self.created = now()
         self.openapi_doc = openapi_schema(app, {
             "model": self.cfg.model_name, "max_tokens": self.cfg.max_tokens_limit,
@@ -330,16 +365,21 @@ class Ingress:
 
     @app.post("/v1/completions", response_model=None)
     async def completions(self, request: Request) -> Response:
+        caller = self._caller(request)
         body = await self._body(request, CompletionRequest)
         assert isinstance(body, CompletionRequest)
-        caller = self._caller(request)
         # An empty prompt and ids outside the vocabulary are the replica's to refuse (its
         # scheduler and engine own those limits); a prompt of special tokens only is ours (it
-        # takes the tokenizer to know).
+        # takes the tokenizer to know), and so is one that cannot fit the context (known before
+        # it is tokenized: it is refused before any work).
         if isinstance(body.prompt, str):
-            ids = list(self.tokenizer.encode(body.prompt, add_special_tokens=True)) if body.prompt else []
+            text = body.prompt
+            self._fits(caller, len(text.encode("utf-8")), None, "prompt")
+            ids = (await self.tokenizing.run(len(text), lambda: list(
+                self.tokenizer.encode(text, add_special_tokens=True)))) if text else []
         else:
             ids = list(body.prompt)
+        self._fits(caller, None, len(ids), "prompt")
         if ids and all(t in self.special_ids for t in ids):
             raise ApiError(400, "the prompt has only special tokens "
                                 f"({self.tokenizer.decode(ids[:8])!r}...): nothing to complete",
@@ -354,25 +394,35 @@ class Ingress:
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(self, request: Request) -> Response:
+        caller = self._caller(request)
         body = await self._body(request, ChatCompletionRequest)
         assert isinstance(body, ChatCompletionRequest)
-        caller = self._caller(request)
         try:
-            mode = tool_mode(body)
+            mode = await self.schemas.tool_mode(body)
             messages, tools = render_messages(body.messages, body.tools, body.tool_choice,
                                               self.template_takes_tools)
         except (StructuredError, ToolMessageError) as e:
             raise ApiError(400, str(e), "invalid_request", e.param) from None
-        try:
-            ids = self.tokenizer.apply_chat_template(
+        except SchemaCheckBusy as e:
+            self.metrics.rejected("busy", caller.tier.name)
+            raise ApiError(429, str(e), "busy", retry_after=e.retry_after) from None
+        texts = message_texts(messages)
+        size = sum(len(t) for t in texts)
+        self._fits(caller, sum(len(t.encode("utf-8")) for t in texts), None, "messages")
+
+        def render() -> Any:
+            return self.tokenizer.apply_chat_template(
                 messages, tools=tools, add_generation_prompt=True, tokenize=True,
-                return_dict=False
-            )
+                return_dict=False)
+
+        try:
+            ids = await self.tokenizing.run(size, render)
         except Exception as e:
             raise ApiError(400, f"the chat template could not render these messages: {e}",
                            "bad_messages", "messages") from e
         if isinstance(ids, dict):
             ids = ids["input_ids"]
+        self._fits(caller, None, len(ids), "messages")
         if body.max_completion_tokens is not None:
             body.max_tokens = body.max_completion_tokens
         names = (frozenset(t.function.name for t in body.tools or ())
@@ -386,26 +436,8 @@ class Ingress:
 
     async def _body(self, request: Request, model: type[CompletionRequest] | type[ChatCompletionRequest]
                     ) -> CompletionRequest | ChatCompletionRequest:
-        declared = request.headers.get("content-length")
-        limit = self.cfg.max_request_bytes
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise ApiError(413, f"the request body is larger than {limit} bytes", "too_large")
-        raw = bytearray()
-        async for chunk in request.stream():
-            raw += chunk
-            if len(raw) > limit:
-                raise ApiError(413, f"the request body is larger than {limit} bytes", "too_large")
-        try:
-            data = json.loads(bytes(raw))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ApiError(400, f"the request body is not valid JSON: {e}", "invalid_json") from None
-        if not isinstance(data, dict):
-            raise ApiError(400, "the request body must be a JSON object", "invalid_json")
-        try:  # JSON may escape a lone surrogate (\ud800): no tokenizer can encode that string
-            json.dumps(data, ensure_ascii=False).encode("utf-8")
-        except UnicodeEncodeError:
-            raise ApiError(400, "the request body has a string that is not valid Unicode "
-                                "(an unpaired surrogate escape)", "invalid_json") from None
+        data = await read_json(request.stream(), request.headers.get("content-length"),
+                               self.cfg.max_request_bytes, self.cfg.body_timeout_s)
         try:
             return model.model_validate(data)
         except Exception as e:
@@ -429,6 +461,18 @@ class Ingress:
         except TenantError as e:
             raise ApiError(400, str(e), "invalid_tenant", header) from None
 
+    def _fits(self, caller: Caller, nbytes: int | None, ntokens: int | None, param: str) -> None:
+        """400 ``too_long`` (counted) for a prompt of ``nbytes`` of text or ``ntokens`` ids that
+        cannot fit the context (``PromptBound``)."""
+        try:
+            if nbytes is not None:
+                self.prompt_bound.check_text(nbytes, param)
+            if ntokens is not None:
+                self.prompt_bound.check_ids(ntokens, param)
+        except ApiError:
+            self.metrics.rejected("too_long", caller.tier.name)
+            raise
+
     def _replica_count(self) -> int:
         """The engine replicas this process's router sees (1 before it has seen any)."""
         views = registry.routers(self.llm.app_name, self.llm.deployment_name)
@@ -444,6 +488,8 @@ class Ingress:
             raise ApiError(400, f"stop has {len(stops)} strings; at most "
                                 f"{self.cfg.max_stop_strings} are allowed", "too_many_stops", "stop")
         max_tokens = body.max_tokens if body.max_tokens is not None else self.cfg.max_tokens_limit
+        if "max_tokens" not in body.model_fields_set:  # a default (completions: 16) is no ask
+            max_tokens = min(max_tokens, self.cfg.max_tokens_limit)
         if max_tokens > self.cfg.max_tokens_limit:
             raise ApiError(400, f"max_tokens {max_tokens} is above this server's limit "
                                 f"({self.cfg.max_tokens_limit})", "max_tokens_too_large", "max_tokens")
@@ -483,6 +529,8 @@ class Ingress:
                 frequency_penalty=float(body.frequency_penalty),
                 repetition_penalty=float(body.repetition_penalty),
                 logit_bias=bias or None,
+                allowed_token_ids=body.allowed_token_ids,
+                bad_words_ids=self._bad_words_ids(body.bad_words) if body.bad_words else None,
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
                 structured=structured.output if structured is not None else None,
@@ -492,15 +540,37 @@ class Ingress:
         except ValueError as e:  # the request models bound every field alone; a last guard
             raise ApiError(400, str(e), "invalid_sampling") from None
 
+    def _bad_words_ids(self, words: Sequence[str]) -> list[list[int]]:
+        """The token sequences of ``bad_words`` (each word as written and, where it tokenizes
+        to as many tokens with a leading space, that way too: a word mid-sentence)."""
+        out: list[list[int]] = []
+        for i, word in enumerate(words):
+            plain = list(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = list(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            if not plain or max(len(plain), len(spaced)) > MAX_BAD_WORD_TOKENS:
+                raise ApiError(400, f"bad_words.{i}: a bad word is 1 to {MAX_BAD_WORD_TOKENS} "
+                                    f"tokens, {word[:32]!r} is {len(plain)}", "invalid_request",
+                               f"bad_words.{i}")
+            out.append(plain)
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                out.append(spaced)
+        return out
+
     async def _serve(self, request: Request, body: CompletionRequest | ChatCompletionRequest,
                      call: _Call, caller: Caller) -> Response:
         try:
-            structured = structured_output(body, call.tool_mode if call.chat else None)
+            structured = await self.schemas.structured_output(
+                body, call.tool_mode if call.chat else None)
         except StructuredError as e:
             raise ApiError(400, str(e), "invalid_structured_output", e.param) from None
+        except SchemaCheckBusy as e:
+            self.metrics.rejected("busy", caller.tier.name)
+            raise ApiError(429, str(e), "busy", retry_after=e.retry_after) from None
         sampling = self._sampling(body, structured)
         if structured is not None:
             self.metrics.structured(caller.tier.name, structured.kind)
+        call.cache_partition = cache_partition(caller, body.cache_salt,
+                                               self.cfg.prefix_cache_scope)
         route = _Route(sampling, caller, self.cfg.replica_retries)
         try:
             self._admit(caller)
@@ -519,7 +589,8 @@ class Ingress:
                                    ) from None
             response = await self._generate(body.stream, call, route)
             if isinstance(response, StreamingResponse):  # in flight until its stream ends
-                response.body_iterator = self._release_after(response.body_iterator)
+                response.body_iterator = self._release_after(response.body_iterator,
+                                                             caller.tier.name)
                 handed_off = True
             return response
         finally:
@@ -528,7 +599,15 @@ class Ingress:
 
     def _admit(self, caller: Caller) -> None:
         """Bound the requests in flight through this ingress (``max_inflight_requests``; a tier
-        may use its ``queue_share`` of it): beyond, 429 at once, before any replica is asked."""
+        may use its ``queue_share`` of it) and the bytes a tier's open streams have sent
+        (``max_stream_bytes``): beyond, 429 at once, before any replica is asked."""
+        tier = caller.tier
+        if self.stream_bytes.get(tier.name, 0) >= tier.max_stream_bytes:
+            self.metrics.rejected("stream_budget", tier.name)
+            raise ApiError(429, f"tier {tier.name!r}'s open streams have sent "
+                                f"{self.stream_bytes[tier.name]} bytes, its max_stream_bytes "
+                                f"({tier.max_stream_bytes}): read them, or wait until they end",
+                           "stream_budget", retry_after=max(self.cfg.retry_after_s, 1))
         tier_inflight_limit = share_of(self.cfg.max_inflight_requests, caller.tier.queue_share)
         if self.inflight >= tier_inflight_limit:
             reason = "shed" if caller.tier.queue_share < 1.0 else "queue_full"
@@ -539,11 +618,17 @@ class Ingress:
                                 f"{caller.tier.name!r} may have at most {tier_inflight_limit}",
                            reason, retry_after=retry)
 
-    async def _release_after(self, body: AsyncIterable[Any]) -> AsyncIterator[Any]:
+    async def _release_after(self, body: AsyncIterable[Any], tier: str) -> AsyncIterator[Any]:
+        """``body``, counted in flight and against ``tier``'s stream bytes until it ends."""
+        sent = 0
         try:
             async for chunk in body:
+                n = len(chunk.encode()) if isinstance(chunk, str) else len(chunk)
+                sent += n
+                self.stream_bytes[tier] = self.stream_bytes.get(tier, 0) + n
                 yield chunk
         finally:
+            self.stream_bytes[tier] = self.stream_bytes.get(tier, 0) - sent
             self.inflight -= 1
             aclose = getattr(body, "aclose", None)
             if aclose is not None:
@@ -651,7 +736,8 @@ class Ingress:
         (``ErrorRecord``) is raised as the HTTP error it names."""
         prefixes: tuple[int, ...] = ()
         if self.prefix_root is not None and route.sampling.prompt_logprobs is None:
-            prefixes = tuple(block_hashes(call.ids, self.cfg.engine.block_size, self.prefix_root))
+            prefixes = tuple(block_hashes(call.ids, self.cfg.engine.block_size,
+                                          partition_root(self.prefix_root, call.cache_partition)))
         caller = route.caller
         while True:
             stream = self.llm.generate.remote(GenerateRequest(
@@ -660,7 +746,8 @@ class Ingress:
                 latency=caller.latency, prefix_hashes=prefixes,
                 avoid_replicas=tuple(route.avoid), ttft_target_s=caller.tier.ttft_target_s,
                 tpot_target_s=caller.tier.tpot_target_s,
-                waited_s=time.monotonic() - route.arrival))
+                waited_s=time.monotonic() - route.arrival, tenant=caller.tenant,
+                cache_partition=call.cache_partition))
             try:
                 first = await self._next(stream)
                 if first is None:
@@ -704,7 +791,7 @@ class Ingress:
                     raise ApiError(503, "the replica stopped streaming", "replica_failed")
                 if not isinstance(item, RequestOutput):
                     raise ApiError(503, "the replica sent a malformed stream", "replica_failed")
-                if item.finish_reason == "error" and route.can_resend:
+                if replica_failed(item) and route.can_resend:
                     stream, item = await self._resend(call, route, stream, str(item.failure))
                     yield None
                     continue
@@ -846,6 +933,10 @@ class Ingress:
             yield "data: [DONE]\n\n"
         except ApiError as e:
             yield error_event(e)
+            yield "data: [DONE]\n\n"
+        except Exception as e:  # a fault of ours: the client still gets an end it can read
+            log.exception("a stream failed after its first byte")
+            yield error_event(internal_error(e))
             yield "data: [DONE]\n\n"
         finally:
             await items.aclose()

@@ -28,6 +28,7 @@ from tierserve.cluster.protocol import (
     ModelList,
 )
 from tierserve.cluster.tiers import PRIORITY_PATTERN
+from tierserve.records import MAX_STOP_STRING_CHARS
 
 REF = "#/components/schemas/{model}"
 
@@ -36,10 +37,13 @@ _ERRORS: dict[int, str] = {
     400: "Bad input: not JSON, unknown field, wrong type, out-of-range value, unknown model, "
     "empty or too long prompt, a request that can never fit a replica's KV pool, a bad "
     "X-TL-Priority header.",
-    401: "A missing (when no default tier is configured) or unknown API key.",
+    401: "A missing (when keys are configured and no anonymous tier) or unknown API key.",
+    408: "The body did not all arrive within body_timeout_s of the headers.",
     413: "The body is larger than max_request_bytes.",
     429: "The waiting queue is full for this tier, or lower tiers are shed under load. Retry "
     "after the Retry-After header's seconds.",
+    500: "A fault of the server's own (never the client's input): the body names only the "
+    "exception's type; inside a stream, its last event before [DONE].",
     503: "No replica could serve the request (replica failure or none running).",
 }
 
@@ -97,12 +101,14 @@ def _limit(schemas: dict[str, Any], limits: dict[str, Any]) -> None:
                     _set_in_any_of(props[key], "integer", {"maximum": max_tokens})
         if "stop" in props:  # the server refuses empty stop strings
             _set_in_any_of(props["stop"], "string", {"minLength": 1})
-            _set_in_any_of(props["stop"], "array", {"items": {"type": "string", "minLength": 1}})
+            _set_in_any_of(props["stop"], "array", {"items": {
+                "type": "string", "minLength": 1, "maxLength": MAX_STOP_STRING_CHARS}})
             if stops is not None:
                 _set_in_any_of(props["stop"], "array", {"maxItems": stops})
-        if vocab is not None and "stop_token_ids" in props:
-            _set_in_any_of(props["stop_token_ids"], "array", {"items": {
-                "type": "integer", "minimum": 0, "maximum": vocab - 1}})
+        for ids in ("stop_token_ids", "allowed_token_ids"):
+            if vocab is not None and ids in props:
+                _set_in_any_of(props[ids], "array", {"items": {
+                    "type": "integer", "minimum": 0, "maximum": vocab - 1}})
     if vocab is not None:
         prompt = schemas["CompletionRequest"]["properties"]["prompt"]
         _set_in_any_of(prompt, "array", {"items": {

@@ -22,6 +22,16 @@ from pydantic import (
     model_validator,
 )
 
+from tierserve.records import (
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_BAD_WORD_CHARS,
+    MAX_BAD_WORDS,
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+)
+
 Number = StrictFloat | StrictInt
 
 
@@ -63,6 +73,34 @@ class StreamOptions(_Body):
 
 
 Bias = Annotated[Number, Field(ge=-100.0, le=100.0)]
+TokenId = Annotated[Int, Field(ge=0)]
+
+
+def _stop_caps(value: str | list[str] | None) -> str | list[str] | None:
+    """``stop``'s caps, checked on the whole field: a constrained member type would put its
+    name ("constrained-str") in the error's location, and the client's ``param`` must be the
+    field's path."""
+    stops = [value] if isinstance(value, str) else value or []
+    if len(stops) > MAX_STOP_STRINGS:
+        raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stops)}")
+    for i, s in enumerate(stops):
+        if len(s) > MAX_STOP_STRING_CHARS:
+            raise ValueError(f"a stop string may have at most {MAX_STOP_STRING_CHARS} "
+                             f"characters, stop {i} has {len(s)}")
+    return value
+
+
+_STOP_STRING_SCHEMA = {"type": "string", "maxLength": MAX_STOP_STRING_CHARS}
+# ``stop``: one string or a list of them, within the caps (``_stop_caps``), as the schema says.
+Stop = Annotated[
+    StrictStr | list[StrictStr] | None,
+    AfterValidator(_stop_caps),
+    WithJsonSchema({"anyOf": [
+        _STOP_STRING_SCHEMA,
+        {"type": "array", "items": _STOP_STRING_SCHEMA, "maxItems": MAX_STOP_STRINGS},
+        {"type": "null"},
+    ]}),
+]
 
 # A JSON schema as a request carries it: an object (or a boolean schema), or that object as a
 # JSON string (vLLM's ``guided_json`` takes both).
@@ -133,19 +171,30 @@ class _SamplingFields(_Body):
     top_k: Annotated[Int, Field(ge=-1, le=2**31 - 1)] = 0
     min_p: Annotated[Number, Field(ge=0.0, le=1.0)] = 0.0
     seed: Annotated[Int, Field(ge=0, le=2**63 - 1)] | None = None
-    stop: StrictStr | list[StrictStr] | None = None
-    stop_token_ids: list[Annotated[Int, Field(ge=0)]] | None = None
+    stop: Stop = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     ignore_eos: StrictBool = False
     min_tokens: Annotated[Int, Field(ge=0)] = 0
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     n: Annotated[Int, Field(ge=1)] = 1
     user: StrictStr | None = None
+    # vLLM's: the prompt's blocks are shared in the prefix cache only with requests of the
+    # same caller and salt (docs/security.md).
+    cache_salt: Annotated[StrictStr, Field(min_length=1, max_length=256)] | None = None
     presence_penalty: Annotated[Number, Field(ge=-2.0, le=2.0)] = 0.0
     frequency_penalty: Annotated[Number, Field(ge=-2.0, le=2.0)] = 0.0
     repetition_penalty: Annotated[Number, Field(gt=0.0, le=10.0)] = 1.0
     # Token id (as a JSON object key) -> bias added to its logit.
-    logit_bias: dict[StrictStr, Bias] | None = Field(default=None, max_length=1024)
+    logit_bias: dict[StrictStr, Bias] | None = Field(default=None,
+                                                      max_length=MAX_LOGIT_BIAS_ENTRIES)
+    # vLLM's extras: only these token ids may be drawn; these words may not be generated (the
+    # ingress tokenizes each into the engine's ``bad_words_ids``).
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1,
+                                                      max_length=MAX_ALLOWED_TOKEN_IDS)] | None = None
+    bad_words: Annotated[list[Annotated[StrictStr, Field(min_length=1,
+                                                         max_length=MAX_BAD_WORD_CHARS)]],
+                         Field(max_length=MAX_BAD_WORDS)] | None = None
     # Structured outputs (docs/structured.md): at most one of these constrains the output.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None

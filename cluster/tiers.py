@@ -1,8 +1,10 @@
 """Who is calling and how urgent it is: API key -> tier, ``X-TL-Priority`` -> priority in the tier.
 
 Without any API key in the config, an ``Authorization`` header is accepted and ignored (as vLLM
-does without ``--api-key``: the ``openai`` SDK always sends one) and every caller gets the default
-tier. With keys, a key must be one of them (else 401) and no key means the default tier.
+does without ``--api-key``: the ``openai`` SDK always sends one) and every caller gets the
+anonymous tier. With keys, a key must be one of them (else 401), and a request without one is
+refused (401) unless the config names an ``anonymous_tier``, which may not rank above any keyed
+tier (``ClusterConfig`` checks it): dropping a key never raises a caller's tier.
 Keys are compared in constant time (``hmac.compare_digest`` against every configured key, no early
 exit) and never logged. A caller never gets above its tier: the header may choose any priority
 from the tier's ``base_priority`` to its ``max_priority``; a value outside that range is a 400.
@@ -55,6 +57,18 @@ PRIORITY_PATTERN = "^[ \t]*(-?[0-9]{1,9})?[ \t]*$"
 _PRIORITY = re.compile(r"-?[0-9]{1,9}")
 
 
+def cache_partition(caller: Caller, salt: str | None, scope: str = "tenant") -> str | None:
+    """The prefix-cache partition of a request (``GenerateRequest.cache_partition``): its
+    tenant's with ``scope`` ``tenant`` (callers who name none share the common one), and within
+    it its ``cache_salt``'s; None: the shared partition."""
+    parts = []
+    if scope == "tenant" and caller.tenant != DEFAULT_TENANT:
+        parts.append(f"tenant={caller.tenant}")
+    if salt is not None:
+        parts.append(f"salt={salt}")
+    return "\x1f".join(parts) or None
+
+
 def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
 
@@ -62,7 +76,8 @@ def _digest(key: str) -> bytes:
 class TierResolver:
     def __init__(self, config: ClusterConfig) -> None:
         self._tiers = {t.name: t for t in config.tiers}
-        self._default = self._tiers.get(config.default_tier) if config.default_tier else None
+        self._anonymous = (self._tiers.get(config.anonymous_tier) if config.anonymous_tier
+                           else None)
         self._keys = [(_digest(resolve_key(k)), t, tenant)
                       for t in config.tiers for tenant, k in t.all_keys()]
         if len({d for d, _, _ in self._keys}) != len(self._keys):
@@ -96,12 +111,12 @@ class TierResolver:
         return text
 
     def _tier(self, authorization: str | None) -> tuple[TierConfig, str | None]:
-        if not self._keys and self._default is not None:
-            return self._default, None  # no keys configured: whatever the client sends is ignored
+        if not self._keys and self._anonymous is not None:
+            return self._anonymous, None  # no keys configured: whatever the client sends is ignored
         if not authorization:
-            if self._default is None:
+            if self._anonymous is None:
                 raise AuthError("this server needs an API key: send 'Authorization: Bearer <key>'")
-            return self._default, None
+            return self._anonymous, None
         scheme, _, token = authorization.partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
             raise AuthError("the Authorization header must be 'Bearer <key>'")

@@ -37,9 +37,12 @@ class BlockSpace(Protocol):
         """Free blocks that keep cached content (counted in ``free_blocks``)."""
         ...
 
-    def allocate(self, id: RequestId, tokens: Sequence[int], reuse: bool = True) -> Allocation:
+    def allocate(self, id: RequestId, tokens: Sequence[int], reuse: bool = True,
+                 partition: str | None = None) -> Allocation:
         """Blocks for every position of ``tokens``; raises ``NoCapacity`` and allocates nothing.
-        ``reuse`` False: take no cached block (every position will be computed)."""
+        ``reuse`` False: take no cached block (every position will be computed).
+        ``partition``: a prefix cache shares blocks only between requests of the same
+        partition (None: the shared one)."""
         ...
 
     def append_slot(self, id: RequestId, total: int) -> None:
@@ -93,7 +96,8 @@ class FreeListBlocks:
         free = self._free
         return [heapq.heappop(free) for _ in range(n)]
 
-    def allocate(self, id: RequestId, tokens: Sequence[int], reuse: bool = True) -> Allocation:
+    def allocate(self, id: RequestId, tokens: Sequence[int], reuse: bool = True,
+                 partition: str | None = None) -> Allocation:
         if id in self._tables:
             raise ValueError(f"request {id} already holds blocks")
         need = ceil_div(len(tokens), self._block_size)

@@ -76,6 +76,13 @@ class EngineConfig(BaseModel):
     - ``fused_kernels``: on the triton backend, each RMSNorm with its residual add and the
       rotary embedding with the KV store run as one Triton kernel each; False keeps the torch
       ops (the eager fallback). The CPU path has its own native fusions either way.
+    - ``grammar_cache_bytes``: the compiled structured-output grammars a replica keeps, in
+      bytes (least recently used dropped first); also the most one compiled grammar may take
+      (a larger one is refused, 400 ``grammar_too_complex``).
+    - ``grammar_compile_timeout_s``: one grammar compile's budget; past it the compile worker
+      is killed and the request refused (400 ``grammar_too_complex``).
+    - ``grammar_compiles_per_tenant``: grammar compiles a tenant may have queued or running in
+      a replica; one more is refused (429 ``too_many_compiles``).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -105,6 +112,9 @@ class EngineConfig(BaseModel):
     num_threads: int | None = Field(default=None, gt=0)
     enforce_eager: bool = False
     fused_kernels: bool = True
+    grammar_cache_bytes: int = Field(default=64 * 2**20, gt=0)
+    grammar_compile_timeout_s: float = Field(default=10.0, gt=0.0)
+    grammar_compiles_per_tenant: int = Field(default=4, gt=0)
 
     @classmethod
     def from_options(cls, model: str, **options: Any) -> EngineConfig:
@@ -134,3 +144,9 @@ def describe(e: ValidationError) -> str:
     return "; ".join(
         f"{'.'.join(str(p) for p in err['loc']) or '(config)'}: {err['msg']}" for err in e.errors()
     )
+
+
+def context_length(cfg: EngineConfig, max_position_embeddings: int) -> int:
+    """The context (prompt plus generated) a replica of ``cfg`` serves: ``max_model_len``, else
+    the model's ``max_position_embeddings``, at most ``CONTEXT_CAP``."""
+    return int(cfg.max_model_len or min(max_position_embeddings, CONTEXT_CAP))

@@ -114,6 +114,7 @@ class LLMServer:
             n=request.n, tpot_target_s=request.tpot_target_s,
             ttft_left_s=(None if request.ttft_target_s is None
                          else request.ttft_target_s - request.waited_s),
+            tenant=request.tenant, cache_partition=request.cache_partition,
         )
         ticket = self.load.arrived(request.tier, len(request.prompt_ids) * request.n)
         start = time.monotonic()
@@ -141,8 +142,9 @@ class LLMServer:
             yield refusal(e)
         except InvalidToken as e:
             yield ErrorRecord(400, "invalid_token", str(e), e.param)
-        except GrammarError as e:
-            yield ErrorRecord(400, "invalid_structured_output", str(e), e.param)
+        except GrammarError as e:  # 400 (its code says why), 429 too_many_compiles, 503
+            yield ErrorRecord(e.status, e.code, str(e), e.param,
+                              replica=self.replica_id if e.status == 503 else "")
         except EngineDead as e:
             yield ErrorRecord(503, "replica_unavailable", str(e), replica=self.replica_id)
         except ValueError as e:

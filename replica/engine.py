@@ -21,7 +21,14 @@ from typing import Protocol
 
 import torch
 
-from tierserve.records import EngineDead, EngineStats, InvalidToken, RequestId, RequestOutput
+from tierserve.records import (
+    GRAMMAR_REJECTED_TOKEN,
+    EngineDead,
+    EngineStats,
+    InvalidToken,
+    RequestId,
+    RequestOutput,
+)
 from tierserve.replica.config import EngineConfig
 from tierserve.replica.detokenizer import IncrementalDetokenizer
 from tierserve.replica.engine_config import build_engine_parts
@@ -37,6 +44,7 @@ from tierserve.replica.scheduler import (
     AdmitError,
     FinishedEvent,
     FinishReason,
+    QueueFull,
     Request,
     SampledToken,
     StepPlan,
@@ -149,7 +157,11 @@ class Engine:
         self.grammars = Grammars(
             self.tokenizer, self.vocab_size, sorted(self.eos_ids),
             on_compile=observer.grammar_compiled if observer is not None else None,
-            on_lookup=observer.grammar_lookup if observer is not None else None)
+            on_lookup=observer.grammar_lookup if observer is not None else None,
+            on_cache=getattr(observer, "grammar_cache", None),
+            cache_bytes=self.config.grammar_cache_bytes,
+            compile_timeout_s=self.config.grammar_compile_timeout_s,
+            compiles_per_tenant=self.config.grammar_compiles_per_tenant)
         self.times = StepTimes()
         self._live: dict[RequestId, _Live] = {}
         self._lock = threading.RLock()
@@ -173,22 +185,27 @@ class Engine:
         queueing it (``LLM.generate`` checks every prompt before any work): ``InvalidToken``
         (``_check_tokens``), ``ValueError`` for a bad priority, the scheduler's ``AdmitError``
         for what it can never run and ``GrammarError`` for a structured output that does not
-        compile (compiled here, once). ``params`` were checked when they were made."""
+        compile (compiled here, once, after every other check). ``params`` were checked when
+        they were made."""
         params = params or SamplingParams()
         self._check_tokens(prompt_ids, params)
-        if params.structured is not None:
-            self.grammars.compile(params.structured)
         request = self._request(prompt_ids, params, priority)
         with self._lock:
             self.scheduler.check(request)
+        if params.structured is not None:
+            self.grammars.compile(params.structured)
 
     def _check_tokens(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         """Raise ``InvalidToken`` for an id outside the vocabulary, in the prompt,
-        ``stop_token_ids`` or ``logit_bias``: the engine owns this check, it knows its model (the
-        parameters' ranges are ``SamplingParams``'; admission is the scheduler's)."""
+        ``stop_token_ids``, ``logit_bias``, ``allowed_token_ids`` or ``bad_words_ids``: the engine
+        owns this check, it knows its model (the parameters' ranges are ``SamplingParams``';
+        admission is the scheduler's)."""
         self._check_ids("prompt", prompt_ids)
         self._check_ids("stop_token_ids", params.stop_token_ids or ())
         self._check_ids("logit_bias", params.logit_bias or ())
+        self._check_ids("allowed_token_ids", params.allowed_token_ids or ())
+        for i, word in enumerate(params.bad_words_ids or ()):
+            self._check_ids(f"bad_words_ids.{i}", word)
 
     @staticmethod
     def _request(
@@ -197,13 +214,14 @@ class Engine:
         priority: int,
         tpot_target_s: float | None = None,
         ttft_left_s: float | None = None,
+        cache_partition: str | None = None,
     ) -> Request:
         """The scheduler's record of a request. ``max_tokens`` 0 runs the prompt and one sampled
         position (see ``_Live.discard``); scoring a prompt needs every position's logits, so such
         a request takes no cached prefix."""
         return Request(ids, max(params.max_tokens, 1), priority,
                        reuse_cache=params.prompt_logprobs is None, tpot_target_s=tpot_target_s,
-                       ttft_left_s=ttft_left_s)
+                       ttft_left_s=ttft_left_s, cache_partition=cache_partition)
 
     def _check_ids(self, field: str, ids: Iterable[int]) -> None:
         bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
@@ -227,6 +245,7 @@ class Engine:
         *,
         validated: bool = False,
         ttft_left_s: float | None = None,
+        cache_partition: str | None = None,
     ) -> RequestId:
         """Queue a request; raises ``ValueError``/``AdmitError`` for bad input or a full queue.
         Each check runs once: token ids here (``_check_tokens``), the admission rules in
@@ -245,17 +264,24 @@ class Engine:
         ``validated``: the caller checked these token ids already (``validate``, or ``generate``
         once for its ``n`` samples); they are not scanned again, and a structured output's
         grammar was compiled (``generate`` awaits it off the step loop); else it is compiled
-        here, on the grammar thread while this caller waits (``GrammarError`` if it does not).
+        here, by the grammar worker while this caller waits (``GrammarError`` if it does not),
+        once the scheduler's admission rules let the request in.
         """
         params = params or SamplingParams()
         ids = list(prompt_ids)
         if not validated:
             self._check_tokens(ids, params)
-            if params.structured is not None:
-                self.grammars.compile(params.structured)
         try:
-            return self._add(ids, params, priority, sink, tier, stream_text, index, tpot_target_s,
-                             ttft_left_s)
+            grammar = None
+            if not validated and params.structured is not None:
+                with self._lock:  # what refuses the request refuses it before its compile
+                    self.scheduler.check(self._request(ids, params, priority))
+                # Held until its matchers are made (the grammar cache may drop it meanwhile).
+                grammar = self.grammars.compile(params.structured)
+            rid = self._add(ids, params, priority, sink, tier, stream_text, index,
+                            tpot_target_s, ttft_left_s, cache_partition)
+            del grammar
+            return rid
         except AdmitError as e:  # empty, too_long, never_fits, queue_full
             if self.observer is not None:
                 self.observer.rejected(e.reason, tier)
@@ -272,6 +298,7 @@ class Engine:
         index: int = 0,
         tpot_target_s: float | None = None,
         ttft_left_s: float | None = None,
+        cache_partition: str | None = None,
     ) -> RequestId:
         stop_ids = frozenset(params.stop_token_ids or ())
         if not params.ignore_eos:
@@ -283,7 +310,7 @@ class Engine:
             if self.error is not None:
                 raise EngineDead(f"the engine's step loop died: {self.error!r}")
             rid = self.scheduler.add(self._request(ids, params, priority, tpot_target_s,
-                                                   ttft_left_s))
+                                                   ttft_left_s, cache_partition))
             self._live[rid] = _Live(
                 id=rid,
                 prompt=ids,
@@ -324,13 +351,17 @@ class Engine:
             return self.scheduler.has_unfinished()
 
     def num_waiting(self) -> int:
-        """Requests in the waiting queue (cheap: no per-request sums, unlike ``stats``)."""
+        """Requests in the waiting queue and waiting for their grammar's compile (cheap: no
+        per-request sums, unlike ``stats``)."""
         with self._lock:
-            return self.scheduler.num_waiting
+            return self.scheduler.num_waiting + self.grammars.waiting
 
     def stats(self) -> EngineStats:
+        """The scheduler's stats; ``waiting`` counts the requests waiting for a compile too."""
         with self._lock:
-            return self.scheduler.engine_stats(self.times.overhead)
+            stats = self.scheduler.engine_stats(self.times.overhead)
+            compiling = self.grammars.waiting
+        return replace(stats, waiting=stats.waiting + compiling) if compiling else stats
 
     # ------------------------------------------------------------------ the step
 
@@ -431,16 +462,23 @@ class Engine:
                 step_outputs.append(SampledToken(live.id, tok, False))
                 deltas[live.id] = delta
                 continue
+            if live.sampler.rejected:
+                # Its grammar refused the drawn token (never, while its mask applies): the
+                # token is not part of the output, which ends in an error (below), not a "stop".
+                step_outputs.append(SampledToken(live.id, tok, True))
+                delta.completion_tokens = live.generated
+                deltas[live.id] = delta
+                continue
             live.generated += 1
             if live.held is None:
                 delta.text = live.detok.add(tok)
             else:
                 live.held.append(tok)
             # A grammar ends its output once complete (its stop token accepted), even with
-            # ignore_eos; a token it refused (never, while its mask applies) ends it too.
+            # ignore_eos.
             grammar = live.sampler.constraint
             stop = (tok in live.stop_ids or live.detok.stopped is not None
-                    or (grammar is not None and (grammar.terminated or live.sampler.rejected)))
+                    or (grammar is not None and grammar.terminated))
             step_outputs.append(SampledToken(live.id, tok, stop))
             delta.token_ids = [tok]
             delta.completion_tokens = live.generated
@@ -460,9 +498,17 @@ class Engine:
                         live_done.held = []
                     out.text += live_done.detok.finish()
                     out.finished = True
-                    out.finish_reason = e.reason.value
+                    reason = e.reason.value
+                    if live_done.sampler.rejected:  # an error of the request, not the replica's
+                        reason = "error"
+                        out.error_code = GRAMMAR_REJECTED_TOKEN
+                        out.failure = (
+                            f"the structured output's grammar rejected token "
+                            f"{live_done.sampler.rejected_token} that its mask allowed: the "
+                            "output ends before it")
+                    out.finish_reason = reason
                     if self.observer is not None:
-                        self.observer.request_done(live_done.times(e.reason.value, now))
+                        self.observer.request_done(live_done.times(reason, now))
             # Requests aborted during the forward are gone from _live: drop their deltas.
             result = [d for rid, d in deltas.items() if rid in self._live or d.finished]
         sinks = {live.id: live.sink for live in states}
@@ -582,6 +628,8 @@ class Engine:
         n: int = 1,
         tpot_target_s: float | None = None,
         ttft_left_s: float | None = None,
+        tenant: str = "",
+        cache_partition: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream the deltas of ``n`` samples of one prompt (``RequestOutput.index`` tells them
         apart; with a seed, sample ``i`` draws from ``seed + i``); leaving the iterator early
@@ -592,8 +640,25 @@ class Engine:
         params = params or SamplingParams()
         ids = list(prompt_ids)
         self._check_tokens(ids, params)  # once for the n samples
-        if params.structured is not None:  # compiled off the step loop, while this one waits
-            await self.grammars.prepare(params.structured)
+        grammar = None
+        if params.structured is not None:
+            # Whatever can refuse the request refuses it before its compile: the admission
+            # rules, and a full queue (counting the requests waiting for a compile).
+            try:
+                with self._lock:
+                    self.scheduler.check(self._request(ids, params, priority, tpot_target_s,
+                                                       ttft_left_s, cache_partition))
+                    if (self.scheduler.num_waiting + self.grammars.waiting
+                            >= self.config.max_waiting):
+                        raise QueueFull(self.config.max_waiting)
+            except AdmitError as e:
+                if self.observer is not None:
+                    self.observer.rejected(e.reason, tier)
+                raise
+            # Compiled off the step loop (in the grammar worker, queued by priority) while this
+            # one waits; held until the samples' matchers are made.
+            grammar = await self.grammars.prepare(params.structured, priority=priority,
+                                                  tenant=tenant)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
 
@@ -608,12 +673,13 @@ class Engine:
                 rids.append(
                     self.add_request(ids, child, priority, sink=sink, tier=tier, index=i,
                                      tpot_target_s=tpot_target_s, validated=True,
-                                     ttft_left_s=ttft_left_s)
+                                     ttft_left_s=ttft_left_s, cache_partition=cache_partition)
                 )
         except BaseException:
             for rid in rids:
                 self.abort(rid)
             raise
+        del grammar
         unfinished = set(rids)
         try:
             while unfinished:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from tierserve.replica.config import CONTEXT_CAP, EngineConfig
+from tierserve.replica.config import EngineConfig, context_length
 from tierserve.replica.kv_pool import (
     KVPool,
     KVShape,
@@ -112,7 +112,7 @@ def build_engine_parts(cfg: EngineConfig) -> EngineParts:
         options=options,
         trust_remote_code=cfg.trust_remote_code,
     )
-    max_len = cfg.max_model_len or min(mcfg.max_position_embeddings, CONTEXT_CAP)
+    max_len = context_length(cfg, mcfg.max_position_embeddings)
     mcfg.check_context(max_len)
     shape = KVShape(
         layers=mcfg.num_layers,

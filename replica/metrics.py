@@ -84,11 +84,26 @@ HISTOGRAMS: dict[str, tuple[str, list[float], tuple[str, ...]]] = {
         COMPILE_BUCKETS, ("kind",)),
 }
 
+# The replica's grammar cache (replica/structured.py): apart from GAUGES and COUNTERS, which
+# the dashboard shows every one of.
+GRAMMAR_CACHE_GAUGES = {
+    "tierserve_grammar_cache_entries": "Compiled structured-output grammars the replica caches.",
+    "tierserve_grammar_cache_bytes": (
+        "Bytes of the replica's grammar cache: each grammar's own size and its key's text "
+        "(bounded by the engine's grammar_cache_bytes)."),
+}
+GRAMMAR_CACHE_COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "tierserve_grammar_cache_evictions": (
+        "Compiled grammars dropped from the replica's cache for room (least recently used).",
+        ()),
+}
 GRAMMAR_LOOKUPS = ("hit", "miss")
 REJECTION_REASONS = ("queue_full", "empty", "too_long", "never_fits", "shed")
 FINISH_REASONS = ("stop", "length", "abort", "error")
-# What the ingress itself refuses, at its in-flight bound (the rest is refused by the replicas).
-INGRESS_REJECTIONS = ("shed", "queue_full")
+# What the ingress itself refuses: at its in-flight bound, past a tier's stream bytes, when its
+# schema checks are all busy, and a prompt too long for the context (the rest is refused by the
+# replicas).
+INGRESS_REJECTIONS = ("shed", "queue_full", "stream_budget", "busy", "too_long")
 # The ingress's own series (cluster/metrics.py): goodput per tier, flow control.
 INGRESS_COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "tierserve_slo_requests": (
@@ -216,8 +231,8 @@ def gauge_values(s: EngineStats) -> dict[str, float]:
 
 def exported_names() -> set[str]:
     """The names a Prometheus scrape shows (``ray_`` prefix, ``_total``, histogram series)."""
-    names = {f"ray_{g}" for g in GAUGES | MEMORY_GAUGES}
-    names |= {f"ray_{c}_total" for c in COUNTERS}
+    names = {f"ray_{g}" for g in GAUGES | MEMORY_GAUGES | GRAMMAR_CACHE_GAUGES}
+    names |= {f"ray_{c}_total" for c in COUNTERS | GRAMMAR_CACHE_COUNTERS}
     names |= {f"ray_{g}" for g in INGRESS_GAUGES}
     names |= {f"ray_{c}_total" for c in INGRESS_COUNTERS}
     names |= {f"ray_{g}" for g in AUTOSCALE_GAUGES}
@@ -232,16 +247,28 @@ EXPORTED = exported_names()
 class ReplicaMetrics:
     """The metrics of one replica; an ``EngineObserver`` plus a gauge refresher."""
 
+    # The grammar cache's entries and bytes, as last reported (the refresher sets them again).
+    _grammar_cache: tuple[int, int] = (0, 0)
+    _grammar_evictions = 0
+
     def __init__(self, tiers: Sequence[str] = ()) -> None:
         from ray.serve.metrics import Counter, Gauge, Histogram
 
         self.gauges = {
-            name: Gauge(name, description=doc) for name, doc in (GAUGES | MEMORY_GAUGES).items()
+            name: Gauge(name, description=doc)
+            for name, doc in (GAUGES | MEMORY_GAUGES | GRAMMAR_CACHE_GAUGES).items()
         }
         self.counters = {
             name: Counter(name, description=doc, tag_keys=tags)  # type: ignore[arg-type]
             for name, (doc, tags) in COUNTERS.items()
         }
+        self.grammar_counters = {
+            name: Counter(name, description=doc, tag_keys=tags)  # type: ignore[arg-type]
+            for name, (doc, tags) in GRAMMAR_CACHE_COUNTERS.items()
+        }
+        for counter in self.grammar_counters.values():
+            _zero(counter, {})
+        self._grammar_lock = threading.Lock()
         self.histograms = {
             name: Histogram(name, description=doc, boundaries=b, tag_keys=tags)  # type: ignore[arg-type]
             for name, (doc, b, tags) in HISTOGRAMS.items()
@@ -287,6 +314,24 @@ class ReplicaMetrics:
     def grammar_lookup(self, hit: bool) -> None:
         self.counters["tierserve_grammar_cache"].inc(1, tags={"result": "hit" if hit else "miss"})
 
+    def grammar_cache(self, entries: int, nbytes: int, evictions: int) -> None:
+        """The grammar cache changed: its entries and bytes now, its evictions so far."""
+        with self._grammar_lock:
+            self._grammar_cache = (entries, nbytes)
+            evicted = evictions - self._grammar_evictions
+            if evicted > 0:
+                self._grammar_evictions = evictions
+                self.grammar_counters["tierserve_grammar_cache_evictions"].inc(evicted)
+        self._set_grammar_gauges()
+
+    def _set_grammar_gauges(self) -> None:
+        entries, nbytes = self._grammar_cache
+        for name, value in (("tierserve_grammar_cache_entries", entries),
+                            ("tierserve_grammar_cache_bytes", nbytes)):
+            gauge = self.gauges.get(name)
+            if gauge is not None:
+                gauge.set(value)
+
     # gauges
     def start(self, read: Callable[[], EngineStats]) -> None:
         """Refresh the gauges from ``read()`` (the engine's stats) every ``GAUGE_PERIOD_S``."""
@@ -302,6 +347,7 @@ class ReplicaMetrics:
     def refresh(self, s: EngineStats) -> None:
         for name, value in gauge_values(s).items():
             self.gauges[name].set(value)
+        self._set_grammar_gauges()
 
     def stop(self) -> None:
         self._stop.set()

@@ -49,6 +49,13 @@ def model_key(*parts: object) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
+def partition_root(root: int, partition: str | None) -> int:
+    """The root of the hash chains of one prefix-cache partition (``partition`` None: the
+    shared one, ``root`` itself): blocks of two partitions never share a name, so a request
+    never finds, nor learns from ``cached_tokens`` about, another partition's prompts."""
+    return root if partition is None else model_key(root, "partition", partition)
+
+
 def _chain(prev: int, block: Sequence[int]) -> int:
     h = hashlib.blake2b(prev.to_bytes(_DIGEST, "little"), digest_size=_DIGEST)
     ids = array.array("I", block)  # token ids as 4-byte little-endian words, on any machine
@@ -80,6 +87,7 @@ class _Table:
     blocks: list[int] = field(default_factory=list)
     named: int = 0  # leading blocks that carry a name (cached or committed by this request)
     last_hash: int | None = None  # the name of block ``named - 1``
+    root: int = 0  # the root of its partition's hash chains
 
 
 class PrefixCachingBlocks:
@@ -118,10 +126,12 @@ class PrefixCachingBlocks:
         """Unreferenced blocks kept for their content (evictable)."""
         return len(self._evictable)
 
-    def allocate(self, id: RequestId, tokens: Sequence[int], reuse: bool = True) -> Allocation:
+    def allocate(self, id: RequestId, tokens: Sequence[int], reuse: bool = True,
+                 partition: str | None = None) -> Allocation:
         if id in self._tables:
             raise ValueError(f"request {id} already holds blocks")
-        hits, names = self._matches(tokens) if reuse else ([], [])
+        root = partition_root(self._root, partition)
+        hits, names = self._matches(tokens, root) if reuse else ([], [])
         need = ceil_div(len(tokens), self._block_size) - len(hits)
         # Hit blocks that sit unreferenced would be counted twice: as a hit and as room.
         idle_hits = sum(1 for b in hits if b in self._evictable)
@@ -129,13 +139,13 @@ class PrefixCachingBlocks:
             raise NoCapacity
         for b in hits:
             self._ref(b)
-        table = _Table(list(hits), len(hits), names[-1] if names else None)
+        table = _Table(list(hits), len(hits), names[-1] if names else None, root)
         table.blocks.extend(self._take(need))
         self._tables[id] = table
         return Allocation(len(hits) * self._block_size)
 
     def append_slot(self, id: RequestId, total: int) -> None:
-        table = self._tables.setdefault(id, _Table())
+        table = self._tables.setdefault(id, _Table(root=self._root))
         need = ceil_div(total, self._block_size) - len(table.blocks)
         if need <= 0:
             return
@@ -152,7 +162,7 @@ class PrefixCachingBlocks:
         full = min(computed // self._block_size, len(table.blocks))
         if full <= table.named:
             return
-        names = block_hashes(tokens, self._block_size, self._root, limit=full - table.named,
+        names = block_hashes(tokens, self._block_size, table.root, limit=full - table.named,
                              parent=table.last_hash, start=table.named)
         for i, h in enumerate(names, start=table.named):
             b = table.blocks[i]
@@ -184,15 +194,16 @@ class PrefixCachingBlocks:
 
     # ------------------------------------------------------------------ internals
 
-    def _matches(self, tokens: Sequence[int]) -> tuple[list[int], list[int]]:
+    def _matches(self, tokens: Sequence[int], root: int | None = None
+                 ) -> tuple[list[int], list[int]]:
         """The cached blocks of ``tokens``' longest cached prefix (never the block of its last
-        position) and their names."""
+        position) and their names, in the partition of ``root`` (None: the shared one)."""
         usable = (len(tokens) - 1) // self._block_size if tokens else 0
         hits: list[int] = []
         names: list[int] = []
         if not usable or not self._by_name:
             return hits, names
-        chain = iter_block_hashes(tokens, self._block_size, self._root)
+        chain = iter_block_hashes(tokens, self._block_size, self._root if root is None else root)
         for h in itertools.islice(chain, usable):
             b = self._by_name.get(h)
             if b is None:

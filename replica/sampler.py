@@ -1,12 +1,19 @@
 """Sampling: logits processors, greedy, temperature, top-k, top-p, min-p, and a random generator
 owned by each request; the log-probabilities clients ask for.
 
-Per request, in this order (vLLM's): ``logit_bias`` added; the stop tokens masked until
-``min_tokens`` tokens have been generated; ``repetition_penalty`` (prompt and output tokens:
-a positive logit divided by it, a negative one multiplied), ``frequency_penalty`` (times each
-token's count in the output) and ``presence_penalty`` (once per token present) subtracted. Then
-greedy takes the argmax; otherwise the temperature divides, top-k, top-p and min-p filter, and
-the token is drawn.
+Per request, in this order: ``logit_bias`` added; the stop tokens masked until ``min_tokens``
+tokens have been generated; every id outside ``allowed_token_ids`` masked, and the bad words
+(``bad_words_ids``, vLLM's: a one-token word always, a longer one's last token when the output
+ends with the rest of it); ``repetition_penalty`` (prompt and output tokens: a positive logit
+divided by it, a negative one multiplied), ``frequency_penalty`` (times each token's count in
+the output) and ``presence_penalty`` (once per token present) subtracted. (A masked logit is
+-inf whatever the bias or penalties do to it, so the masks' place in the order changes
+nothing.) Then greedy takes the argmax; otherwise the temperature divides, top-k, top-p and
+min-p filter, and the token is drawn.
+
+A request's token-id inputs are tensors built once, on the logits' device, at its first step:
+a step applies each with one indexed op per row, so its cost does not grow with the lengths of
+``stop_token_ids``, ``logit_bias`` or ``allowed_token_ids``.
 
 Every random draw comes from the request's own ``torch.Generator`` and consumes the same amount of
 randomness per token whatever else is in the batch, so a seeded request samples the same tokens
@@ -24,7 +31,7 @@ the raw logits, before any processor or temperature (vLLM's default).
 from __future__ import annotations
 
 import random
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -52,25 +59,54 @@ class TokenConstraint(Protocol):
 
 
 @dataclass(slots=True)
+class _Inputs:
+    """A request's token-id inputs as tensors on the logits' device, built once (at its first
+    processed step) so that a step applies each with one indexed op, whatever their length.
+
+    ``bias_ids``/``bias_values``: ``logit_bias`` within the vocabulary; ``stop``: the ids
+    ``min_tokens`` holds back; ``banned``: what is never drawn, a ``[vocab]`` bool mask when
+    ``allowed_token_ids`` is given (every id outside it, and the single-token bad words), else
+    the single-token bad words' ids. None: nothing of that kind."""
+
+    vocab: int
+    device: torch.device
+    dtype: torch.dtype
+    bias_ids: torch.Tensor | None = None
+    bias_values: torch.Tensor | None = None
+    stop: torch.Tensor | None = None
+    banned: torch.Tensor | None = None
+
+
+def _id_tensor(ids: Iterable[int], vocab: int, device: torch.device) -> torch.Tensor | None:
+    kept = [t for t in ids if 0 <= t < vocab]
+    return torch.tensor(kept, dtype=torch.int64, device=device) if kept else None
+
+
+@dataclass(slots=True)
 class SamplerState:
     """A request's sampling parameters, its own generator and what its processors remember:
     the tokens generated so far (counted per id for the penalties) and the prompt's ids. Kept
     across preemption, so a resumed request samples as if it had never stopped.
 
-    The generator and the penalties' history live on the device of the logits (created at the
-    first step that needs them, seeded from ``params.seed`` or a random seed): nothing of a
-    step crosses to the host but the sampled ids.
+    The generator, the penalties' history and the token-id inputs (``logit_bias``, the
+    ``min_tokens`` stop ids, ``allowed_token_ids`` and the single-token bad words) live on the
+    device of the logits, created at the first step that needs them (seeded from
+    ``params.seed`` or a random seed), once per request: nothing of a step crosses to the host
+    but the sampled ids, and no step loops over a request's ids in Python. A multi-token bad
+    word is matched on the host against the tail of the output, looked up by its output's
+    last token.
 
     ``stop_ids``: the ids ``min_tokens`` holds back (EOS and ``stop_token_ids``).
     ``constraint``: the grammar of a structured output (None: unconstrained); ``rejected``: it
-    refused a drawn token (cannot happen while its mask is applied; the engine ends such a
-    request rather than let it leave its grammar)."""
+    refused a drawn token, ``rejected_token`` (cannot happen while its mask is applied; the
+    engine ends such a request in an error rather than let it leave its grammar)."""
 
     params: SamplingParams
     prompt: Sequence[int] = ()
     stop_ids: Collection[int] = ()
     constraint: TokenConstraint | None = None
     rejected: bool = field(init=False, default=False)
+    rejected_token: int | None = field(init=False, default=None)
     seed: int = field(init=False)
     generated: int = field(init=False, default=0)
     _generator: torch.Generator | None = field(init=False, default=None)
@@ -78,9 +114,26 @@ class SamplerState:
     # only; created at the first step, when the vocabulary and the device are known).
     counts: torch.Tensor | None = field(init=False, default=None)
     seen: torch.Tensor | None = field(init=False, default=None)
+    _inputs: _Inputs | None = field(init=False, default=None)
+    # Whether a processor applies at every step (penalties, bias, allowed ids, bad words).
+    _always: bool = field(init=False, default=False)
+    # Multi-token bad words: by the last token of their prefix, (the rest of the prefix, the
+    # token banned after it); the output's last tokens, as many as the longest prefix.
+    _bad_after: dict[int, list[tuple[tuple[int, ...], int]]] = field(init=False,
+                                                                     default_factory=dict)
+    _tail: list[int] = field(init=False, default_factory=list)
+    _tail_len: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
-        self.seed = self.params.seed if self.params.seed is not None else random.getrandbits(63)
+        p = self.params
+        self.seed = p.seed if p.seed is not None else random.getrandbits(63)
+        for word in p.bad_words_ids or ():
+            if len(word) > 1:
+                *prefix, banned = word
+                self._bad_after.setdefault(prefix[-1], []).append((tuple(prefix[:-1]), banned))
+                self._tail_len = max(self._tail_len, len(prefix))
+        self._always = bool(p.penalized or p.logit_bias or p.allowed_token_ids
+                            or p.bad_words_ids)
 
     def generator(self, device: torch.device) -> torch.Generator:
         """The request's own generator on ``device`` (the same stream whatever the batch)."""
@@ -96,11 +149,16 @@ class SamplerState:
     def record(self, token: int) -> None:
         """Account for a generated token (``sample`` calls it)."""
         self.generated += 1
-        if self.constraint is not None and not self.constraint.accept(token):
+        if self.constraint is not None and not self.rejected and not self.constraint.accept(token):
             self.rejected = True
+            self.rejected_token = token
         if self.counts is not None and self.seen is not None:
             self.counts[token] += 1
             self.seen[token] = True
+        if self._tail_len:
+            self._tail.append(token)
+            if len(self._tail) > 2 * self._tail_len:
+                del self._tail[: -self._tail_len]
 
     def _history(self, vocab: int, device: torch.device | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,15 +170,53 @@ class SamplerState:
                 self.seen[torch.tensor(ids, dtype=torch.int64, device=device)] = True
         return self.counts, self.seen
 
+    def inputs(self, logits: torch.Tensor) -> _Inputs:
+        """The request's token-id inputs for ``logits`` ``[R, V]``, built at the first call
+        (again only if the vocabulary, device or dtype changed)."""
+        vocab, device, dtype = logits.shape[-1], logits.device, logits.dtype
+        c = self._inputs
+        if c is not None and c.vocab == vocab and c.device == device and c.dtype == dtype:
+            return c
+        p = self.params
+        c = _Inputs(vocab, device, dtype)
+        if p.logit_bias:
+            bias = [(t, b) for t, b in p.logit_bias.items() if 0 <= t < vocab]
+            if bias:
+                c.bias_ids = torch.tensor([t for t, _ in bias], dtype=torch.int64, device=device)
+                c.bias_values = torch.tensor([b for _, b in bias], dtype=dtype, device=device)
+        if p.min_tokens and self.stop_ids:
+            c.stop = _id_tensor(self.stop_ids, vocab, device)
+        single = _id_tensor((w[0] for w in p.bad_words_ids or () if len(w) == 1), vocab, device)
+        if p.allowed_token_ids:
+            banned = torch.ones(vocab, dtype=torch.bool, device=device)
+            allowed = _id_tensor(p.allowed_token_ids, vocab, device)
+            if allowed is not None:
+                banned[allowed] = False
+            if single is not None:
+                banned[single] = True
+            c.banned = banned
+        else:
+            c.banned = single
+        self._inputs = c
+        return c
+
+    def bad_word_ends(self) -> list[int]:
+        """The last tokens of the multi-token bad words whose other tokens end the output now
+        (each masked at this step)."""
+        tail = self._tail
+        if not tail:
+            return []
+        found = []
+        for prefix, banned in self._bad_after.get(tail[-1], ()):
+            n = len(prefix)
+            if n == 0 or (len(tail) > n and tail[-1 - n:-1] == list(prefix)):
+                found.append(banned)
+        return found
+
     @property
     def processed(self) -> bool:
         """Whether any logits processor applies at this step."""
-        p = self.params
-        return bool(
-            p.penalized
-            or p.logit_bias
-            or (self.generated < p.min_tokens and self.stop_ids)
-        )
+        return self._always or bool(self.generated < self.params.min_tokens and self.stop_ids)
 
 
 def sample(logits: torch.Tensor, states: Sequence[SamplerState]) -> list[int]:
@@ -157,39 +253,32 @@ def sample(logits: torch.Tensor, states: Sequence[SamplerState]) -> list[int]:
 
 
 def _process(logits: torch.Tensor, states: Sequence[SamplerState], rows: Sequence[int]) -> None:
-    """Apply the logits processors of ``states`` to their ``rows`` of ``logits`` in place: the
-    biases of every row in one indexed add, the ``min_tokens`` masks in one indexed write, then
-    each penalized row from its history (all on the logits' device)."""
+    """Apply the logits processors of ``states`` to their ``rows`` of ``logits`` in place, each
+    row from its request's cached inputs (``SamplerState.inputs``): the bias in one indexed
+    add, the ``min_tokens`` stop ids and the banned ids (``allowed_token_ids``, single-token
+    bad words) in one indexed fill each, the multi-token bad words that the output's tail
+    completes, then the penalties from the request's history (all on the logits' device)."""
     vocab, device = logits.shape[1], logits.device
-    bias_rows: list[int] = []
-    bias_ids: list[int] = []
-    bias_vals: list[float] = []
-    mask_rows: list[int] = []
-    mask_ids: list[int] = []
+    ninf = float("-inf")
     for s, r in zip(states, rows, strict=True):
         p = s.params
-        if p.logit_bias:
-            for t, b in p.logit_bias.items():
+        row = logits[r]
+        c = s.inputs(logits)
+        if c.bias_ids is not None and c.bias_values is not None:
+            row.index_put_((c.bias_ids,), c.bias_values, accumulate=True)
+        if c.stop is not None and s.generated < p.min_tokens:
+            row.index_fill_(0, c.stop, ninf)
+        if c.banned is not None:
+            if c.banned.dtype == torch.bool:
+                row.masked_fill_(c.banned, ninf)
+            else:
+                row.index_fill_(0, c.banned, ninf)
+        if s._tail_len:
+            for t in s.bad_word_ends():
                 if 0 <= t < vocab:
-                    bias_rows.append(r)
-                    bias_ids.append(t)
-                    bias_vals.append(b)
-        if s.generated < p.min_tokens and s.stop_ids:
-            ids = [t for t in s.stop_ids if 0 <= t < vocab]
-            mask_rows.extend([r] * len(ids))
-            mask_ids.extend(ids)
-    if bias_rows:
-        at = torch.tensor([bias_rows, bias_ids], dtype=torch.int64, device=device)
-        vals = torch.tensor(bias_vals, dtype=logits.dtype, device=device)
-        logits.index_put_((at[0], at[1]), vals, accumulate=True)
-    if mask_rows:
-        at = torch.tensor([mask_rows, mask_ids], dtype=torch.int64, device=device)
-        logits[at[0], at[1]] = float("-inf")
-    for s, r in zip(states, rows, strict=True):
-        p = s.params
+                    row[t] = ninf
         if not p.penalized:
             continue
-        row = logits[r]
         counts, seen = s._history(vocab, device)
         if p.repetition_penalty != 1.0:
             rp = p.repetition_penalty

@@ -92,6 +92,9 @@ class Request:
     # Seconds left, as it reaches the scheduler, until its tier's first-token target (that
     # target less what it already waited upstream; below 0: late already); None: no target.
     ttft_left_s: float | None = None
+    # The prefix-cache partition its blocks are shared in (``BlockSpace.allocate``); None: the
+    # shared one.
+    cache_partition: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
@@ -288,6 +291,7 @@ class _Seq:
         "handle",
         "id",
         "max_tokens",
+        "partition",
         "priority",
         "prompt_len",
         "rank",
@@ -303,6 +307,7 @@ class _Seq:
         self.max_tokens = req.max_tokens
         self.priority = req.priority
         self.reuse = req.reuse_cache
+        self.partition = req.cache_partition
         self.target = req.tpot_target_s
         self.rank = rank  # ascending = better; fixed at arrival, kept across preemption
         self.computed = 0  # positions whose K/V are in the cache
@@ -622,7 +627,7 @@ class Scheduler:
                 alloc = None
                 if len(running) < cfg.max_num_seqs:
                     with contextlib.suppress(NoCapacity):
-                        alloc = blocks.allocate(head.id, head.tokens, head.reuse)
+                        alloc = blocks.allocate(head.id, head.tokens, head.reuse, head.partition)
                 if alloc is not None or limit is None or not self._make_room(
                         head, out, fed, paused, protected):
                     break

@@ -40,8 +40,9 @@ class ProbedPrefixCache(PrefixCachingBlocks):
     def counters(self) -> CacheCounters:
         return CacheCounters(self._queried, self._hits)
 
-    def allocate(self, id: RequestId, tokens: Sequence[int], reuse: bool = True) -> Allocation:
-        alloc = super().allocate(id, tokens, reuse)
+    def allocate(self, id: RequestId, tokens: Sequence[int], reuse: bool = True,
+                 partition: str | None = None) -> Allocation:
+        alloc = super().allocate(id, tokens, reuse, partition)
         self._queried += len(tokens)
         self._hits += alloc.cached_tokens
         return alloc

@@ -31,6 +31,26 @@ GREEDY_BELOW = 1e-5
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0
 
+# Caps on a request's sampling inputs: ``SamplingParams`` refuses more, and the API's request
+# models (``tierserve.cluster.protocol``) take their ``max_length`` from them, so that a request
+# is refused (400) before anything else reads it. Whatever their lengths, a step applies a
+# request's token-id inputs at a constant cost (built once, on the device); the caps bound what
+# a request costs to check, build and ship, and what the stop strings cost each step on the host.
+MAX_STOP_TOKEN_IDS: Final = 128
+MAX_LOGIT_BIAS_ENTRIES: Final = 1024
+MAX_STOP_STRINGS: Final = 64  # the ingress's ``max_stop_strings`` may allow fewer
+MAX_STOP_STRING_CHARS: Final = 256
+MAX_ALLOWED_TOKEN_IDS: Final = 4096
+MAX_BAD_WORDS: Final = 64  # strings, at the API (``bad_words``)
+MAX_BAD_WORD_CHARS: Final = 256
+# The engine's bad words are token-id sequences (``SamplingParams.bad_words_ids``): the ingress
+# tokenizes each word twice (as it starts the text and after a space), hence twice as many.
+MAX_BAD_WORDS_IDS: Final = 2 * MAX_BAD_WORDS
+MAX_BAD_WORD_TOKENS: Final = 16
+
+# ``RequestOutput.error_code`` of an output that left its structured output's grammar.
+GRAMMAR_REJECTED_TOKEN: Final = "grammar_rejected_token"
+
 
 def _number(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
@@ -96,9 +116,14 @@ class SamplingParams:
     ``stop`` strings are matched on the detokenized text and not returned; ``stop_token_ids`` end
     the request like EOS; ``ignore_eos`` keeps generating past EOS. ``min_tokens``: EOS and the
     stop token ids cannot be drawn before that many tokens. Penalties and ``logit_bias`` (token
-    id -> bias in [-100, 100]) as in the module docstring. ``logprobs``: with every generated
-    token, its log-probability and the ``logprobs`` most likely alternatives (0: the token's
-    alone); ``prompt_logprobs``: the same for every prompt token after the first. ``max_tokens``
+    id -> bias in [-100, 100]) as in the module docstring. ``allowed_token_ids``: only these ids
+    may be drawn. ``bad_words_ids``: token-id sequences the output may not contain (vLLM's bad
+    words: a one-token word is never drawn; a longer one's last token is not drawn after the
+    output's last tokens match the rest of it; the ingress tokenizes the API's ``bad_words``).
+    The counts and lengths of ``stop``, ``stop_token_ids``, ``logit_bias``,
+    ``allowed_token_ids`` and ``bad_words_ids`` are capped (``MAX_STOP_TOKEN_IDS`` and the
+    others). ``logprobs``: with every generated token, its log-probability and the ``logprobs``
+    most likely alternatives (0: the token's alone); ``prompt_logprobs``: the same for every prompt token after the first. ``max_tokens``
     0 generates nothing (with ``prompt_logprobs``: scoring a prompt). ``structured``: the
     output is constrained to it (a ``StructuredOutput``; the grammar decides where it ends, so
     it takes neither ``min_tokens`` nor ``max_tokens`` 0).
@@ -121,6 +146,8 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     structured: StructuredOutput | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -155,14 +182,34 @@ class SamplingParams:
         if self.stop is not None:
             if isinstance(self.stop, str):
                 self.stop = [self.stop]
+            _at_most(self.stop, MAX_STOP_STRINGS, "stop", "strings")
             if any(not isinstance(s, str) or not s for s in self.stop):
                 raise InvalidSamplingParam("stop must be a list of non-empty strings", "stop")
-        if self.stop_token_ids is not None:
-            for i, t in enumerate(self.stop_token_ids):
-                if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+            for i, text in enumerate(self.stop):
+                if len(text) > MAX_STOP_STRING_CHARS:
                     raise InvalidSamplingParam(
-                        "stop_token_ids must be a list of non-negative integers",
-                        f"stop_token_ids.{i}")
+                        f"stop strings may have at most {MAX_STOP_STRING_CHARS} characters, "
+                        f"stop {i} has {len(text)}", f"stop.{i}")
+        if self.stop_token_ids is not None:
+            _token_ids(self.stop_token_ids, MAX_STOP_TOKEN_IDS, "stop_token_ids")
+        if self.allowed_token_ids is not None:
+            _token_ids(self.allowed_token_ids, MAX_ALLOWED_TOKEN_IDS, "allowed_token_ids")
+            if not self.allowed_token_ids:
+                raise InvalidSamplingParam(
+                    "allowed_token_ids must name at least one token id (omit it to allow all)",
+                    "allowed_token_ids")
+        if self.bad_words_ids is not None:
+            _at_most(self.bad_words_ids, MAX_BAD_WORDS_IDS, "bad_words_ids", "token sequences")
+            for i, word in enumerate(self.bad_words_ids):
+                if not isinstance(word, (list, tuple)) or not word:
+                    raise InvalidSamplingParam(
+                        "bad_words_ids must be a list of non-empty lists of token ids",
+                        f"bad_words_ids.{i}")
+                if len(word) > MAX_BAD_WORD_TOKENS:
+                    raise InvalidSamplingParam(
+                        f"a bad word may have at most {MAX_BAD_WORD_TOKENS} tokens, "
+                        f"bad_words_ids {i} has {len(word)}", f"bad_words_ids.{i}")
+                _token_ids(word, MAX_BAD_WORD_TOKENS, f"bad_words_ids.{i}")
         if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int):
             raise InvalidSamplingParam(
                 f"min_tokens must be an integer, got {self.min_tokens!r}", "min_tokens")
@@ -181,6 +228,7 @@ class SamplingParams:
                 "repetition_penalty",
             )
         if self.logit_bias is not None:
+            _at_most(self.logit_bias, MAX_LOGIT_BIAS_ENTRIES, "logit_bias", "entries")
             for tok, bias in self.logit_bias.items():
                 if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
                     raise InvalidSamplingParam(
@@ -227,6 +275,25 @@ class SamplingParams:
         )
 
 
+def _at_most(items: Any, cap: int, name: str, what: str) -> None:
+    try:
+        n = len(items)
+    except TypeError:
+        raise InvalidSamplingParam(f"{name} must be a list, got {type(items).__name__}",
+                                   name) from None
+    if n > cap:
+        raise InvalidSamplingParam(f"{name} may have at most {cap} {what}, got {n}", name)
+
+
+def _token_ids(ids: Any, cap: int, name: str) -> None:
+    """Refuse more than ``cap`` entries, or an entry that is not a token id (naming it)."""
+    _at_most(ids, cap, name, "token ids")
+    for i, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+            raise InvalidSamplingParam(f"{name} must be a list of non-negative integers",
+                                       f"{name}.{i}")
+
+
 @dataclass(frozen=True, slots=True)
 class TokenLogprob:
     """A token's log-probability and the ``top`` most likely tokens at its position (ids and
@@ -254,7 +321,9 @@ class GenerateRequest:
     replica's SLO-aware steps keep the TPOT target, the router prefers a replica with a seat
     for it. ``waited_s``: seconds since the request reached the ingress (held there, or sent to
     a replica that failed it): its time to first token counts from then (the replica's
-    autoscaling report, ``tierserve.replica.load_report``).
+    autoscaling report, ``tierserve.replica.load_report``). ``tenant``: who asked, inside the
+    tier (grammar compiles are capped per tenant). ``cache_partition``: the prefix-cache
+    partition of the prompt's blocks (None: the shared one; see ``docs/security.md``).
     """
 
     prompt_ids: tuple[int, ...]
@@ -269,6 +338,8 @@ class GenerateRequest:
     ttft_target_s: float | None = None
     tpot_target_s: float | None = None
     waited_s: float = 0.0
+    tenant: str = ""
+    cache_partition: str | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -286,7 +357,10 @@ class RequestOutput:
     """One delta of a request: the text and token ids made since the last delta.
 
     ``finished`` marks the last delta; then ``finish_reason`` is ``"stop"``, ``"length"``,
-    ``"abort"`` or ``"error"`` (with ``failure`` saying what went wrong). ``index``: which of the
+    ``"abort"`` or ``"error"`` (with ``failure`` saying what went wrong, and ``error_code`` what
+    kind of error: None for the replica's engine failing, which the ingress may send elsewhere;
+    ``GRAMMAR_REJECTED_TOKEN`` for an output its structured output's grammar refused a token
+    of, the request's own error, never sent again). ``index``: which of the
     ``n`` samples of one prompt this is. ``logprobs``: one per token of ``token_ids`` when the
     request asked for them; ``prompt_logprobs``: with the request's first delta, one per prompt
     token (None for the first, which has no context). ``cached_tokens``: with the first token's
@@ -305,11 +379,19 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
     cached_tokens: int | None = None
+    error_code: str | None = None
+
+
+def replica_failed(out: RequestOutput) -> bool:
+    """Whether ``out`` ends its request in a failure of the replica (its engine), which another
+    replica may not repeat: ``finish_reason`` "error" without an ``error_code`` (an error of
+    the request's own, such as ``GRAMMAR_REJECTED_TOKEN``, is not the replica's)."""
+    return out.finish_reason == "error" and out.error_code is None
 
 
 def failed_before_first_token(first: RequestOutput) -> bool:
     """Whether a request failed before its first token: the first delta of its stream ends it
-    in an engine failure (``finish_reason`` "error") with no token made.
+    in an engine failure (``replica_failed``) with no token made.
 
     Then nothing of the answer exists, so the failure is a refusal, not an answer: the replica
     yields ``ErrorRecord`` 503 ``replica_unavailable`` (naming itself) instead of the delta, and
@@ -317,7 +399,7 @@ def failed_before_first_token(first: RequestOutput) -> bool:
     no more. A failure after the first token is the delta that ends the stream: an error event
     inside the client's stream (or an HTTP 503 for a request that is not streamed).
     """
-    return first.finish_reason == "error" and not first.completion_tokens
+    return replica_failed(first) and not first.completion_tokens
 
 
 @dataclass(frozen=True, slots=True)

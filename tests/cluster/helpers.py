@@ -56,11 +56,11 @@ MAIN_ENGINE: dict[str, Any] = {"num_kv_blocks": 96, "kv_cache_memory_bytes": Non
 MAIN_ARGS: dict[str, Any] = {"max_tokens_limit": 2048}
 # The solo app: one replica running at most 2 requests, a queue of 8 (the YAML's tiers shed
 # batch at 4 waiting, standard at 6, interactive is refused at 8), a pool that holds two
-# requests of 2000 tokens, and no default tier (a key is required). Flow control is off: its
+# requests of 2000 tokens, and no anonymous tier (a key is required). Flow control is off: its
 # tests are of what the replica itself refuses (tests/cluster/test_flow.py has the ingress's).
 SOLO_ENGINE: dict[str, Any] = {"num_kv_blocks": 260, "kv_cache_memory_bytes": None, "max_num_seqs": 2,
                                "max_waiting": 8, "deterministic": True, "device": "cpu"}
-SOLO_ARGS: dict[str, Any] = {"default_tier": None, "max_tokens_limit": 2048,
+SOLO_ARGS: dict[str, Any] = {"anonymous_tier": None, "max_tokens_limit": 2048,
                              "flow": {"enabled": False}}
 
 T = TypeVar("T")
@@ -95,6 +95,8 @@ def app_config(
     app["args"].update(args)
     for tier in app["args"]["tiers"]:
         tier["api_keys"] = [f"env:{KEY_VARS[tier['name']]}"]
+    # Every tier has a key: a request without one may only get the lowest tier.
+    app["args"]["anonymous_tier"] = args.get("anonymous_tier", "batch")
     for dep in app["deployments"]:
         dep.update((deployments or {}).get(dep["name"], {}))
     return app

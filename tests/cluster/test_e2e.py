@@ -34,7 +34,7 @@ class Spec:
     index: int
     chat: bool
     stream: bool
-    tier: str | None  # None: no API key (the config's default tier)
+    tier: str | None  # None: no API key (the config's anonymous tier)
     variant: str
     priority: int | None
     sampling: dict[str, Any] = field(default_factory=dict)
@@ -55,7 +55,7 @@ def mixed_specs() -> list[Spec]:
     combos = itertools.product((False, True), (False, True),
                                ("interactive", "standard", "batch", None), VARIANTS)
     for i, (chat, stream, tier, variant) in enumerate(combos):
-        low, high = TIERS[tier or "standard"]
+        low, high = TIERS[tier or "batch"]
         priority = (None, low, high)[i % 3]
         specs.append(Spec(i, chat, stream, tier, variant, priority))
     return specs
@@ -200,23 +200,25 @@ def test_each_key_may_ask_for_its_own_range(main_app: ServeApp) -> None:
     assert complete(main_app, KEYS["interactive"], 15) == "length"
 
 
-def test_without_a_key_the_default_tier_applies(main_app: ServeApp) -> None:
+def test_without_a_key_the_anonymous_tier_applies(main_app: ServeApp) -> None:
+    """Every tier has a key and the anonymous tier is the lowest: dropping a key never raises
+    a caller above what a batch key gets."""
     assert complete(main_app, None, None) == "length"
-    assert complete(main_app, None, 9) == "length"  # standard's highest
-    for p in (10, 4):
+    assert complete(main_app, None, 4) == "length"  # batch's highest
+    for p in (5, 10):
         with pytest.raises(openai.BadRequestError) as e:
             complete(main_app, None, p)
-        assert "outside what tier 'standard' allows (5 to 9)" in e.value.message
+        assert "outside what tier 'batch' allows (0 to 4)" in e.value.message
 
 
-def test_a_wrong_key_is_401_even_with_a_default_tier(main_app: ServeApp) -> None:
+def test_a_wrong_key_is_401_even_with_an_anonymous_tier(main_app: ServeApp) -> None:
     with pytest.raises(openai.AuthenticationError) as e:
         complete(main_app, "not-a-key", None)
     assert e.value.status_code == 401
     assert e.value.code == "invalid_api_key"
 
 
-def test_without_a_default_tier_a_key_is_required(solo_app: ServeApp) -> None:
+def test_without_an_anonymous_tier_a_key_is_required(solo_app: ServeApp) -> None:
     with pytest.raises(openai.AuthenticationError) as e:
         complete(solo_app, None, None)
     assert "needs an API key" in e.value.message

@@ -38,7 +38,7 @@ ENGINE = {"num_kv_blocks": 300, "kv_cache_memory_bytes": None, "max_num_seqs": 2
 @pytest.fixture(scope="module")
 def flow_app(local_serve: LocalServe) -> Iterator[ServeApp]:
     config = app_config("flow", "/flow", ENGINE, {
-        "default_tier": None, "max_tokens_limit": 2048,
+        "anonymous_tier": None, "max_tokens_limit": 2048,
         "flow": {"enabled": True, "starting_per_replica": 2, "max_held": 16}},
         {"LLMServer": {"num_replicas": 1}})
     for tier in config["args"]["tiers"]:

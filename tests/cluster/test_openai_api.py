@@ -237,7 +237,7 @@ def test_unsupported_features_are_a_400_that_names_them(http: httpx.Client, path
 
 def test_the_sdk_with_keys_configured(main_app: ServeApp) -> None:
     """With keys configured the SDK's key is the caller's tier: a known key streams, an unknown
-    one is the SDK's AuthenticationError (401), never a silent fall-back to the default tier."""
+    one is the SDK's AuthenticationError (401), never a silent fall-back to the anonymous tier."""
     client = main_app.client(KEY)
     pieces = [c.choices[0].text for c in client.completions.create(
         model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=0, stream=True)

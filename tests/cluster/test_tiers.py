@@ -10,7 +10,7 @@ from tierserve.cluster.config import ClusterConfig, TierConfig, resolve_key
 from tierserve.cluster.tiers import AuthError, PriorityError, TierResolver
 
 
-def resolver(default: str | None = "standard") -> TierResolver:
+def resolver(anonymous: str | None = "batch") -> TierResolver:
     cfg = ClusterConfig(
         tiers=[
             TierConfig(name="interactive", base_priority=10, max_priority=15, api_keys=["k-int"]),
@@ -18,7 +18,7 @@ def resolver(default: str | None = "standard") -> TierResolver:
             TierConfig(name="batch", base_priority=0, max_priority=4, queue_share=0.5,
                        api_keys=["k-batch"]),
         ],
-        default_tier=default,
+        anonymous_tier=anonymous,
     )
     return TierResolver(cfg)
 
@@ -28,14 +28,47 @@ def test_key_selects_its_tier_and_base_priority() -> None:
     assert (c.tier.name, c.priority) == ("interactive", 10)
 
 
-def test_no_key_gets_the_default_tier() -> None:
+def test_no_key_gets_the_anonymous_tier() -> None:
     c = resolver().resolve(None, None)
-    assert (c.tier.name, c.priority) == ("standard", 5)
+    assert (c.tier.name, c.priority) == ("batch", 0)
 
 
-def test_no_key_without_a_default_tier_is_401() -> None:
+def test_no_key_without_an_anonymous_tier_is_401() -> None:
     with pytest.raises(AuthError, match="needs an API key"):
-        resolver(default=None).resolve(None, None)
+        resolver(anonymous=None).resolve(None, None)
+    for empty in ("", "Bearer ", "Bearer  "):
+        with pytest.raises(AuthError):
+            resolver(anonymous=None).resolve(empty, None)
+
+
+@pytest.mark.parametrize("anonymous", ["interactive", "standard"])
+def test_an_anonymous_tier_above_a_keyed_tier_is_refused(anonymous: str) -> None:
+    """Dropping a key must never raise a caller's tier: with keys on every tier the anonymous
+    tier can only be the lowest (the hole: keys everywhere, no key answered in 'standard')."""
+    with pytest.raises(ValueError, match=f"anonymous_tier {anonymous!r} .* ranks above the keyed "
+                                         r"tier\(s\) \[.*'batch'\]"):
+        resolver(anonymous=anonymous)
+
+
+def test_an_anonymous_tier_of_its_own_below_the_keyed_ones_is_accepted() -> None:
+    cfg = ClusterConfig(tiers=[
+        TierConfig(name="paid", base_priority=5, max_priority=9, api_keys=["k-paid"]),
+        TierConfig(name="free", base_priority=0, max_priority=0),
+    ], anonymous_tier="free")
+    r = TierResolver(cfg)
+    assert r.resolve(None, None).tier.name == "free"
+    assert r.resolve("Bearer k-paid", None).tier.name == "paid"
+    # A max_priority above a keyed tier's ranks above it too.
+    with pytest.raises(ValueError, match="ranks above"):
+        ClusterConfig(tiers=[
+            TierConfig(name="paid", base_priority=5, max_priority=9, api_keys=["k-paid"]),
+            TierConfig(name="free", base_priority=0, max_priority=10),
+        ], anonymous_tier="free")
+
+
+def test_the_old_default_tier_field_is_refused_with_its_new_name() -> None:
+    with pytest.raises(ValueError, match="default_tier is now anonymous_tier"):
+        ClusterConfig(default_tier="standard")  # type: ignore[call-arg]
 
 
 @pytest.mark.parametrize("header", ["Bearer nope", "Basic k-int", "Bearer ", "k-int"])
@@ -68,7 +101,7 @@ def test_the_top_tiers_requests_are_routed_for_their_first_token() -> None:
     assert not r.resolve("Bearer k-batch", None).latency
     top = TierConfig(name="gold", base_priority=40, max_priority=50, api_keys=["k-gold"])
     other = TierConfig(name="interactive", base_priority=10, max_priority=45, api_keys=["k-i"])
-    custom = TierResolver(ClusterConfig(tiers=[top, other], default_tier="interactive"))
+    custom = TierResolver(ClusterConfig(tiers=[top, other], anonymous_tier=None))
     assert custom.resolve("Bearer k-gold", None).latency
     assert not custom.resolve("Bearer k-i", "10").latency
     assert custom.resolve("Bearer k-i", "40").latency
@@ -76,7 +109,7 @@ def test_the_top_tiers_requests_are_routed_for_their_first_token() -> None:
 
 def test_keys_are_not_in_the_config_repr() -> None:
     cfg = ClusterConfig(tiers=[TierConfig(name="a", base_priority=0, max_priority=1, api_keys=["sekrit"])],
-                        default_tier=None)
+                        anonymous_tier=None)
     assert "sekrit" not in repr(cfg) and "sekrit" not in str(cfg.model_dump())
 
 
@@ -84,9 +117,11 @@ def test_keys_are_not_in_the_config_repr() -> None:
     ("args", "match"),
     [
         ({"tiers": [{"name": "a", "base_priority": 5, "max_priority": 1}]}, "below base_priority"),
-        ({"default_tier": "gold"}, "not one of the tiers"),
+        ({"anonymous_tier": "gold"}, "not one of the tiers"),
+        ({"default_tier": "standard"}, "default_tier is now anonymous_tier"),
         ({"tiers": [{"name": "a", "base_priority": 0, "max_priority": 1},
-                    {"name": "a", "base_priority": 0, "max_priority": 1}], "default_tier": "a"}, "unique"),
+                    {"name": "a", "base_priority": 0, "max_priority": 1}], "anonymous_tier": "a"},
+         "unique"),
         ({"engine": {"block_size": 7}}, "block_size"),
         ({"engine": {"scheduling_policy": "lifo"}}, "scheduling_policy"),
         ({"surprise": 1}, "surprise"),
@@ -108,7 +143,7 @@ def test_keys_can_be_environment_variables_or_files(tmp_path: Any, monkeypatch: 
     cfg = ClusterConfig(tiers=[
         TierConfig(name="a", base_priority=0, max_priority=1, api_keys=["env:TS_KEY_A"]),
         TierConfig(name="b", base_priority=2, max_priority=3, api_keys=[f"file:{tmp_path / 'key'}"]),
-    ], default_tier=None)
+    ], anonymous_tier=None)
     resolver = TierResolver(cfg)
     assert resolver.resolve("Bearer from-env", None).tier.name == "a"
     assert resolver.resolve("Bearer from-file", None).tier.name == "b"
@@ -133,7 +168,7 @@ def test_two_references_to_one_key_are_refused(monkeypatch: Any) -> None:
     cfg = ClusterConfig(tiers=[
         TierConfig(name="a", base_priority=0, max_priority=1, api_keys=["env:TS_K1"]),
         TierConfig(name="b", base_priority=2, max_priority=3, api_keys=["env:TS_K2"]),
-    ], default_tier=None)
+    ], anonymous_tier=None)
     with pytest.raises(ValueError, match="more than once"):
         TierResolver(cfg)
 
@@ -156,7 +191,7 @@ def test_keys_configured_an_unknown_key_is_still_401() -> None:
 
 def test_a_mandatory_key_with_no_keys_anywhere_is_a_config_error() -> None:
     with pytest.raises(ValueError, match="no tier has api_keys"):
-        ClusterConfig(default_tier=None)
+        ClusterConfig(anonymous_tier=None)
 
 
 # ---------------------------------------------------------------- tenants

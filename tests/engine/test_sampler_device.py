@@ -20,6 +20,8 @@ EVERY_PATH = [
     SamplingParams(temperature=1.0, seed=4, repetition_penalty=1.3, frequency_penalty=0.4,
                    presence_penalty=0.2),
     SamplingParams(temperature=0.0, min_tokens=3),
+    SamplingParams(temperature=0.0, allowed_token_ids=[2, 4, 6, 8, 10], bad_words_ids=[[4], [6, 8]]),
+    SamplingParams(temperature=1.0, seed=5, bad_words_ids=[[3], [1, 2, 7], [9, 9]], min_tokens=2),
 ]
 
 
@@ -87,3 +89,22 @@ def test_sampling_moves_only_its_parameters_to_the_device(processed: bool) -> No
             sample(x, st)
     per_step = traffic.elements / 3
     assert traffic.copies > 0 and per_step < VOCAB  # the prompts' ids once, a few per row
+
+
+def test_a_requests_ids_cross_to_the_device_once_not_every_step() -> None:
+    """Its stop ids, bias and allowed ids are shipped at its first step; the next steps ship a
+    few numbers per row, however long those inputs are."""
+    vocab = 4096
+    params = SamplingParams(temperature=1.0, seed=2, min_tokens=20, max_tokens=30,
+                            logit_bias={t: 0.5 for t in range(0, 1000, 2)},
+                            allowed_token_ids=list(range(0, 3000)), bad_words_ids=[[5], [6, 7]])
+    st = [SamplerState(params, stop_ids=frozenset(range(1000, 2000)))]
+    g = torch.Generator().manual_seed(0)
+    x = cuda_tensor(torch.randn(1, vocab, generator=g))
+    with simulated_cuda() as first:
+        sample(x, st)
+    assert first.elements >= 1000 + 500 + 500  # the stop ids, the bias ids and values
+    with simulated_cuda() as later:
+        for _ in range(10):
+            sample(x, st)
+    assert later.elements / 10 < 16

@@ -19,12 +19,14 @@ from typing import Any
 import jsonschema
 import pytest
 
+from tests.engine.test_grammar_queue import Hold
 from tierserve.records import InvalidSamplingParam, SamplingParams, StructuredOutput
 from tierserve.replica.config import EngineConfig
 from tierserve.replica.engine import Engine, RequestOutput
 from tierserve.replica.llm import LLM
 from tierserve.replica.models.embedded import EMBEDDED_MODEL
-from tierserve.replica.structured import GrammarError
+from tierserve.replica.scheduler import AdmitError, QueueFull
+from tierserve.replica.structured import GrammarError, plan
 
 SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -192,13 +194,13 @@ def test_a_compiling_grammar_does_not_block_the_step_loop() -> None:
     (the compilation is held open here until a free request has finished)."""
     engine = Engine(EngineConfig(model=EMBEDDED_MODEL, num_kv_blocks=128, max_num_seqs=8))
     gate = threading.Event()
-    build = engine.grammars._build
+    compile_job = engine.grammars._compile_job
 
-    def slow_build(spec: StructuredOutput) -> Any:
+    def slow_compile(job: Any) -> Any:
         assert gate.wait(60)
-        return build(spec)
+        return compile_job(job)
 
-    engine.grammars._build = slow_build  # type: ignore[method-assign]
+    engine.grammars._compile_job = slow_compile  # type: ignore[method-assign]
 
     async def run() -> tuple[list[str], str]:
         order: list[str] = []
@@ -288,3 +290,102 @@ def test_sampling_params_refuse_what_a_grammar_cannot_take(kw: dict[str, Any], p
 def test_a_structured_output_record_checks_itself(kw: dict[str, Any], said: str) -> None:
     with pytest.raises(InvalidSamplingParam, match=said):
         StructuredOutput(**kw)
+
+
+# ---------------------------------------------------------------- compiles and the engine
+
+
+def new_schema(tag: str) -> StructuredOutput:
+    return StructuredOutput("json", json.dumps(
+        {"type": "object", "properties": {tag: {"type": "integer", "minimum": 0, "maximum": 999}},
+         "required": [tag]}),
+        any_whitespace=False)
+
+
+def test_a_request_the_engine_would_refuse_is_refused_before_its_grammar_compiles() -> None:
+    engine = Engine(EngineConfig(model=EMBEDDED_MODEL, num_kv_blocks=64, max_model_len=32))
+    too_long = list(range(3, 43))
+
+    async def run() -> None:
+        async for _ in engine.generate(too_long, params(new_schema("too_long"), max_tokens=4)):
+            pass
+
+    engine.start()
+    try:
+        with pytest.raises(AdmitError) as e:
+            asyncio.run(run())
+        assert e.value.reason == "too_long"
+        with pytest.raises(AdmitError):
+            engine.validate(too_long, params(new_schema("validate"), max_tokens=4))
+        with pytest.raises(AdmitError):
+            engine.add_request(too_long, params(new_schema("add"), max_tokens=4))
+        assert engine.grammars.compiled == 0 and engine.grammars.cache_entries == 0
+        assert not engine.has_unfinished() and engine.num_waiting() == 0
+    finally:
+        engine.shutdown()
+
+
+def test_requests_waiting_for_their_grammar_count_as_waiting_and_in_a_full_queue() -> None:
+    engine = Engine(EngineConfig(model=EMBEDDED_MODEL, num_kv_blocks=64, max_waiting=2))
+    hold = Hold(engine.grammars)
+
+    async def one(spec: StructuredOutput) -> str:
+        text = ""
+        async for out in engine.generate([4, 5], params(spec, max_tokens=40)):
+            text += out.text
+        return text
+
+    async def run() -> None:
+        first = asyncio.ensure_future(one(new_schema("first")))
+        await hold.first_reached()
+        second = asyncio.ensure_future(one(new_schema("second")))
+        await asyncio.sleep(0)
+        assert engine.num_waiting() == 2 and engine.stats().waiting == 2
+        # The queue is full, counting them: refused before a third compile is queued.
+        with pytest.raises(QueueFull):
+            await one(new_schema("third"))
+        hold.release()
+        await asyncio.gather(first, second)
+        assert hold.order == [plan(new_schema(t)).key[1] for t in ("first", "second")]
+
+    engine.start()
+    try:
+        asyncio.run(run())
+    finally:
+        engine.shutdown()
+    assert engine.num_waiting() == 0 and engine.stats().waiting == 0
+
+
+def test_a_client_that_leaves_while_its_grammar_compiles_leaves_nothing_behind() -> None:
+    engine = Engine(EngineConfig(model=EMBEDDED_MODEL, num_kv_blocks=64))
+    hold = Hold(engine.grammars)
+    spec = new_schema("left")
+
+    async def one(s: StructuredOutput) -> str:
+        text = ""
+        async for out in engine.generate([4, 5], params(s, max_tokens=40)):
+            text += out.text
+        return text
+
+    async def run() -> None:
+        ahead = asyncio.ensure_future(one(new_schema("ahead")))
+        await hold.first_reached()
+        leaving = asyncio.ensure_future(one(spec))
+        staying = asyncio.ensure_future(one(spec))
+        await asyncio.sleep(0)
+        leaving.cancel()  # the client hung up while the compile was queued
+        await asyncio.sleep(0)
+        hold.release()
+        assert matches(spec, await staying)
+        await ahead
+        with pytest.raises(asyncio.CancelledError):
+            await leaving
+        assert matches(spec, await one(spec))  # and the next request with it is served
+
+    engine.start()
+    try:
+        asyncio.run(run())
+    finally:
+        engine.shutdown()
+    assert engine.grammars.compiled == 2 and engine.grammars.waiting == 0
+    assert not engine.has_unfinished()

@@ -25,7 +25,7 @@ from tests.prefix_probe import ProbedPrefixCache
 from tests.scheduler.harness import Sim, blocks_for, caps
 from tierserve.replica.block_space import NoCapacity
 from tierserve.replica.prefill_policy import Chunked, PrefillPolicy, WholePrompt
-from tierserve.replica.prefix_cache import block_hashes, model_key
+from tierserve.replica.prefix_cache import block_hashes, model_key, partition_root
 from tierserve.replica.scheduler import QueueFull, Request, SchedPolicy, Scheduler
 
 B = 4
@@ -52,6 +52,32 @@ def test_a_shared_prefix_is_found_and_shared() -> None:
     assert c.block_table(1)[3] not in c.block_table(0)
     assert all(c.refs()[b] == 2 for b in c.block_table(0)[:3])
     assert c.free_blocks == 16 - 4 - 1
+
+
+def test_partitions_never_share_blocks() -> None:
+    """A request finds only what its own partition cached (a tenant, a ``cache_salt``): another
+    partition's identical prompt is computed again, in blocks of its own, and its
+    ``cached_tokens`` says 0 (the side channel a shared cache would open)."""
+    c = cache(32)
+    system = list(range(100, 112))  # three full blocks
+
+    def put(rid: int, partition: str | None) -> int:
+        tokens = [*system, rid]
+        got = c.allocate(rid, tokens, partition=partition).cached_tokens
+        c.commit(rid, tokens, len(tokens))
+        return got
+
+    assert put(0, "tenant=a") == 0
+    assert put(1, "tenant=b") == 0  # b cannot see a's prompt
+    assert put(2, None) == 0  # nor can the shared partition
+    assert put(3, "tenant=a") == 12  # a finds its own
+    assert put(4, "tenant=b") == 12 and put(5, None) == 12
+    tables = [c.block_table(r)[:3] for r in (0, 1, 2)]
+    assert len({b for t in tables for b in t}) == 9  # three partitions, three copies
+    assert c.block_table(3)[:3] == tables[0]
+    # The router's names of a partition's blocks are the replica's (same root).
+    assert block_hashes(system, B, partition_root(1, "tenant=a")) != block_hashes(system, B, 1)
+    assert partition_root(1, None) == 1
 
 
 def test_the_block_of_the_last_position_is_never_taken_from_the_cache() -> None:
@@ -128,7 +154,7 @@ def test_names_depend_on_the_model_and_the_whole_prefix() -> None:
 
 def test_names_are_the_same_in_another_process() -> None:
     """The ingress names a prompt's blocks for the router in its own process."""
-    code = ("from tierserve.replica.prefix_cache import block_hashes, model_key; "
+    code = ("from tierserve.replica.prefix_cache import block_hashes, model_key, partition_root; "
             "print(block_hashes(list(range(40)), 16, model_key('m', 'auto', 16)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == str(block_hashes(list(range(40)), 16, model_key("m", "auto", 16)))
