@@ -917,12 +917,53 @@ def hold_unread(host: str, port: int, request: bytes, hold_s: float) -> Answer:
     return Answer(status, None, round(seconds, 4), note if status == 0 else "held unread")
 
 
-async def probe_non_reader(ctx: Context, hold_s: float = 20.0) -> Outcome:
+def read_all(host: str, port: int, request: bytes, hold_s: float) -> Answer:
+    """Send ``request`` and read its response as it comes, for at most ``hold_s``, then close:
+    ``hold_unread``'s load from a client that reads."""
+    t0 = now()
+    deadline = t0 + hold_s
+    got = b""
+    note = None
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.settimeout(10.0)
+        try:
+            s.connect((host, port))
+            s.sendall(request)
+            while now() < deadline:
+                s.settimeout(max(0.05, deadline - now()))
+                chunk = s.recv(65536)
+                if not chunk:
+                    break
+                if len(got) < 65536:
+                    got += chunk
+        except TimeoutError:
+            pass
+        except OSError as e:
+            note = type(e).__name__
+    status = status_of(got) or 0
+    return Answer(status, None, round(now() - t0, 4), note if status == 0 else "read")
+
+
+def heavy_stream_request(ctx: Context) -> tuple[str, int, bytes]:
+    """``non_reader``'s request (and ``heavy_reader``'s): the most a chat stream can make."""
     host, port = host_port(ctx.url)
     body = encode(chat(ctx.model, "Write a very long story about the sea.",
                        max_tokens=ctx.limits.max_tokens, n=min(4, ctx.limits.max_n),
                        logprobs=True, top_logprobs=20, ignore_eos=True, stream=True))
-    request = raw_request(host, port, CHAT, ctx.attacker, body)
+    return host, port, raw_request(host, port, CHAT, ctx.attacker, body)
+
+
+async def probe_heavy_reader(ctx: Context, hold_s: float = 20.0) -> Outcome:
+    """The control of ``non_reader``: the same 16 streams, read as they come. What the victim
+    sees here is the load's compute; what it sees more under ``non_reader`` is the unread
+    output's."""
+    host, port, request = heavy_stream_request(ctx)
+    got = list(await asyncio.gather(*in_threads(read_all, [(host, port, request, hold_s)] * 16)))
+    return Outcome(got, [expect("16 streams started (and read)", got, {200})])
+
+
+async def probe_non_reader(ctx: Context, hold_s: float = 20.0) -> Outcome:
+    host, port, request = heavy_stream_request(ctx)
     before = await asyncio.to_thread(ray_memory)
     t0 = now()
     holders = asyncio.gather(*in_threads(hold_unread, [(host, port, request, hold_s)] * 16))
@@ -1058,6 +1099,8 @@ PROBES: tuple[ProbeDef, ...] = (
              needs_keys=True),
     ProbeDef("disconnect_headers", "8 long streams asking not to be cancelled, left after 2 "
              "events", probe_disconnect_headers),
+    ProbeDef("heavy_reader", "16 streams (n 4, top_logprobs 20, max_tokens the most) read as "
+             "they come for 20 s: non_reader's control", probe_heavy_reader),
     ProbeDef("non_reader", "16 streams (n 4, top_logprobs 20, max_tokens the most) never read "
              "for 20 s", probe_non_reader),
     ProbeDef("deep_json", "a body nested 1,200 deep", probe_deep_json),

@@ -686,13 +686,14 @@ class _Inspector:
             for other in ("pattern", "format"):
                 if other in node:
                     raise self._together(bounded, repr(other), where)
-            if node.get("type") != "string":
+            declared = node.get("type")
+            typed = declared == "string" or (isinstance(declared, list) and "string" in declared)
+            if not typed and not where.endswith("propertyNames"):  # names are strings
                 raise _refuse(self.param, f"the keyword {bounded!r} (at {where or '/'}) is not "
-                                          "supported outside a schema of type 'string': there "
-                                          "the output's grammar lets control characters into "
-                                          "the string; write {\"type\": \"string\", "
-                                          f"{json.dumps(bounded)}: ...}} (in an anyOf beside the "
-                                          "other types)")
+                                          "supported outside a schema whose type is (or "
+                                          "includes) 'string': without it the output's grammar "
+                                          "does not bound the string; write {\"type\": "
+                                          f"\"string\", {json.dumps(bounded)}: ...}}")
         if "pattern" in node and "format" in node:
             raise self._together("format", "'pattern'", where)
         fmt = node.get("format")

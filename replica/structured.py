@@ -112,9 +112,6 @@ _SUB_MAPS = ("properties", "patternProperties", "$defs", "definitions")
 _SUB_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SUB_ONE = ("items", "additionalProperties", "propertyNames", "contains", "additionalItems",
             "unevaluatedProperties")
-# A JSON string's characters without escapes, control characters or surrogates.
-_PLAIN_CHARS = '[^"\\\\\\x00-\\x1f\\uD800-\\uDFFF]'
-
 
 def subschemas(schema: dict[str, Any]) -> Iterator[tuple[str, Any]]:
     """Each direct subschema of ``schema`` with its path from it (``properties/a``,
@@ -156,9 +153,9 @@ def enforceable(schema: Any) -> Any:
       (``additionalProperties``, ``patternProperties``, ``unevaluatedProperties``) gets only
       those: a model given room for extra keys (a tool's arguments, a record) may fill its
       answer with them instead of ending it.
-    - A string bounded by ``minLength``/``maxLength`` (and no ``pattern``, ``format``, ``enum``
-      or ``const``) becomes that many plain characters: xgrammar's bounded string lets control
-      characters through, which no JSON parser takes.
+
+    A string bounded by ``minLength``/``maxLength`` stays as it is: the compile worker makes its
+    characters plain (``tierserve.replica.grammar_worker.plain_bounded_strings``).
     """
     if not isinstance(schema, dict):
         return schema
@@ -166,11 +163,6 @@ def enforceable(schema: Any) -> Any:
     if ("properties" in out and not {"additionalProperties", "patternProperties",
                                      "unevaluatedProperties"} & out.keys()):
         out["additionalProperties"] = False
-    bounded = {"minLength", "maxLength"} & out.keys()
-    if (out.get("type") == "string" and bounded
-            and not {"pattern", "format", "enum", "const"} & out.keys()):
-        lo, hi = out.pop("minLength", 0), out.pop("maxLength", "")
-        out["pattern"] = f"^{_PLAIN_CHARS}{{{lo},{hi}}}$"
     return out
 
 

@@ -299,15 +299,16 @@ REFUSED: list[tuple[dict[str, Any], str, str]] = [
      "'propertyNames' together with 'properties' and 'additionalProperties'", '{"a":1}'),
     ({"type": "object", "properties": {"a": {"type": "integer"}}, "unevaluatedProperties": False},
      "unevaluatedProperties false", '{"b":1}'),
-    ({"type": ["string", "null"], "maxLength": 3}, "'maxLength' (at /) is not supported outside",
-     '"a\x01"'),
-    ({"type": "object", "propertyNames": {"maxLength": 3},
-      "additionalProperties": {"type": "integer"}},
-     "'maxLength' (at /propertyNames) is not supported outside", '{"a\x01":1}'),
 ]
 
 # Schemas taken, with outputs that break them: the grammar refuses each.
 TAKEN: list[tuple[dict[str, Any], list[str]]] = [
+    # A bounded string's characters are plain (the compile worker's ``plain_bounded_strings``):
+    # no raw control character, in a list of types and in property names too.
+    ({"type": ["string", "null"], "maxLength": 3}, ['"a\x01"', '"abcd"']),
+    ({"type": "object", "propertyNames": {"maxLength": 3},
+      "additionalProperties": {"type": "integer"}}, ['{"a\x01":1}', '{"abcd":1}']),
+    ({"type": "string", "minLength": 1, "maxLength": 4}, ['"a\tb"', '""', '"abcde"']),
     ({"type": "string", "minLength": 2, "maxLength": 3}, ['"a"', '"abcd"', '"a\x01"']),
     ({"type": "integer", "multipleOf": 3}, ["4", "-5"]),
     ({"type": "integer", "minimum": -5, "maximum": 100}, ["-6", "101"]),
@@ -362,15 +363,15 @@ def _breaks(schema: dict[str, Any], text: str) -> bool:
 
 
 def _grammar_accepts(schema: dict[str, Any], text: str) -> bool:
-    """Whether the grammar the replica compiles from ``schema`` (its keys sorted, then
-    ``enforceable``) takes ``text`` whole."""
+    """Whether the grammar the replica compiles from ``schema`` (``enforceable``, its bounded
+    strings made plain as the compile worker does) takes ``text`` whole."""
     xgr = pytest.importorskip("xgrammar")
+    from tierserve.replica.grammar_worker import plain_bounded_strings
     from tierserve.replica.structured import MAX_WHITESPACE, enforceable
 
-    canonical = json.loads(json.dumps(schema, sort_keys=True))
-    grammar = xgr.Grammar.from_json_schema(json.dumps(enforceable(canonical)),
-                                           any_whitespace=True, strict_mode=False,
-                                           max_whitespace_cnt=MAX_WHITESPACE)
+    grammar = plain_bounded_strings(xgr.Grammar.from_json_schema(
+        json.dumps(enforceable(schema)), any_whitespace=True, strict_mode=False,
+        max_whitespace_cnt=MAX_WHITESPACE))
     compiled = xgr.GrammarCompiler(xgr.TokenizerInfo([]), cache_enabled=False).compile_grammar(
         grammar)
     matcher = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)

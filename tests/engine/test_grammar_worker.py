@@ -205,3 +205,33 @@ def test_the_replica_answers_a_schema_past_the_budget_with_a_400_saying_so(
     assert items and not isinstance(items[0], ErrorRecord)
     stats = server.engine.stats()
     assert (stats.running, stats.waiting) == (0, 0)
+
+
+def test_bounded_strings_compile_fast_and_take_only_plain_characters() -> None:
+    """A string bounded by ``maxLength``: xgrammar's own repetition (cheap to build), its
+    characters made plain: no raw control character, which no JSON parser takes (xgrammar lets
+    all but CR and LF through). If xgrammar changes how it writes that character, the marker is
+    gone and this test says so."""
+    import xgrammar as xgr
+
+    from tierserve.replica.grammar_worker import BOUNDED_CHAR, plain_bounded_strings
+
+    schema = {"type": "object", "additionalProperties": False, "required": ["a", "b"],
+              "properties": {"a": {"type": "string", "maxLength": 5},
+                             "b": {"type": "string", "minLength": 2, "maxLength": 3}}}
+    raw = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+    assert str(raw).count(BOUNDED_CHAR) == 2
+    plain = plain_bounded_strings(raw)
+    assert BOUNDED_CHAR not in str(plain)
+    compiled = xgr.GrammarCompiler(xgr.TokenizerInfo([]), cache_enabled=False).compile_grammar(
+        plain)
+
+    def takes(text: str) -> bool:
+        m = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
+        return bool(m.accept_string(text)) and bool(m.is_terminated())
+
+    assert takes('{"a": "hello", "b": "ok"}')
+    for bad in ('{"a": "he\tlo", "b": "ok"}', '{"a": "h\x01", "b": "ok"}',
+                '{"a": "toolong", "b": "ok"}', '{"a": "x", "b": "o"}'):
+        assert not takes(bad), bad
+    assert plain_bounded_strings(xgr.Grammar.from_json_schema('{"type": "integer"}')) is not None
