@@ -1322,9 +1322,18 @@ async def run_probe(ctx: Context, probe: ProbeDef, metrics_url: str | None, t_ze
 
 
 async def replica_count(client: httpx.AsyncClient, metrics_url: str | None,
-                        timeout_s: float = 60.0) -> int:
-    """The replicas the metrics show (waiting up to ``timeout_s`` for the first export); 1
-    when they show none."""
+                        timeout_s: float = 60.0, url: str | None = None) -> int:
+    """The replicas ``/ready`` says can take work (at ``url``), else those the metrics show
+    (waiting up to ``timeout_s`` for the first export: right after a start it may show only
+    some); 1 when neither says."""
+    if url is not None:
+        try:
+            r = await client.get(f"{url}/ready", timeout=10.0)
+            ready = r.json().get("replicas_ready") if r.status_code == 200 else None
+            if isinstance(ready, int) and ready > 0:
+                return ready
+        except (httpx.HTTPError, ValueError, AttributeError):
+            pass
     deadline = now() + timeout_s
     while now() < deadline:
         s = await scrape(client, metrics_url)
@@ -1395,7 +1404,7 @@ async def exercise(setup: Setup, probes: Sequence[ProbeDef], timing: Timing,
     async with httpx.AsyncClient(limits=limits_http, timeout=REQUEST_TIMEOUT_S) as client:
         model = await served_model_async(client, setup.url)
         limits = await server_limits(client, setup.url, setup.limits)
-        replicas = await replica_count(client, setup.metrics_url)
+        replicas = await replica_count(client, setup.metrics_url, url=setup.url)
         report.model, report.limits, report.replicas = model, asdict(limits), replicas
         keys = setup.keys
         ctx = Context(setup.url, model, limits, {}, {}, dict(keys), setup.anonymous_tier,

@@ -20,6 +20,7 @@ imports nothing of tierserve's beyond this module, and xgrammar only once runnin
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import select
@@ -86,6 +87,19 @@ def reason(e: BaseException) -> str:
 # 0.02 s this way).
 BOUNDED_CHAR = '[^\\"\\\\\\r\\n]'
 PLAIN_CHAR = '[^\\"\\\\\\0-\\x1f]'
+
+
+def release_freed_memory() -> None:
+    """Hand the memory the allocator keeps after large frees back to the system (glibc's
+    ``malloc_trim``; nothing elsewhere). A 29 MiB serialized grammar read, parsed and dropped
+    left a replica 42 MiB larger until trimmed, and the first structured requests of a replica
+    in the cluster about 300 MiB."""
+    try:
+        libc = ctypes.CDLL(None)
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim(0)
 
 
 def plain_bounded_strings(grammar: Any) -> Any:

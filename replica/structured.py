@@ -59,7 +59,13 @@ from typing import TYPE_CHECKING, Any
 
 import tierserve
 from tierserve.records import StructuredOutput
-from tierserve.replica.grammar_worker import Timeout, read_frame, reason, write_frame
+from tierserve.replica.grammar_worker import (
+    Timeout,
+    read_frame,
+    reason,
+    release_freed_memory,
+    write_frame,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -184,6 +190,10 @@ ANNOTATIONS = frozenset({"title", "description", "examples", "$comment", "defaul
 # What names a compiled grammar in a replica's cache: kind, the spec in canonical form,
 # any_whitespace, prefix, suffix.
 CacheKey = tuple[str, str, bool, str, str]
+
+# A grammar whose serialized form is this large leaves that much (several times over: the
+# frame, its text, the parse) freed but kept by the allocator: it is handed back to the system.
+TRIM_AFTER_BYTES = 4 * 2**20
 
 # Seconds a new compile worker may take to import xgrammar and say it is ready.
 WORKER_START_TIMEOUT_S = 120.0
@@ -727,6 +737,9 @@ class Grammars:
         import xgrammar as xgr
 
         compiled = xgr.CompiledGrammar.deserialize_json(body.decode(), self._tokenizer_info())
+        if len(body) >= TRIM_AFTER_BYTES:
+            del body
+            release_freed_memory()
         return _Built(compiled, int(head.get("bytes", 0)), time.perf_counter() - t0)
 
     def _compiler_of(self) -> xgrammar.TokenizerInfo:

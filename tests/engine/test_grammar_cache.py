@@ -192,3 +192,25 @@ def test_the_replica_exports_the_caches_entries_bytes_and_evictions() -> None:
     assert counter.total == 2
     m._set_grammar_gauges()  # what the refresher does every period, so they never expire
     assert gauges["tierserve_grammar_cache_bytes"].values[-1] == 3100
+
+
+def test_a_large_grammar_s_frame_is_handed_back_to_the_system(monkeypatch: Any) -> None:
+    """Reading, parsing and dropping a large serialized grammar leaves the allocator holding
+    several times its size: the replica hands it back (``release_freed_memory``) once the
+    grammar is built; a small one costs no trim."""
+    import tierserve.replica.structured as structured
+
+    trims: list[int] = []
+    monkeypatch.setattr(structured, "release_freed_memory", lambda: trims.append(1))
+    g = make()
+    g.compile(StructuredOutput("json", json.dumps(schema("small"))))
+    assert trims == []
+    monkeypatch.setattr(structured, "TRIM_AFTER_BYTES", 1)
+    g.compile(StructuredOutput("json", json.dumps(schema("small", maxProperties=2))))
+    assert trims == [1]
+
+
+def test_release_freed_memory_runs_where_there_is_no_malloc_trim() -> None:
+    from tierserve.replica.grammar_worker import release_freed_memory
+
+    release_freed_memory()  # glibc: trims; elsewhere: nothing, and no error
