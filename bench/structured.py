@@ -443,7 +443,7 @@ def measure_mask(engine: Any, sequences: Sequence[list[int]], rows: int, iters: 
     import torch
     import xgrammar as xgr
 
-    from tierserve.replica.structured import apply_constraints
+    from tierserve.replica.constraint import apply_constraints
 
     spec = json_spec()
     vocab = engine.vocab_size

@@ -22,7 +22,7 @@ request). Every operation is per row, so a row's result does not depend on the o
 
 A structured output's grammar masks its row last (``tierserve.replica.structured``): the tokens
 it does not allow next are set to -inf after the processors, before greedy or the draw, in one
-bitmask for the batch's constrained rows; the drawn token advances the row's matcher.
+bitmask for the batch's constrained rows (``tierserve.replica.constraint``); the drawn token advances the row's matcher.
 
 Log-probabilities (``logprobs``) are those of the model's own distribution, the log-softmax of
 the raw logits, before any processor or temperature (vLLM's default).
@@ -33,11 +33,11 @@ from __future__ import annotations
 import random
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 
 from tierserve.records import MAX_LOGPROBS, SamplingParams, TokenLogprob
+from tierserve.replica.constraint import TokenConstraint, apply_constraints
 
 __all__ = [
     "MAX_LOGPROBS",
@@ -48,15 +48,6 @@ __all__ = [
     "sample",
     "token_logprobs",
 ]
-
-class TokenConstraint(Protocol):
-    """One sample's grammar (``tierserve.replica.structured.Constraint``)."""
-
-    def fill(self, bitmask: torch.Tensor, row: int) -> None: ...
-    def accept(self, token: int) -> bool: ...
-    @property
-    def terminated(self) -> bool: ...
-
 
 @dataclass(slots=True)
 class _Inputs:
@@ -234,8 +225,6 @@ def sample(logits: torch.Tensor, states: Sequence[SamplerState]) -> list[int]:
     if processed:
         _process(logits, [states[i] for i in processed], processed)
     if constrained:
-        from tierserve.replica.structured import apply_constraints
-
         apply_constraints(logits, constrained,
                           [c for i in constrained if (c := states[i].constraint) is not None])
     greedy = [s.params.greedy for s in states]

@@ -25,10 +25,11 @@ key's text). Requests that ask for a spec while it compiles wait for that one co
 request that leaves while it waits takes nothing with it; a compile no one waits for any more
 is dropped from the queue, and nothing that failed is cached.
 
-``Constraint`` is one sample's matcher: the sampler asks it for the mask of the next token
-(``apply_constraints``, one bitmask for the batch's constrained rows) and tells it the token
-drawn. It lives with the request's sampler state, so it survives preemption by recompute (the
-kept tokens were accepted already) and is never shared by two samples.
+``Constraint`` is one sample's matcher (a ``tierserve.replica.constraint.TokenConstraint``):
+the sampler asks it for the mask of the next token (``apply_constraints``, one bitmask for the
+batch's constrained rows) and tells it the token drawn. It lives with the request's sampler
+state, so it survives preemption by recompute (the kept tokens were accepted already) and is
+never shared by two samples.
 
 xgrammar is imported on first use: a replica that never sees a structured request does not
 load it, nor start the worker.
@@ -70,8 +71,6 @@ from tierserve.replica.grammar_worker import (
 if TYPE_CHECKING:
     import torch
     import xgrammar
-
-    from tierserve.replica.sampler import TokenConstraint
 
 log = logging.getLogger(__name__)
 
@@ -858,19 +857,3 @@ class Constraint:
     def terminated(self) -> bool:
         """The grammar is complete and its stop token was accepted: the output ends here."""
         return bool(self.matcher.is_terminated())
-
-
-def apply_constraints(logits: torch.Tensor, rows: Sequence[int],
-                      constraints: Sequence[TokenConstraint]) -> None:
-    """Set to -inf, in ``logits`` ``[R, V]``, every token the grammar of row ``rows[i]`` does
-    not allow next. One bitmask for the step, filled row by row on the host, applied in one
-    call on the logits' device (each row's mask is its own: the rows do not affect each other)."""
-    import xgrammar as xgr
-
-    vocab = logits.shape[1]
-    bitmask = xgr.allocate_token_bitmask(logits.shape[0], vocab)
-    for r, c in zip(rows, constraints, strict=True):
-        c.fill(bitmask, r)
-    if logits.device.type != "cpu":
-        bitmask = bitmask.to(logits.device, non_blocking=True)
-    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab, indices=list(rows))

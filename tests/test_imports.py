@@ -39,10 +39,10 @@ def _is_type_checking(node: ast.If) -> bool:
     return isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
 
 
-def imports(name: str, top_level_only: bool = False) -> set[str]:
+def imports(name: str, top_level_only: bool = False, type_only: bool = False) -> set[str]:
     """The modules ``name`` imports (absolute names; submodules of ``from pkg import mod``
-    resolved), skipping ``if TYPE_CHECKING:`` blocks; with ``top_level_only``, only what runs
-    at import time (not imports inside functions)."""
+    resolved), skipping ``if TYPE_CHECKING:`` blocks unless ``type_only``; with
+    ``top_level_only``, only what runs at import time (not imports inside functions)."""
     path = _module_file(name)
     assert path is not None, name
     tree = ast.parse(path.read_text(), str(path))
@@ -50,7 +50,7 @@ def imports(name: str, top_level_only: bool = False) -> set[str]:
 
     def visit(node: ast.AST, in_function: bool) -> None:
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and _is_type_checking(child):
+            if isinstance(child, ast.If) and _is_type_checking(child) and not type_only:
                 continue
             nested = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
             if isinstance(child, ast.Import) and not (top_level_only and in_function):
@@ -190,3 +190,58 @@ def test_building_the_app_loads_neither_torch_nor_transformers() -> None:
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          timeout=120, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def import_cycles() -> list[list[str]]:
+    """The first-party import graph's cycles: each strongly connected component of more than one
+    module (imports inside functions and ``if TYPE_CHECKING:`` ones count: a type one module
+    names from another is a dependency too; a package's ``__init__`` run before its submodule
+    is not an edge)."""
+    modules = [m for part in LAYERS for m in all_modules(part)]
+    graph = {m: sorted(d for d in imports(m, type_only=True) if first_party(d) and d != m)
+             for m in modules}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+    for root in modules:  # Tarjan's algorithm, iteratively
+        if root in index:
+            continue
+        work = [(root, iter(graph.get(root, [])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, edges = work[-1]
+            nxt = next(edges, None)
+            if nxt is not None:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, iter(graph.get(nxt, []))))
+                elif nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    m = stack.pop()
+                    on_stack.discard(m)
+                    component.append(m)
+                    if m == node:
+                        break
+                if len(component) > 1:
+                    cycles.append(sorted(component))
+    return cycles
+
+
+def test_no_module_imports_itself_through_others() -> None:
+    """No import circle, not even inside functions: the sampler and the grammar code share
+    ``tierserve.replica.constraint`` instead of importing each other."""
+    assert import_cycles() == []
+    assert "tierserve.replica.constraint" in imports("tierserve.replica.sampler")

@@ -77,3 +77,25 @@ def test_the_engine_runs_beside_huggingface_kernels_and_transformers() -> None:
     assert tokens == "4"
     kernels_version, transformers_version = versions.split()
     assert kernels_version and transformers_version
+
+
+def test_the_offline_names_are_at_the_top_and_load_on_first_use() -> None:
+    """``from tierserve import LLM, SamplingParams, EngineConfig`` as vLLM users write it; a
+    bare ``import tierserve`` (the ingress, the router) still loads no torch."""
+    code = (
+        "import sys, tierserve\n"
+        "print('torch' in sys.modules)\n"
+        "from tierserve import LLM, SamplingParams, EngineConfig, RequestOutput\n"
+        "from tierserve.replica.llm import LLM as L\n"
+        "print(LLM is L, SamplingParams(max_tokens=3).max_tokens, 'max_num_seqs' in EngineConfig.model_fields)\n"
+        "print(all(getattr(tierserve, n) is not None and n in dir(tierserve)\n"
+        "          for n in tierserve.__all__))\n"
+        "try:\n"
+        "    tierserve.Engine\n"
+        "except AttributeError as e:\n"
+        "    print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300, check=True)
+    assert out.stdout.splitlines() == [
+        "False", "True 3 True", "True", "module 'tierserve' has no attribute 'Engine'"]

@@ -1,5 +1,15 @@
 """tierserve: an LLM serving cluster on Ray Serve.
 
+The offline API sits at the top, as vLLM users write it::
+
+    from tierserve import LLM, SamplingParams
+
+    llm = LLM()  # the default model; options: EngineConfig's fields
+    print(llm.generate(["The capital of France is"], SamplingParams(max_tokens=8))[0].text)
+
+Those names load on first use (importing ``tierserve`` alone, as the ingress and the router
+do, loads neither torch nor the engine).
+
 Everything installs under this one name. The repository keeps each part in a folder of its own
 at the top level, and ``tierserve/`` links them into the namespace (see docs/architecture.md,
 "The layers"): lower layers never import higher ones.
@@ -13,7 +23,42 @@ at the top level, and ``tierserve/`` links them into the namespace (see docs/arc
 - ``tierserve.router`` (``router/``): the Serve request router.
 - ``tierserve.cluster`` (``cluster/``): the config, the OpenAI-compatible ingress, flow control,
   the Serve application and the launcher (``tierserve serve CONFIG``).
-- ``tierserve.bench`` (``bench/``): load generators and benchmarks (tools, not the runtime).
+- ``tierserve.bench`` (``bench/``): the load generator (``tierserve-load``).
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tierserve.records import RequestOutput, SamplingParams
+    from tierserve.replica.config import EngineConfig
+    from tierserve.replica.llm import LLM, CompletionOutput
+
 __version__ = "0.1.0"
+
+# name -> the module that defines it
+_OFFLINE = {
+    "LLM": "tierserve.replica.llm",
+    "CompletionOutput": "tierserve.replica.llm",
+    "SamplingParams": "tierserve.records",
+    "RequestOutput": "tierserve.records",
+    "EngineConfig": "tierserve.replica.config",
+}
+
+__all__ = ["LLM", "CompletionOutput", "EngineConfig", "RequestOutput", "SamplingParams",
+           "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _OFFLINE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tierserve' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_OFFLINE))
