@@ -44,7 +44,6 @@ from tierserve.records import (
     RequestOutput,
     RoutingStats,
     SamplingParams,
-    refusal,
 )
 from tierserve.replica.block_space import BlockSpace, FreeListBlocks
 from tierserve.replica.config import CONTEXT_CAP, EngineConfig
@@ -293,7 +292,7 @@ class SimEngine:
         try:
             id = self.core.add(request.prompt_ids, request.sampling.max_tokens, request.priority)
         except AdmitError as e:
-            yield refusal(e)
+            yield e.record()
             return
         except ValueError as e:
             yield ErrorRecord(400, "invalid_request", str(e))

@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from tierserve.cluster.errors import ApiError
+from tierserve.records import BadRequest, RequestTimeout, TooLarge
 
 T = TypeVar("T")
 
@@ -37,37 +37,37 @@ async def read_json(chunks: AsyncIterator[bytes], declared: str | None, limit: i
     it has not all arrived within ``timeout_s``, 400 for bytes that are not a JSON object (JSON
     nested deeper than the parser's stack is one) or a string no tokenizer can encode."""
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise ApiError(413, f"the request body is larger than {limit} bytes", "too_large")
+        raise TooLarge(f"the request body is larger than {limit} bytes", "too_large")
     raw = bytearray()
 
     async def read() -> None:
         async for chunk in chunks:
             raw.extend(chunk)
             if len(raw) > limit:
-                raise ApiError(413, f"the request body is larger than {limit} bytes",
+                raise TooLarge(f"the request body is larger than {limit} bytes",
                                "too_large")
 
     try:
         await asyncio.wait_for(read(), timeout_s)
     except TimeoutError:
-        raise ApiError(408, f"the request body did not arrive within {timeout_s:g} s (read "
-                            f"{len(raw)} bytes)", "body_timeout") from None
+        raise RequestTimeout(f"the request body did not arrive within {timeout_s:g} s (read "
+                             f"{len(raw)} bytes)", "body_timeout") from None
     try:
         data = json.loads(bytes(raw))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ApiError(400, f"the request body is not valid JSON: {e}", "invalid_json") from None
+        raise BadRequest(f"the request body is not valid JSON: {e}", "invalid_json") from None
     except RecursionError:
-        raise ApiError(400, "the request body's JSON is nested too deeply", "invalid_json"
+        raise BadRequest("the request body's JSON is nested too deeply", "invalid_json"
                        ) from None
     if not isinstance(data, dict):
-        raise ApiError(400, "the request body must be a JSON object", "invalid_json")
+        raise BadRequest("the request body must be a JSON object", "invalid_json")
     try:  # JSON may escape a lone surrogate (\ud800): no tokenizer can encode that string
         json.dumps(data, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:
-        raise ApiError(400, "the request body has a string that is not valid Unicode "
-                            "(an unpaired surrogate escape)", "invalid_json") from None
+        raise BadRequest("the request body has a string that is not valid Unicode "
+                         "(an unpaired surrogate escape)", "invalid_json") from None
     except RecursionError:
-        raise ApiError(400, "the request body's JSON is nested too deeply", "invalid_json"
+        raise BadRequest("the request body's JSON is nested too deeply", "invalid_json"
                        ) from None
     return data
 
@@ -97,16 +97,16 @@ class PromptBound:
         """400 ``too_long`` for text of ``nbytes`` that no tokenization fits in the context."""
         if nbytes > self.max_bytes:
             least = math.ceil(nbytes / (self.token_bytes * _NORMALIZER_FOLD))
-            raise ApiError(400, f"the prompt is {nbytes} bytes, at least {least} tokens; this "
-                                f"model's context is {self.context}, so a prompt may have at most "
-                                f"{self.context - 1} tokens", "too_long", param)
+            raise BadRequest(f"the prompt is {nbytes} bytes, at least {least} tokens; this "
+                             f"model's context is {self.context}, so a prompt may have at most "
+                             f"{self.context - 1} tokens", "too_long", param)
 
     def check_ids(self, n: int, param: str) -> None:
         """400 ``too_long`` for a prompt of ``n`` token ids (the replica says the same)."""
         if n >= self.context:
-            raise ApiError(400, f"prompt has {n} tokens; this model's context is {self.context}, "
-                                f"so a prompt may have at most {self.context - 1} tokens to "
-                                "leave room for one generated token", "too_long", param)
+            raise BadRequest(f"prompt has {n} tokens; this model's context is {self.context}, "
+                             f"so a prompt may have at most {self.context - 1} tokens to "
+                             "leave room for one generated token", "too_long", param)
 
 
 def message_texts(messages: Sequence[Mapping[str, Any]]) -> list[str]:

@@ -42,6 +42,7 @@ from tierserve.cluster.config import ClusterConfig
 from tierserve.cluster.flow import BandSpec, FlowQueues, Held, Refused
 from tierserve.cluster.metrics import IngressMetrics
 from tierserve.cluster.tiers import DEFAULT_TENANT, Caller
+from tierserve.records import ServingError
 
 log = logging.getLogger("tierserve.ingress")
 
@@ -57,17 +58,17 @@ RETRY_AFTER_MAX_S = 60
 UNKNOWN_RETRY_S = 10
 
 
-class Shed(Exception):
-    """A request flow control refused or dropped; ``reason`` labels the metric;
-    ``retry_after`` is the seconds after which its tier is likely to start work again."""
+class Shed(ServingError):
+    """A request flow control refused or dropped (the API's code ``shed``; 429, or the config's
+    ``shed_status``); ``reason`` labels the metric (``band_full``, ``queue_full``, ``late``,
+    ...); ``retry_after`` is the seconds after which its tier is likely to start work again."""
+
+    code = "shed"
 
     def __init__(self, status: int, reason: str, message: str, retry_after: int | None = None
                  ) -> None:
-        super().__init__(message)
-        self.status = status
+        super().__init__(message, status=status, retry_after=retry_after)
         self.reason = reason
-        self.message = message
-        self.retry_after = retry_after
 
 
 @dataclass(eq=False, slots=True)

@@ -35,7 +35,6 @@ from tierserve.cluster.edge import (
     message_texts,
     read_json,
 )
-from tierserve.cluster.errors import ApiError
 from tierserve.cluster.gate import FlowGate, Shed, Ticket
 from tierserve.cluster.logprobs import TokenText, chat_logprobs, completion_logprobs
 from tierserve.cluster.metrics import IngressMetrics
@@ -68,14 +67,7 @@ from tierserve.cluster.structured import (
     Structured,
     StructuredError,
 )
-from tierserve.cluster.tiers import (
-    AuthError,
-    Caller,
-    PriorityError,
-    TenantError,
-    TierResolver,
-    cache_partition,
-)
+from tierserve.cluster.tiers import Caller, TierResolver, cache_partition
 from tierserve.cluster.tool_calls import (
     ToolCallParser,
     ToolMessageError,
@@ -85,12 +77,16 @@ from tierserve.cluster.tool_calls import (
 from tierserve.records import (
     GRAMMAR_REJECTED_TOKEN,
     MAX_BAD_WORD_TOKENS,
+    BadRequest,
     ErrorRecord,
     GenerateRequest,
-    InvalidSamplingParam,
     RequestOutput,
     SamplingParams,
+    ServerFault,
+    ServingError,
     TokenLogprob,
+    TooManyRequests,
+    Unavailable,
     failed_before_first_token,
     replica_failed,
     share_of,
@@ -125,9 +121,10 @@ def error_response(
                         headers=headers)
 
 
-def error_event(error: ApiError) -> str:
+def error_event(error: ServingError) -> str:
     """The SSE event that ends a stream in ``error``: the body its HTTP error would have had."""
-    return sse_event(json.dumps(error.body()))
+    return sse_event(json.dumps(error_body(error.status, error.message, error.code,
+                                           error.param)))
 
 
 # Pydantic puts the member type of a union in an error's location ("temperature.float",
@@ -251,15 +248,15 @@ class _Choice:
             self.error_code = item.error_code
 
 
-def _engine_failed(choice: _Choice) -> ApiError:
+def _engine_failed(choice: _Choice) -> ServingError:
     """The error of a sample whose replica's engine failed once the request had started (see
     ``failed_before_first_token``): an HTTP 503 when none of the answer went out, else the event
     that ends the stream. A token its grammar refused (though its mask allowed it) is the
     server's fault too, not the replica's: a 500 naming it, never a quiet "stop"."""
     if choice.error_code == GRAMMAR_REJECTED_TOKEN:
-        return ApiError(500, choice.failure or "the structured output's grammar rejected a token",
-                        GRAMMAR_REJECTED_TOKEN)
-    return ApiError(503, choice.failure or "the replica failed", "replica_failed")
+        return ServerFault(choice.failure or "the structured output's grammar rejected a token",
+                           GRAMMAR_REJECTED_TOKEN)
+    return Unavailable(choice.failure or "the replica failed", "replica_failed")
 
 
 # FastAPI's own /openapi.json (and the docs pages built on it) is replaced by the Ingress's route
@@ -276,11 +273,11 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
     return response
 
 
-def internal_error(e: BaseException) -> ApiError:
+def internal_error(e: BaseException) -> ServingError:
     """The answer to an exception no check expected (a fault of the server's, never the
     client's): a 500 in the API's error shape naming only the exception's type."""
-    return ApiError(500, f"the server failed to answer this request ({type(e).__name__}); it "
-                         "is logged", "internal_error")
+    return ServerFault(f"the server failed to answer this request ({type(e).__name__}); it "
+                       "is logged", "internal_error")
 
 
 @app.exception_handler(Exception)
@@ -290,8 +287,10 @@ async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
     return error_response(e.status, e.message, e.code)
 
 
-@app.exception_handler(ApiError)
-async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+@app.exception_handler(ServingError)
+async def _api_error(request: Request, exc: ServingError) -> JSONResponse:
+    """Every refusal's answer, in one place: its status, the API's error JSON and, for a
+    refusal under load, ``Retry-After``."""
     retry = exc.retry_after
     if retry is None and (exc.status == 429 or exc.code == "shed"):
         retry = request.app.state.retry_after
@@ -381,9 +380,9 @@ class Ingress:
             ids = list(body.prompt)
         self._fits(caller, None, len(ids), "prompt")
         if ids and all(t in self.special_ids for t in ids):
-            raise ApiError(400, "the prompt has only special tokens "
-                                f"({self.tokenizer.decode(ids[:8])!r}...): nothing to complete",
-                           "only_special_tokens", "prompt")
+            raise BadRequest("the prompt has only special tokens "
+                             f"({self.tokenizer.decode(ids[:8])!r}...): nothing to complete",
+                             "only_special_tokens", "prompt")
         echo = None
         if body.echo:
             echo = body.prompt if isinstance(body.prompt, str) else self.tokenizer.decode(ids)
@@ -401,11 +400,11 @@ class Ingress:
             mode = await self.schemas.tool_mode(body)
             messages, tools = render_messages(body.messages, body.tools, body.tool_choice,
                                               self.template_takes_tools)
-        except (StructuredError, ToolMessageError) as e:
-            raise ApiError(400, str(e), "invalid_request", e.param) from None
-        except SchemaCheckBusy as e:
+        except StructuredError as e:  # in a chat, a tool's schema is the request's to mend
+            raise ToolMessageError(str(e), e.param) from None
+        except SchemaCheckBusy:
             self.metrics.rejected("busy", caller.tier.name)
-            raise ApiError(429, str(e), "busy", retry_after=e.retry_after) from None
+            raise
         texts = message_texts(messages)
         size = sum(len(t) for t in texts)
         self._fits(caller, sum(len(t.encode("utf-8")) for t in texts), None, "messages")
@@ -418,8 +417,8 @@ class Ingress:
         try:
             ids = await self.tokenizing.run(size, render)
         except Exception as e:
-            raise ApiError(400, f"the chat template could not render these messages: {e}",
-                           "bad_messages", "messages") from e
+            raise BadRequest(f"the chat template could not render these messages: {e}",
+                             "bad_messages", "messages") from e
         if isinstance(ids, dict):
             ids = ids["input_ids"]
         self._fits(caller, None, len(ids), "messages")
@@ -446,20 +445,13 @@ class Ingress:
             if not isinstance(e, ValidationError):
                 raise
             msg, param = validation_error(e.errors())
-            raise ApiError(400, msg, "invalid_request", param) from None
+            raise BadRequest(msg, "invalid_request", param) from None
 
     def _caller(self, request: Request) -> Caller:
         header = self.cfg.flow.tenant_header
-        try:
-            return self.tiers.resolve(request.headers.get("authorization"),
-                                      request.headers.get("x-tl-priority"),
-                                      request.headers.get(header) if header else None)
-        except AuthError as e:
-            raise ApiError(401, str(e), "invalid_api_key") from None
-        except PriorityError as e:
-            raise ApiError(400, str(e), "invalid_priority", "X-TL-Priority") from None
-        except TenantError as e:
-            raise ApiError(400, str(e), "invalid_tenant", header) from None
+        return self.tiers.resolve(request.headers.get("authorization"),
+                                  request.headers.get("x-tl-priority"),
+                                  request.headers.get(header) if header else None)
 
     def _fits(self, caller: Caller, nbytes: int | None, ntokens: int | None, param: str) -> None:
         """400 ``too_long`` (counted) for a prompt of ``nbytes`` of text or ``ntokens`` ids that
@@ -469,7 +461,7 @@ class Ingress:
                 self.prompt_bound.check_text(nbytes, param)
             if ntokens is not None:
                 self.prompt_bound.check_ids(ntokens, param)
-        except ApiError:
+        except ServingError:
             self.metrics.rejected("too_long", caller.tier.name)
             raise
 
@@ -481,35 +473,35 @@ class Ingress:
     def _sampling(self, body: CompletionRequest | ChatCompletionRequest,
                   structured: Structured | None = None) -> SamplingParams:
         if body.model != self.cfg.model_name:
-            raise ApiError(400, f"unknown model {body.model!r}; this server serves "
-                                f"{self.cfg.model_name!r}", "model_not_found", "model")
+            raise BadRequest(f"unknown model {body.model!r}; this server serves "
+                             f"{self.cfg.model_name!r}", "model_not_found", "model")
         stops = body.stop_list()
         if len(stops) > self.cfg.max_stop_strings:
-            raise ApiError(400, f"stop has {len(stops)} strings; at most "
-                                f"{self.cfg.max_stop_strings} are allowed", "too_many_stops", "stop")
+            raise BadRequest(f"stop has {len(stops)} strings; at most "
+                             f"{self.cfg.max_stop_strings} are allowed", "too_many_stops", "stop")
         max_tokens = body.max_tokens if body.max_tokens is not None else self.cfg.max_tokens_limit
         if "max_tokens" not in body.model_fields_set:  # a default (completions: 16) is no ask
             max_tokens = min(max_tokens, self.cfg.max_tokens_limit)
         if max_tokens > self.cfg.max_tokens_limit:
-            raise ApiError(400, f"max_tokens {max_tokens} is above this server's limit "
-                                f"({self.cfg.max_tokens_limit})", "max_tokens_too_large", "max_tokens")
+            raise BadRequest(f"max_tokens {max_tokens} is above this server's limit "
+                             f"({self.cfg.max_tokens_limit})", "max_tokens_too_large", "max_tokens")
         if body.n > self.cfg.max_n:
-            raise ApiError(400, f"n {body.n} is above this server's limit ({self.cfg.max_n})",
-                           "n_too_large", "n")
+            raise BadRequest(f"n {body.n} is above this server's limit ({self.cfg.max_n})",
+                             "n_too_large", "n")
         bias: dict[int, float] = {}
         for key, value in (body.logit_bias or {}).items():
             if not key.isdigit():  # its range is the replica's to check, like every token id
-                raise ApiError(400, f"logit_bias key {key[:32]!r} is not a token id",
-                               "invalid_token", "logit_bias")
+                raise BadRequest(f"logit_bias key {key[:32]!r} is not a token id",
+                                 "invalid_token", "logit_bias")
             bias[int(key)] = float(value)
         if isinstance(body, CompletionRequest):
             logprobs = body.logprobs
             prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
             if structured is not None and (prompt_logprobs is not None or max_tokens == 0):
-                raise ApiError(400, f"{structured.output.param}: a request that scores its "
-                                    "prompt (echo with logprobs, or max_tokens 0) generates "
-                                    "nothing to constrain: leave the structured output out",
-                               "invalid_request", structured.output.param)
+                raise BadRequest(f"{structured.output.param}: a request that scores its "
+                                 "prompt (echo with logprobs, or max_tokens 0) generates "
+                                 "nothing to constrain: leave the structured output out",
+                                 "invalid_request", structured.output.param)
         else:
             logprobs = (body.top_logprobs or 0) if body.logprobs else None
             prompt_logprobs = None
@@ -535,10 +527,10 @@ class Ingress:
                 prompt_logprobs=prompt_logprobs,
                 structured=structured.output if structured is not None else None,
             )
-        except InvalidSamplingParam as e:  # the record checks how the fields go together
-            raise ApiError(400, str(e), "invalid_request", e.param) from None
+        except ServingError:  # the record checks how the fields go together
+            raise
         except ValueError as e:  # the request models bound every field alone; a last guard
-            raise ApiError(400, str(e), "invalid_sampling") from None
+            raise BadRequest(str(e), "invalid_sampling") from None
 
     def _bad_words_ids(self, words: Sequence[str]) -> list[list[int]]:
         """The token sequences of ``bad_words`` (each word as written and, where it tokenizes
@@ -548,9 +540,9 @@ class Ingress:
             plain = list(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
             spaced = list(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
             if not plain or max(len(plain), len(spaced)) > MAX_BAD_WORD_TOKENS:
-                raise ApiError(400, f"bad_words.{i}: a bad word is 1 to {MAX_BAD_WORD_TOKENS} "
-                                    f"tokens, {word[:32]!r} is {len(plain)}", "invalid_request",
-                               f"bad_words.{i}")
+                raise BadRequest(f"bad_words.{i}: a bad word is 1 to {MAX_BAD_WORD_TOKENS} "
+                                 f"tokens, {word[:32]!r} is {len(plain)}", "invalid_request",
+                                 f"bad_words.{i}")
             out.append(plain)
             if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
                 out.append(spaced)
@@ -561,11 +553,9 @@ class Ingress:
         try:
             structured = await self.schemas.structured_output(
                 body, call.tool_mode if call.chat else None)
-        except StructuredError as e:
-            raise ApiError(400, str(e), "invalid_structured_output", e.param) from None
-        except SchemaCheckBusy as e:
+        except SchemaCheckBusy:
             self.metrics.rejected("busy", caller.tier.name)
-            raise ApiError(429, str(e), "busy", retry_after=e.retry_after) from None
+            raise
         sampling = self._sampling(body, structured)
         if structured is not None:
             self.metrics.structured(caller.tier.name, structured.kind)
@@ -574,7 +564,7 @@ class Ingress:
         route = _Route(sampling, caller, self.cfg.replica_retries)
         try:
             self._admit(caller)
-        except ApiError:
+        except ServingError:
             self._count_slo(route, failed=True)
             raise
         self.inflight += 1
@@ -583,10 +573,9 @@ class Ingress:
             if self.gate is not None:
                 try:
                     route.ticket = await self.gate.enter(caller, len(call.ids) * call.n)
-                except Shed as e:
+                except Shed:
                     self._count_slo(route, failed=True)
-                    raise ApiError(e.status, e.message, "shed", retry_after=e.retry_after
-                                   ) from None
+                    raise
             response = await self._generate(body.stream, call, route)
             if isinstance(response, StreamingResponse):  # in flight until its stream ends
                 response.body_iterator = self._release_after(response.body_iterator,
@@ -604,19 +593,19 @@ class Ingress:
         tier = caller.tier
         if self.stream_bytes.get(tier.name, 0) >= tier.max_stream_bytes:
             self.metrics.rejected("stream_budget", tier.name)
-            raise ApiError(429, f"tier {tier.name!r}'s open streams have sent "
-                                f"{self.stream_bytes[tier.name]} bytes, its max_stream_bytes "
-                                f"({tier.max_stream_bytes}): read them, or wait until they end",
-                           "stream_budget", retry_after=max(self.cfg.retry_after_s, 1))
+            raise TooManyRequests(f"tier {tier.name!r}'s open streams have sent "
+                                  f"{self.stream_bytes[tier.name]} bytes, its max_stream_bytes "
+                                  f"({tier.max_stream_bytes}): read them, or wait until they end",
+                                  "stream_budget", retry_after=max(self.cfg.retry_after_s, 1))
         tier_inflight_limit = share_of(self.cfg.max_inflight_requests, caller.tier.queue_share)
         if self.inflight >= tier_inflight_limit:
             reason = "shed" if caller.tier.queue_share < 1.0 else "queue_full"
             self.metrics.rejected(reason, caller.tier.name)
             retry = (self.gate.retry_after(self.gate.band_of[caller.tier.name])
                      if self.gate is not None else None)
-            raise ApiError(429, f"the server is busy: {self.inflight} requests in flight; tier "
-                                f"{caller.tier.name!r} may have at most {tier_inflight_limit}",
-                           reason, retry_after=retry)
+            raise TooManyRequests(f"the server is busy: {self.inflight} requests in flight; tier "
+                                  f"{caller.tier.name!r} may have at most {tier_inflight_limit}",
+                                  reason, retry_after=retry)
 
     async def _release_after(self, body: AsyncIterable[Any], tier: str) -> AsyncIterator[Any]:
         """``body``, counted in flight and against ``tier``'s stream bytes until it ends."""
@@ -661,7 +650,7 @@ class Ingress:
     async def _generate(self, stream_out: bool, call: _Call, route: _Route) -> Response:
         try:
             stream, first = await self._start(call, route)
-        except ApiError as e:
+        except ServingError as e:
             if e.status in (429, 503):
                 self._count_slo(route, failed=True)
             raise
@@ -751,16 +740,16 @@ class Ingress:
             try:
                 first = await self._next(stream)
                 if first is None:
-                    raise ApiError(503, "the replica ended the request without an answer",
-                                   "no_answer")
+                    raise Unavailable("the replica ended the request without an answer",
+                                      "no_answer")
                 if isinstance(first, ErrorRecord):
                     if first.code == "replica_unavailable" and first.replica:
                         route.avoid.append(first.replica)
-                    raise ApiError(first.status, first.message, first.code, first.param)
+                    raise ServingError.of(first)
                 if failed_before_first_token(first):
-                    raise ApiError(503, str(first.failure), "replica_unavailable")
+                    raise Unavailable(str(first.failure), "replica_unavailable")
                 return stream, first
-            except ApiError as e:
+            except ServingError as e:
                 stream.cancel()
                 if e.code != "replica_unavailable" or route.retries_left <= 0:
                     raise
@@ -780,7 +769,7 @@ class Ingress:
         """The request's deltas, ``first`` first. When its replica fails (the actor dies or the
         engine fails) before any of the answer has gone to the client, the request is sent
         again while ``route`` allows, and None is yielded: the answer starts over. Otherwise a
-        failed actor raises ``ApiError`` and a failed engine's delta (``finish_reason`` "error")
+        failed actor raises ``ServingError`` and a failed engine's delta (``finish_reason`` "error")
         is yielded as it is."""
         item: RequestOutput | ErrorRecord | None = first
         ended = False  # a sample finished cleanly (not a client that left)
@@ -788,9 +777,9 @@ class Ingress:
         try:
             while True:
                 if item is None:
-                    raise ApiError(503, "the replica stopped streaming", "replica_failed")
+                    raise Unavailable("the replica stopped streaming", "replica_failed")
                 if not isinstance(item, RequestOutput):
-                    raise ApiError(503, "the replica sent a malformed stream", "replica_failed")
+                    raise Unavailable("the replica sent a malformed stream", "replica_failed")
                 if replica_failed(item) and route.can_resend:
                     stream, item = await self._resend(call, route, stream, str(item.failure))
                     yield None
@@ -802,12 +791,12 @@ class Ingress:
                 yield item
                 try:
                     item = await self._next(stream)
-                except ApiError as e:
+                except ServingError as e:
                     if e.code != "replica_unavailable" or not route.can_resend:
                         raise
                     stream, item = await self._resend(call, route, stream, e.message)
                     yield None
-        except ApiError:
+        except ServingError:
             errored = True
             raise
         finally:
@@ -852,8 +841,8 @@ class Ingress:
             raise
         except Exception as e:
             log.warning("replica call failed: %s", type(e).__name__)
-            raise ApiError(503, f"no replica could serve the request ({type(e).__name__})",
-                           "replica_unavailable") from None
+            raise Unavailable(f"no replica could serve the request ({type(e).__name__})",
+                              "replica_unavailable") from None
 
     async def _sse(self, items: AsyncGenerator[RequestOutput | None, None], rid: str, call: _Call,
                    route: _Route) -> AsyncIterator[str]:
@@ -931,7 +920,7 @@ class Ingress:
                         yield sse_event(tail.model_dump_json())
                     break
             yield "data: [DONE]\n\n"
-        except ApiError as e:
+        except ServingError as e:
             yield error_event(e)
             yield "data: [DONE]\n\n"
         except Exception as e:  # a fault of ours: the client still gets an end it can read

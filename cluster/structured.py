@@ -49,7 +49,7 @@ from tierserve.cluster.tool_calls import (
     ToolMessageError,
     call_schema,
 )
-from tierserve.records import StructuredOutput
+from tierserve.records import BadRequest, StructuredOutput, TooManyRequests
 from tierserve.replica.structured import strip_annotations
 
 # Keywords the grammar does not enforce (an output could break them): refused, not ignored.
@@ -75,21 +75,22 @@ WALKED_DRAFTS = frozenset({
 })
 
 
-class StructuredError(ValueError):
+class StructuredError(BadRequest, ValueError):
     """A structured-output field the server cannot take; ``param`` names it (HTTP 400)."""
 
-    def __init__(self, message: str, param: str) -> None:
-        super().__init__(message)
-        self.param = param
+    code = "invalid_structured_output"
+
+    def __init__(self, message: str, param: str | None) -> None:
+        super().__init__(message, param=param)
 
 
-class SchemaCheckBusy(Exception):
-    """Too many schema checks are running or waiting for a thread (HTTP 429): the request was
-    not checked; ``retry_after`` is the whole seconds to wait before sending it again."""
+class SchemaCheckBusy(TooManyRequests):
+    """Too many schema checks are running or waiting for a thread (HTTP 429 ``busy``): the
+    request was not checked; ``retry_after`` is the whole seconds to wait before sending it
+    again."""
 
     def __init__(self, message: str, retry_after: int = 1) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
+        super().__init__(message, retry_after=retry_after)
 
 
 class SchemaLimits(BaseModel):

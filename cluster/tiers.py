@@ -22,18 +22,24 @@ import re
 from dataclasses import dataclass
 
 from tierserve.cluster.config import TENANT_NAME, ClusterConfig, TierConfig, resolve_key
+from tierserve.records import BadRequest, Unauthorized
 
 
-class AuthError(Exception):
+class AuthError(Unauthorized):
     """Missing or unknown API key (401)."""
 
 
-class PriorityError(ValueError):
+class PriorityError(BadRequest, ValueError):
     """A bad ``X-TL-Priority`` header (400)."""
 
+    code = "invalid_priority"
+    param = "X-TL-Priority"
 
-class TenantError(ValueError):
-    """A bad tenant header (400)."""
+
+class TenantError(BadRequest, ValueError):
+    """A bad tenant header (400); ``param`` names the header (``flow.tenant_header``)."""
+
+    code = "invalid_tenant"
 
 
 DEFAULT_TENANT = "default"
@@ -85,6 +91,7 @@ class TierResolver:
         self.latency_floor = config.latency_floor
         # Tenants a key identifies: the tenant header may not claim them.
         self._keyed = {t.name: {name for name, _ in t.all_keys()} for t in config.tiers}
+        self._tenant_header = config.flow.tenant_header
 
     def resolve(self, authorization: str | None, priority_header: str | None,
                 tenant_header: str | None = None) -> Caller:
@@ -96,18 +103,18 @@ class TierResolver:
             tenant = self._tenant(tenant_header)
             if tenant in self._keyed.get(tier.name, ()):
                 raise TenantError(f"tenant {tenant!r} is identified by its API key, not by the "
-                                  "tenant header")
+                                  "tenant header", param=self._tenant_header)
         return Caller(tier, priority, priority >= self.latency_floor, tenant,
                       tier.weight_of(tenant))
 
-    @staticmethod
-    def _tenant(header: str | None) -> str:
+    def _tenant(self, header: str | None) -> str:
         if header is None or not header.strip():
             return DEFAULT_TENANT
         text = header.strip()
         if not _TENANT.fullmatch(text):
             raise TenantError("the tenant header must be 1 to 64 letters, digits, '.', '_' or "
-                              f"'-', starting with a letter or digit; got {text[:32]!r}")
+                              f"'-', starting with a letter or digit; got {text[:32]!r}",
+                              param=self._tenant_header)
         return text
 
     def _tier(self, authorization: str | None) -> tuple[TierConfig, str | None]:

@@ -34,6 +34,7 @@ from tierserve.cluster.protocol import (
     ToolCallDelta,
     ToolCallOut,
 )
+from tierserve.records import BadRequest
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
@@ -44,13 +45,12 @@ TOOL_RESPONSE_CLOSE = "</tool_response>"
 NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
-class ToolMessageError(ValueError):
+class ToolMessageError(BadRequest, ValueError):
     """A request whose tools, tool choice or tool messages cannot be used; ``param`` names the
     field at fault (as an error body's ``param``), e.g. ``messages.3.tool_calls.0.function.arguments``."""
 
-    def __init__(self, message: str, param: str) -> None:
-        super().__init__(message)
-        self.param = param
+    def __init__(self, message: str, param: str | None) -> None:
+        super().__init__(message, param=param)
 
 
 def _dumps(value: Any) -> str:

@@ -22,21 +22,17 @@ from ray import serve
 from ray.serve import Deployment
 
 from tierserve.records import (
-    EngineDead,
     EngineStats,
     ErrorRecord,
     GenerateRequest,
-    InvalidToken,
     RoutingStats,
+    ServingError,
     StreamItem,
     failed_before_first_token,
-    refusal,
     share_of,
 )
 from tierserve.replica.config import EngineConfig
 from tierserve.replica.load_report import LoadWindow, within_targets
-from tierserve.replica.scheduler import AdmitError
-from tierserve.replica.structured import GrammarError
 
 log = logging.getLogger("tierserve.replica")
 
@@ -138,16 +134,11 @@ class LLMServer:
                     first = first if first is not None else last
                     tokens += len(out.token_ids)
                 yield out
-        except AdmitError as e:
-            yield refusal(e)
-        except InvalidToken as e:
-            yield ErrorRecord(400, "invalid_token", str(e), e.param)
-        except GrammarError as e:  # 400 (its code says why), 429 too_many_compiles, 503
-            yield ErrorRecord(e.status, e.code, str(e), e.param,
-                              replica=self.replica_id if e.status == 503 else "")
-        except EngineDead as e:
-            yield ErrorRecord(503, "replica_unavailable", str(e), replica=self.replica_id)
-        except ValueError as e:
+        except ServingError as e:  # every refusal, its status and code its own
+            if e.status == 503:  # this replica cannot serve it: the ingress tries another
+                e.replica = self.replica_id
+            yield e.record()
+        except ValueError as e:  # a last guard: a check that raised the plain kind
             yield ErrorRecord(400, "invalid_request", str(e))
         finally:
             self.load.answering(ticket)

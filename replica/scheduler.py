@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from tierserve.arith import ceil_div
-from tierserve.records import EngineStats
+from tierserve.records import EngineStats, ServingError
 from tierserve.replica.block_space import (
     Allocation,
     BlockSpace,
@@ -113,18 +113,20 @@ class Request:
             raise ValueError(f"ttft_left_s must be a finite number of seconds, got {left!r}")
 
 
-class AdmitError(Exception):
-    """``add`` refused a request; ``reason`` is a stable label (metrics, HTTP error codes),
-    ``status`` the HTTP status a server answers it with (429: retry later; 400: it can never
-    run) and ``param`` the request's field at fault, where one is."""
+class AdmitError(ServingError):
+    """``add`` refused a request: a ``ServingError`` whose ``code`` (also ``reason``, the label
+    of the scheduler's rejection counts) says why and whose ``status`` is the HTTP status a
+    server answers it with (429: retry later; 400: it can never run)."""
 
-    reason = "refused"
-    status = 400
-    param: str | None = None
+    code = "refused"
+
+    @property
+    def reason(self) -> str:
+        return self.code
 
 
 class QueueFull(AdmitError):
-    reason = "queue_full"
+    code = "queue_full"
     status = 429
 
     def __init__(self, limit: int) -> None:
@@ -133,7 +135,7 @@ class QueueFull(AdmitError):
 
 
 class EmptyPrompt(AdmitError):
-    reason = "empty"
+    code = "empty"
     param = "prompt"
 
     def __init__(self) -> None:
@@ -141,7 +143,7 @@ class EmptyPrompt(AdmitError):
 
 
 class TooLong(AdmitError):
-    reason = "too_long"
+    code = "too_long"
 
     def __init__(self, tokens: int, limit: int) -> None:
         self.tokens = tokens
@@ -153,7 +155,7 @@ class TooLong(AdmitError):
 
 
 class NeverFits(AdmitError):
-    reason = "never_fits"
+    code = "never_fits"
 
     def __init__(self, blocks: int, total: int) -> None:
         self.blocks = blocks

@@ -59,7 +59,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import tierserve
-from tierserve.records import StructuredOutput
+from tierserve.records import BadRequest, StructuredOutput
 from tierserve.replica.grammar_worker import (
     Timeout,
     read_frame,
@@ -75,7 +75,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class GrammarError(ValueError):
+class GrammarError(BadRequest, ValueError):
     """A structured output the replica refuses: a schema, regex or grammar xgrammar refuses
     (``code`` ``invalid_structured_output``), one too complex to compile within the budget
     (``grammar_too_complex``), one that crashed the compiler (``grammar_compile_failed``), or
@@ -83,15 +83,11 @@ class GrammarError(ValueError):
     came from; ``status`` is the HTTP status a server answers with (400; 429 for the tenant
     cap; 503 when the replica cannot compile at all)."""
 
+    code = "invalid_structured_output"
+
     def __init__(self, message: str, param: str, code: str = "invalid_structured_output",
                  status: int = 400) -> None:
-        super().__init__(message)
-        self.param = param
-        self.code = code
-        self.status = status
-
-    def __reduce__(self) -> tuple[type[GrammarError], tuple[str, str, str, int]]:
-        return type(self), (str(self), self.param, self.code, self.status)
+        super().__init__(message, code, param, status=status)
 
 
 # Whitespace characters JSON may put between two of its tokens: enough for any indentation a

@@ -4,8 +4,8 @@ every layer above imports it (docs/architecture.md, "The layers").
 
 The ingress sends a replica one ``GenerateRequest`` (its router reads the same record to size the
 request); the replica streams back ``RequestOutput`` deltas, or a single ``ErrorRecord`` when it
-refuses the request (an HTTP status for the ingress to answer; ``refusal`` maps the scheduler's
-refusals to it); ``EngineStats`` is what an engine reports about itself, from which the gauges
+refuses the request (an HTTP status for the ingress to answer: ``ServingError.record``, the
+one type every refusal subclasses, makes it); ``EngineStats`` is what an engine reports about itself, from which the gauges
 (``tierserve.replica.metrics``) and ``RoutingStats`` are derived.
 
 ``RoutingStats`` is the ``record_routing_stats`` contract: the replica's deployment returns
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Final, Protocol
+from typing import Any, Final
 
 RequestId = int
 
@@ -56,16 +56,109 @@ def _number(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-class InvalidSamplingParam(ValueError):
+class ServingError(Exception):
+    """Every refusal of a request, wherever it is made: the HTTP ``status`` it is answered
+    with, a stable ``code`` (the error body's ``code``, a metric's label), the request's field at
+    fault (``param``, where one is), for a refusal under load the seconds after which to retry
+    (``retry_after``; None: the config's ``retry_after_s`` for a 429), and for a replica's own
+    failure the replica (``replica``). Subclasses set ``status`` and ``code`` for their kind;
+    an instance may name its own. The replica's deployment turns one into an ``ErrorRecord``
+    (``record``) and the ingress answers one as the API's error JSON or a stream's last event,
+    each in one place. It crosses processes whole (``__reduce__``)."""
+
+    status: int = 400
+    code: str = "invalid_request"
+    param: str | None = None
+
+    def __init__(self, message: str, code: str | None = None, param: str | None = None, *,
+                 status: int | None = None, retry_after: int | None = None,
+                 replica: str = "") -> None:
+        super().__init__(message)
+        self.message = message
+        if code is not None:
+            self.code = code
+        if param is not None:
+            self.param = param
+        if status is not None:
+            self.status = status
+        self.retry_after = retry_after
+        self.replica = replica
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _rebuild_error, (type(self), self.message, dict(self.__dict__))
+
+    def record(self) -> ErrorRecord:
+        """What a replica streams back for this refusal."""
+        return ErrorRecord(self.status, self.code, self.message, self.param, self.replica)
+
+    @classmethod
+    def of(cls, record: ErrorRecord) -> ServingError:
+        """A replica's ``ErrorRecord`` as the error the ingress answers."""
+        return ServingError(record.message, record.code, record.param, status=record.status,
+                            replica=record.replica)
+
+
+def _rebuild_error(kind: type[ServingError], message: str, state: dict[str, Any]) -> ServingError:
+    """``ServingError.__reduce__``'s other half: the same class and fields, whatever the
+    subclass's own ``__init__`` takes."""
+    error = kind.__new__(kind)
+    Exception.__init__(error, message)
+    error.__dict__.update(state)
+    return error
+
+
+class BadRequest(ServingError):
+    """400: the request can never be served as sent."""
+
+
+class Unauthorized(ServingError):
+    """401: no key, or one the server does not know, where a key is required."""
+
+    status = 401
+    code = "invalid_api_key"
+
+
+class RequestTimeout(ServingError):
+    """408: the request's body did not arrive in time."""
+
+    status = 408
+    code = "body_timeout"
+
+
+class TooLarge(ServingError):
+    """413: the request's body is larger than the server takes."""
+
+    status = 413
+    code = "too_large"
+
+
+class TooManyRequests(ServingError):
+    """429: not now; the same request may be served later (``retry_after``)."""
+
+    status = 429
+    code = "busy"
+
+
+class ServerFault(ServingError):
+    """500: a fault of the server's, never the client's."""
+
+    status = 500
+    code = "internal_error"
+
+
+class Unavailable(ServingError):
+    """503: no replica could serve the request now."""
+
+    status = 503
+    code = "replica_unavailable"
+
+
+class InvalidSamplingParam(BadRequest, ValueError):
     """A sampling parameter out of its range; ``param`` names the field (``logit_bias.7``,
     ``stop_token_ids.0``: the entry at fault), as an HTTP error's ``param`` does."""
 
     def __init__(self, message: str, param: str) -> None:
-        super().__init__(message)
-        self.param = param
-
-    def __reduce__(self) -> tuple[type[InvalidSamplingParam], tuple[str, str]]:
-        return type(self), (str(self), self.param)  # it crosses processes whole
+        super().__init__(message, param=param)
 
 
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
@@ -416,20 +509,6 @@ class ErrorRecord:
 StreamItem = RequestOutput | ErrorRecord
 
 
-class Refusal(Protocol):
-    """What a refusal carries (the scheduler's ``AdmitError`` is one): a stable label, the HTTP
-    status to answer and the request's field at fault, where one is."""
-
-    reason: str
-    status: int
-    param: str | None
-
-
-def refusal(error: Refusal) -> ErrorRecord:
-    """The record of a refused request (``tierserve.replica.scheduler.AdmitError``)."""
-    return ErrorRecord(error.status, error.reason, str(error), error.param)
-
-
 @dataclass(frozen=True, slots=True)
 class EngineStats:
     """One snapshot of an engine. Blocks are KV blocks of its pool.
@@ -473,17 +552,18 @@ class EngineStats:
     gpu_memory_total_bytes: int = 0
 
 
-class EngineDead(RuntimeError):
+class EngineDead(Unavailable, RuntimeError):
     """The step loop stopped on an error; the engine takes no new requests."""
 
 
-class InvalidToken(ValueError):
+class InvalidToken(BadRequest, ValueError):
     """A token id the model does not have (in the prompt, ``stop_token_ids`` or ``logit_bias``);
     ``param`` names the field."""
 
+    code = "invalid_token"
+
     def __init__(self, message: str, param: str) -> None:
-        super().__init__(message)
-        self.param = param
+        super().__init__(message, param=param)
 
 
 def targets_kept(ttft_s: float | None, tpot_s: float | None, ttft_target_s: float | None,

@@ -25,10 +25,9 @@ from tierserve.cluster.edge import (
     message_texts,
     read_json,
 )
-from tierserve.cluster.errors import ApiError
 from tierserve.cluster.ingress import _Call
 from tierserve.cluster.tiers import Caller, TierResolver, cache_partition
-from tierserve.records import RequestOutput, SamplingParams
+from tierserve.records import RequestOutput, SamplingParams, ServingError
 from tierserve.replica.models.embedded_spec import EMBEDDED_MODEL
 from tierserve.replica.models.meta import load_tokenizer
 
@@ -45,8 +44,8 @@ def read(*parts: bytes, declared: str | None = None, limit: int = 1 << 20,
     return asyncio.run(read_json(chunks(*parts, pause_s=pause_s), declared, limit, timeout_s))
 
 
-def refused(status: int, code: str, *parts: bytes, **kw: Any) -> ApiError:
-    with pytest.raises(ApiError) as e:
+def refused(status: int, code: str, *parts: bytes, **kw: Any) -> ServingError:
+    with pytest.raises(ServingError) as e:
         read(*parts, **kw)
     assert (e.value.status, e.value.code) == (status, code), e.value.message
     return e.value
@@ -117,7 +116,7 @@ def keyed_ingress() -> Any:
 def test_the_caller_is_resolved_before_the_body_is_read(route: str, auth: str | None) -> None:
     ing = keyed_ingress()
     request = NoBody({"authorization": auth} if auth else {})
-    with pytest.raises(ApiError) as e:
+    with pytest.raises(ServingError) as e:
         asyncio.run(getattr(ing, route)(request))
     assert e.value.status == 401 and not request.read
 
@@ -150,12 +149,12 @@ def test_the_byte_bound_never_exceeds_the_token_count(tokenizer: Any, text: str)
 def test_a_prompt_that_cannot_fit_is_refused_by_its_bytes() -> None:
     bound = PromptBound(context=100, token_bytes=4)
     bound.check_text(bound.max_bytes, "prompt")
-    with pytest.raises(ApiError) as e:
+    with pytest.raises(ServingError) as e:
         bound.check_text(bound.max_bytes + 1, "prompt")
     assert (e.value.status, e.value.code, e.value.param) == (400, "too_long", "prompt")
     assert "context is 100" in e.value.message
     bound.check_ids(99, "prompt")
-    with pytest.raises(ApiError, match="at most 99 tokens"):
+    with pytest.raises(ServingError, match="at most 99 tokens"):
         bound.check_ids(100, "prompt")
 
 
@@ -287,7 +286,7 @@ def test_a_tier_s_open_streams_are_bounded_in_bytes_sent() -> None:
         stream = ing._release_after(body(), "free")
         chunks = [await stream.__anext__() for _ in range(3)]  # 1,200 bytes out, unread
         assert sum(map(len, chunks)) == 1200 == ing.stream_bytes["free"]
-        with pytest.raises(ApiError) as e:
+        with pytest.raises(ServingError) as e:
             ing._admit(free)
         assert (e.value.status, e.value.code) == (429, "stream_budget")
         assert "max_stream_bytes (1000)" in e.value.message
@@ -311,6 +310,6 @@ def test_a_default_max_tokens_above_the_limit_is_the_limit_not_a_400() -> None:
     ing.cfg = ClusterConfig(max_tokens_limit=4)
     model = ing.cfg.model_name
     assert ing._sampling(CompletionRequest(model=model, prompt="x")).max_tokens == 4
-    with pytest.raises(ApiError) as e:
+    with pytest.raises(ServingError) as e:
         ing._sampling(CompletionRequest(model=model, prompt="x", max_tokens=16))
     assert (e.value.code, e.value.param) == ("max_tokens_too_large", "max_tokens")

@@ -14,13 +14,14 @@ import pytest
 from fastapi.testclient import TestClient
 
 from tierserve.cluster import ingress
-from tierserve.cluster.ingress import ApiError, error_event, error_response
+from tierserve.cluster.ingress import error_event, error_response
 from tierserve.cluster.protocol import ErrorResponse, error_body
 from tierserve.records import (
     ErrorRecord,
     GenerateRequest,
     RequestOutput,
     SamplingParams,
+    ServingError,
     failed_before_first_token,
 )
 from tierserve.replica.deployment import LLMServer
@@ -62,11 +63,11 @@ def test_an_http_error_is_the_builder_s_body_with_retry_after_when_given() -> No
 
 
 def test_an_error_event_is_the_same_body_as_one_sse_event() -> None:
-    event = error_event(ApiError(503, "engine died", "replica_failed"))
+    event = error_event(ServingError("engine died", "replica_failed", status=503))
     assert event == ('data: {"error": {"message": "engine died", "type": "service_unavailable", '
                      '"code": "replica_failed", "param": null}}\n\n')
     # A line separator in the message stays escaped: the event is one line.
-    odd = error_event(ApiError(400, "a\u2028b\x85c", "invalid_request", "prompt"))
+    odd = error_event(ServingError("a\u2028b\x85c", "invalid_request", "prompt", status=400))
     assert odd.count("\n") == 2 and odd.endswith("\n\n")
     assert json.loads(odd[len("data: "):]) == error_body(400, "a\u2028b\x85c", "invalid_request",
                                                          "prompt")
@@ -83,17 +84,16 @@ def test_starlette_s_own_errors_take_the_same_shape() -> None:
 
 
 @pytest.mark.parametrize(("error", "retry"), [
-    (ApiError(429, "the queue is full", "queue_full"), "7"),
-    (ApiError(503, "shed by flow control", "shed"), "7"),  # a shed answered 503 says when too
-    (ApiError(400, "unknown model", "model_not_found", "model"), None),
-    (ApiError(503, "no replica", "replica_unavailable"), None),
+    (ServingError("the queue is full", "queue_full", status=429), "7"),
+    (ServingError("shed by flow control", "shed", status=503), "7"),  # a shed answered 503 says when too
+    (ServingError("unknown model", "model_not_found", "model", status=400), None),
+    (ServingError("no replica", "replica_unavailable", status=503), None),
 ])
-def test_an_api_error_is_answered_with_its_body(error: ApiError, retry: str | None) -> None:
+def test_an_api_error_is_answered_with_its_body(error: ServingError, retry: str | None) -> None:
     request: Any = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(retry_after=7)))
     r = asyncio.run(ingress._api_error(request, error))
     assert r.status_code == error.status
-    assert json.loads(r.body) == error.body() == error_body(error.status, error.message,
-                                                            error.code, error.param)
+    assert json.loads(r.body) == error_body(error.status, error.message, error.code, error.param)
     assert r.headers.get("retry-after") == retry
 
 

@@ -15,10 +15,16 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from tierserve.cluster import ingress as ingress_mod
 from tierserve.cluster.config import ClusterConfig
-from tierserve.cluster.ingress import ApiError, _Call
+from tierserve.cluster.ingress import _Call
 from tierserve.cluster.protocol import error_body
 from tierserve.cluster.tiers import Caller
-from tierserve.records import ErrorRecord, GenerateRequest, RequestOutput, SamplingParams
+from tierserve.records import (
+    ErrorRecord,
+    GenerateRequest,
+    RequestOutput,
+    SamplingParams,
+    ServingError,
+)
 
 
 class ActorDied(Exception):
@@ -155,7 +161,7 @@ def test_an_engine_failing_mid_answer_of_an_unstreamed_request_is_sent_again() -
 def test_when_every_send_fails_the_client_gets_503_saying_so() -> None:
     dead = [ErrorRecord(503, "replica_unavailable", "engine died", replica="A")]
     handle = FakeHandle(dead, dead, dead)
-    with pytest.raises(ApiError) as e:
+    with pytest.raises(ServingError) as e:
         generate(handle, stream=False, retries=2)
     assert (e.value.status, e.value.code) == (503, "replica_unavailable")
     assert len(handle.sent) == 3  # the first send and replica_retries more
@@ -163,7 +169,7 @@ def test_when_every_send_fails_the_client_gets_503_saying_so() -> None:
 
 def test_a_refusal_is_not_sent_again() -> None:
     handle = FakeHandle([ErrorRecord(429, "queue_full", "the queue is full")], GOOD)
-    with pytest.raises(ApiError) as e:
+    with pytest.raises(ServingError) as e:
         generate(handle, stream=False)
     assert (e.value.status, e.value.code) == (429, "queue_full") and len(handle.sent) == 1
 
@@ -189,7 +195,7 @@ def test_a_first_delta_failed_with_no_token_is_sent_again() -> None:
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
 def test_a_failure_before_the_first_token_with_no_send_left_is_an_http_503(stream: bool) -> None:
     handle = FakeHandle([out("", 0, True, "error", failure="engine died")])
-    with pytest.raises(ApiError) as e:
+    with pytest.raises(ServingError) as e:
         generate(handle, stream=stream, retries=0)
     assert (e.value.status, e.value.code, e.value.message) == (
         503, "replica_unavailable", "engine died")
@@ -208,7 +214,7 @@ def test_a_failure_after_the_first_token_with_no_send_left_ends_the_stream() -> 
 
 def test_a_failure_after_the_first_token_of_an_unstreamed_request_is_an_http_503() -> None:
     handle = FakeHandle([out("Hel", 1, True, "error", failure="engine died")])
-    with pytest.raises(ApiError) as e:
+    with pytest.raises(ServingError) as e:
         generate(handle, stream=False, retries=0)
     assert (e.value.status, e.value.code, e.value.message) == (503, "replica_failed",
                                                                "engine died")
