@@ -101,9 +101,9 @@ def test_gpu_config_puts_one_replica_per_gpu() -> None:
     assert raw["applications"][0]["args"]["engine"]["attention_backend"] == "triton"
 
 
-def _readme_rows() -> dict[str, str]:
-    """``args`` field -> its default cell, from the README's configuration table."""
-    text = (ROOT.parent / "README.md").read_text()
+def _config_rows() -> dict[str, str]:
+    """``args`` field -> its default cell, from the configuration table of docs/config.md."""
+    text = (ROOT.parent / "docs" / "config.md").read_text()
     table = text[text.index("| `args` field | default | meaning |"):]
     rows: dict[str, str] = {}
     for line in table.splitlines()[2:]:
@@ -124,12 +124,12 @@ def _cell(value: object) -> str:
     return str(value)
 
 
-def test_the_readme_lists_exactly_the_engine_configs_fields_and_defaults() -> None:
+def test_the_config_reference_lists_exactly_the_engine_configs_fields_and_defaults() -> None:
     from tierserve.replica.config import EngineConfig
 
-    rows = {k.removeprefix("engine."): v for k, v in _readme_rows().items()
+    rows = {k.removeprefix("engine."): v for k, v in _config_rows().items()
             if k.startswith("engine.")}
     fields = EngineConfig.model_fields
-    assert list(rows) == list(fields), "the README's engine rows, in the config's order"
+    assert list(rows) == list(fields), "docs/config.md's engine rows, in the config's order"
     for name, info in fields.items():
         assert rows[name] == _cell(info.default), name

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_the_readmes_in_process_example_runs_verbatim() -> None:
     text = (ROOT / "README.md").read_text()
     (block,) = [b for b in re.findall(r"```python\n(.*?)```", text, re.S)
-                if "from tierserve.replica.llm import LLM" in b]
+                if "from tierserve import LLM" in b]
     out = subprocess.run([sys.executable, "-c", block], capture_output=True, text=True,
                          timeout=600, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
