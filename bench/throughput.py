@@ -11,7 +11,7 @@ running requests, one case each (``max_num_seqs`` for every system; default none
 time: the targets (tierserve >= 3x the best ``transformers`` figure, engine overhead < 10% at
 32 or more running requests) are printed as met or not, and tierserve / vLLM-CPU per case.
 
-The comparison with vLLM-CPU (issue-level figures in the README): ``python -m tierserve.bench.throughput
+The comparison with vLLM-CPU (figures in docs/benchmarks.md): ``python -m tierserve.bench.throughput
 --model smollm2-135m-instruct --systems tierserve,vllm --requests 64 --rounds 3 --mix
 random,shared`` (the two systems alternate within each round), and ``--concurrency 8`` for the
 shared-nothing mix at 8 running requests.

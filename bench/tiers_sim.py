@@ -49,7 +49,7 @@ not shed, a second of arrivals (every admitted request runs to its end: this cou
 gate let through, not a rate the replicas sustained).
 
 The step's cost (``StepTruth``'s defaults) was measured with ``engine.step`` on one core of the
-2-core Xeon of the README (SmolLM2-135M, fp32, one torch thread, nothing else running): about
+2-core Xeon of docs/tiers.md (SmolLM2-135M, fp32, one torch thread, nothing else running): about
 27 ms a step, 1.6 ms a prompt position, 2.5 ms a decode. Under ``bench.tiers`` the same steps
 take about 1.4 times that (two replicas, the ingress, Ray and the client share the two cores):
 at scale 1.4 the interactive TTFT p50 and the lower tiers' tokens come out about where the real
@@ -447,7 +447,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"{statistics.mean(f['lower_tokens_per_s'] for f in every):9.0f}", flush=True)
     if args.json is not None:
         # The figures are the simulation's, the same on any machine; the machine is recorded
-        # as for every benchmark (and the step's cost was measured on the README's).
+        # as for every benchmark (and the step's cost was measured on docs/tiers.md's).
         args.json.write_text(json.dumps({"machine": machine(torch_info=False),
                                          "args": {k: str(v) for k, v in vars(args).items()},
                                          "truth": str(StepTruth()), "rows": rows}, indent=1))

@@ -10,7 +10,7 @@ The config is checked first (``tierserve.cluster.app.check_serve_config``): a fi
 named and nothing starts. Once ``GET /ready`` answers 200 (every replica can take work) it prints
 one line saying so, among Ray's logs: until then Ray's proxy may answer a request with a 404 (the
 application's routes are not there yet) and the ingress holds what it gets. On a multi-node Ray cluster, start Ray with ``ray start`` on every node and use ``serve run``
-directly (see the README).
+directly (see docs/operations.md).
 """
 
 from __future__ import annotations

@@ -25,8 +25,8 @@ CONTEXT_CAP = 8192  # max_model_len's default: the model's, at most this
 
 
 class EngineConfig(BaseModel):
-    """One replica's engine. Every field, its default and its meaning (the README's
-    configuration table lists exactly these):
+    """One replica's engine. Every field, its default and its meaning (docs/config.md's
+    table lists exactly these):
 
     - ``model``: a packaged model, a ``.gguf`` file (or a folder holding one), a checkpoint
       directory, a hub id, or ``tierserve-tiny``.
