@@ -15,7 +15,9 @@ from ray.serve import Application, Deployment
 
 from tierserve.cluster.config import ClusterConfig
 from tierserve.cluster.ingress import Ingress
+from tierserve.replica.config import describe
 from tierserve.replica.deployment import LLMDeployment
+from tierserve.router.routing import RouterSettings
 
 
 class ConfigError(ValueError):
@@ -24,12 +26,11 @@ class ConfigError(ValueError):
 
 BUILDER = "tierserve.cluster.app:build_app"
 POLICY = "tierserve.cluster.autoscaling:TierPolicy"
+ROUTER = "tierserve.router.free_blocks_router:FreeKVBlocksRouter"
 
 
 def _lines(e: ValidationError, prefix: tuple[str, ...] = ()) -> str:
-    return "\n".join(
-        f"  {'.'.join([*prefix, *(str(p) for p in err['loc'])]) or '(top)'}: {err['msg']}"
-        for err in e.errors())
+    return "  " + describe(e, prefix, "\n  ")
 
 
 def load_config(args: dict[str, Any] | None) -> ClusterConfig:
@@ -41,8 +42,9 @@ def load_config(args: dict[str, Any] | None) -> ClusterConfig:
 
 def check_serve_config(raw: Mapping[str, Any]) -> None:
     """A whole Serve config file, checked before anything starts (``tierserve serve`` does):
-    Serve's own schema, then, for each application this package builds, its ``args`` and the
-    ``policy_kwargs`` of an ``autoscaling_config`` that uses tierserve's policy. Raises
+    Serve's own schema, then, for each application this package builds, its ``args``, the
+    ``policy_kwargs`` of an ``autoscaling_config`` that uses tierserve's policy and the
+    ``request_router_kwargs`` of a deployment routed by tierserve's router. Raises
     ``ConfigError`` naming each field at fault."""
     from ray.serve.schema import ServeDeploySchema
 
@@ -57,6 +59,15 @@ def check_serve_config(raw: Mapping[str, Any]) -> None:
             continue
         load_config(app.get("args"))
         for dep in app.get("deployments") or []:
+            router = dep.get("request_router_config") or {}
+            if router.get("request_router_class") == ROUTER:
+                try:
+                    RouterSettings.from_kwargs(router.get("request_router_kwargs") or {})
+                except ValueError as e:
+                    raise ConfigError(
+                        f"invalid router settings (applications.{i}.deployments."
+                        f"{dep.get('name')}.request_router_config.request_router_kwargs): "
+                        f"{e}") from None
             policy = (dep.get("autoscaling_config") or {}).get("policy") or {}
             if policy.get("policy_function") != POLICY:
                 continue

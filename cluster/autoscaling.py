@@ -57,17 +57,36 @@ class AutoscalePolicyConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     tiers: list[str] | None = Field(
-        default=None, description="tiers whose target attainment drives scaling (None: every "
-        "tier the replicas report: every tier with a target)")
-    max_miss_ratio: float = Field(default=0.05, gt=0.0, lt=1.0)
-    min_requests: int = Field(default=5, ge=1)
-    kv_high: float = Field(default=0.9, gt=0.0)
-    kv_low: float = Field(default=0.5, gt=0.0)
-    busy_low: float = Field(default=0.6, gt=0.0, le=1.0)
-    waiting_high: float = Field(default=4.0, gt=0.0)
-    preemptions_high: float = Field(default=0.5, gt=0.0)
-    upscale_after_s: float = Field(default=5.0, ge=0.0, le=3600.0)
-    downscale_after_s: float = Field(default=60.0, ge=0.0, le=86400.0)
+        default=None,
+        description="the tiers whose attainment drives scaling; `null`: every tier with a target")
+    max_miss_ratio: float = Field(
+        default=0.05, gt=0.0, lt=1.0,
+        description="up when more of the watched requests than this missed a target")
+    min_requests: int = Field(
+        default=5, ge=1,
+        description="finished watched requests (all replicas, last 10 s) needed to judge the ratio")
+    kv_high: float = Field(
+        default=0.9, gt=0.0,
+        description="up when the mean promised KV share passes it")
+    kv_low: float = Field(
+        default=0.5, gt=0.0,
+        description="down only if the promised KV spread over one replica fewer stays under it "
+                    "(must be below `kv_high`)")
+    busy_low: float = Field(
+        default=0.6, gt=0.0, le=1.0,
+        description="down only if the busy share spread over one replica fewer stays under it")
+    waiting_high: float = Field(
+        default=4.0, gt=0.0,
+        description="up when requests not yet answering, per replica, pass it")
+    preemptions_high: float = Field(
+        default=0.5, gt=0.0,
+        description="up when preemptions per second per replica pass it")
+    upscale_after_s: float = Field(
+        default=5.0, ge=0.0, le=3600.0,
+        description="how long a reason to go up must hold")
+    downscale_after_s: float = Field(
+        default=60.0, ge=0.0, le=86400.0,
+        description="how long the calm must hold before going down")
 
     @model_validator(mode="after")
     def _hysteresis(self) -> AutoscalePolicyConfig:

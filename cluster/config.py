@@ -29,51 +29,71 @@ class TenantConfig(_Strict):
     of weight 2 gets twice the tokens of one of weight 1 while both are backlogged) and the API
     keys that identify it (written as a tier's ``api_keys`` are)."""
 
-    name: str = Field(pattern=TENANT_NAME)
-    weight: float = Field(default=1.0, gt=0.0, le=1000.0)
-    api_keys: list[SecretStr] = Field(default_factory=list)
+    name: str = Field(
+        pattern=TENANT_NAME,
+        description="the tenant's name: 1 to 64 letters, digits, `.`, `_` or `-`, starting with a "
+                    "letter or digit")
+    weight: float = Field(
+        default=1.0, gt=0.0, le=1000.0,
+        description="its share of its tier against the tier's other tenants (Virtual Token Counter "
+                    "weights)")
+    api_keys: list[SecretStr] = Field(
+        default_factory=list,
+        description="its keys, written as a tier's are")
 
 
 class TierConfig(_Strict):
-    """A priority tier: callers with one of ``api_keys`` (or, for the anonymous tier, no key).
+    """A priority tier: callers with one of ``api_keys`` (or, for the anonymous tier, no
+    key). Each field's meaning is its ``description`` (docs/tiers.md's table is made from
+    them)."""
 
-    An API key is written as ``env:VAR`` (the value of environment variable ``VAR`` in the
-    ingress's process), ``file:PATH`` (the file's content, stripped) or literally. Serve logs an
-    application's ``args`` when it deploys them, so use the references for real keys.
-
-    base_priority: the priority of a request that asks for none. max_priority: the highest the
-    ``X-TL-Priority`` header may ask for. queue_share: the fraction of a replica's waiting queue
-    this tier may fill before its requests are refused with 429 (lower tiers get smaller shares,
-    so under overload they are refused first); with flow control, also the share of the
-    ingress's dispatch window (``FlowConfig``) its requests may occupy.
-
-    ttft_target_s, tpot_target_s: the latency the tier promises (time to first token, time per
-    output token after it; None: no target). The replicas' SLO-aware steps keep the TPOT
-    target (docs/scheduler.md §8); both are counted as met or missed per request
-    (``tierserve_slo_requests``). max_held: with flow control, how many of its requests the
-    ingress may hold while no replica can start them. late_after_s: how long one may be held
-    before it is late (best below ``ttft_target_s``: past it, it can only miss its target): a
-    late request yields its turn to every on-time one and is shed only while an on-time request
-    of its tier or a higher one that arrived after it became late is held, or when its tier's
-    queue is full (``cluster/flow.py``); a burst is served in full. max_stream_bytes: the bytes
-    its open streams may have sent, all together (Ray Serve's proxy keeps what a client has not
-    read: this bounds what a tier's readers that never read make it keep; beyond, its new
-    requests get 429 ``stream_budget`` until streams end). tenants: named tenants with
-    weights and keys; each key of ``api_keys`` is a tenant of its own (named ``<tier>-key<N>``,
-    weight 1).
-    """
-
-    name: str = Field(pattern=r"^[a-z][a-z0-9_-]{0,31}$")
-    base_priority: int = Field(ge=-1000, le=1000)
-    max_priority: int = Field(ge=-1000, le=1000)
-    queue_share: float = Field(default=1.0, gt=0.0, le=1.0)
-    api_keys: list[SecretStr] = Field(default_factory=list)
-    ttft_target_s: float | None = Field(default=None, gt=0.0, le=3600.0)
-    tpot_target_s: float | None = Field(default=None, gt=0.0, le=60.0)
-    max_held: int = Field(default=256, ge=0)
-    late_after_s: float = Field(default=30.0, gt=0.0, le=3600.0)
-    max_stream_bytes: int = Field(default=256 << 20, gt=0)
-    tenants: list[TenantConfig] = Field(default_factory=list)
+    name: str = Field(
+        pattern=r"^[a-z][a-z0-9_-]{0,31}$",
+        description="the tier's name: lowercase letters, digits, `_` and `-`, at most 32")
+    base_priority: int = Field(
+        ge=-1000, le=1000,
+        description="the priority of a request that asks for none")
+    max_priority: int = Field(
+        ge=-1000, le=1000,
+        description="the highest priority the `X-TL-Priority` header may ask for")
+    queue_share: float = Field(
+        default=1.0, gt=0.0, le=1.0,
+        description="the fraction of a replica's waiting queue, and of the ingress's dispatch "
+                    "window, the tier may fill: lower tiers get smaller shares, so under overload "
+                    "they wait and are refused first")
+    api_keys: list[SecretStr] = Field(
+        default_factory=list,
+        description="its callers' keys (`Authorization: Bearer <key>`), each written literally, as "
+                    "`env:VAR` (the variable's value in the ingress's process) or `file:PATH` (the "
+                    "file's content, stripped); use the references for real keys: Serve logs an "
+                    "application's `args`")
+    ttft_target_s: float | None = Field(
+        default=None, gt=0.0, le=3600.0,
+        description="the time to first token it promises")
+    tpot_target_s: float | None = Field(
+        default=None, gt=0.0, le=60.0,
+        description="the time per output token (after the first) it promises; the replicas' "
+                    "SLO-aware steps keep it")
+    max_held: int = Field(
+        default=256, ge=0,
+        description="its requests the ingress may hold while no replica can start them; beyond, "
+                    "shed")
+    late_after_s: float = Field(
+        default=30.0, gt=0.0, le=3600.0,
+        description="how long one of its requests may be held before it is *late* (best below "
+                    "`ttft_target_s`): a late request yields to every on-time one, and is shed "
+                    "only while newer requests of its tier or above are held behind it, or to make "
+                    "room in a full queue")
+    max_stream_bytes: int = Field(
+        default=256 << 20, gt=0, json_schema_extra={"doc_default": "256 MiB"},
+        description="the bytes its open streams may have sent, all together (Ray Serve's proxy "
+                    "keeps what a client has not read); beyond, its new requests get 429 "
+                    "`stream_budget` until streams end ([security.md](docs/security.md))")
+    tenants: list[TenantConfig] = Field(
+        default_factory=list,
+        description="named tenants, each `{name, weight, api_keys}` (the `tiers[].tenants[].*` "
+                    "fields); each key of the tier's own `api_keys` is a tenant of its own "
+                    "(`<tier>-key<N>`, weight 1)")
 
     @model_validator(mode="before")
     @classmethod
@@ -122,82 +142,123 @@ def _default_tiers() -> list[TierConfig]:
 
 
 class FlowConfig(_Strict):
-    """Flow control at the ingress (``cluster/flow.py``).
+    """Flow control at the ingress (``cluster/flow.py``; docs/tiers.md). Each field's
+    meaning is its ``description``."""
 
-    enabled: hold requests at the ingress while the replicas cannot start them (off: every
-    request goes straight to a replica, as before). starting_per_replica: requests dispatched
-    to a replica and not yet answering (no first token yet) per replica: the dispatch window
-    (a tier dispatches while those it counts fill less than its ``queue_share`` of it; under
-    priority scheduling it counts only its own requests and those of the tiers above it, which
-    a replica admits ahead of the lower tiers' waiting there, so all tiers together may pass
-    it). max_held: requests held at most, all tiers (a full queue sheds late requests, then
-    evicts, from the lowest tier first). max_hold_s: the longest any request is held, late or
-    not (the hard ceiling; a client that leaves sooner is dropped at once). shed_status: the
-    status of a shed request (429 or 503, with a ``Retry-After`` estimated from how fast its
-    tier starts requests). tenant_header: a header naming the tenant inside the caller's tier
-    (for gateways that authenticate upstream); None: tenants are API keys. aging_s,
-    aged_share: a request held longer than ``aging_s`` goes ahead of higher tiers, for at most
-    ``aged_share`` of the dispatches (no tier starves; under overload the lower tiers still
-    absorb it); ``aging_s`` None: strict priority. tenant_burst_s: a tenant coming back from
-    idle to a tier whose other tenants are backlogged first catches up what it missed in the
-    last ``tenant_burst_s`` seconds, so that its burst goes ahead of them while a higher tier
-    leaves its tier short, at the cost of their shares over that span (0, the default: the
-    plain Virtual Token Counter, idle time banks nothing).
-    """
-
-    enabled: bool = True
-    starting_per_replica: int = Field(default=8, ge=1, le=4096)
-    max_held: int = Field(default=1024, ge=0)
-    max_hold_s: float = Field(default=300.0, gt=0.0, le=86400.0)
-    shed_status: Literal[429, 503] = 429
-    tenant_header: str | None = Field(default=None, pattern=r"^[A-Za-z0-9-]{1,64}$")
-    aging_s: float | None = Field(default=20.0, gt=0.0)
-    aged_share: float = Field(default=0.05, ge=0.0, le=1.0)
-    tenant_burst_s: float = Field(default=0.0, ge=0.0, le=3600.0)
+    enabled: bool = Field(
+        default=True,
+        description="flow control at the ingress (see [tiers.md](docs/tiers.md)): hold requests no "
+                    "replica can start, fair between tenants, shed the lowest tier first; false "
+                    "sends every request straight to a replica")
+    starting_per_replica: int = Field(
+        default=8, ge=1, le=4096,
+        description="requests dispatched to a replica that have not answered their first token, "
+                    "per replica (the dispatch window; a tier dispatches while those it counts "
+                    "fill less than its `queue_share` of it, under priority scheduling only its "
+                    "own and the higher tiers' requests, so all tiers together may pass it)")
+    max_held: int = Field(
+        default=1024, ge=0,
+        description="requests held at the ingress at most, all tiers (a full queue sheds a late "
+                    "request of the lowest tier at or below the arrival's, else evicts the newest "
+                    "held request of the lowest tier below it)")
+    max_hold_s: float = Field(
+        default=300.0, gt=0.0, le=86400.0,
+        description="the longest any request is held, late or not (a client that leaves sooner is "
+                    "dropped at once)")
+    shed_status: Literal[429, 503] = Field(
+        default=429,
+        description="the status of a shed request: 429 or 503, with a `Retry-After` estimated from "
+                    "how fast the gate has started its tier's requests lately (at least "
+                    "`retry_after_s`, at most 60 s)")
+    tenant_header: str | None = Field(
+        default=None, pattern=r"^[A-Za-z0-9-]{1,64}$",
+        description="a header that names the tenant inside the caller's tier (for a gateway that "
+                    "authenticates upstream); `null`: tenants are API keys")
+    aging_s: float | None = Field(
+        default=20.0, gt=0.0,
+        description="a request held longer goes ahead of higher tiers (the oldest first), for at "
+                    "most `flow.aged_share` of the dispatches: no tier starves, and under overload "
+                    "the lower tiers still absorb it; `null`: strict priority")
+    aged_share: float = Field(
+        default=0.05, ge=0.0, le=1.0,
+        description="the most of the dispatches aged requests may take")
+    tenant_burst_s: float = Field(
+        default=0.0, ge=0.0, le=3600.0,
+        description="a tenant coming back from idle to a tier whose other tenants are backlogged "
+                    "first catches up what it missed in the last this many seconds (its burst goes "
+                    "ahead of them while a higher tier leaves its tier short, at the cost of the "
+                    "backlogged tenants' shares over that span); 0: the plain Virtual Token "
+                    "Counter, idle time banks nothing")
 
 
 class ClusterConfig(_Strict):
-    """The whole application's settings.
+    """The whole application's settings (the config file's ``args``). Each field's meaning
+    is its ``description`` (docs/config.md's table is made from them,
+    ``tierserve.cluster.reference``)."""
 
-    served_model_name: the name clients pass as ``model`` (default: the engine's model).
-    anonymous_tier: the tier of a request without an API key (without any key configured:
-    every request's); ``None`` makes a key mandatory. With keys configured it may not rank
-    above any tier that has keys (a caller would raise its tier by dropping its key).
-    max_request_bytes: requests with a larger body get 413. body_timeout_s: a body not all
-    received this long after its headers gets 408 (a client that trickles its body holds no
-    more than this). max_tokens_limit: the largest
-    ``max_tokens`` a request may ask for. max_stop_strings: the most ``stop`` strings per request.
-    retry_after_s: the least ``Retry-After`` of a 429 (flow control estimates more when a tier
-    starts its held requests slowly). max_inflight_requests: requests in flight
-    through the ingress at most (a tier may use its ``queue_share`` of them); beyond, 429.
-    max_n: the most samples (``n``) one request may ask for. replica_retries: how many times a request whose
-    replica failed before its first token is sent again (to another replica). fault_injection:
-    lets ``LLMServer.inject_fault`` break a replica (for the fault tests only).
-    prefix_cache_scope: ``tenant`` (the default): a prompt's cached blocks are shared only
-    between requests of the same tenant (and the same ``cache_salt``), so ``cached_tokens`` never
-    tells one tenant about another's prompts; callers who name no tenant (no keys, no tenant
-    header) are one tenant. ``shared``: every tenant shares (more hits, and that side channel):
-    an explicit choice. structured_limits: what the ingress takes in a request's JSON schemas
-    (``tierserve.cluster.structured.SchemaLimits``). flow: flow control at the ingress
-    (``FlowConfig``).
-    """
-
-    engine: EngineConfig = Field(default_factory=EngineConfig)
-    served_model_name: str | None = None
-    tiers: list[TierConfig] = Field(default_factory=_default_tiers, min_length=1)
-    anonymous_tier: str | None = "standard"
-    max_request_bytes: int = Field(default=1 << 20, gt=0)
-    body_timeout_s: float = Field(default=30.0, gt=0.0, le=3600.0)
-    max_tokens_limit: int = Field(default=4096, gt=0)
-    max_stop_strings: int = Field(default=8, ge=0, le=MAX_STOP_STRINGS)
-    retry_after_s: int = Field(default=1, ge=0)
-    replica_retries: int = Field(default=2, ge=0, le=10)
-    max_inflight_requests: int = Field(default=1024, gt=0)
-    max_n: int = Field(default=8, ge=1, le=128)
-    fault_injection: bool = False
-    prefix_cache_scope: Literal["tenant", "shared"] = "tenant"
-    structured_limits: SchemaLimits = Field(default_factory=SchemaLimits)
-    flow: FlowConfig = Field(default_factory=FlowConfig)
+    engine: EngineConfig = Field(
+        default_factory=EngineConfig,
+        description="one replica's engine: the `engine.*` fields (the same fields `LLM(**options)` "
+                    "takes)")
+    served_model_name: str | None = Field(
+        default=None, json_schema_extra={"doc_default": "`engine.model`"},
+        description="the `model` name clients send")
+    tiers: list[TierConfig] = Field(
+        default_factory=_default_tiers,
+        min_length=1,
+        json_schema_extra={"doc_default": "interactive / standard / batch"},
+        description="the priority tiers, highest first by `base_priority` (see docs/tiers.md: the "
+                    "`tiers[].*` fields)")
+    anonymous_tier: str | None = Field(
+        default="standard",
+        description="the tier of a request without an API key (without keys configured, every "
+                    "request's); `null` makes keys mandatory; with keys it may not rank above any "
+                    "keyed tier (the config check refuses it)")
+    max_request_bytes: int = Field(
+        default=1 << 20, gt=0, json_schema_extra={"doc_default": "1 MiB"},
+        description="larger bodies get 413")
+    body_timeout_s: float = Field(
+        default=30.0, gt=0.0, le=3600.0,
+        description="a body not all received this long after its headers gets 408")
+    max_tokens_limit: int = Field(
+        default=4096, gt=0,
+        description="the largest `max_tokens` a request may ask for (and the default for chat)")
+    max_stop_strings: int = Field(
+        default=8, ge=0, le=MAX_STOP_STRINGS,
+        description="the most `stop` strings per request (at most 64)")
+    retry_after_s: int = Field(
+        default=1, ge=0,
+        description="the least `Retry-After` of a 429 (flow control estimates more when a tier "
+                    "starts its held requests slowly)")
+    replica_retries: int = Field(
+        default=2, ge=0, le=10,
+        description="times a request is sent again when its replica fails before any of its answer "
+                    "went out")
+    max_inflight_requests: int = Field(
+        default=1024, gt=0,
+        description="requests in flight through the ingress at most (a tier may use its "
+                    "`queue_share` of them); beyond, 429 at once")
+    max_n: int = Field(
+        default=8, ge=1, le=128,
+        description="the most samples (`n`) one request may ask for")
+    fault_injection: bool = Field(
+        default=False,
+        description="lets `LLMServer.inject_fault` break a replica (fault tests only)")
+    prefix_cache_scope: Literal["tenant", "shared"] = Field(
+        default="tenant",
+        description="a prompt's cached blocks are shared only within its tenant (and "
+                    "`cache_salt`), so `cached_tokens` never tells one tenant about another's "
+                    "prompts; `shared`: across tenants ([security.md](docs/security.md))")
+    structured_limits: SchemaLimits = Field(
+        default_factory=SchemaLimits,
+        description="what the ingress takes in a request's JSON schemas "
+                    "(`tierserve.cluster.structured.SchemaLimits`: sizes, properties, subschemas, "
+                    "depth, enums, bounds, tools); beyond a limit, 400 `invalid_structured_output` "
+                    "naming the limit's field (docs/structured.md): the `structured_limits.*` "
+                    "fields")
+    flow: FlowConfig = Field(
+        default_factory=FlowConfig,
+        description="flow control at the ingress: the `flow.*` fields")
 
     @field_validator("tiers")
     @classmethod

@@ -99,51 +99,71 @@ class SchemaLimits(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    # Bytes of one schema's JSON text (UTF-8, as the server writes it back out): the cost of
-    # every later step (the check, the grammar's compilation, the replica's cache) grows with it.
-    max_bytes: int = Field(default=64 * 1024, ge=64, le=16 << 20)
-    # Bytes of all the schemas of one request together (its tools' parameters, or its
-    # response format).
-    max_total_bytes: int = Field(default=256 * 1024, ge=64, le=64 << 20)
-    # Property names declared in one schema, counted over all its subschemas (``properties``
-    # and ``patternProperties``).
-    max_properties: int = Field(default=512, ge=1)
-    # Subschemas in one schema, all of them (properties, items, branches, definitions, ...):
-    # the walk takes about 6 us a subschema.
-    max_subschemas: int = Field(default=2048, ge=1)
-    # Subschemas in a schema whose ``$schema`` names a draft the walk does not check alone
-    # (draft-04, ...): ``jsonschema`` checks it against its meta-schema, about 0.3 ms a
-    # subschema.
-    max_legacy_subschemas: int = Field(default=128, ge=1)
-    # How deep subschemas nest (the root is 0, a property of it 1, ...); a value in a schema
-    # (``const``, ``enum``, ``default``, ``examples``, an unknown keyword's) may nest twice as
-    # many levels. At most 32: the server and the replica copy and rewrite schemas with
-    # recursive functions.
-    max_depth: int = Field(default=16, ge=1, le=32)
-    # Values of one ``enum``.
-    max_enum: int = Field(default=256, ge=1)
-    # The largest ``minLength``/``maxLength``, and the largest count in a ``pattern``'s
-    # repetition (``{n}``, ``{n,m}``): the grammar unrolls a bounded string, and its
-    # construction grows faster than the bound (about 0.5 s for 1,024 on a 2-core Xeon).
-    max_length_bound: int = Field(default=1024, ge=0)
-    # The largest ``minItems``/``maxItems``/``minProperties``/``maxProperties``.
-    max_count_bound: int = Field(default=4096, ge=0)
-    # Tools one chat request declares (the request model takes at most 128).
-    max_tools: int = Field(default=128, ge=1, le=128)
-    # A request whose schemas together are at most this many bytes is checked on the event
-    # loop (about 1 ms); a larger one, or one that names an older draft, on a checking thread.
-    inline_bytes: int = Field(default=8 * 1024, ge=0)
-    # Threads that check schemas off the event loop. The checks are Python and hold the GIL:
-    # a second thread adds no speed and takes a larger share of the loop's time.
-    check_workers: int = Field(default=1, ge=1, le=32)
-    # Requests whose check runs or waits for a thread: one more is answered 429 at once.
-    max_checks: int = Field(default=32, ge=1)
-    # Seconds a request waits for its check: one still waiting for a thread then is answered
-    # 429, one whose check was running 400 (the schema is too complex).
-    check_timeout_s: float = Field(default=5.0, gt=0.0, le=600.0)
-    # Verdicts kept, by the schema's JSON text (the same tools come with every turn of an
-    # agent): a schema seen lately is not checked again. 0: none kept.
-    cache_entries: int = Field(default=256, ge=0)
+    max_bytes: int = Field(
+        default=64 * 1024, ge=64, le=16 << 20,
+        description="Bytes of one schema's JSON text (UTF-8, as the server writes it back out): "
+                    "the cost of every later step (the check, the grammar's compilation, the "
+                    "replica's cache) grows with it.")
+    max_total_bytes: int = Field(
+        default=256 * 1024, ge=64, le=64 << 20,
+        description="Bytes of all the schemas of one request together (its tools' parameters, or "
+                    "its response format).")
+    max_properties: int = Field(
+        default=512, ge=1,
+        description="Property names declared in one schema, counted over all its subschemas "
+                    "(``properties`` and ``patternProperties``).")
+    max_subschemas: int = Field(
+        default=2048, ge=1,
+        description="Subschemas in one schema, all of them (properties, items, branches, "
+                    "definitions, ...): the walk takes about 6 us a subschema.")
+    max_legacy_subschemas: int = Field(
+        default=128, ge=1,
+        description="Subschemas in a schema whose ``$schema`` names a draft the walk does not "
+                    "check alone (draft-04, ...): ``jsonschema`` checks it against its "
+                    "meta-schema, about 0.3 ms a subschema.")
+    max_depth: int = Field(
+        default=16, ge=1, le=32,
+        description="How deep subschemas nest (the root is 0, a property of it 1, ...); a value in "
+                    "a schema (``const``, ``enum``, ``default``, ``examples``, an unknown "
+                    "keyword's) may nest twice as many levels. At most 32: the server and the "
+                    "replica copy and rewrite schemas with recursive functions.")
+    max_enum: int = Field(
+        default=256, ge=1,
+        description="Values of one ``enum``.")
+    max_length_bound: int = Field(
+        default=1024, ge=0,
+        description="The largest ``minLength``/``maxLength``, and the largest count in a "
+                    "``pattern``'s repetition (``{n}``, ``{n,m}``): the grammar unrolls a bounded "
+                    "string, and its construction grows faster than the bound (about 0.5 s for "
+                    "1,024 on a 2-core Xeon).")
+    max_count_bound: int = Field(
+        default=4096, ge=0,
+        description="The largest ``minItems``/``maxItems``/``minProperties``/``maxProperties``.")
+    max_tools: int = Field(
+        default=128, ge=1, le=128,
+        description="Tools one chat request declares (the request model takes at most 128).")
+    inline_bytes: int = Field(
+        default=8 * 1024, ge=0,
+        description="A request whose schemas together are at most this many bytes is checked on "
+                    "the event loop (about 1 ms); a larger one, or one that names an older draft, "
+                    "on a checking thread.")
+    check_workers: int = Field(
+        default=1, ge=1, le=32,
+        description="Threads that check schemas off the event loop. The checks are Python and hold "
+                    "the GIL: a second thread adds no speed and takes a larger share of the loop's "
+                    "time.")
+    max_checks: int = Field(
+        default=32, ge=1,
+        description="Requests whose check runs or waits for a thread: one more is answered 429 at "
+                    "once.")
+    check_timeout_s: float = Field(
+        default=5.0, gt=0.0, le=600.0,
+        description="Seconds a request waits for its check: one still waiting for a thread then is "
+                    "answered 429, one whose check was running 400 (the schema is too complex).")
+    cache_entries: int = Field(
+        default=256, ge=0,
+        description="Verdicts kept, by the schema's JSON text (the same tools come with every turn "
+                    "of an agent): a schema seen lately is not checked again. 0: none kept.")
 
 
 @dataclass(frozen=True, slots=True)

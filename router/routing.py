@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from dataclasses import dataclass, fields
 from typing import Any, Generic, TypeVar
 
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
 from tierserve.records import DEFAULT_BLOCK_SIZE, RoutingStats
+from tierserve.replica.config import describe
 from tierserve.router.ledger import InFlightLedger
 from tierserve.router.policy import (
     Affinity,
@@ -42,52 +44,52 @@ R = TypeVar("R", bound=Hashable)
 _AFFINITY = Affinity()  # the defaults of its fields below
 
 
-@dataclass(frozen=True, slots=True)
-class RouterSettings:
-    """``request_router_kwargs`` of the deployment's ``request_router_config``."""
+class RouterSettings(BaseModel):
+    """``request_router_kwargs`` of the deployment's ``request_router_config``, each field
+    described where it is declared; ``tierserve serve`` checks them before anything starts."""
 
-    # A replica out of blocks for a request is saturated from this (estimated) queue length on.
-    saturation_waiting: int = 8
-    # Block size assumed before any replica has reported.
-    default_block_size: int = DEFAULT_BLOCK_SIZE
-    # A tentative charge never confirmed by on_request_routed is forgotten after this long.
-    tentative_ttl_s: float = 5.0
-    # Seed of the random tie-break (None: from the OS).
-    seed: int | None = None
-    # Prefix affinity (tierserve.router.policy): off ranks by KV room and load alone.
-    prefix_affinity: bool = True
-    # Block names remembered per replica before it reports its pool size (then: that size).
-    prefix_index_blocks: int = 4096
-    # Load imbalance past which prefix hits only break ties (tierserve.router.policy.Affinity).
-    balance_abs: int = _AFFINITY.balance_abs
-    balance_rel: float = _AFFINITY.balance_rel
-    # Lower tiers follow their prefix only when this share of the prompt is cached there.
-    min_hit_fraction: float = _AFFINITY.min_hit_fraction
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    saturation_waiting: int = Field(
+        default=8, ge=0, description="a replica out of blocks for a request is saturated from "
+        "this (estimated) queue length on")
+    default_block_size: int = Field(
+        default=DEFAULT_BLOCK_SIZE, gt=0,
+        description="the block size assumed before any replica has reported")
+    tentative_ttl_s: float = Field(
+        default=5.0, gt=0.0, description="a tentative charge that Serve never confirms (the "
+        "request was not routed after all) is forgotten after this long")
+    seed: int | None = Field(
+        default=None, description="the seed of the random tie-break; `null`: from the OS")
+    prefix_affinity: bool = Field(
+        default=True, description="rank by prefix hits too "
+        "([prefix_caching.md](docs/prefix_caching.md)); false ranks by KV room and load alone")
+    prefix_index_blocks: int = Field(
+        default=4096, gt=0, description="block names remembered per replica before its first "
+        "report (then its pool size)")
+    balance_abs: int = Field(
+        default=_AFFINITY.balance_abs, ge=0, description="the load imbalance (requests in "
+        "flight, most less fewest) past which prefix hits only break ties, together with "
+        "`balance_rel`")
+    balance_rel: float = Field(
+        default=_AFFINITY.balance_rel, ge=1.0, description="the load ratio (most over fewest "
+        "in flight) past which prefix hits only break ties, together with `balance_abs`")
+    min_hit_fraction: float = Field(
+        default=_AFFINITY.min_hit_fraction, ge=0.0, le=1.0, description="the lower tiers "
+        "follow their prefix only where this share of the prompt is cached")
 
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any]) -> RouterSettings:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(kwargs) - known)
+        """The settings of ``kwargs``; raises ``ValueError`` naming each field at fault."""
+        unknown = sorted(set(kwargs) - set(cls.model_fields))
         if unknown:
-            raise ValueError(
-                f"unknown request_router_kwargs {unknown} for FreeKVBlocksRouter; "
-                f"known: {sorted(known)}"
-            )
-        settings = cls(**kwargs)
-        if settings.saturation_waiting < 0:
-            raise ValueError(f"saturation_waiting must be >= 0, got {settings.saturation_waiting}")
-        if settings.default_block_size <= 0:
-            raise ValueError(
-                f"default_block_size must be positive, got {settings.default_block_size}"
-            )
-        if settings.tentative_ttl_s <= 0:
-            raise ValueError(f"tentative_ttl_s must be positive, got {settings.tentative_ttl_s}")
-        if settings.prefix_index_blocks <= 0:
-            raise ValueError(
-                f"prefix_index_blocks must be positive, got {settings.prefix_index_blocks}"
-            )
-        settings.affinity()  # validates the balance fields
-        return settings
+            raise ValueError(f"unknown request_router_kwargs {unknown} for FreeKVBlocksRouter; "
+                             f"known: {sorted(cls.model_fields)}")
+        try:
+            return cls.model_validate(kwargs)
+        except ValidationError as e:
+            raise ValueError("invalid request_router_kwargs for FreeKVBlocksRouter: "
+                             + describe(e)) from None
 
     def affinity(self) -> Affinity:
         return Affinity(self.balance_abs, self.balance_rel, self.min_hit_fraction)

@@ -133,3 +133,74 @@ def test_the_config_reference_lists_exactly_the_engine_configs_fields_and_defaul
     assert list(rows) == list(fields), "docs/config.md's engine rows, in the config's order"
     for name, info in fields.items():
         assert rows[name] == _cell(info.default), name
+
+
+@pytest.mark.parametrize(("kwargs", "says"), [
+    ({"saturation_wait": 3}, "unknown request_router_kwargs ['saturation_wait']"),
+    ({"balance_rel": 0.5}, "request_router_kwargs): invalid request_router_kwargs for "
+                           "FreeKVBlocksRouter: balance_rel: Input should be greater than or equal to 1"),
+    ({"prefix_index_blocks": "many"}, "prefix_index_blocks: Input should be a valid integer"),
+])
+def test_the_routers_settings_are_checked_before_anything_starts(
+        kwargs: dict[str, object], says: str) -> None:
+    """``tierserve serve`` refuses router settings the router would refuse once deployed,
+    naming where they are and the field at fault."""
+    from tierserve.cluster.app import ConfigError
+
+    raw = yaml.safe_load(CPU.read_text())
+    llm = next(d for d in raw["applications"][0]["deployments"] if d["name"] == "LLMServer")
+    llm["request_router_config"]["request_router_kwargs"] = kwargs
+    with pytest.raises(ConfigError) as e:
+        check_serve_config(raw)
+    assert "applications.0.deployments.LLMServer.request_router_config" in str(e.value)
+    assert says in str(e.value)
+    llm["request_router_config"]["request_router_kwargs"] = {"balance_rel": 2.0, "seed": 1}
+    check_serve_config(raw)
+
+
+def test_the_docs_hold_the_reference_the_config_models_make() -> None:
+    """Each field's meaning is written once, on the field: docs/config.md, docs/tiers.md and
+    docs/autoscaling.md hold exactly the tables ``tierserve.cluster.reference`` makes of the
+    models (after a change: ``python -m tierserve.cluster.reference --write``)."""
+    from tierserve.cluster.reference import held, tables
+
+    for table in tables():
+        text = (ROOT.parent / table.doc).read_text()
+        assert held(text, table.header) == table.markdown(), (
+            f"{table.doc}'s table is stale: run python -m tierserve.cluster.reference --write")
+    paths = [f for t in tables() for f, _, _ in t.rows]
+    assert "engine.max_num_seqs" in paths and "flow.max_hold_s" in paths
+    assert "structured_limits.max_depth" in paths and "tenants[].weight" in paths
+
+
+def test_every_config_field_says_what_it_does() -> None:
+    from pydantic import BaseModel
+
+    from tierserve.cluster.reference import rows
+
+    class Undocumented(BaseModel):
+        knob: int = 3
+
+    with pytest.raises(ValueError, match=r"Undocumented\.knob has no description"):
+        list(rows(Undocumented))
+
+
+def test_the_environment_holds_only_what_the_docs_table_lists() -> None:
+    """Every ``TIERSERVE_*`` variable the runtime reads is a row of docs/config.md's
+    environment table, and every row is read: the rest is set in the config's fields."""
+    import re
+
+    from tierserve.cluster.reference import held, tables
+
+    repo = ROOT.parent
+    read: set[str] = set()
+    for part in ("cluster", "replica", "router", "kernels", "tierserve"):
+        for path in (repo / part).rglob("*.py"):
+            if part == "tierserve" and path.parent.name != "tierserve":
+                continue  # the links to the parts, walked above
+            read |= set(re.findall(r"\bTIERSERVE_[A-Z_]+\b", path.read_text()))
+    table = held((repo / "docs" / "config.md").read_text(), "| variable | default |")
+    listed = set(re.findall(r"^\| `(TIERSERVE_[A-Z_]+)` \|", table, re.M))
+    assert read == listed
+    fields = {f.upper() for t in tables() for f, _, _ in t.rows}
+    assert not {v.removeprefix("TIERSERVE_") for v in listed} & fields  # no second way
