@@ -592,7 +592,7 @@ def engine_e2e(plan: Plan, model: str | None) -> Figures:
                 "wheels and pass --wheels DIR (see the module docstring)"}
     import torch
 
-    from tierserve.records import SamplingParams
+    from tierserve.records import GenerateRequest, SamplingParams
     from tierserve.replica.llm import LLM
 
     name, why = choose_model(plan, model)
@@ -638,10 +638,11 @@ def engine_e2e(plan: Plan, model: str | None) -> Figures:
     try:
         long_prompt = " ".join(f"word{i}" for i in range(30 if plan.dry_run else 150))
         rid_out: list[Any] = []
-        rid = scored.add_request(scored.encode(long_prompt),
-                                 SamplingParams(max_tokens=4, temperature=0.0, logprobs=2,
-                                                prompt_logprobs=5),
-                                 sink=rid_out.append)
+        rid = scored.add_request(
+            GenerateRequest.of(scored.encode(long_prompt),
+                               SamplingParams(max_tokens=4, temperature=0.0, logprobs=2,
+                                              prompt_logprobs=5)),
+            sink=rid_out.append)
         while scored.has_unfinished():
             scored.step()
         first = next(o for o in rid_out if o.request_id == rid)

@@ -157,9 +157,9 @@ def run_tierserve(mix: str, prompts: Sequence[Prompt], cache: bool, caps: Caps,
     """A fresh engine on the real model, stepped by hand; every request added at once, or each
     at its time of ``arrivals`` (seconds from the start); TTFT from a request's arrival to the
     return of the step that made its first token."""
+    from tierserve.records import GenerateRequest, SamplingParams
     from tierserve.replica.llm import LLM
     from tierserve.replica.models.catalog import SMOLLM2
-    from tierserve.replica.sampler import SamplingParams
 
     blocks = sum(ceil_div((len(p.ids) + p.max_tokens), 16) for p in prompts) + 64
     llm = LLM(SMOLLM2.name, enable_prefix_caching=cache, num_kv_blocks=blocks, block_size=16,
@@ -183,7 +183,7 @@ def run_tierserve(mix: str, prompts: Sequence[Prompt], cache: bool, caps: Caps,
             i = order.pop(0)
             p = prompts[i]
             sp = SamplingParams(max_tokens=p.max_tokens, temperature=0.0, ignore_eos=True)
-            rid = engine.add_request(list(p.ids), sp, 0, stream_text=False)
+            rid = engine.add_request(GenerateRequest.of(p.ids, sp), stream_text=False)
             index[rid], ids[i] = i, rid
 
     finished = 0

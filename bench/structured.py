@@ -74,7 +74,7 @@ from pathlib import Path
 from typing import Any
 
 from tierserve.bench.common import load_avg_1m, machine, percentile, pyplot
-from tierserve.records import SamplingParams, StructuredOutput
+from tierserve.records import GenerateRequest, SamplingParams, StructuredOutput
 
 TARGET_RATIO = 0.90  # constrained tokens/s over unconstrained, at least
 TEMPERATURE = 0.7
@@ -327,7 +327,7 @@ def run_batch(engine: Any, prompts: Sequence[list[int]], params: Sequence[Sampli
               ) -> tuple[Run, list[Completion]]:
     """Submit every request at once and step the engine until all are done."""
     for ids, sp in zip(prompts, params, strict=True):  # compiles the grammar (a hit): untimed
-        engine.validate(ids, sp)
+        engine.validate(GenerateRequest.of(ids, sp))
     steps = StepLog()
     engine.observer = steps
     pre = engine.stats().preemptions
@@ -339,7 +339,8 @@ def run_batch(engine: Any, prompts: Sequence[list[int]], params: Sequence[Sampli
     try:
         t0 = time.perf_counter()
         for i, (ids, sp) in enumerate(zip(prompts, params, strict=True)):
-            index[engine.add_request(ids, sp, stream_text=False, validated=True)] = i
+            index[engine.add_request(GenerateRequest.of(ids, sp), stream_text=False,
+                                     validated=True)] = i
         while done < len(prompts):
             deltas = engine.step()
             if not deltas and not engine.has_unfinished():

@@ -105,17 +105,8 @@ class LLMServer:
                 f"the server is busy: this tier's share of the queue ({tier_queue_limit}) is full",
             )
             return
-        stream = self.engine.generate(
-            list(request.prompt_ids), request.sampling, request.priority, request.tier,
-            n=request.n, tpot_target_s=request.tpot_target_s,
-            ttft_left_s=(None if request.ttft_target_s is None
-                         else request.ttft_target_s - request.waited_s),
-            tenant=request.tenant, cache_partition=request.cache_partition,
-        )
+        stream = self.engine.generate(request)
         ticket = self.load.arrived(request.tier, len(request.prompt_ids) * request.n)
-        start = time.monotonic()
-        first = last = None
-        tokens = 0
         produced = False
         try:
             async for out in stream:
@@ -129,10 +120,12 @@ class LLMServer:
                 if not produced:
                     produced = True
                     self.load.answering(ticket)
-                if out.index == 0 and out.token_ids:
-                    last = time.monotonic()
-                    first = first if first is not None else last
-                    tokens += len(out.token_ids)
+                if out.finished and out.index == 0 and out.ttft_s is not None and (
+                        request.ttft_target_s is not None or request.tpot_target_s is not None):
+                    # The engine's clock, from the request's arrival at the ingress.
+                    self.load.finished(request.tier, within_targets(
+                        request.waited_s + out.ttft_s, out.tpot_s, request.ttft_target_s,
+                        request.tpot_target_s))
                 yield out
         except ServingError as e:  # every refusal, its status and code its own
             if e.status == 503:  # this replica cannot serve it: the ingress tries another
@@ -142,13 +135,6 @@ class LLMServer:
             yield ErrorRecord(400, "invalid_request", str(e))
         finally:
             self.load.answering(ticket)
-            if first is not None and (request.ttft_target_s is not None
-                                      or request.tpot_target_s is not None):
-                assert last is not None
-                self.load.finished(request.tier, within_targets(
-                    request.waited_s + first - start,
-                    (last - first) / (tokens - 1) if tokens > 1 else None,
-                    request.ttft_target_s, request.tpot_target_s))
             await stream.aclose()
 
     def record_routing_stats(self) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from tierserve.records import (
     GRAMMAR_REJECTED_TOKEN,
     EngineDead,
     EngineStats,
+    GenerateRequest,
     InvalidToken,
     RequestId,
     RequestOutput,
@@ -175,23 +176,17 @@ class Engine:
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=True))
 
-    def validate(
-        self,
-        prompt_ids: Sequence[int],
-        params: SamplingParams | None = None,
-        priority: int = 0,
-    ) -> None:
-        """Raise what ``add_request`` would raise for this request, a full queue aside, without
+    def validate(self, request: GenerateRequest) -> None:
+        """Raise what ``add_request`` would raise for ``request``, a full queue aside, without
         queueing it (``LLM.generate`` checks every prompt before any work): ``InvalidToken``
         (``_check_tokens``), ``ValueError`` for a bad priority, the scheduler's ``AdmitError``
         for what it can never run and ``GrammarError`` for a structured output that does not
-        compile (compiled here, once, after every other check). ``params`` were checked when
-        they were made."""
-        params = params or SamplingParams()
-        self._check_tokens(prompt_ids, params)
-        request = self._request(prompt_ids, params, priority)
+        compile (compiled here, once, after every other check). Its sampling parameters were
+        checked when they were made."""
+        params = request.sampling
+        self._check_tokens(request.prompt_ids, params)
         with self._lock:
-            self.scheduler.check(request)
+            self.scheduler.check(self._request(request, params))
         if params.structured is not None:
             self.grammars.compile(params.structured)
 
@@ -208,20 +203,15 @@ class Engine:
             self._check_ids(f"bad_words_ids.{i}", word)
 
     @staticmethod
-    def _request(
-        ids: Sequence[int],
-        params: SamplingParams,
-        priority: int,
-        tpot_target_s: float | None = None,
-        ttft_left_s: float | None = None,
-        cache_partition: str | None = None,
-    ) -> Request:
-        """The scheduler's record of a request. ``max_tokens`` 0 runs the prompt and one sampled
-        position (see ``_Live.discard``); scoring a prompt needs every position's logits, so such
-        a request takes no cached prefix."""
-        return Request(ids, max(params.max_tokens, 1), priority,
-                       reuse_cache=params.prompt_logprobs is None, tpot_target_s=tpot_target_s,
-                       ttft_left_s=ttft_left_s, cache_partition=cache_partition)
+    def _request(request: GenerateRequest, params: SamplingParams) -> Request:
+        """The scheduler's record of one sample of ``request`` (its sampling ``params``), made
+        once. ``max_tokens`` 0 runs the prompt and one sampled position (see
+        ``_Live.discard``); scoring a prompt needs every position's logits, so such a request
+        takes no cached prefix."""
+        return Request(request.prompt_ids, max(params.max_tokens, 1), request.priority,
+                       reuse_cache=params.prompt_logprobs is None,
+                       tpot_target_s=request.tpot_target_s, ttft_left_s=request.ttft_left_s,
+                       cache_partition=request.cache_partition)
 
     def _check_ids(self, field: str, ids: Iterable[int]) -> None:
         bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
@@ -234,72 +224,68 @@ class Engine:
 
     def add_request(
         self,
-        prompt_ids: Sequence[int],
-        params: SamplingParams | None = None,
-        priority: int = 0,
+        request: GenerateRequest,
         sink: Callable[[RequestOutput], None] | None = None,
-        tier: str = "",
+        *,
         stream_text: bool = True,
         index: int = 0,
-        tpot_target_s: float | None = None,
-        *,
         validated: bool = False,
-        ttft_left_s: float | None = None,
-        cache_partition: str | None = None,
     ) -> RequestId:
-        """Queue a request; raises ``ValueError``/``AdmitError`` for bad input or a full queue.
-        Each check runs once: token ids here (``_check_tokens``), the admission rules in
-        ``Scheduler.add``, the parameters' ranges when ``params`` were made.
-
-        ``tpot_target_s``: the time per output token its tier promises; with SLO-aware steps
-        (``EngineConfig.slo_scheduling``) it bounds every step while the request is unfinished.
-        ``ttft_left_s``: seconds left until its tier's first-token target (the target less what
-        it waited before reaching this engine); with ``slo_prefill_headroom_late`` a top-tier
-        prompt that would miss it lets its steps spend more of the TPOT budget.
+        """Queue one sample of ``request`` (its ``n`` is ``generate``'s to honour); raises
+        ``ValueError``/``AdmitError`` for bad input or a full queue. Each check runs once:
+        token ids here (``_check_tokens``), the admission rules in ``Scheduler.add``, the
+        parameters' ranges when they were made. The request's fields reach the scheduler as
+        they are: its priority, its tier's TPOT target (with SLO-aware steps it bounds every
+        step while the request is unfinished) and what is left of its first-token target.
 
         ``stream_text=False``: the caller wants the text only with the final output (each delta
         still carries its token ids); without stop strings the text is then decoded once, at
-        the finish, instead of incrementally.
+        the finish, instead of incrementally. ``index``: which sample this is.
 
-        ``validated``: the caller checked these token ids already (``validate``, or ``generate``
-        once for its ``n`` samples); they are not scanned again, and a structured output's
-        grammar was compiled (``generate`` awaits it off the step loop); else it is compiled
-        here, by the grammar worker while this caller waits (``GrammarError`` if it does not),
-        once the scheduler's admission rules let the request in.
+        ``validated``: the caller checked these token ids already (``generate`` once for its
+        ``n`` samples); they are not scanned again, and a structured output's grammar was
+        compiled (``generate`` awaits it off the step loop); else it is compiled here, by the
+        grammar worker while this caller waits (``GrammarError`` if it does not), once the
+        scheduler's admission rules let the request in.
         """
-        params = params or SamplingParams()
-        ids = list(prompt_ids)
+        return self._admit(request, request.sampling, sink, stream_text=stream_text,
+                           index=index, validated=validated, arrival=time.monotonic())
+
+    def _admit(self, request: GenerateRequest, params: SamplingParams,
+               sink: Callable[[RequestOutput], None] | None, *, stream_text: bool, index: int,
+               validated: bool, arrival: float, scheduled: Request | None = None
+               ) -> RequestId:
+        """``add_request`` for sample ``index`` with ``params``; ``scheduled``: its
+        scheduler record when the caller made it already (to check it)."""
         if not validated:
-            self._check_tokens(ids, params)
+            self._check_tokens(list(request.prompt_ids), params)
         try:
             grammar = None
+            sched = scheduled or self._request(request, params)
             if not validated and params.structured is not None:
                 with self._lock:  # what refuses the request refuses it before its compile
-                    self.scheduler.check(self._request(ids, params, priority))
+                    self.scheduler.check(sched)
                 # Held until its matchers are made (the grammar cache may drop it meanwhile).
                 grammar = self.grammars.compile(params.structured)
-            rid = self._add(ids, params, priority, sink, tier, stream_text, index,
-                            tpot_target_s, ttft_left_s, cache_partition)
+            rid = self._add(request, params, sched, sink, stream_text, index, arrival)
             del grammar
             return rid
         except AdmitError as e:  # empty, too_long, never_fits, queue_full
             if self.observer is not None:
-                self.observer.rejected(e.reason, tier)
+                self.observer.rejected(e.reason, request.tier)
             raise
 
     def _add(
         self,
-        ids: list[int],
+        request: GenerateRequest,
         params: SamplingParams,
-        priority: int,
+        sched: Request,
         sink: Callable[[RequestOutput], None] | None,
-        tier: str,
-        stream_text: bool = True,
-        index: int = 0,
-        tpot_target_s: float | None = None,
-        ttft_left_s: float | None = None,
-        cache_partition: str | None = None,
+        stream_text: bool,
+        index: int,
+        arrival: float,
     ) -> RequestId:
+        ids = list(request.prompt_ids)
         stop_ids = frozenset(params.stop_token_ids or ())
         if not params.ignore_eos:
             stop_ids |= self.eos_ids
@@ -309,8 +295,7 @@ class Engine:
         with self._lock:
             if self.error is not None:
                 raise EngineDead(f"the engine's step loop died: {self.error!r}")
-            rid = self.scheduler.add(self._request(ids, params, priority, tpot_target_s,
-                                                   ttft_left_s, cache_partition))
+            rid = self.scheduler.add(sched)
             self._live[rid] = _Live(
                 id=rid,
                 prompt=ids,
@@ -320,11 +305,12 @@ class Engine:
                 detok=IncrementalDetokenizer(self.tokenizer, ids, params.stop),
                 stop_ids=stop_ids,
                 sink=sink,
-                tier=tier,
+                tier=request.tier,
                 index=index,
                 discard=params.max_tokens == 0,
                 prompt_lp={} if params.prompt_logprobs is not None else None,
                 held=None if stream_text or params.stop else [],
+                arrival=arrival,
             )
             self._wake.notify()
         return rid
@@ -507,8 +493,10 @@ class Engine:
                             f"{live_done.sampler.rejected_token} that its mask allowed: the "
                             "output ends before it")
                     out.finish_reason = reason
+                    times = live_done.times(reason, now)
+                    out.ttft_s, out.tpot_s = times.ttft_s, times.tpot_s
                     if self.observer is not None:
-                        self.observer.request_done(live_done.times(reason, now))
+                        self.observer.request_done(times)
             # Requests aborted during the forward are gone from _live: drop their deltas.
             result = [d for rid, d in deltas.items() if rid in self._live or d.finished]
         sinks = {live.id: live.sink for live in states}
@@ -547,9 +535,10 @@ class Engine:
         token = next(t for t in range(self.vocab_size) if t not in self.eos_ids)
         rid: RequestId | None = None
         try:
-            rid = self.add_request([token] * prompt_tokens,
-                                   SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                                   stream_text=False)
+            rid = self.add_request(
+                GenerateRequest.of([token] * prompt_tokens,
+                                   SamplingParams(max_tokens=max_tokens, ignore_eos=True)),
+                stream_text=False)
             while self.has_unfinished():
                 self.step()
         finally:
@@ -619,46 +608,37 @@ class Engine:
             self._thread.join(timeout=30)
             self._thread = None
 
-    async def generate(
-        self,
-        prompt_ids: Sequence[int],
-        params: SamplingParams | None = None,
-        priority: int = 0,
-        tier: str = "",
-        n: int = 1,
-        tpot_target_s: float | None = None,
-        ttft_left_s: float | None = None,
-        tenant: str = "",
-        cache_partition: str | None = None,
-    ) -> AsyncGenerator[RequestOutput, None]:
-        """Stream the deltas of ``n`` samples of one prompt (``RequestOutput.index`` tells them
+    async def generate(self, request: GenerateRequest) -> AsyncGenerator[RequestOutput, None]:
+        """Stream the deltas of ``request``'s ``n`` samples (``RequestOutput.index`` tells them
         apart; with a seed, sample ``i`` draws from ``seed + i``); leaving the iterator early
         aborts every unfinished one. Admission is all or nothing: if sample ``i`` is refused,
-        the ones before it are aborted and the error raised."""
+        the ones before it are aborted and the error raised. The samples' clock starts here
+        (``RequestOutput.ttft_s`` counts a grammar's compile too)."""
+        arrival = time.monotonic()
+        n = request.n
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"n must be a positive integer, got {n!r}")
-        params = params or SamplingParams()
-        ids = list(prompt_ids)
-        self._check_tokens(ids, params)  # once for the n samples
+        params = request.sampling
+        self._check_tokens(list(request.prompt_ids), params)  # once for the n samples
+        first = self._request(request, params)
         grammar = None
         if params.structured is not None:
             # Whatever can refuse the request refuses it before its compile: the admission
             # rules, and a full queue (counting the requests waiting for a compile).
             try:
                 with self._lock:
-                    self.scheduler.check(self._request(ids, params, priority, tpot_target_s,
-                                                       ttft_left_s, cache_partition))
+                    self.scheduler.check(first)
                     if (self.scheduler.num_waiting + self.grammars.waiting
                             >= self.config.max_waiting):
                         raise QueueFull(self.config.max_waiting)
             except AdmitError as e:
                 if self.observer is not None:
-                    self.observer.rejected(e.reason, tier)
+                    self.observer.rejected(e.reason, request.tier)
                 raise
             # Compiled off the step loop (in the grammar worker, queued by priority) while this
             # one waits; held until the samples' matchers are made.
-            grammar = await self.grammars.prepare(params.structured, priority=priority,
-                                                  tenant=tenant)
+            grammar = await self.grammars.prepare(params.structured, priority=request.priority,
+                                                  tenant=request.tenant)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
 
@@ -668,13 +648,11 @@ class Engine:
         rids: list[RequestId] = []
         try:
             for i in range(n):
-                seed = None if params.seed is None else params.seed + i
-                child = params if i == 0 else replace(params, seed=seed)
-                rids.append(
-                    self.add_request(ids, child, priority, sink=sink, tier=tier, index=i,
-                                     tpot_target_s=tpot_target_s, validated=True,
-                                     ttft_left_s=ttft_left_s, cache_partition=cache_partition)
-                )
+                child = params if i == 0 else replace(
+                    params, seed=None if params.seed is None else params.seed + i)
+                rids.append(self._admit(request, child, sink, stream_text=True, index=i,
+                                        validated=True, arrival=arrival,
+                                        scheduled=first if i == 0 else None))
         except BaseException:
             for rid in rids:
                 self.abort(rid)

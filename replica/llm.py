@@ -8,7 +8,7 @@ from typing import Any, cast
 
 from tqdm.auto import tqdm
 
-from tierserve.records import EngineStats, RequestOutput, SamplingParams
+from tierserve.records import EngineStats, GenerateRequest, RequestOutput, SamplingParams
 from tierserve.replica.config import EngineConfig
 from tierserve.replica.engine import Engine
 from tierserve.replica.models.catalog import DEFAULT_MODEL
@@ -66,18 +66,20 @@ class LLM:
         prios = list(priority) if priority is not None else [0] * n
         if len(prios) != n:
             raise ValueError(f"{len(prios)} priorities for {n} prompts")
-        encoded = [self._encode(i, p) for i, p in enumerate(prompt_list)]
+        requests = [GenerateRequest.of(self._encode(i, p), sp, priority=pr)
+                    for i, (p, sp, pr) in enumerate(zip(prompt_list, params_list, prios,
+                                                        strict=True))]
         # Every prompt is checked here, before any work (its parameters were checked when they
         # were made); add_request below does not scan its tokens again, and the scheduler's add
         # applies its admission rules as it queues (where a full queue is found).
-        for i, (ids, sp, pr) in enumerate(zip(encoded, params_list, prios, strict=True)):
+        for i, request in enumerate(requests):
             try:
-                self.engine.validate(ids, sp, pr)
+                self.engine.validate(request)
             except (ValueError, AdmitError) as e:
                 e.args = (f"prompt {i}: {e}",)
                 raise
 
-        outputs = [CompletionOutput(prompt_token_ids=ids) for ids in encoded]
+        outputs = [CompletionOutput(prompt_token_ids=list(r.prompt_ids)) for r in requests]
         index: dict[int, int] = {}
         pending = 0
         done = 0
@@ -86,13 +88,8 @@ class LLM:
             while done < n:
                 while pending < n:
                     try:
-                        rid = self.engine.add_request(
-                            encoded[pending],
-                            params_list[pending],
-                            prios[pending],
-                            stream_text=False,
-                            validated=True,
-                        )
+                        rid = self.engine.add_request(requests[pending], stream_text=False,
+                                                      validated=True)
                     except QueueFull:
                         break
                     index[rid] = pending

@@ -19,6 +19,7 @@ Torch-free and Ray-free: the ingress and the router import it without the model 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Final
 
@@ -74,7 +75,6 @@ class ServingError(Exception):
                  status: int | None = None, retry_after: int | None = None,
                  replica: str = "") -> None:
         super().__init__(message)
-        self.message = message
         if code is not None:
             self.code = code
         if param is not None:
@@ -83,6 +83,12 @@ class ServingError(Exception):
             self.status = status
         self.retry_after = retry_after
         self.replica = replica
+
+    @property
+    def message(self) -> str:
+        """What went wrong, for the client (the exception's text, a caller's prefix
+        included)."""
+        return str(self.args[0]) if self.args else ""
 
     def __reduce__(self) -> tuple[Any, ...]:
         return _rebuild_error, (type(self), self.message, dict(self.__dict__))
@@ -434,6 +440,20 @@ class GenerateRequest:
     tenant: str = ""
     cache_partition: str | None = None
 
+    @classmethod
+    def of(cls, prompt_ids: Sequence[int], sampling: SamplingParams | None = None,
+           **kw: Any) -> GenerateRequest:
+        """A request of ``prompt_ids`` (any sequence) and ``sampling`` (the defaults when
+        None), the other fields by name: how an in-process caller makes one."""
+        return cls(tuple(prompt_ids), sampling if sampling is not None else SamplingParams(),
+                   **kw)
+
+    @property
+    def ttft_left_s(self) -> float | None:
+        """Seconds left until its tier's first-token target when it reaches the replica (the
+        target less what it waited before); None without a target."""
+        return None if self.ttft_target_s is None else self.ttft_target_s - self.waited_s
+
     @property
     def prompt_tokens(self) -> int:
         """Prompt positions the replica holds for the request (each sample its own)."""
@@ -458,6 +478,9 @@ class RequestOutput:
     request asked for them; ``prompt_logprobs``: with the request's first delta, one per prompt
     token (None for the first, which has no context). ``cached_tokens``: with the first token's
     delta and the last delta, the prompt positions found in the prefix cache at admission.
+    ``ttft_s``, ``tpot_s``: with the last delta, the engine's one clock for the sample: its
+    time to first token from its arrival at the engine (a grammar's compile included; None
+    without a token) and its mean time per output token after the first (None below two).
     """
 
     request_id: RequestId
@@ -473,6 +496,8 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     cached_tokens: int | None = None
     error_code: str | None = None
+    ttft_s: float | None = None
+    tpot_s: float | None = None
 
 
 def replica_failed(out: RequestOutput) -> bool:

@@ -125,7 +125,7 @@ class FakeEngine:
     def __init__(self, steps: Sequence[RequestOutput]) -> None:
         self.steps = list(steps)
         self.closed = False
-        self.kwargs: dict[str, Any] = {}
+        self.request: GenerateRequest | None = None
 
     def num_waiting(self) -> int:
         return 0
@@ -133,8 +133,8 @@ class FakeEngine:
     def shutdown(self) -> None:  # LLMServer.__del__ stops its engine
         pass
 
-    def generate(self, *args: Any, **kwargs: Any) -> AsyncIterator[RequestOutput]:
-        self.kwargs = kwargs
+    def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        self.request = request
 
         async def stream() -> AsyncIterator[RequestOutput]:
             try:
@@ -195,4 +195,35 @@ def test_the_replica_hands_its_engine_the_time_left_to_the_first_token_target() 
                 pass
 
         asyncio.run(asyncio.wait_for(go(server, target, waited), timeout=30))
-        assert engine.kwargs["ttft_left_s"] == left and engine.kwargs["tpot_target_s"] == 0.1
+        assert engine.request is not None  # the record itself, as the ingress sent it
+        assert engine.request.ttft_left_s == left and engine.request.tpot_target_s == 0.1
+
+
+@pytest.mark.parametrize(("ttft", "tpot", "waited", "met"), [
+    (0.5, 0.05, 1.0, True), (0.5, 0.05, 2.6, False), (0.5, 0.2, 0.0, False), (None, None, 0, None)])
+def test_the_replicas_report_times_a_request_by_the_engines_one_clock(
+        ttft: float | None, tpot: float | None, waited: float, met: bool | None) -> None:
+    """The autoscaling report's met/missed comes from the times the engine put on the last
+    delta (``ttft_s`` from its arrival at the engine, plus what it waited before), not from a
+    clock of the deployment's own."""
+    server = object.__new__(LLMServer)
+    server.config = SimpleNamespace(max_waiting=8)  # type: ignore[assignment]
+    last = delta(2, True, "length")
+    last.ttft_s, last.tpot_s = ttft, tpot
+    server.engine = FakeEngine([delta(1), last])  # type: ignore[assignment]
+    server.replica_id = "replica-7"
+    server.load = LoadWindow(block_size=16)
+
+    async def go() -> None:
+        request = GenerateRequest((1, 2, 3), SamplingParams(max_tokens=4), tier="interactive",
+                                  ttft_target_s=3.0, tpot_target_s=0.1, waited_s=waited)
+        async for _ in server.generate(request):
+            pass
+
+    asyncio.run(asyncio.wait_for(go(), timeout=30))
+    report = server.load.report(0.0, 0.0, 0)
+    if met is None:  # no first token: nothing to judge
+        assert not report.met and not report.missed
+    else:
+        assert report.met.get("interactive", 0) == (1 if met else 0)
+        assert report.missed.get("interactive", 0) == (0 if met else 1)

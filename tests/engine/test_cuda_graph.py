@@ -20,6 +20,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tierserve.kernels.metadata import AttentionMetadata, SeqSpec, StepPacker, build_metadata
+from tierserve.records import GenerateRequest
 from tierserve.replica.config import EngineConfig
 from tierserve.replica.cuda_graph import DecodeGraphs, capture_sizes
 from tierserve.replica.engine import Engine
@@ -217,7 +218,7 @@ def test_the_runner_builds_the_old_batch_with_one_transfer_per_step(
         prompt = shared[: rng.randint(0, 40)] + p  # some share a cached prefix
         params = SamplingParams(max_tokens=rng.randint(1, 12), temperature=0.0, ignore_eos=True,
                                 prompt_logprobs=1 if i % 4 == 0 else None)
-        engine.add_request(prompt, params)
+        engine.add_request(GenerateRequest.of(prompt, params))
     _drain(engine)
     assert steps["n"] > 10 and min(steps.values()) > 0, steps
 
@@ -378,8 +379,8 @@ def test_the_runner_replays_pure_decode_steps_and_keeps_greedy_outputs() -> None
     for engine in (plain, graphed):
         rng.seed(4)
         for p in _prompts(9, seed=6, hi=50):
-            engine.add_request(p, SamplingParams(max_tokens=rng.randint(1, 20), temperature=0.0,
-                                                 ignore_eos=True))
+            engine.add_request(GenerateRequest.of(p, SamplingParams(max_tokens=rng.randint(1, 20), temperature=0.0,
+                                                 ignore_eos=True)))
     want, got = _drain(plain), _drain(graphed)
     assert got == want
     assert replays["n"] > 5
@@ -526,6 +527,6 @@ def test_gpu_engine_with_graphs_generates_what_the_eager_engine_does() -> None:
     for engine in (plain, graphed):
         rng.seed(4)
         for p in _prompts(9, seed=6, hi=50):
-            engine.add_request(p, SamplingParams(max_tokens=rng.randint(1, 20), temperature=0.0,
-                                                 ignore_eos=True))
+            engine.add_request(GenerateRequest.of(p, SamplingParams(max_tokens=rng.randint(1, 20), temperature=0.0,
+                                                 ignore_eos=True)))
     assert _drain(graphed) == _drain(plain)

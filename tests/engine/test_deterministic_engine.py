@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 
+from tierserve.records import GenerateRequest
 from tierserve.replica.config import EngineConfig
 from tierserve.replica.engine import Engine
 from tierserve.replica.models.embedded import EMBEDDED_MODEL
@@ -41,7 +42,7 @@ def run(ps: list[list[int]], **options: Any) -> tuple[list[list[torch.Tensor]], 
         return out
 
     engine.runner.forward = recording  # type: ignore[method-assign]
-    ids = [engine.add_request(p, PARAMS) for p in ps]
+    ids = [engine.add_request(GenerateRequest.of(p, PARAMS)) for p in ps]
     while engine.has_unfinished():
         engine.step()
     return [seen[i] for i in ids], engine
@@ -80,7 +81,7 @@ def _greedy(engine: Engine, ps: list[list[int]]) -> list[Any]:
     from tierserve.replica.engine import RequestOutput
 
     outs: dict[int, RequestOutput] = {}
-    ids = [engine.add_request(p, PARAMS) for p in ps]
+    ids = [engine.add_request(GenerateRequest.of(p, PARAMS)) for p in ps]
     while engine.has_unfinished():
         for o in engine.step():
             prev = outs.get(o.request_id)

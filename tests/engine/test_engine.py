@@ -8,6 +8,7 @@ import threading
 
 import pytest
 
+from tierserve.records import GenerateRequest
 from tierserve.replica.config import EngineConfig
 from tierserve.replica.engine import Engine, EngineDead, RequestOutput
 from tierserve.replica.llm import LLM
@@ -134,8 +135,8 @@ def test_priority_under_a_full_pool_runs_high_first() -> None:
                                  scheduling_policy="priority", aging_steps=0))
     ps = prompts(8, seed=5, lo=10, hi=20)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    low = [engine.add_request(p, params, priority=0) for p in ps[:4]]
-    high = [engine.add_request(p, params, priority=9) for p in ps[4:]]
+    low = [engine.add_request(GenerateRequest.of(p, params, priority=0)) for p in ps[:4]]
+    high = [engine.add_request(GenerateRequest.of(p, params, priority=9)) for p in ps[4:]]
     order: list[int] = []
     while engine.has_unfinished():
         order += [o.request_id for o in engine.step() if o.finished]
@@ -147,10 +148,10 @@ def test_aging_lets_a_low_priority_request_through() -> None:
     engine = Engine(EngineConfig(model=EMBEDDED_MODEL, num_kv_blocks=32, max_num_seqs=1, max_model_len=256,
                                  scheduling_policy="priority", aging_steps=4))
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-    low = engine.add_request([10, 11, 12], params, priority=0)
+    low = engine.add_request(GenerateRequest.of([10, 11, 12], params, priority=0))
     done_at = None
     for step in range(400):
-        engine.add_request([20, 21, 22], params, priority=3)  # a steady high-priority stream
+        engine.add_request(GenerateRequest.of([20, 21, 22], params, priority=3))  # a steady high-priority stream
         if any(o.request_id == low and o.finished for o in engine.step()):
             done_at = step
             break
@@ -162,7 +163,7 @@ def test_abort_of_running_and_waiting_returns_every_block() -> None:
     engine = Engine(EngineConfig(model=EMBEDDED_MODEL, num_kv_blocks=40, max_num_seqs=2, max_model_len=256))
     total = engine.stats().total_blocks
     params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
-    ids = [engine.add_request(p, params) for p in prompts(5, seed=6, lo=20, hi=40)]
+    ids = [engine.add_request(GenerateRequest.of(p, params)) for p in prompts(5, seed=6, lo=20, hi=40)]
     engine.step()
     engine.step()
     assert engine.stats().running == 2 and engine.stats().waiting == 3
@@ -202,9 +203,9 @@ def test_queue_full_is_refused_by_the_engine_but_llm_generate_feeds_progressivel
     outs = llm.generate(prompts(9, seed=7, hi=20), params, use_tqdm=False)
     assert all(len(o.token_ids) == 3 for o in outs)
     for p in prompts(2, seed=8):
-        llm.engine.add_request(p, params)
+        llm.engine.add_request(GenerateRequest.of(p, params))
     with pytest.raises(QueueFull, match="full"):
-        llm.engine.add_request([5, 6], params)
+        llm.engine.add_request(GenerateRequest.of([5, 6], params))
     drain(llm.engine)
 
 
@@ -222,14 +223,14 @@ def test_background_loop_streams_and_abort_from_another_thread() -> None:
         async def run() -> tuple[list[list[int]], int]:
             async def one(p: list[int]) -> list[int]:
                 toks: list[int] = []
-                async for out in engine.generate(p, params):
+                async for out in engine.generate(GenerateRequest.of(p, params)):
                     toks += out.token_ids
                 return toks
 
             async def leave_early(p: list[int]) -> int:
                 n = 0
-                async for _ in engine.generate(p, SamplingParams(max_tokens=200, temperature=0.0,
-                                                                 ignore_eos=True)):
+                async for _ in engine.generate(GenerateRequest.of(p, SamplingParams(max_tokens=200, temperature=0.0,
+                                                                 ignore_eos=True))):
                     n += 1
                     if n == 2:
                         break
@@ -245,7 +246,7 @@ def test_background_loop_streams_and_abort_from_another_thread() -> None:
         ids: list[int] = []
 
         def add() -> None:
-            ids.append(engine.add_request([5, 6, 7], SamplingParams(max_tokens=500, ignore_eos=True)))
+            ids.append(engine.add_request(GenerateRequest.of([5, 6, 7], SamplingParams(max_tokens=500, ignore_eos=True))))
 
         threads = [threading.Thread(target=add) for _ in range(4)]
         for t in threads:
@@ -275,7 +276,7 @@ def test_a_failing_step_fails_every_request_and_marks_the_engine_dead() -> None:
     try:
         async def run() -> RequestOutput:
             last = None
-            async for out in engine.generate([5, 6, 7], SamplingParams(max_tokens=4)):
+            async for out in engine.generate(GenerateRequest.of([5, 6, 7], SamplingParams(max_tokens=4))):
                 last = out
             assert last is not None
             return last
@@ -285,7 +286,7 @@ def test_a_failing_step_fails_every_request_and_marks_the_engine_dead() -> None:
         assert not engine.alive
         assert engine.stats().free_blocks == engine.stats().total_blocks
         with pytest.raises(EngineDead):
-            engine.add_request([5, 6], SamplingParams(max_tokens=2))
+            engine.add_request(GenerateRequest.of([5, 6], SamplingParams(max_tokens=2)))
     finally:
         engine.shutdown()
 
@@ -299,7 +300,7 @@ def test_text_decoded_at_the_finish_equals_the_streamed_text(roomy: LLM) -> None
     params = SamplingParams(max_tokens=40, temperature=1.0, seed=3, ignore_eos=True)
     texts: dict[bool, list[str]] = {}
     for stream in (True, False):
-        rids = [eng.add_request(p, params, stream_text=stream) for p in ps]
+        rids = [eng.add_request(GenerateRequest.of(p, params), stream_text=stream) for p in ps]
         seen = drain(eng)
         if not stream:  # nothing but the final output carries text
             assert all(o.text == "" for r in rids for o in seen[r][:-1])

@@ -12,6 +12,7 @@ import torch
 
 from tests.models.helpers import PagedHarness, Work
 from tests.prefix_probe import probe_engine_caches
+from tierserve.records import GenerateRequest
 from tierserve.replica.config import EngineConfig
 from tierserve.replica.engine import Engine, RequestOutput
 from tierserve.replica.models.embedded import EMBEDDED_MODEL
@@ -30,7 +31,7 @@ def engine(**options: Any) -> Engine:
 
 def run(e: Engine, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[RequestOutput]]:
     """Every request's deltas, in order."""
-    ids = [e.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    ids = [e.add_request(GenerateRequest.of(p, sp)) for p, sp in zip(prompts, params, strict=True)]
     got: dict[int, list[RequestOutput]] = {i: [] for i in ids}
     while e.has_unfinished():
         for out in e.step():
@@ -101,7 +102,7 @@ def test_n_samples_draw_from_seed_plus_index_and_admission_is_all_or_nothing() -
 
         async def collect(n: int, p: SamplingParams) -> dict[int, list[int]]:
             got: dict[int, list[int]] = {}
-            async for out in e.generate(PROMPT, p, n=n):
+            async for out in e.generate(GenerateRequest.of(PROMPT, p, n=n)):
                 got.setdefault(out.index, []).extend(out.token_ids)
             return got
 
@@ -146,3 +147,29 @@ def test_new_sampling_fields_are_batch_chunk_and_preemption_invariant() -> None:
     tight, e = tokens(num_kv_blocks=4, max_num_seqs=3, prefill_chunk_tokens=5)
     assert e.stats().preemptions > 0
     assert tight == single
+
+
+def test_the_last_delta_carries_the_engines_one_clock() -> None:
+    """TTFT and TPOT are timed once, by the engine, and the last delta carries them: the same
+    figures its observer's ``RequestTimes`` get (the replica's report and metrics read these)."""
+    seen: list[Any] = []
+
+    class Observer:
+        def request_done(self, times: Any) -> None:
+            seen.append(times)
+
+        def __getattr__(self, name: str) -> Any:
+            return lambda *a, **k: None
+
+    e = engine()
+    e.observer = Observer()  # type: ignore[assignment]
+    many, one = run(e, [PROMPT, PROMPT[:5]], [SamplingParams(max_tokens=6, ignore_eos=True),
+                                              SamplingParams(max_tokens=1, ignore_eos=True)])
+    by_tokens = {t.generated_tokens: t for t in seen}  # the one-token request finishes first
+    for outs, times in ((many, by_tokens[6]), (one, by_tokens[1])):
+        last = outs[-1]
+        assert last.finished and not any(o.ttft_s is not None for o in outs[:-1])
+        assert last.ttft_s is not None and last.ttft_s >= 0 and last.ttft_s == times.ttft_s
+        assert last.tpot_s == times.tpot_s
+    assert many[-1].tpot_s is not None and many[-1].tpot_s >= 0
+    assert one[-1].tpot_s is None  # one token: no time between tokens

@@ -12,7 +12,7 @@ import torch
 import yaml
 
 from tierserve.kernels.metadata import AttentionMetadata
-from tierserve.records import RequestOutput, SamplingParams
+from tierserve.records import GenerateRequest, RequestOutput, SamplingParams
 from tierserve.replica.config import EngineConfig
 from tierserve.replica.engine import Engine
 from tierserve.replica.engine_config import build_engine_parts, select_device, step_bound
@@ -257,7 +257,7 @@ def test_the_engine_thread_leaves_a_cpu_runners_thread_alone(
 
     engine.start()
     try:
-        engine.add_request([1, 2, 3], SamplingParams(max_tokens=2), sink=sink)
+        engine.add_request(GenerateRequest.of([1, 2, 3], SamplingParams(max_tokens=2)), sink=sink)
         assert done.wait(timeout=60)  # the loop ran a request through
     finally:
         engine.shutdown()

@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.prefix_probe import probe_engine_caches
+from tierserve.records import GenerateRequest
 from tierserve.replica.config import EngineConfig
 from tierserve.replica.engine import Engine
 from tierserve.replica.models.embedded import EMBEDDED_MODEL
@@ -82,7 +83,7 @@ def run(plan: Plan, cache: bool, **options: Any) -> tuple[dict[int, list[torch.T
             if t == step:
                 params = SamplingParams(max_tokens=plan.max_tokens[i], temperature=0.0,
                                         ignore_eos=True)
-                ids[i] = engine.add_request(plan.prompts[i], params)
+                ids[i] = engine.add_request(GenerateRequest.of(plan.prompts[i], params))
         for i, t in plan.aborts.items():
             if t == step and i in ids:
                 engine.abort(ids[i])

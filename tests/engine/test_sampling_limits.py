@@ -29,6 +29,7 @@ from tierserve.records import (
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
+    GenerateRequest,
     InvalidSamplingParam,
     RequestOutput,
     SamplingParams,
@@ -382,7 +383,7 @@ def test_a_token_the_grammar_rejects_ends_the_request_in_an_error(
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True,
                             structured=StructuredOutput("regex", "[a-z]+"))
     free = engine.stats().free_blocks
-    engine.add_request([5, 6, 7], params, sink=outs.append)
+    engine.add_request(GenerateRequest.of([5, 6, 7], params), sink=outs.append)
     for _ in range(50):
         if not engine.has_unfinished():
             break

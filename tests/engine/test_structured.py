@@ -20,7 +20,12 @@ import jsonschema
 import pytest
 
 from tests.engine.test_grammar_queue import Hold
-from tierserve.records import InvalidSamplingParam, SamplingParams, StructuredOutput
+from tierserve.records import (
+    GenerateRequest,
+    InvalidSamplingParam,
+    SamplingParams,
+    StructuredOutput,
+)
 from tierserve.replica.config import EngineConfig
 from tierserve.replica.engine import Engine, RequestOutput
 from tierserve.replica.llm import LLM
@@ -125,7 +130,7 @@ def test_n_samples_each_follow_the_grammar_with_a_matcher_of_their_own() -> None
 
     async def run() -> dict[int, str]:
         texts: dict[int, str] = {}
-        async for out in engine.generate([5, 6, 7], params(GRAMMAR, temperature=1.5), n=4):
+        async for out in engine.generate(GenerateRequest.of([5, 6, 7], params(GRAMMAR, temperature=1.5), n=4)):
             texts[out.index] = texts.get(out.index, "") + out.text
         return texts
 
@@ -207,14 +212,14 @@ def test_a_compiling_grammar_does_not_block_the_step_loop() -> None:
 
         async def constrained() -> str:
             text = ""
-            async for out in engine.generate([4, 5], params(REGEX)):
+            async for out in engine.generate(GenerateRequest.of([4, 5], params(REGEX))):
                 text += out.text
             order.append("constrained")
             return text
 
         async def free() -> None:
             outs: list[RequestOutput] = []
-            async for out in engine.generate([6, 7], SamplingParams(max_tokens=8, ignore_eos=True)):
+            async for out in engine.generate(GenerateRequest.of([6, 7], SamplingParams(max_tokens=8, ignore_eos=True))):
                 outs.append(out)
             order.append("free")
             assert len(outs) == 8
@@ -250,7 +255,7 @@ def test_a_spec_that_does_not_compile_is_refused_with_its_field_and_leaves_nothi
     assert e.value.param == spec.param and said in str(e.value)
     assert f"{spec.param}: the {spec.kind} does not compile" in str(e.value)
     with pytest.raises(GrammarError):  # not cached: the same spec fails the same way again
-        llm.engine.add_request([1, 2], params(spec))
+        llm.engine.add_request(GenerateRequest.of([1, 2], params(spec)))
     stats = llm.stats()
     assert stats.free_blocks == start.free_blocks and stats.running == stats.waiting == 0
 
@@ -259,7 +264,7 @@ def test_the_async_path_refuses_before_admission() -> None:
     engine = Engine(EngineConfig(model=EMBEDDED_MODEL, num_kv_blocks=64))
 
     async def run() -> None:
-        async for _ in engine.generate([1, 2, 3], params(StructuredOutput("regex", "[", "r"))):
+        async for _ in engine.generate(GenerateRequest.of([1, 2, 3], params(StructuredOutput("regex", "[", "r")))):
             pass
 
     engine.start()
@@ -307,7 +312,7 @@ def test_a_request_the_engine_would_refuse_is_refused_before_its_grammar_compile
     too_long = list(range(3, 43))
 
     async def run() -> None:
-        async for _ in engine.generate(too_long, params(new_schema("too_long"), max_tokens=4)):
+        async for _ in engine.generate(GenerateRequest.of(too_long, params(new_schema("too_long"), max_tokens=4))):
             pass
 
     engine.start()
@@ -316,9 +321,9 @@ def test_a_request_the_engine_would_refuse_is_refused_before_its_grammar_compile
             asyncio.run(run())
         assert e.value.reason == "too_long"
         with pytest.raises(AdmitError):
-            engine.validate(too_long, params(new_schema("validate"), max_tokens=4))
+            engine.validate(GenerateRequest.of(too_long, params(new_schema("validate"), max_tokens=4)))
         with pytest.raises(AdmitError):
-            engine.add_request(too_long, params(new_schema("add"), max_tokens=4))
+            engine.add_request(GenerateRequest.of(too_long, params(new_schema("add"), max_tokens=4)))
         assert engine.grammars.compiled == 0 and engine.grammars.cache_entries == 0
         assert not engine.has_unfinished() and engine.num_waiting() == 0
     finally:
@@ -331,7 +336,7 @@ def test_requests_waiting_for_their_grammar_count_as_waiting_and_in_a_full_queue
 
     async def one(spec: StructuredOutput) -> str:
         text = ""
-        async for out in engine.generate([4, 5], params(spec, max_tokens=40)):
+        async for out in engine.generate(GenerateRequest.of([4, 5], params(spec, max_tokens=40))):
             text += out.text
         return text
 
@@ -363,7 +368,7 @@ def test_a_client_that_leaves_while_its_grammar_compiles_leaves_nothing_behind()
 
     async def one(s: StructuredOutput) -> str:
         text = ""
-        async for out in engine.generate([4, 5], params(s, max_tokens=40)):
+        async for out in engine.generate(GenerateRequest.of([4, 5], params(s, max_tokens=40))):
             text += out.text
         return text
 

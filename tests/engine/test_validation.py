@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tierserve.records import InvalidSamplingParam, InvalidToken
+from tierserve.records import GenerateRequest, InvalidSamplingParam, InvalidToken
 from tierserve.replica.config import EngineConfig
 from tierserve.replica.engine import Engine
 from tierserve.replica.llm import LLM
@@ -57,7 +57,7 @@ def drain(engine: Engine) -> None:
 
 
 def test_add_request_checks_each_rule_once(llm: LLM, calls: Counter[str]) -> None:
-    llm.engine.add_request([5, 6, 7], PARAMS)
+    llm.engine.add_request(GenerateRequest.of([5, 6, 7], PARAMS))
     assert calls == {"tokens": 1, "admission": 1}
     drain(llm.engine)
 
@@ -67,7 +67,7 @@ def test_generate_scans_the_prompt_once_for_its_samples(calls: Counter[str]) -> 
     engine.start()
 
     async def run() -> int:
-        return len([o async for o in engine.generate([5, 6, 7], PARAMS, n=3) if o.finished])
+        return len([o async for o in engine.generate(GenerateRequest.of([5, 6, 7], PARAMS, n=3)) if o.finished])
 
     try:
         assert asyncio.run(asyncio.wait_for(run(), timeout=60)) == 3
