@@ -56,7 +56,7 @@ test: install lint
 	$(if $(HAS_GPU),,TRITON_INTERPRET=$${TRITON_INTERPRET-1}) $(PY) -m pytest $(PYTEST_ARGS)
 
 bench: install
-	$(PY) -m tierserve.bench.scheduler
+	$(PY) -m benchmarks.scheduler
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PARTS = ("cluster", "replica", "kernels", "router", "bench")
+PARTS = ("cluster", "replica", "kernels", "router")
 
 
 def test_the_parts_are_folders_linked_into_the_namespace() -> None:
@@ -48,7 +48,7 @@ def test_the_wheel_installs_one_name(tmp_path: Path) -> None:
     (entry,) = [n for n in names if n.endswith("entry_points.txt")]
     scripts = zipfile.ZipFile(wheel).read(entry).decode()
     assert "tierserve = tierserve.cluster.launch:cli" in scripts
-    assert "tierserve-load = tierserve.bench.load:main" in scripts
+    assert "tierserve-load = tierserve.cluster.load:main" in scripts
 
 
 @pytest.mark.slow

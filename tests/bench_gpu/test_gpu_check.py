@@ -1,4 +1,4 @@
-"""``tierserve.bench.gpu_check``'s dry run (CPU, Triton interpreted, tiny shapes) writes every section, and
+"""``benchmarks.gpu_check``'s dry run (CPU, Triton interpreted, tiny shapes) writes every section, and
 runs where the GPU image runs it: without pydantic and Ray, nothing downloaded."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from tierserve.bench import gpu_check
-from tierserve.bench.gpu_check import SECTIONS
+from benchmarks import gpu_check
+from benchmarks.gpu_check import SECTIONS
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -32,7 +32,7 @@ def hide(folder: Path, *packages: str) -> Path:
 def dry_run(out: Path, *args: str, env: dict[str, str] | None = None) -> dict[str, Any]:
     full = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **(env or {})}
     done = subprocess.run(
-        [sys.executable, "-m", "tierserve.bench.gpu_check", "--dry-run", "--out", str(out), *args],
+        [sys.executable, "-m", "benchmarks.gpu_check", "--dry-run", "--out", str(out), *args],
         cwd=ROOT, env=full, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     data: dict[str, Any] = json.loads(out.read_text())

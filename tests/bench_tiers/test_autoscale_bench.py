@@ -1,5 +1,5 @@
-"""``tierserve.bench.autoscale``'s own logic, without a cluster (the run is by hand: ``python -m
-tierserve.bench.autoscale``): the autoscaled deployment found in a config, the outcomes and the
+"""``benchmarks.autoscale``'s own logic, without a cluster (the run is by hand: ``python -m
+benchmarks.autoscale``): the autoscaled deployment found in a config, the outcomes and the
 attainment of fake results, the timeline's bins from a fake trace, and its plot."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 import yaml
 
-from tierserve.bench import autoscale
-from tierserve.bench import tiers as tb
-from tierserve.bench.load import Result
+from benchmarks import autoscale
+from benchmarks import tiers as tb
+from tierserve.cluster.load import Result
 
 ROOT = Path(__file__).resolve().parents[2]
 

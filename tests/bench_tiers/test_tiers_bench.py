@@ -1,6 +1,6 @@
-"""``tierserve.bench.tiers``'s own logic, without a cluster (the runs are by hand: ``python -m
-tierserve.bench.tiers``): the derived configs validate and carry keys only as ``env:`` references, the
-attainment, fairness and table figures from fake ``tierserve.bench.load`` results, the counter deltas from
+"""``benchmarks.tiers``'s own logic, without a cluster (the runs are by hand: ``python -m
+benchmarks.tiers``): the derived configs validate and carry keys only as ``env:`` references, the
+attainment, fairness and table figures from fake ``tierserve.cluster.load`` results, the counter deltas from
 fake scrapes, the plots, and arguments refused before anything starts."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import pytest
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
-from tierserve.bench import tiers
-from tierserve.bench.load import Result, Sample, Scrape
+from benchmarks import tiers
 from tierserve.cluster.config import ClusterConfig
+from tierserve.cluster.load import Result, Sample, Scrape
 
 DEFAULT = Path(__file__).resolve().parents[2] / "configs" / "cluster.yaml"
 

@@ -1,4 +1,4 @@
-"""``tierserve.bench.tiers_sim``: the simulated cluster is deterministic, answers or sheds every
+"""``benchmarks.tiers_sim``: the simulated cluster is deterministic, answers or sheds every
 request, leaks nothing, and refuses what it cannot run."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from tierserve.bench import tiers_sim as ts
+from benchmarks import tiers_sim as ts
 from tierserve.replica.scheduler import Chunk, Decode, StepPlan
 
 

@@ -1,4 +1,4 @@
-"""``tierserve.bench.abuse`` without a cluster: the victim's figures, the verdicts, the payloads
+"""``benchmarks.abuse`` without a cluster: the victim's figures, the verdicts, the payloads
 the probes send, the report's table and plot."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import yaml
 
-from tierserve.bench import abuse
-from tierserve.bench.abuse import (
+from benchmarks import abuse
+from benchmarks.abuse import (
     Answer,
     Check,
     Limits,
@@ -20,7 +20,7 @@ from tierserve.bench.abuse import (
     VictimRequest,
     WindowStats,
 )
-from tierserve.bench.tools import ROOT
+from benchmarks.tools import ROOT
 
 MODEL = "m"
 
@@ -249,7 +249,7 @@ def test_ray_processes_are_named_by_their_command_line() -> None:
     assert abuse.ray_label(["ray::ServeReplica:tierserve:LLMServer"]) == \
         "ServeReplica:tierserve:LLMServer"
     assert abuse.ray_label(["ray::IDLE", "", ""]) == "IDLE"
-    assert abuse.ray_label(["/usr/bin/python", "-m", "tierserve.bench.abuse"]) is None
+    assert abuse.ray_label(["/usr/bin/python", "-m", "benchmarks.abuse"]) is None
     assert abuse.ray_label([]) is None
     mem = abuse.ray_memory()  # none here, or whatever Ray runs on this machine
     assert mem["total_bytes"] >= 0 and mem["processes"] >= 0

@@ -1,12 +1,12 @@
-"""``tierserve.bench.burst`` against the fake API (no Ray, no model): what a round counts."""
+"""``benchmarks.burst`` against the fake API (no Ray, no model): what a round counts."""
 
 from __future__ import annotations
 
 import asyncio
 from pathlib import Path
 
+from benchmarks.burst import Round, burst, fmt
 from tests.bench_tools.fake_api import MODEL, Behaviour, FakeApi
-from tierserve.bench.burst import Round, burst, fmt
 
 
 def test_a_burst_counts_answers_attempts_and_refusals() -> None:

@@ -1,4 +1,4 @@
-"""The pieces every HTTP tool of ``bench/`` shares (``tierserve.bench.common``): the served model
+"""The pieces every HTTP tool of ``bench/`` shares (``tierserve.cluster.measure``): the served model
 from ``GET /v1/models`` and its errors, what counts as answered while a server starts, and the
 verdict that fails a run which measured nothing."""
 
@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from tests.bench_tools.fake_api import MODEL, Behaviour, FakeApi
-from tierserve.bench.common import (
+from tierserve.cluster.measure import (
     NotServing,
     RequestsFailed,
     answered,

@@ -1,4 +1,4 @@
-"""``tierserve.bench.load`` (``tierserve-load``) against a fake server: without ``--model`` it
+"""``tierserve.cluster.load`` (``tierserve-load``) against a fake server: without ``--model`` it
 sends the model ``/v1/models`` names; it fails (exit status 1, the reasons on stderr, the verdict
 in its report) when no request succeeded or when requests got clear errors it does not ask
 for, such as ``model_not_found``."""
@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from tests.bench_tools.fake_api import MODEL, Behaviour, FakeApi
-from tierserve.bench import load as loadgen
-from tierserve.bench.load import Result
+from tierserve.cluster import load as loadgen
+from tierserve.cluster.load import Result
 
 
 def run(api: FakeApi, tmp_path: Path, *extra: str) -> int:

@@ -1,4 +1,4 @@
-"""``tierserve.bench.serving`` and ``tierserve.bench.startup``, which start their servers
+"""``benchmarks.serving`` and ``benchmarks.startup``, which start their servers
 themselves, against a fake server (the launcher replaced by a process that only sleeps): both
 wait for the model ``/v1/models`` names and send that one; a completion refused for good
 (``model_not_found``) stops the wait at once instead of after its timeout; an aiperf run with no
@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 import yaml
 
+from benchmarks import serving, startup
 from tests.bench_tools.fake_api import MODEL, Behaviour, FakeApi
-from tierserve.bench import serving, startup
-from tierserve.bench.common import RequestsFailed
+from tierserve.cluster.measure import RequestsFailed
 
 DEFAULT = Path(__file__).resolve().parents[2] / "configs" / "cluster.yaml"
 
@@ -133,7 +133,7 @@ def test_the_command_line_fails_when_a_run_failed(
     monkeypatch.setattr(serving, "summarize", lambda rs: {})
     assert serving.main(["--json", str(tmp_path / "s.json")]) == 1
     err = capsys.readouterr().err
-    assert ("tierserve.bench.serving: tierserve round 0: FAILED: no request succeeded "
+    assert ("benchmarks.serving: tierserve round 0: FAILED: no request succeeded "
             "(16 sent; clear errors by code: {'model_not_found': 16})") in err
     assert "vllm round 0: FAILED" not in err
     results["tierserve"] = good
@@ -192,7 +192,7 @@ def test_the_startup_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[
         assert startup.main(["--config", str(config_on(tmp_path, api.port)),
                              "--rounds", "1"]) == 1
     err = capsys.readouterr().err
-    assert "tierserve.bench.startup: tierserve round 0:" in err and "model_not_found" in err
+    assert "benchmarks.startup: tierserve round 0:" in err and "model_not_found" in err
     with FakeApi(Behaviour(models=[])) as api:
         assert startup.main(["--config", str(config_on(tmp_path, api.port)),
                              "--rounds", "1"]) == 1

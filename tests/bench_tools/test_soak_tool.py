@@ -1,4 +1,4 @@
-"""``tierserve.bench.soak`` against a fake server (a second or so of load): without ``--model`` it
+"""``benchmarks.soak`` against a fake server (a second or so of load): without ``--model`` it
 sends the model ``/v1/models`` names; a soak where every request got ``model_not_found``, or
 where nothing succeeded, fails; a mix with invalid requests expects their ``invalid_request``
 and nothing more."""
@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import soak as soak_tool
+from benchmarks.soak import ReplicaState, SoakConfig, SoakReport, soak
 from tests.bench_tools.fake_api import MODEL, Behaviour, FakeApi
-from tierserve.bench import soak as soak_tool
-from tierserve.bench.load import TrafficClass
-from tierserve.bench.soak import ReplicaState, SoakConfig, SoakReport, soak
+from tierserve.cluster.load import TrafficClass
 
 CLASSES = [TrafficClass("a")]
 
@@ -127,7 +127,7 @@ def test_the_command_line_stops_before_sending_when_no_model_is_served(
         assert soak_tool.main(main_args(api, tmp_path)) == 1
     assert api.completions == []
     err = capsys.readouterr().err
-    assert f"tierserve.bench.soak: {api.url}/v1/models answered 404" in err
+    assert f"benchmarks.soak: {api.url}/v1/models answered 404" in err
     assert "(or pass --model)" in err and not (tmp_path / "soak.json").exists()
     with FakeApi(Behaviour(models=[])) as api:
         assert soak_tool.main(main_args(api, tmp_path)) == 1

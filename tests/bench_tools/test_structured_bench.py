@@ -1,4 +1,4 @@
-"""The pure helpers of ``tierserve.bench.structured`` (no model runs here)."""
+"""The pure helpers of ``benchmarks.structured`` (no model runs here)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 import jsonschema
 import pytest
 
-from tierserve.bench.structured import (
+from benchmarks.structured import (
     FIELDS,
     SCHEMA,
     SUBJECTS,

@@ -1,6 +1,6 @@
-"""``tierserve.bench.tiers`` against a fake server (the cluster's start replaced): the cluster is
+"""``benchmarks.tiers`` against a fake server (the cluster's start replaced): the cluster is
 ready when it answers a completion of the model ``/v1/models`` names, a refusal for good stops
-the wait at once, and every run of load must pass ``tierserve.bench.load``'s verdict, else the
+the wait at once, and every run of load must pass ``tierserve.cluster.load``'s verdict, else the
 bench stops with exit status 1 and the level's verdict in its report."""
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 import yaml
 
+from benchmarks import tiers
 from tests.bench_tools.fake_api import MODEL, Behaviour, FakeApi
-from tierserve.bench import tiers
-from tierserve.bench.common import RequestsFailed
-from tierserve.bench.load import LengthDist
+from tierserve.cluster.load import LengthDist
+from tierserve.cluster.measure import RequestsFailed
 
 DEFAULT = Path(__file__).resolve().parents[2] / "configs" / "cluster.yaml"
 KEYS = {var: f"key-{i}" for i, var in enumerate(tiers.KEY_VARS.values())}
@@ -109,7 +109,7 @@ def test_the_bench_fails_on_clear_errors_it_does_not_ask_for(
     assert verdict["passed"] is False and verdict["succeeded"] > 0
     assert set(verdict["unexpected"]) == {"invalid_api_key"}
     err = capsys.readouterr().err
-    assert "tierserve.bench.tiers: tiers: level 1x:" in err
+    assert "benchmarks.tiers: tiers: level 1x:" in err
     assert "clear errors the mix does not ask for, by code: {'invalid_api_key':" in err
 
 

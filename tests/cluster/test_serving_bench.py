@@ -1,4 +1,4 @@
-"""``tierserve.bench.serving``'s own logic (the servers and aiperf run by hand: ``python -m tierserve.bench.serving``):
+"""``benchmarks.serving``'s own logic (the servers and aiperf run by hand: ``python -m benchmarks.serving``):
 aiperf's export read into figures, the medians and targets, and bad arguments refused before
 anything starts."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tierserve.bench import serving
+from benchmarks import serving
 
 
 def _export(ttft: tuple[float, float], itl: tuple[float, float], req_s: float) -> dict[str, object]:

@@ -1,4 +1,4 @@
-"""``tierserve.bench.startup``'s own logic (the launches run by hand: ``python -m tierserve.bench.startup``): the floor
+"""``benchmarks.startup``'s own logic (the launches run by hand: ``python -m benchmarks.startup``): the floor
 config keeps the default config's layout and nothing of tierserve, the medians, and bad
 arguments refused before anything starts."""
 
@@ -10,7 +10,7 @@ import pytest
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
-from tierserve.bench import startup
+from benchmarks import startup
 
 DEFAULT = Path(__file__).resolve().parents[2] / "configs" / "cluster.yaml"
 

@@ -1,4 +1,4 @@
-"""tierserve.bench.runner's own logic (its figures are run by hand: ``python -m tierserve.bench.runner``): the busy
+"""benchmarks.runner's own logic (its figures are run by hand: ``python -m benchmarks.runner``): the busy
 neighbour process it can run beside the measurement, and bad arguments refused."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tierserve.bench import runner
-from tierserve.bench.common import process_cpu_seconds
+from benchmarks import runner
+from benchmarks.common import process_cpu_seconds
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads /proc")
@@ -81,7 +81,7 @@ def _running(pid: int) -> bool:
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads /proc")
 def test_the_busy_neighbour_stops_by_itself_when_the_benchmark_is_killed() -> None:
-    code = ("import sys, time\nfrom tierserve.bench import runner\n"
+    code = ("import sys, time\nfrom benchmarks import runner\n"
             "with runner.busy_neighbour(0.2) as p:\n"
             "    print(p.pid, flush=True)\n    time.sleep(60)\n")
     bench = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,

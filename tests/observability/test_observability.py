@@ -45,7 +45,7 @@ from tests.cluster.helpers import (
 )
 from tests.observability import promql
 from tests.tools import Prometheus
-from tierserve.bench import load as loadgen
+from tierserve.cluster import load as loadgen
 from tierserve.cluster.app import POLICY
 from tierserve.replica.metrics import EXPORTED, GAUGES
 

@@ -11,9 +11,9 @@ import pytest
 import yaml
 
 from tests.observability import promql
-from tierserve.bench import load as loadgen
-from tierserve.bench.common import percentile
-from tierserve.bench.load import LengthDist, Result, Scrape, TrafficClass, Workload
+from tierserve.cluster import load as loadgen
+from tierserve.cluster.load import LengthDist, Result, Scrape, TrafficClass, Workload
+from tierserve.cluster.measure import percentile
 from tierserve.replica.metrics import COUNTERS, EXPORTED, GAUGES, HISTOGRAMS, MEMORY_GAUGES
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""The routing part of ``tierserve.bench.prefix`` in small (virtual time, deterministic for its seeds): on a
+"""The routing part of ``benchmarks.prefix`` in small (virtual time, deterministic for its seeds): on a
 shared-system-prompt mix the prefix-aware router finds most of what the oracle finds, clearly more
 than the router without prefix affinity, and the requests and cached counts add up."""
 
@@ -9,14 +9,14 @@ import random
 
 import pytest
 
-from tierserve.bench.prefix import (
+from benchmarks.prefix import (
     ROUTING_ENGINE,
     RoutingSpec,
     routing_policies,
     routing_requests,
     routing_summary,
 )
-from tierserve.bench.router import simulate
+from benchmarks.router import simulate
 
 
 def test_prefix_tier_routing_finds_most_of_what_the_oracle_finds() -> None:
@@ -41,7 +41,7 @@ def test_prefix_tier_routing_finds_most_of_what_the_oracle_finds() -> None:
 
 
 def test_poisson_arrivals_start_at_zero_rise_and_keep_their_rate() -> None:
-    from tierserve.bench.prefix import poisson_arrivals
+    from benchmarks.prefix import poisson_arrivals
 
     due = poisson_arrivals(2000, rate=4.0, seed=3)
     assert due[0] == 0.0 and all(b >= a for a, b in itertools.pairwise(due))
@@ -50,7 +50,7 @@ def test_poisson_arrivals_start_at_zero_rise_and_keep_their_rate() -> None:
 
 
 def test_a_rate_that_is_not_positive_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
-    from tierserve.bench.prefix import main
+    from benchmarks.prefix import main
 
     with pytest.raises(SystemExit) as exc:
         main(["--part", "arrivals", "--arrival-rate", "0"])
@@ -60,7 +60,7 @@ def test_a_rate_that_is_not_positive_is_refused(capsys: pytest.CaptureFixture[st
 
 def test_users_below_one_are_refused_for_either_engine_part(
         capsys: pytest.CaptureFixture[str]) -> None:
-    from tierserve.bench.prefix import main
+    from benchmarks.prefix import main
 
     for part in ("engine", "arrivals"):
         with pytest.raises(SystemExit) as exc:

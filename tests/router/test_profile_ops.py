@@ -1,4 +1,4 @@
-"""tierserve.bench.profile_ops: every op of the forward is timed, inside the forward's own time."""
+"""benchmarks.profile_ops: every op of the forward is timed, inside the forward's own time."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from tierserve.bench.profile_ops import main, profile
-from tierserve.bench.throughput import tiny_checkpoint
+from benchmarks.profile_ops import main, profile
+from benchmarks.throughput import tiny_checkpoint
 
 
 def test_the_op_table_covers_the_forward(tmp_path: Path) -> None:

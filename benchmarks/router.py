@@ -1,6 +1,6 @@
 """Router benchmark: one skewed, bursty workload against simulated engines, under three routers.
 
-Run: ``python -m tierserve.bench.router`` (2, 4 and 8 replicas, 2 rounds, about 14 minutes on 2 cores);
+Run: ``python -m benchmarks.router`` (2, 4 and 8 replicas, 2 rounds, about 14 minutes on 2 cores);
 ``--quick`` (2 and 4 replicas, 1 round, a shorter workload, about 3 minutes); ``--replicas 2,4,8``;
 ``--rounds N``; ``--duration S`` (seconds of arrivals per round); ``--seed N``; ``--json PATH`` the
 figures and every request's timings; ``--plot PATH.png`` CDFs and bars; ``--routers a,b`` a subset;
@@ -11,7 +11,7 @@ at most 0.7x the default router's, with fewer preemptions) is printed as met or 
 
 The cluster, per replica count N (one Serve app in a local Ray of this process's own):
 
-- Three ``tierserve.bench.router_sim.SimEngine`` deployments of N replicas each, identical but
+- Three ``benchmarks.router_sim.SimEngine`` deployments of N replicas each, identical but
   for the router:
   ``free-blocks`` (``tierserve.router.free_blocks_router:FreeKVBlocksRouter``, stats every second),
   ``pow2`` (no router config: Serve's default ``PowerOfTwoChoicesRequestRouter``) and
@@ -86,8 +86,7 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
-from tierserve.bench.common import load_avg_1m, machine, percentile, pyplot
-from tierserve.bench.router_sim import (
+from benchmarks.router_sim import (
     ROUTER_CLASS,
     TOKEN,
     SimCore,
@@ -96,6 +95,7 @@ from tierserve.bench.router_sim import (
     sim_config,
 )
 from tierserve.cluster.config import ClusterConfig
+from tierserve.cluster.measure import load_avg_1m, machine, percentile, pyplot
 from tierserve.records import ErrorRecord, GenerateRequest, RoutingStats, SamplingParams
 from tierserve.replica.config import EngineConfig
 from tierserve.replica.scheduler import AdmitError, EmptyPrompt, NeverFits, QueueFull, TooLong
@@ -135,7 +135,7 @@ def router_configs() -> dict[str, dict[str, Any]]:
     return {
         "free-blocks": {"request_router_class": ROUTER_CLASS, "request_routing_stats_period_s": 1},
         "pow2": {},  # Serve's default: PowerOfTwoChoicesRequestRouter, default stats period
-        "round-robin": {"request_router_class": "tierserve.bench.router:RoundRobinRouter"},
+        "round-robin": {"request_router_class": "benchmarks.router:RoundRobinRouter"},
     }
 
 
@@ -598,7 +598,7 @@ def paired_bootstrap_ratio(
     rng = np.random.default_rng(0)
     idx = rng.integers(0, len(xa), size=(n, len(xa)))
     # An order statistic per resample, vectorized (numpy's linear interpolation would turn two
-    # infs, rejections, into NaN; tierserve.bench.common.percentile guards that, one list at a time).
+    # infs, rejections, into NaN; tierserve.cluster.measure.percentile guards that, one list at a time).
     pa = np.percentile(xa[idx], 99, axis=1, method="higher")
     pb = np.percentile(xb[idx], 99, axis=1, method="higher")
     with np.errstate(invalid="ignore", divide="ignore"):

@@ -1,8 +1,8 @@
-"""Where tierserve's forward spends its time, by op, on one of ``tierserve.bench.throughput``'s mixes.
+"""Where tierserve's forward spends its time, by op, on one of ``benchmarks.throughput``'s mixes.
 
-Run: ``python -m tierserve.bench.profile_ops`` (the real model, the shared-nothing mix of 64 requests:
+Run: ``python -m benchmarks.profile_ops`` (the real model, the shared-nothing mix of 64 requests:
 about a minute on 2 cores); ``--mix shared``, ``--requests N``, ``--model
-tiny|smollm2|smollm2-135m-instruct`` (``tierserve.bench.throughput``'s checkpoints), ``--json PATH``.
+tiny|smollm2|smollm2-135m-instruct`` (``benchmarks.throughput``'s checkpoints), ``--json PATH``.
 Nothing here asserts on time.
 
 One engine (``tierserve.replica.llm.LLM``, the benchmark's options) generates the mix once after a short
@@ -13,7 +13,7 @@ RMSNorm (with its residual add), SiLU-and-mul and rotary-with-KV-store. It print
 seconds and share of the forward's time, the calls, and for the linear layers the GFLOP/s they
 ran at (2 x in x out per row); what is left of the forward (embedding, index ops, glue) is
 ``rest``. The timers cost some microseconds per call (some 270 calls per step), so the total
-runs a little slower than ``tierserve.bench.throughput``'s.
+runs a little slower than ``benchmarks.throughput``'s.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-from tierserve.bench.common import load_avg_1m, machine
-from tierserve.bench.throughput import BUILDERS, MIXES, THREADS, Checkpoint, EngineOptions, make_mix
+from benchmarks.throughput import BUILDERS, MIXES, THREADS, Checkpoint, EngineOptions, make_mix
+from tierserve.cluster.measure import load_avg_1m, machine
 
 
 @dataclass(frozen=True, slots=True)

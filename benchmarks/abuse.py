@@ -1,4 +1,4 @@
-"""Isolation as a measured property: ``python -m tierserve.bench.abuse``.
+"""Isolation as a measured property: ``python -m benchmarks.abuse``.
 
 A well-behaved client (the victim) streams completions while, one at a time, probes do what a
 careless or hostile client of the lowest tier can do to a shared cluster: hang up on slow grammar
@@ -19,19 +19,19 @@ the victim saw and by what it left behind, against four targets:
 Each probe also states what it expects of its own answers (a fast 400, a 408, a 401, ...); an
 answer other than that fails it too.
 
-Run: ``python -m tierserve.bench.abuse [--config CONFIG | --url URL] [--keys per-tier|none]
+Run: ``python -m benchmarks.abuse [--config CONFIG | --url URL] [--keys per-tier|none]
 [--probes a,b,...] [--json out.json] [--plot out.png]``.
 
 - ``--config`` (default ``configs/cluster.yaml``): the bench starts the cluster itself
   (``python -m tierserve.cluster.launch CONFIG``, what ``tierserve serve`` runs), on the
   config as it is, then, with ``--keys per-tier`` (the default), again on a config derived from
-  it with a fresh key on every tier (standard with two tenants, as ``tierserve.bench.tiers``
+  it with a fresh key on every tier (standard with two tenants, as ``benchmarks.tiers``
   derives it) and ``anonymous_tier: null`` (a request without a key is a 401). The keys live in the environment of the cluster
   and of this process only (``env:VAR`` references in the written config); the report never
   shows one. Ray's metrics are exported every ``--metrics-interval-ms`` (2000) so that the
   replicas' gauges can be read a few seconds after a probe.
 - ``--url``: a cluster that is already running (nothing started or stopped); with ``--keys
-  per-tier`` its keys come from ``tierserve.bench.tiers.KEY_VARS``' environment variables.
+  per-tier`` its keys come from ``benchmarks.tiers.KEY_VARS``' environment variables.
 
 Who is who: the victim is the interactive tier's key (no key where none is configured: the
 anonymous tier), streaming completions back to back (about 40 words in, ``max_tokens`` 48,
@@ -79,18 +79,8 @@ from urllib.parse import urlsplit
 import httpx
 import yaml
 
-from tierserve.bench.common import (
-    error_code,
-    load_avg_1m,
-    machine,
-    percentile,
-    pyplot,
-    served_model,
-    served_model_async,
-)
-from tierserve.bench.load import Scrape, parse_metrics
-from tierserve.bench.serving import DEFAULT_CONFIG, answers, completion_ready, stop, wait_for
-from tierserve.bench.tiers import (
+from benchmarks.serving import DEFAULT_CONFIG, answers, completion_ready, stop, wait_for
+from benchmarks.tiers import (
     KEY_VARS,
     app_args,
     derive_config,
@@ -99,10 +89,20 @@ from tierserve.bench.tiers import (
     redact,
     validate,
 )
-from tierserve.bench.tools import ROOT
+from benchmarks.tools import ROOT
+from tierserve.cluster.load import Scrape, parse_metrics
+from tierserve.cluster.measure import (
+    error_code,
+    load_avg_1m,
+    machine,
+    percentile,
+    pyplot,
+    served_model,
+    served_model_async,
+)
 from tierserve.records import MAX_STOP_TOKEN_IDS
 
-TOOL = "tierserve.bench.abuse"
+TOOL = "benchmarks.abuse"
 QUIET_S = 8.0
 MIN_WINDOW_S = 2.0  # a probe's window for the victim's figures lasts at least this long
 GAP_FLOOR_S = 0.5
@@ -625,7 +625,7 @@ def limits_from_config(args: Mapping[str, Any]) -> Limits:
 
 
 def keyed_config(base: Mapping[str, Any]) -> dict[str, Any]:
-    """``base`` with a key on every tier (``tierserve.bench.tiers``' keys: interactive, the
+    """``base`` with a key on every tier (``benchmarks.tiers``' keys: interactive, the
     standard tier's tenant-a and tenant-b, batch) and no anonymous tier: a request without a
     key is refused (401)."""
     config = derive_config(base, "tiers")

@@ -1,4 +1,6 @@
-"""What every benchmark and tool of ``bench/`` shares: the machine record, percentiles, plotting.
+"""What the load generator (``tierserve.cluster.load``, ``tierserve-load``) and the benchmarks of the
+repository's ``benchmarks/`` share: the machine record, the one percentile, plotting, and the
+checks of the HTTP tools.
 
 - ``machine(**extra)``: the machine a figure was measured on (CPU model, cores, memory, Python,
   platform, the load average at the start and, where torch imports, its version, its thread
@@ -9,8 +11,8 @@
   with a p99 of another.
 - ``pyplot()``: matplotlib on its file-only backend (a benchmark runs without a display).
 
-What the HTTP tools (load, soak, serving, startup, tiers) share, so that none of them can pass on
-nothing:
+What the HTTP tools (load, and the benchmarks soak, serving, startup, tiers) share, so that none
+of them can pass on nothing:
 
 - ``served_model(url)`` (``served_model_async`` on an ``httpx.AsyncClient``): the model the
   server names at ``GET /v1/models``, for a tool given no ``--model``; ``RequestsFailed`` naming
@@ -20,6 +22,8 @@ nothing:
 - ``verdict(...)``: pass or fail from the counts of a run: no request succeeded, or clear errors
   (by their OpenAI error code) beyond what the tool's mix asks for, fail it;
   ``Verdict.conclude`` prints why and gives the exit status.
+
+Installed because ``tierserve-load`` needs it; nothing on the serving path imports it.
 """
 
 from __future__ import annotations
@@ -96,13 +100,6 @@ def machine(*, torch_info: bool = True, **extra: Any) -> dict[str, Any]:
         record.update(torch_record())
     record.update(extra)
     return record
-
-
-def process_cpu_seconds(pid: int) -> float:
-    """CPU seconds (user and system) process ``pid`` has used so far, from ``/proc`` (Linux)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def percentile(values: Iterable[float], q: float) -> float:

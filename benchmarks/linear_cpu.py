@@ -1,6 +1,6 @@
 """The native CPU linear layer against the libraries torch ships, side by side, per shape.
 
-    python -m tierserve.bench.linear_cpu [--rows 1,2,4,...,512] [--layers 30] [--repeats 5] [--threads 2]
+    python -m benchmarks.linear_cpu [--rows 1,2,4,...,512] [--layers 30] [--repeats 5] [--threads 2]
                                [--impls native,native-avx2,torch,mkl-packed,onednn,panels-bmm]
                                [--avx2] [--json out.json] [--plot out.png]
 
@@ -44,8 +44,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tierserve.bench.common import machine as common_machine
-from tierserve.bench.common import pyplot
+from tierserve.cluster.measure import machine as common_machine
+from tierserve.cluster.measure import pyplot
 from tierserve.kernels import cpu_abi, cpu_build, cpu_native, cpu_ops, cpu_packing
 
 HIDDEN, INTER, QKV, VOCAB = 576, 1536, 960, 49152
@@ -83,7 +83,7 @@ class Point:
 
 
 def machine() -> dict[str, object]:
-    """``tierserve.bench.common.machine`` plus the CPU flags and environment this benchmark depends on."""
+    """``tierserve.cluster.measure.machine`` plus the CPU flags and environment this benchmark depends on."""
     have = set(cpu_build.cpu_flags().split())
     flags = sorted(f for f in ("avx2", "fma", "avx512f", "avx512bw", "amx_tile") if f in have)
     return common_machine(
@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         # MKL and ATen read these once, at load: start again with them set.
         os.execve(
             sys.executable,
-            [sys.executable, "-m", "tierserve.bench.linear_cpu", *(argv or sys.argv[1:])],
+            [sys.executable, "-m", "benchmarks.linear_cpu", *(argv or sys.argv[1:])],
             {**os.environ, **AVX2_ENV},
         )
     torch.set_num_threads(args.threads)

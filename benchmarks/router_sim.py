@@ -1,5 +1,5 @@
-"""A simulated replica for the router's tests and benchmarks (``tierserve.bench.router``,
-``tierserve.bench.prefix``): the real scheduler, a step-time model.
+"""A simulated replica for the router's tests and benchmarks (``benchmarks.router``,
+``benchmarks.prefix``): the real scheduler, a step-time model.
 
 ``SimCore`` is a replica's engine without a model (Ray-free): the replica's own
 ``tierserve.replica.scheduler.Scheduler`` over the pool a replica builds (``FreeListBlocks``, or the
@@ -102,7 +102,7 @@ class SimOutput(RequestOutput):
 
 class SimPrefixCache(PrefixCachingBlocks):
     """The replica's prefix cache, which also says how much of a prompt it holds (the oracle
-    router of ``tierserve.bench.router`` asks; a replica never does)."""
+    router of ``benchmarks.router`` asks; a replica never does)."""
 
     def cached_prefix(self, tokens: Sequence[int]) -> int:
         """Positions of ``tokens`` that ``allocate`` would find cached now (no change)."""

@@ -1,6 +1,6 @@
 """Scheduler step cost: one ``schedule()`` plus one ``on_step()``, with a minimal fake model.
 
-Run: ``python -m tierserve.bench.scheduler`` (about 15 s; ``--profile`` adds a cProfile of one case, ``--json
+Run: ``python -m benchmarks.scheduler`` (about 15 s; ``--profile`` adds a cProfile of one case, ``--json
 PATH`` writes the figures). It prints, per case, the median over repetitions of the wall time of
 ``schedule()`` + ``on_step()`` per step and per running request. Nothing here asserts on time.
 
@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from tierserve.bench.common import machine, percentile
+from tierserve.cluster.measure import machine, percentile
 from tierserve.replica.block_space import FreeListBlocks
 from tierserve.replica.config import EngineConfig
 from tierserve.replica.scheduler import (

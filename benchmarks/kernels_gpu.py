@@ -1,6 +1,6 @@
 """Decode-attention benchmark on a CUDA GPU: Triton paged attention vs SDPA on gathered K/V.
 
-    python -m tierserve.bench.kernels_gpu [--batches 1,4,16,64,256] [--contexts 512,2048,8192] [--json out.json]
+    python -m benchmarks.kernels_gpu [--batches 1,4,16,64,256] [--contexts 512,2048,8192] [--json out.json]
 
 For each (batch, context) every sequence decodes one token over ``context`` cached positions held in
 randomly scattered blocks of a paged pool. Reported per row: Triton time, achieved bandwidth
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from tierserve.arith import ceil_div
-from tierserve.bench.common import machine
+from tierserve.cluster.measure import machine
 
 # HBM peak in bytes/s by device-name fragment (first match wins); --peak-tbps overrides.
 PEAK_BANDWIDTH = [
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if not torch.cuda.is_available():
         print(
-            "tierserve.bench.kernels_gpu needs a CUDA GPU: torch.cuda.is_available() is False on this "
+            "benchmarks.kernels_gpu needs a CUDA GPU: torch.cuda.is_available() is False on this "
             "machine, so nothing was measured. Run it where `nvidia-smi` lists a GPU.",
             file=sys.stderr,
         )

@@ -9,7 +9,7 @@ creates the first time a benchmark asks for it:
 - ``pip uninstall torchvision torchaudio torchcodec``: the registry's builds of those do not load
   beside that torch, and ``transformers`` imports torchvision when it is installed.
 
-The benchmark process never imports vLLM: it writes a job (JSON) and runs ``bench/vllm_worker.py``
+The benchmark process never imports vLLM: it writes a job (JSON) and runs ``benchmarks/vllm_worker.py``
 with that venv's Python, which answers with JSON (see the worker's docstring). The environment of
 every run: ``VLLM_CPU_OMP_THREADS_BIND`` set to this process's cores as a range (vLLM refuses
 ``all``), ``VLLM_CPU_KVCACHE_SPACE`` in GiB, no hub access.

@@ -1,4 +1,4 @@
-"""Start-up, side by side with Ray Serve's own floor: ``python -m tierserve.bench.startup``.
+"""Start-up, side by side with Ray Serve's own floor: ``python -m benchmarks.startup``.
 
 Each round starts, one after the other on this machine, as ``make serve`` does
 (``python -m tierserve.cluster.launch CONFIG``, which starts a local Ray instance and runs the config):
@@ -36,8 +36,7 @@ from typing import Any
 import httpx
 import yaml
 
-from tierserve.bench.common import load_avg_1m, machine
-from tierserve.bench.serving import (
+from benchmarks.serving import (
     DEFAULT_CONFIG,
     answers,
     completion_ready,
@@ -45,9 +44,10 @@ from tierserve.bench.serving import (
     stop,
     wait_for,
 )
-from tierserve.bench.tools import ROOT
+from benchmarks.tools import ROOT
+from tierserve.cluster.measure import load_avg_1m, machine
 
-FLOOR_IMPORT_PATH = "tierserve.bench.startup:floor_app"
+FLOOR_IMPORT_PATH = "benchmarks.startup:floor_app"
 TIMEOUT_S = 300.0
 
 
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
                     s = measure(system, rnd, paths[system], _port(config),
                                 Path(tmp) / f"{system}.log")
                 except RuntimeError as e:
-                    print(f"tierserve.bench.startup: {system} round {rnd}: {e}", file=sys.stderr)
+                    print(f"benchmarks.startup: {system} round {rnd}: {e}", file=sys.stderr)
                     return 1
                 print(f"  {system:9s} round {rnd}: HTTP after {s.http_s:.1f} s, first answer "
                       f"after {s.ready_s:.1f} s", flush=True)

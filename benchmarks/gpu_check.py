@@ -1,7 +1,7 @@
 """The GPU path checked in one command on an NVIDIA GPU, every figure written to one JSON file.
 
-    python -m tierserve.bench.gpu_check --out gpu_check.json [--wheels DIR] [--model MODEL]
-    python -m tierserve.bench.gpu_check --dry-run --out dry.json     (CPU: TRITON_INTERPRET=1, tiny shapes)
+    python -m benchmarks.gpu_check --out gpu_check.json [--wheels DIR] [--model MODEL]
+    python -m benchmarks.gpu_check --dry-run --out dry.json     (CPU: TRITON_INTERPRET=1, tiny shapes)
 
 Sections, each with its ``status`` (``ok``, ``failed`` or ``skipped`` with a ``reason``), its
 ``seconds`` and its figures; one failing does not stop the others, and the file is rewritten
@@ -9,7 +9,7 @@ after each (what was measured survives a kill):
 
 - ``environment``: the device (name, memory, SMs, compute capability), torch, Triton, CUDA and
   Python versions, the device's peak memory bandwidth from a table of known GPUs
-  (``tierserve.bench.kernels_gpu.PEAK_BANDWIDTH``) and the bandwidth of a measured device-to-device copy.
+  (``benchmarks.kernels_gpu.PEAK_BANDWIDTH``) and the bandwidth of a measured device-to-device copy.
 - ``kernels_real_shapes``: the Triton store and paged attention (fast and deterministic) against
   the torch reference on a batch of decodes and prefill chunks, at head_dim 64 with 3 query heads
   per KV head (SmolLM2-135M) and head_dim 128 with 4 (Llama-3-8B); the largest error and, on a
@@ -236,7 +236,7 @@ def environment(plan: Plan) -> Figures:
     import torch
     import triton
 
-    from tierserve.bench.kernels_gpu import peak_bandwidth
+    from benchmarks.kernels_gpu import peak_bandwidth
 
     info: Figures = {
         "device": plan.device,
@@ -267,7 +267,7 @@ def environment(plan: Plan) -> Figures:
     copy_bps = 2 * n / (statistics.median(ms) * 1e-3)  # each byte read once and written once
     info.update(
         peak_bandwidth_bytes_per_s=peak,
-        peak_bandwidth_source="table (tierserve.bench.kernels_gpu.PEAK_BANDWIDTH)" if peak else "unknown",
+        peak_bandwidth_source="table (benchmarks.kernels_gpu.PEAK_BANDWIDTH)" if peak else "unknown",
         copy_bytes=n,
         copy_bandwidth_bytes_per_s=copy_bps,
     )
@@ -703,7 +703,7 @@ class Report:
     def __init__(self, path: Path, plan: Plan) -> None:
         self.path = path
         self.data: Figures = {
-            "tool": "tierserve.bench.gpu_check", "dry_run": plan.dry_run, "device": plan.device,
+            "tool": "benchmarks.gpu_check", "dry_run": plan.dry_run, "device": plan.device,
             "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "sections": {},
         }
         self.started = time.perf_counter()
@@ -774,7 +774,7 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, subprocess.SubprocessError) as e:
             report.data["wheels"] = {"error": f"{type(e).__name__}: {e}"}
     if not args.dry_run and not torch.cuda.is_available():
-        print("tierserve.bench.gpu_check needs a CUDA GPU (torch.cuda.is_available() is False); "
+        print("benchmarks.gpu_check needs a CUDA GPU (torch.cuda.is_available() is False); "
               "--dry-run runs it on CPU with tiny shapes", file=sys.stderr)
         for name in SECTIONS:
             report.record(name, {"status": "skipped", "reason": "no CUDA GPU"})

@@ -1,4 +1,4 @@
-"""The tiers' latency promise under load: ``python -m tierserve.bench.tiers``.
+"""The tiers' latency promise under load: ``python -m benchmarks.tiers``.
 
 Does each tier keep its targets (``ttft_target_s``, ``tpot_target_s`` of its ``TierConfig``) as
 the offered load grows past what the cluster can serve, with tierserve's SLO machinery on
@@ -16,11 +16,11 @@ Keys: the tier ``interactive`` gets one key (a tenant of its own), ``standard`` 
 random per run, written in the config as an ``env:VAR`` reference and put in the environment of
 the cluster's process and of the load client only; neither the report nor the output shows one.
 
-Traffic (``tierserve.bench.load``'s workload and runner): four classes, ``interactive`` (weight 1, the
+Traffic (``tierserve.cluster.load``'s workload and runner): four classes, ``interactive`` (weight 1, the
 interactive key), ``std-a`` (5, tenant-a), ``std-b`` (1, tenant-b), ``batch`` (3). Prompts of
 ``--prompt-len`` tokens (``uniform:64:256``), outputs of ``--output-len`` (``uniform:16:64``,
 ``ignore_eos``), streamed. Arrivals are open-loop Poisson with no client-side cap on requests in
-flight (``tierserve.bench.load``'s ``max_inflight`` at 100000, which also sizes its httpx connection pool:
+flight (``tierserve.cluster.load``'s ``max_inflight`` at 100000, which also sizes its httpx connection pool:
 no client queue), so whatever queues, queues in the server.
 
 Capacity: ``--capacity R`` (requests/s), or measured on the ``--capacity-on`` system (``off``;
@@ -36,18 +36,18 @@ closed-loop traffic (discarded). Every level of every system has the same reques
 arrival times (one seed per level).
 
 Figures, per system x level x class (and per tier, and all together), client side as
-``tierserve.bench.load`` measures them: TTFT and TPOT p50/p99 of the answered requests; attainment, the
+``tierserve.cluster.load`` measures them: TTFT and TPOT p50/p99 of the answered requests; attainment, the
 fraction of the class's requests that were answered AND met both of the tier's targets (a
 refused, failed or cancelled request is a miss; a target the tier does not set is met by any
 answer), and the TTFT-only and TPOT-only fractions; output tokens served, per second and as a
 share of those offered; 429s and 503s. Per level: the server's preemptions, rejections and
-aborts (``tierserve.bench.load``'s before/after deltas), Jain's fairness index of tenant-a's and
+aborts (``tierserve.cluster.load``'s before/after deltas), Jain's fairness index of tenant-a's and
 tenant-b's output-token throughput (and of their served shares of what each offered), and the
 ingress's own counters as deltas (``ray_tierserve_slo_requests_total``: goodput per tier and
 target; ``ray_tierserve_flow_shed_total``; ``ray_tierserve_tenant_tokens_total``) where the
 metrics endpoint has them.
 
-Output (``--out-dir``, default ``bench/out``; ``--name``, default ``tiers``): ``NAME.json`` (the
+Output (``--out-dir``, default ``benchmarks/out``; ``--name``, default ``tiers``): ``NAME.json`` (the
 machine, each system's config, the capacity, every figure; rewritten after every level, so an
 interrupted run keeps what it measured), ``NAME_attainment.png`` (attainment of both targets per
 tier against the load multiple, one panel per system), ``NAME_tpot.png`` (the interactive
@@ -60,7 +60,7 @@ ready when it answers a one-token completion of the interactive tier; one refuse
 that waiting cannot change (a 4xx other than 429: ``model_not_found``, ``invalid_api_key``)
 stops the run at once. Every run of load (warm-up, capacity, each level) must have some request
 answered and no clear error but a loaded server's refusals (``queue_full``, ``shed``:
-``tierserve.bench.load``'s verdict); else the run stops there, the report keeps what it measured
+``tierserve.cluster.load``'s verdict); else the run stops there, the report keeps what it measured
 (the level with its ``verdict``), and the exit status is 1.
 
 Bounded: start-up at most ``--start-timeout`` s per system; a level at most duration + drain +
@@ -94,17 +94,10 @@ from typing import Any, TypeVar
 import httpx
 import yaml
 
-from tierserve.bench import load as loadgen
-from tierserve.bench.common import (
-    NotServing,
-    Verdict,
-    load_avg_1m,
-    machine,
-    percentile,
-    pyplot,
-    served_model,
-)
-from tierserve.bench.load import (
+from benchmarks.serving import answers, completion_ready, stop, wait_for
+from benchmarks.tools import ROOT
+from tierserve.cluster import load as loadgen
+from tierserve.cluster.load import (
     LengthDist,
     LoadConfig,
     LoadRunner,
@@ -114,8 +107,15 @@ from tierserve.bench.load import (
     TrafficClass,
     Workload,
 )
-from tierserve.bench.serving import answers, completion_ready, stop, wait_for
-from tierserve.bench.tools import ROOT
+from tierserve.cluster.measure import (
+    NotServing,
+    Verdict,
+    load_avg_1m,
+    machine,
+    percentile,
+    pyplot,
+    served_model,
+)
 from tierserve.replica.metrics import INGRESS_COUNTERS, INGRESS_GAUGES
 
 T = TypeVar("T")
@@ -160,7 +160,7 @@ FLOW_HELD = "ray_tierserve_flow_held"
 assert {n[4:-6] for n in (SLO_REQUESTS, FLOW_SHED, TENANT_TOKENS)} <= INGRESS_COUNTERS.keys()
 assert FLOW_HELD[4:] in INGRESS_GAUGES
 
-UNLIMITED_INFLIGHT = 100_000  # tierserve.bench.load sizes its httpx pool from it: no client-side queue
+UNLIMITED_INFLIGHT = 100_000  # tierserve.cluster.load sizes its httpx pool from it: no client-side queue
 
 
 # ---------------------------------------------------------------------------------- configs
@@ -286,7 +286,7 @@ def tier_targets(config: Mapping[str, Any]) -> dict[str, Targets]:
 
 def class_specs(classes: Sequence[ClassDef] = CLASSES,
                 key_vars: Mapping[str, str] = KEY_VARS) -> list[str]:
-    """The classes in ``tierserve.bench.load``'s ``--class`` syntax (keys by ``env:VAR``)."""
+    """The classes in ``tierserve.cluster.load``'s ``--class`` syntax (keys by ``env:VAR``)."""
     return [f"{c.name}={c.weight:g},key=env:{key_vars[c.key]}" for c in classes]
 
 
@@ -629,7 +629,7 @@ def plot_attainment(report: Mapping[str, Any], path: Path) -> None:
     axes[0][0].set_ylabel("fraction meeting both targets")
     axes[0][0].legend(fontsize=8)
     cap = report.get("capacity", {}).get("requests_per_s")
-    fig.suptitle(f"tierserve.bench.tiers: target attainment per tier (capacity {_fmt(cap)} req/s)",
+    fig.suptitle(f"benchmarks.tiers: target attainment per tier (capacity {_fmt(cap)} req/s)",
                  fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -653,7 +653,7 @@ def plot_tpot(report: Mapping[str, Any], path: Path, cls: str = "interactive") -
         ax.axhline(target * 1e3, color="k", linestyle="--", linewidth=1, label="target")
     ax.set_xlabel("offered load (x capacity)")
     ax.set_ylabel(f"{cls} TPOT p99 (ms)")
-    ax.set_title(f"tierserve.bench.tiers: {cls} TPOT p99 against load", fontsize=10)
+    ax.set_title(f"benchmarks.tiers: {cls} TPOT p99 against load", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -804,7 +804,7 @@ def run_niced(make: Callable[[], Coroutine[Any, Any, T]], nice: int) -> T:
 def run_load(plan: Plan, classes: list[TrafficClass], seed: int, *, rate: float | None = None,
              concurrency: int | None = None, duration_s: float | None = None,
              model: str | None = None) -> tuple[RunData, LoadConfig, Workload]:
-    """One ``tierserve.bench.load`` run: open loop at ``rate`` (no client cap on requests in flight) or a
+    """One ``tierserve.cluster.load`` run: open loop at ``rate`` (no client cap on requests in flight) or a
     closed loop of ``concurrency`` clients."""
     duration = duration_s or plan.duration_s
     n = 10_000_000 if rate is None else min(10_000_000, int(rate * duration * 3) + 1000)
@@ -830,7 +830,7 @@ def ready(url: str, key: str) -> bool:
 
 
 def check_run(run: RunData, what: str) -> Verdict:
-    """``tierserve.bench.load``'s verdict on one run's requests; ``RuntimeError`` naming
+    """``tierserve.cluster.load``'s verdict on one run's requests; ``RuntimeError`` naming
     ``what`` and why when it failed."""
     judged = loadgen.run_verdict(run.results)
     if not judged.passed:
@@ -914,7 +914,7 @@ def write_report(report: Mapping[str, Any], out_dir: Path, name: str) -> Path:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m tierserve.bench.tiers", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.tiers", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=DEFAULT_CONFIG, help="the base cluster config")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="of tiers, off, fcfs")
@@ -934,7 +934,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--metrics-port", type=int, default=8080)
     p.add_argument("--start-timeout", type=float, default=600.0)
-    p.add_argument("--out-dir", default="bench/out")
+    p.add_argument("--out-dir", default="benchmarks/out")
     p.add_argument("--name", default="tiers")
     p.add_argument("--client-nice", type=int, default=0,
                    help="run the load client's threads at this niceness (0 to 19; Ray runs "
@@ -955,7 +955,7 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], list[float]]:
     if args.capacity is not None and not 0 < args.capacity <= 10_000:
         raise ValueError("--capacity must be in (0, 10000] requests/s")
     if max(levels) * (args.capacity or 1.0) > 10_000:
-        raise ValueError("the highest level exceeds tierserve.bench.load's 10000 requests/s")
+        raise ValueError("the highest level exceeds tierserve.cluster.load's 10000 requests/s")
     for name in ("capacity_duration", "duration", "drain_timeout", "settle_timeout",
                  "start_timeout"):
         if not getattr(args, name) > 0:
@@ -984,7 +984,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         url = http_target(configs[systems[0]])
         targets = {s: tier_targets(c) for s, c in configs.items()}
     except (ValueError, OSError, yaml.YAMLError, TypeError, AttributeError) as e:
-        print(f"tierserve.bench.tiers: {e}", file=sys.stderr)
+        print(f"benchmarks.tiers: {e}", file=sys.stderr)
         return 2
     metrics_url = f"http://127.0.0.1:{args.metrics_port}/metrics"
     out_dir = Path(args.out_dir)
@@ -997,13 +997,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     typical = len(systems) * (60 + args.warmup + len(levels) * (
         args.duration + args.settle + 15)) + (args.capacity_duration if args.capacity is None else 0)
     notargets = [t for t, v in targets[systems[0]].items() if v == Targets()]
-    print(f"tierserve.bench.tiers: systems {systems} (from {base_path}), levels {levels} x capacity, "
+    print(f"benchmarks.tiers: systems {systems} (from {base_path}), levels {levels} x capacity, "
           f"{args.duration:g} s each; typically about {typical / 60:.0f} min, at most "
           f"{bound / 60:.0f} min", flush=True)
     if notargets:
-        print(f"tierserve.bench.tiers: tiers without targets (any answer meets them): {notargets}")
+        print(f"benchmarks.tiers: tiers without targets (any answer meets them): {notargets}")
     report: dict[str, Any] = {
-        "tool": "tierserve.bench.tiers",
+        "tool": "benchmarks.tiers",
         "machine": machine(torch_info=False),
         "base_config": str(base_path),
         "settings": {k: v for k, v in vars(args).items()},
@@ -1025,7 +1025,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"  classes: {' '.join(class_specs())}")
         return 0
     if answers(lambda: httpx.get(f"{url}/v1/models", timeout=5)):
-        print(f"tierserve.bench.tiers: something already serves on {url}; stop it first", file=sys.stderr)
+        print(f"benchmarks.tiers: something already serves on {url}; stop it first", file=sys.stderr)
         return 1
     if args.results:  # this run's requests only
         (out_dir / f"{args.name}_requests.jsonl").unlink(missing_ok=True)
@@ -1091,11 +1091,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     stop(proc)
                 print(table_text(entry), flush=True)
     except RuntimeError as e:
-        print(f"tierserve.bench.tiers: {e}", file=sys.stderr)
+        print(f"benchmarks.tiers: {e}", file=sys.stderr)
         write_report(report, out_dir, args.name)
         return 1
     except KeyboardInterrupt:
-        print("tierserve.bench.tiers: interrupted", file=sys.stderr)
+        print("benchmarks.tiers: interrupted", file=sys.stderr)
         write_report(report, out_dir, args.name)
         return 130
     report["machine"]["load_avg_1m_after"] = load_avg_1m()
@@ -1107,7 +1107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             plot_tpot(report, plots["tpot"])
             report["plots"] = {k: str(v) for k, v in plots.items()}
         except ImportError:
-            print("tierserve.bench.tiers: matplotlib is not installed: no plots", file=sys.stderr)
+            print("benchmarks.tiers: matplotlib is not installed: no plots", file=sys.stderr)
     path = write_report(report, out_dir, args.name)
     print(f"report: {path}" + "".join(f"\nplot: {p}" for p in report.get("plots", {}).values()))
     return 0

