@@ -95,8 +95,8 @@ from tierserve.cluster.measure import (
     error_code,
     load_avg_1m,
     machine,
-    percentile,
     pyplot,
+    rounded_percentile,
     served_model,
     served_model_async,
 )
@@ -313,10 +313,6 @@ class WindowStats:
     worst_gap_s: float | None = None
 
 
-def _q(xs: Sequence[float], q: float) -> float | None:
-    return round(percentile(xs, q), 6) if xs else None
-
-
 def window_stats(reqs: Iterable[VictimRequest], t0: float, t1: float) -> WindowStats:
     reqs = list(reqs)
     started = [r for r in reqs if t0 <= r.start < t1]
@@ -324,8 +320,9 @@ def window_stats(reqs: Iterable[VictimRequest], t0: float, t1: float) -> WindowS
     ttfts = [x for x in (r.ttft for r in started if r.ok) if x is not None]
     tpots = [x for x in (r.tpot for r in started if r.ok) if x is not None]
     gaps = [b - a for r in reqs for a, b in r.gaps() if b > t0 and a < t1]
-    return WindowStats(round(t0, 3), round(t1, 3), len(started), len(failed), _q(ttfts, 50),
-                       _q(ttfts, 99), _q(tpots, 50), _q(tpots, 99), len(gaps),
+    return WindowStats(round(t0, 3), round(t1, 3), len(started), len(failed),
+                       rounded_percentile(ttfts, 50), rounded_percentile(ttfts, 99),
+                       rounded_percentile(tpots, 50), rounded_percentile(tpots, 99), len(gaps),
                        round(max(gaps), 6) if gaps else None)
 
 

@@ -581,7 +581,12 @@ def paired_bootstrap_ratio(
     name: str = OURS,
     n: int = 2000,
 ) -> tuple[float, float]:
-    """A 90% interval of p99(name) / p99(default) over the tier's requests, resampled in pairs."""
+    """A 90% interval of p99(name) / p99(default) over the tier's requests, resampled in pairs.
+
+    Each p99 and the interval's bounds are ``percentile``'s (linear between the closest ranks);
+    until it was shared, each resample's p99 was numpy's next order statistic up (``higher``),
+    which put the bounds a few percent apart from these, and the interval's upper bound came out
+    NaN where both sides had rejections (now ``inf``)."""
     by = {(r.router, r.round): r for r in results}
     a, b = [], []
     for k, reqs in enumerate(rounds):
@@ -594,17 +599,14 @@ def paired_bootstrap_ratio(
                 b.append(y.ttft if not y.error else math.inf)
     if not a:
         return math.nan, math.nan
-    xa, xb = np.array(a), np.array(b)
     rng = np.random.default_rng(0)
-    idx = rng.integers(0, len(xa), size=(n, len(xa)))
-    # An order statistic per resample, vectorized (numpy's linear interpolation would turn two
-    # infs, rejections, into NaN; tierserve.cluster.measure.percentile guards that, one list at a time).
-    pa = np.percentile(xa[idx], 99, axis=1, method="higher")
-    pb = np.percentile(xb[idx], 99, axis=1, method="higher")
-    with np.errstate(invalid="ignore", divide="ignore"):
-        ratio = pa / pb
-    lo, hi = np.nanpercentile(ratio, [5, 95])
-    return float(lo), float(hi)
+    ratios = []
+    # Each resample's p99s by the one percentile of every figure (an inf, a rejection, stays an
+    # inf: two of them do not make the p99 NaN); a ratio of two infs is NaN, left out below.
+    for row in rng.integers(0, len(a), size=(n, len(a))).tolist():
+        pa, pb = percentile([a[i] for i in row], 99), percentile([b[i] for i in row], 99)
+        ratios.append(pa / pb if pb else (math.inf if pa else math.nan))
+    return percentile(ratios, 5), percentile(ratios, 95)
 
 
 # ----------------------------------------------------------------------------- offline model

@@ -112,8 +112,8 @@ from tierserve.cluster.measure import (
     Verdict,
     load_avg_1m,
     machine,
-    percentile,
     pyplot,
+    rounded_percentile,
     served_model,
 )
 from tierserve.replica.metrics import INGRESS_COUNTERS, INGRESS_GAUGES
@@ -331,11 +331,6 @@ def jain(xs: Sequence[float]) -> float | None:
     return round(sum(xs) ** 2 / (len(xs) * sq), 4)
 
 
-def _q(xs: Sequence[float | None], q: float) -> float | None:
-    vals = [x for x in xs if x is not None]
-    return round(percentile(vals, q), 6) if vals else None
-
-
 def group_figures(results: Sequence[Result], targets: Mapping[str, Targets], span_s: float,
                   offered_tokens: int) -> dict[str, Any]:
     """One row of the table: a class's (or tier's) requests of one level. ``span_s``: the
@@ -350,8 +345,10 @@ def group_figures(results: Sequence[Result], targets: Mapping[str, Targets], spa
         "status_503": status[503],
         "rejected_other": sum(v for k, v in status.items() if k not in (429, 503)),
         "errors": sum(1 for r in results if r.outcome == "error"),
-        "ttft_p50_s": _q([r.ttft for r in ok], 50), "ttft_p99_s": _q([r.ttft for r in ok], 99),
-        "tpot_p50_s": _q([r.tpot for r in ok], 50), "tpot_p99_s": _q([r.tpot for r in ok], 99),
+        "ttft_p50_s": rounded_percentile([r.ttft for r in ok], 50),
+        "ttft_p99_s": rounded_percentile([r.ttft for r in ok], 99),
+        "tpot_p50_s": rounded_percentile([r.tpot for r in ok], 50),
+        "tpot_p99_s": rounded_percentile([r.tpot for r in ok], 99),
         "attainment": attainment(results, targets),
         "output_tokens": tokens,
         "output_tokens_per_s": round(tokens / span_s, 3) if span_s > 0 else None,

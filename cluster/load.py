@@ -83,6 +83,7 @@ from tierserve.cluster.measure import (
     machine,
     percentile,
     pyplot,
+    rounded_percentile,
     served_model_async,
     verdict,
 )
@@ -813,7 +814,7 @@ def stats(values: Sequence[float | None]) -> dict[str, float | int | None]:
     xs = sorted(v for v in values if v is not None)
     out: dict[str, float | int | None] = {"n": len(xs)}
     for q in PERCENTILES:
-        out[f"p{q}"] = round(percentile(xs, q), 6) if xs else None
+        out[f"p{q}"] = rounded_percentile(xs, q)
     out["mean"] = round(sum(xs) / len(xs), 6) if xs else None
     out["max"] = round(xs[-1], 6) if xs else None
     return out

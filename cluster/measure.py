@@ -8,7 +8,8 @@ checks of the HTTP tools.
   ``extra``; ``load_avg_1m()`` reads the load again at the end.
 - ``percentile(values, q)``: one definition of a percentile for every figure (linear
   interpolation between the closest ranks, numpy's default), so that a p99 of one tool compares
-  with a p99 of another.
+  with a p99 of another; ``rounded_percentile`` is the same for a JSON report (``None`` values
+  left out, rounded to the microsecond, ``None`` when nothing is left).
 - ``pyplot()``: matplotlib on its file-only backend (a benchmark runs without a display).
 
 What the HTTP tools (load, and the benchmarks soak, serving, startup, tiers) share, so that none
@@ -119,6 +120,13 @@ def percentile(values: Iterable[float], q: float) -> float:
     if frac == 0 or xs[lo] == xs[hi]:  # keeps an inf (never served) from turning into NaN
         return xs[lo]
     return xs[lo] + (xs[hi] - xs[lo]) * frac
+
+
+def rounded_percentile(values: Iterable[float | None], q: float) -> float | None:
+    """``percentile`` for a JSON report: ``None`` values left out, the result rounded to the
+    microsecond; ``None`` when no value is left."""
+    xs = [v for v in values if v is not None]
+    return round(percentile(xs, q), 6) if xs else None
 
 
 def pyplot() -> ModuleType:

@@ -7,13 +7,14 @@ import math
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
 from tests.observability import promql
 from tierserve.cluster import load as loadgen
 from tierserve.cluster.load import LengthDist, Result, Scrape, TrafficClass, Workload
-from tierserve.cluster.measure import percentile
+from tierserve.cluster.measure import percentile, rounded_percentile
 from tierserve.replica.metrics import COUNTERS, EXPORTED, GAUGES, HISTOGRAMS, MEMORY_GAUGES
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -162,6 +163,12 @@ def test_percentiles_and_request_timings() -> None:
     assert percentile([5.0], 99) == 5.0
     assert math.isnan(percentile([], 50)) and percentile([math.nan, 1.0], 99) == 1.0
     assert percentile([1.0, math.inf], 0) == 1.0 and percentile([1.0, math.inf], 100) == math.inf
+    assert percentile([1.0, 2.0, math.inf, math.inf], 99) == math.inf  # not NaN, as numpy's is
+    xs = [random.Random(3).lognormvariate(0, 1) for _ in range(37)]
+    assert [percentile(xs, q) for q in (1, 50, 90, 99)] == pytest.approx(
+        [float(np.percentile(xs, q)) for q in (1, 50, 90, 99)], rel=1e-12)  # numpy's default
+    assert rounded_percentile([None, 0.1234567, None, 0.3], 50) == 0.211728
+    assert rounded_percentile([None], 99) is None and rounded_percentile([], 50) is None
     st = loadgen.stats([None, 1.0, 3.0, 2.0])
     assert (st["n"], st["p50"], st["max"], st["mean"]) == (3, 2.0, 3.0, 2.0)
     assert loadgen.stats([])["p99"] is None
