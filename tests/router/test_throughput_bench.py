@@ -108,3 +108,28 @@ def test_cases_run_every_mix_at_every_cap_and_summarize_apart(tmp_path: Path) ->
     # the random mix only the warm-up request's one block (the first 16 tokens of request 0).
     assert runs[1].info["prefix_hit_tokens"] >= 2 * SHARED_PREFIX_TOKENS
     assert runs[0].info["prefix_hit_tokens"] <= 16
+
+
+def test_vllm_sets_run_in_order_and_a_short_answer_is_refused(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``run_sets``, what the throughput and prefix benchmarks run on vLLM: one job, its sets in
+    the order given, and a set whose requests fell short of their ``max_tokens`` refused."""
+    import benchmarks.vllm_peer as peer
+
+    jobs: list[Any] = []
+
+    def fake_worker(job: Any, kv_cache_gib: float) -> dict[str, Any]:
+        jobs.append(job)
+        return {"sets": [{"label": label,
+                          "requests": [{"tokens": [1] * min(r.max_tokens, 2)} for r in reqs]}
+                         for label, reqs in job.sets]}
+
+    monkeypatch.setattr(peer, "run_worker", fake_worker)
+    out = peer.run_sets("m", {"a": [((1, 2), 2)], "b": [([3], 1)]}, {"max_num_seqs": 2},
+                        mode="stepped", warmup=[([5], 4)])
+    (job,) = jobs
+    assert [label for label, _ in job.sets] == ["a", "b"] and job.mode == "stepped"
+    assert job.sets[0][1][0].prompt_token_ids == [1, 2] and job.engine == {"max_num_seqs": 2}
+    assert job.warmup[0].max_tokens == 4 and [s["label"] for s in out["sets"]] == ["a", "b"]
+    with pytest.raises(RuntimeError, match="generated 2 tokens for the set 'c', 3 were requested"):
+        peer.run_sets("m", {"c": [([1], 3)]}, {})
