@@ -51,6 +51,7 @@ def test_the_wheel_installs_one_name(tmp_path: Path) -> None:
     assert "tierserve-load = tierserve.cluster.load:main" in scripts
 
 
+@pytest.mark.model
 @pytest.mark.slow
 def test_the_engine_runs_beside_huggingface_kernels_and_transformers() -> None:
     """From the repository's root, as pytest and ``python -m`` run: ``kernels`` is Hugging

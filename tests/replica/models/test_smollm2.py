@@ -12,7 +12,7 @@ from tests.replica.models.helpers import PagedHarness, Work
 from tierserve.replica.models.catalog import SMOLLM2, packaged_file
 from tierserve.replica.models.loader import load_model
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.model, pytest.mark.slow]
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
