@@ -1,6 +1,8 @@
 # tierserve: two commands do everything on a fresh machine.
 #   make serve   install, then `tierserve serve configs/cluster.yaml` (Ray, then `serve run`)
 #   make test    install, then lint, type-check and run the whole test suite
+#   make test-fast  the inner loop: the unit tests (no Ray cluster, no real model) less the slow
+#                ones, without lint and type-check
 #
 # Torch: on a machine without an NVIDIA GPU the install pins the CPU build of torch
 # (CPU_TORCH, plus TORCH_INDEX where the CPU wheels are not on the default index, e.g.
@@ -25,7 +27,7 @@ PYTEST_ARGS ?=
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 STAMP   := $(VENV)/.installed
 
-.PHONY: install serve test lint typecheck bench clean
+.PHONY: install serve test test-fast lint typecheck bench clean
 
 install: $(STAMP)
 
@@ -55,8 +57,12 @@ lint: install
 test: install lint
 	$(if $(HAS_GPU),,TRITON_INTERPRET=$${TRITON_INTERPRET-1}) $(PY) -m pytest $(PYTEST_ARGS)
 
+# Markers (pyproject.toml): unit is every test marked neither ray nor model (tests/conftest.py).
+test-fast: install
+	$(if $(HAS_GPU),,TRITON_INTERPRET=$${TRITON_INTERPRET-1}) $(PY) -m pytest -m "unit and not slow" $(PYTEST_ARGS)
+
 bench: install
-	$(PY) -m tierserve.bench.scheduler
+	$(PY) -m benchmarks.scheduler
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

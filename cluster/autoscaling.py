@@ -44,7 +44,7 @@ TRACE_ENV = "TIERSERVE_AUTOSCALE_TRACE"
 """With this environment variable set (in the controller's environment: the cluster's), the
 policy appends what it saw and decided to that file, one JSON line a second (``TRACE_PERIOD_S``)
 and one for every decision that changes the replicas:
-the recorded traces the tests replay, and ``tierserve.bench.autoscale``'s timeline."""
+the recorded traces the tests replay, and ``benchmarks.autoscale``'s timeline."""
 TRACE_PERIOD_S = 1.0  # also how often the gauges are refreshed
 UP_REASONS = ("missed_targets", "kv_pressure", "waiting", "preemptions")
 REASONS = ("steady", "changing", *UP_REASONS, "room_to_spare", "bounds")

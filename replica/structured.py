@@ -3,7 +3,7 @@ bounded in bytes, a matcher per sample, and the token masks the sampler applies
 (docs/structured.md).
 
 The grammar library is xgrammar (token bitmasks over the vocabulary, an Earley-style matcher
-per sequence; ``bench/structured.py`` measured it against llguidance on this model's
+per sequence; ``benchmarks/structured.py`` measured it against llguidance on this model's
 tokenizer).
 
 Compiling. ``Grammars`` compiles a request's ``StructuredOutput`` in a process of its own

@@ -1,5 +1,8 @@
 """Suite-wide hooks.
 
+Every test that is marked neither ``ray`` nor ``model`` is marked ``unit`` (the markers are
+pyproject.toml's).
+
 The process ends with ``os._exit`` once pytest has finished and printed its summary: the test
 session starts and stops several Ray instances (and Serve handles, whose routers run threads in
 this process), and Python's own teardown of those native libraries at interpreter exit crashed
@@ -34,6 +37,19 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
         f"cpu: {model}; torch {torch.__version__}, CPU capability "
         f"{torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads"
     ]
+
+
+LEVELS = ("ray", "model")  # the markers of a test that is not a unit test
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects by the markers
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A test marked neither ``ray`` (it starts a Ray cluster) nor ``model`` (it loads the real
+    model) is a unit test: marked ``unit`` here, so ``-m unit`` selects it (``make test-fast``
+    runs ``-m "unit and not slow"``)."""
+    for item in items:
+        if not any(item.get_closest_marker(level) for level in LEVELS):
+            item.add_marker(pytest.mark.unit)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

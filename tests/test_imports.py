@@ -2,8 +2,11 @@
 
 - the layers (docs/architecture.md): ``tierserve.records`` (the records every process shares)
   < ``tierserve.kernels`` < ``tierserve.replica`` < ``tierserve.router`` < ``tierserve.cluster``
-  < ``tierserve.bench`` (tools); no module imports one of a higher layer, and every import of
-  ours is through the ``tierserve`` namespace;
+  (the load generator ``tierserve.cluster.load`` included); no module imports one of a higher
+  layer, and every import of ours is through the ``tierserve`` namespace;
+- the benchmarks (``benchmarks/``, not part of the package) sit above every layer: they may
+  import anything of tierserve's, through the namespace as any client does, and nothing of
+  tierserve imports them (not even inside a function or for its types);
 - the scheduler, the router's ranking policy and its stats records stay free of Ray and torch
   (all they import, transitively);
 - the ingress gets its config and tokenizer without the torch model code: what importing
@@ -23,8 +26,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # Lowest first.
-LAYERS = ("records", "kernels", "replica", "router", "cluster", "bench")
+LAYERS = ("records", "kernels", "replica", "router", "cluster")
 PARTS = LAYERS[1:]  # the folders linked into tierserve/
+BENCHMARKS = "benchmarks"  # above every layer, outside the package
 
 
 def _module_file(name: str) -> Path | None:
@@ -90,13 +94,30 @@ def closure(name: str, top_level_only: bool = False) -> set[str]:
 
 
 def all_modules(part: str) -> list[str]:
-    """The modules of one layer, by their names in the namespace."""
+    """The modules of one layer, by their names in the namespace (the benchmarks': by their own
+    top-level names)."""
     if part == "records":
         return ["tierserve.records"]
+    prefix = "" if part == BENCHMARKS else "tierserve."
     return sorted(
-        "tierserve." + ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        prefix + ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
         for p in (ROOT / part).rglob("*.py")
     )
+
+
+def every_import(module: str) -> set[str]:
+    """Every module ``module`` names in an import, anywhere in it (inside functions and
+    ``if TYPE_CHECKING:`` blocks too), with ``from pkg import name`` also as ``pkg.name``."""
+    path = _module_file(module)
+    assert path is not None, module
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names)
+    return found
 
 
 def _roots(mods: set[str]) -> set[str]:
@@ -115,19 +136,41 @@ def test_no_layer_imports_a_higher_one(part: str) -> None:
     rank = LAYERS.index(part)
     bad: dict[str, list[str]] = {}
     for module in all_modules(part):
-        path = _module_file(module)
-        assert path is not None, module
-        found: set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Import):
-                found.update(a.name for a in node.names)
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                found.add(node.module)
-                found.update(f"{node.module}.{a.name}" for a in node.names)
+        found = every_import(module)
         up = sorted(m for m in found if m.startswith("tierserve.") and layer_of(m) > rank)
         if up:
             bad[module] = up
     assert bad == {}
+
+
+def runtime_modules() -> list[str]:
+    """Every module of the package: ``tierserve/``'s own files and every part's."""
+    own = sorted(f"tierserve.{p.stem}".removesuffix(".__init__")
+                 for p in (ROOT / "tierserve").glob("*.py"))
+    return own + [m for part in PARTS for m in all_modules(part)]
+
+
+def test_the_runtime_never_imports_the_benchmarks() -> None:
+    """Not even in a function or for a type: the package installs without ``benchmarks/``."""
+    mods = runtime_modules()
+    assert "tierserve" in mods and "tierserve.cluster.load" in mods
+    bad = {m: sorted(i for i in every_import(m) if i.split(".")[0] == BENCHMARKS) for m in mods}
+    assert {m: b for m, b in bad.items() if b} == {}
+
+
+def test_the_benchmarks_import_tierserve_as_a_client_does() -> None:
+    """``from tierserve.replica...``, never a bare ``replica...`` (which would load a second copy
+    of the module, or for ``kernels`` Hugging Face's package), and nothing of the tests (the
+    tests import the benchmarks, not the other way round); and no benchmark is linked into the
+    namespace."""
+    mods = all_modules(BENCHMARKS)
+    assert "benchmarks" in mods and "benchmarks.router_sim" in mods
+    bare = {m: sorted(i for i in every_import(m) if i.split(".")[0] in (*PARTS, "tests"))
+            for m in mods}
+    assert {m: b for m, b in bare.items() if b} == {}
+    assert any(i.startswith("tierserve.") for m in mods for i in every_import(m))
+    assert not (ROOT / "tierserve" / BENCHMARKS).exists()
+    assert not (ROOT / "tierserve" / "bench").exists()
 
 
 @pytest.mark.parametrize("module", ["tierserve.records", "tierserve.arith"])

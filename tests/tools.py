@@ -1,5 +1,5 @@
 """The ecosystem's own tools for the tests that run them as users do: ``guidellm``, ``aiperf``
-and LangChain's ``langchain-openai`` (``tierserve.bench.tools``: virtualenvs of their own),
+and LangChain's ``langchain-openai`` (``benchmarks.tools``: virtualenvs of their own),
 Debian's ``prometheus``.
 
 Each is installed by the test setup when missing, from the package registries only:
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 
-from tierserve.bench.tools import AIPERF, GUIDELLM, LANGCHAIN, ROOT, TOOLS, tool_venv  # noqa: F401 (the tests' names)
+from benchmarks.tools import AIPERF, GUIDELLM, LANGCHAIN, ROOT, TOOLS, tool_venv  # noqa: F401 (the tests' names)
 
 
 def free_port() -> int:

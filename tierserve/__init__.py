@@ -22,8 +22,12 @@ at the top level, and ``tierserve/`` links them into the namespace (see docs/arc
   its Serve deployment.
 - ``tierserve.router`` (``router/``): the Serve request router.
 - ``tierserve.cluster`` (``cluster/``): the config, the OpenAI-compatible ingress, flow control,
-  the Serve application and the launcher (``tierserve serve CONFIG``).
-- ``tierserve.bench`` (``bench/``): the load generator (``tierserve-load``).
+  the Serve application, the launcher (``tierserve serve CONFIG``) and the load generator
+  (``tierserve-load``, ``tierserve.cluster.load``).
+
+The benchmarks are not part of the package: they sit in the repository's ``benchmarks/`` (run
+from its root as ``python -m benchmarks.NAME``), import tierserve as any client does, and
+nothing here imports them.
 """
 
 from __future__ import annotations

@@ -298,7 +298,7 @@ def test_the_bounds_hold_at_min_replicas() -> None:
 # ---------------------------------------------------------------------- a recorded trace
 
 def test_a_recorded_trace_replays_to_the_decisions_the_cluster_took() -> None:
-    """A trace recorded by ``python -m tierserve.bench.autoscale`` (one replica to two and back,
+    """A trace recorded by ``python -m benchmarks.autoscale`` (one replica to two and back,
     the default model): what Serve's controller handed the policy, a line a second and one for
     each decision. Replayed through ``decide``, it takes the decisions the cluster took, at the
     same moments (within a line of the trace: the controller calls the policy ten times a

@@ -85,7 +85,7 @@ def ingress(handle: FakeHandle, retries: int = 2) -> Any:
     self.llm = handle
     self.prefix_root = None
     self.token_text = None
-    self.gate = None  # flow control is the gate's tests' (tests/flow)
+    self.gate = None  # flow control is the gate's tests' (tests/cluster/test_flow_queues.py)
     self.metrics = SimpleNamespace(slo=lambda *args: None)
     return self
 

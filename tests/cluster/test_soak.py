@@ -1,4 +1,4 @@
-"""A one-minute soak (``bench/soak.py``) on an app of two replicas with small KV pools.
+"""A one-minute soak (``benchmarks/soak.py``) on an app of two replicas with small KV pools.
 
 Mixed load with long prompts (preemptions), clients that hang up mid-stream and at random moments
 (queued, in prefill, streaming), streaming and non-streaming requests. Afterwards: every request
@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
+from benchmarks.soak import ReplicaState, SoakConfig, print_report, soak
 from tests.cluster.helpers import KEYS, MODEL, LocalServe, ServeApp, app_config
-from tierserve.bench.load import TrafficClass
-from tierserve.bench.soak import ReplicaState, SoakConfig, print_report, soak
+from tierserve.cluster.load import TrafficClass
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

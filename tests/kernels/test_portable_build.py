@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.models.helpers import PagedHarness, Work, row_mismatches
+from tests.replica.models.helpers import PagedHarness, Work, row_mismatches
 from tierserve.kernels import cpu_abi, cpu_build, cpu_native
 from tierserve.kernels.attention import attention
 from tierserve.kernels.metadata import SeqSpec, build_metadata

@@ -203,8 +203,8 @@ def test_a_q4_1_model_runs_quantized_with_the_fp32_bits(
     """A tiny tied model written as Q4_1 (as the default model ships): every linear layer packs
     quantized (the tied head too), and its logits are the fp32 panels' logits, bit for bit, in the
     default and the deterministic mode."""
-    from tests.models.gguf_helpers import write_gguf
-    from tests.models.helpers import PagedHarness, Work, tiny_hf_model
+    from tests.replica.models.gguf_helpers import write_gguf
+    from tests.replica.models.helpers import PagedHarness, Work, tiny_hf_model
     from tierserve.replica.models.llama import ModelOptions
     from tierserve.replica.models.loader import load_model
 

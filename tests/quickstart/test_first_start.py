@@ -3,7 +3,7 @@ configs/cluster.yaml`` with an empty ``TIERSERVE_CACHE_DIR`` (the replicas dequa
 and build their native kernels), and as soon as ``GET /health`` answers, 64 requests at once
 through the ``openai`` SDK (completions and chat, streamed and not). None may be refused, not
 even on a first try that the SDK would retry: a burst is not an overload. Then ``GET /ready``
-says ready. (``tierserve.bench.burst`` runs the same round and reports it.)
+says ready. (``benchmarks.burst`` runs the same round and reports it.)
 
 This module starts its own cluster on the default ports; it runs after ``tests/cluster`` and
 before ``test_quickstart`` has started its own (pytest runs this package's modules in order).
@@ -16,9 +16,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tierserve.bench.burst import run_round
+from benchmarks.burst import run_round
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+pytestmark = [pytest.mark.ray, pytest.mark.model, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 

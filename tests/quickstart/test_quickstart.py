@@ -46,7 +46,7 @@ from pydantic import BaseModel, Field
 
 from tests.tools import AIPERF, GUIDELLM, LANGCHAIN, tool_venv
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+pytestmark = [pytest.mark.ray, pytest.mark.model, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 API, METRICS = 8000, 8080

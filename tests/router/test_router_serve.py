@@ -12,8 +12,8 @@ import ray
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from benchmarks.router_sim import SimClient, SimEngine, SimOutput
 from tests.router.helpers import outstanding_blocks
-from tierserve.bench.router_sim import SimClient, SimEngine, SimOutput
 from tierserve.records import GenerateRequest, SamplingParams
 from tierserve.router import registry
 
