@@ -19,7 +19,7 @@ from tests.models.helpers import randomize_
 from tierserve.kernels import fused, reference, triton_attention
 from tierserve.kernels.metadata import SeqSpec, build_metadata
 from tierserve.replica.models.config import ModelConfig
-from tierserve.replica.models.layers import RMSNorm, apply_rotary_
+from tierserve.replica.models.layers import RMSNorm, apply_rotary_, qk_norm_
 from tierserve.replica.models.llama import LlamaForCausalLM, ModelOptions
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -87,10 +87,14 @@ def test_rms_norm_takes_strided_rows_and_leaves_the_input_alone_without_delta() 
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("hq, hkv, head_dim", [(4, 2, 64), (3, 1, 64), (2, 2, 16)])
+@pytest.mark.parametrize("hq, hkv, head_dim", [(4, 2, 64), (3, 1, 64), (2, 2, 16), (3, 1, 48)])
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["rope", "qk-norm"])
 def test_rope_store_matches_rotary_then_store(
-    dtype: torch.dtype, hq: int, hkv: int, head_dim: int
+    dtype: torch.dtype, hq: int, hkv: int, head_dim: int, qk_norm: bool
 ) -> None:
+    """With ``qk_norm`` (Qwen3) each q and k head is normalized first (``qk_norm_``, its torch
+    ops here), so the cache gets normalized, rotated keys. head_dim 48: a half (24) narrower
+    than its power-of-two tile."""
     g = _gen(hq * 100 + head_dim)
     t, blocks, block_size = 5, 6, 4
     qkv = torch.randn(t, hq + 2 * hkv, head_dim, generator=g).to(dtype).to(DEVICE)
@@ -106,14 +110,22 @@ def test_rope_store_matches_rotary_then_store(
     v_ref = torch.randn(shape, generator=g).to(dtype).to(DEVICE)
     k_got, v_got = k_ref.clone(), v_ref.clone()
 
+    norm = None
+    if qk_norm:
+        qkv[:, 0] *= 30  # heads of very different scales
+        qw = (1 + 0.1 * torch.randn(head_dim, generator=g)).to(dtype).to(DEVICE)
+        kw = (1 + 0.1 * torch.randn(head_dim, generator=g)).to(dtype).to(DEVICE)
+        norm = (qw, kw, 1e-6)
     want = qkv.clone()
+    if norm is not None:
+        qk_norm_(want, norm[0], norm[1], hq, 1e-6)
     apply_rotary_(want[:, : hq + hkv], cos, sin)
     keep = slots >= 0
     reference.store_kv(
         want[keep, hq : hq + hkv], want[keep, hq + hkv :], k_ref, v_ref, slots[keep]
     )
     got = qkv.clone()
-    fused.rope_store(got, cos, sin, slots, k_got, v_got, hq)
+    fused.rope_store(got, cos, sin, slots, k_got, v_got, hq, qk_norm=norm)
 
     atol, rtol = TOL[dtype]
     torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=rtol)
