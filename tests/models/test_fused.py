@@ -138,9 +138,10 @@ def test_rope_store_matches_rotary_then_store(
     assert torch.equal(flat_k[untouched.to(DEVICE)], k_ref.view(-1, hkv, head_dim)[untouched.to(DEVICE)])
 
 
-def _tiny_config() -> ModelConfig:
+def _tiny_config(qk_norm: bool = False) -> ModelConfig:
+    """A tiny Llama, or with ``qk_norm`` a tiny Qwen3 (per-head q/k norms)."""
     return ModelConfig(
-        architecture="LlamaForCausalLM",
+        architecture="Qwen3ForCausalLM" if qk_norm else "LlamaForCausalLM",
         vocab_size=97,
         hidden_size=64,
         num_layers=2,
@@ -153,11 +154,14 @@ def _tiny_config() -> ModelConfig:
         rope_scaling=None,
         max_position_embeddings=128,
         tie_word_embeddings=False,
+        qk_norm=qk_norm,
     )
 
 
-def _pair(dtype: torch.dtype) -> tuple[LlamaForCausalLM, LlamaForCausalLM]:
-    cfg = _tiny_config()
+def _pair(
+    dtype: torch.dtype, qk_norm: bool = False
+) -> tuple[LlamaForCausalLM, LlamaForCausalLM]:
+    cfg = _tiny_config(qk_norm)
     on = LlamaForCausalLM(cfg, ModelOptions(attention_backend="triton", fused_kernels=True))
     randomize_(on, seed=3)
     off = LlamaForCausalLM(cfg, ModelOptions(attention_backend="triton", fused_kernels=False))
@@ -200,9 +204,11 @@ def _run(model: LlamaForCausalLM, dtype: torch.dtype) -> tuple[torch.Tensor, lis
     return logits.float(), [c.float() for pair in caches for c in pair]
 
 
-def test_the_model_gives_the_same_logits_with_fused_kernels_on_and_off_fp32() -> None:
-    on, off = _pair(torch.float32)
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["llama", "qwen3"])
+def test_the_model_gives_the_same_logits_with_fused_kernels_on_and_off_fp32(qk_norm: bool) -> None:
+    on, off = _pair(torch.float32, qk_norm)
     assert on.model.layers[0].self_attn.fused and on.model.norm.fused
+    assert (on.model.layers[0].self_attn.q_norm is not None) == qk_norm
     assert not off.model.layers[0].self_attn.fused and not off.model.norm.fused
     (got, got_kv), (want, want_kv) = _run(on, torch.float32), _run(off, torch.float32)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
@@ -210,12 +216,13 @@ def test_the_model_gives_the_same_logits_with_fused_kernels_on_and_off_fp32() ->
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
-def test_the_fused_model_in_bf16_is_as_close_to_fp32_as_the_unfused_one() -> None:
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["llama", "qwen3"])
+def test_the_fused_model_in_bf16_is_as_close_to_fp32_as_the_unfused_one(qk_norm: bool) -> None:
     """bf16 rounds differently in the fused kernels (once, in fp32) than in the chain of torch
     ops (after each op), so the two bf16 models differ by bf16 noise: each is held to the fp32
     model's logits, the fused one within twice the unfused one's error."""
-    exact = _pair(torch.float32)[1]
-    on, off = _pair(torch.bfloat16)
+    exact = _pair(torch.float32, qk_norm)[1]
+    on, off = _pair(torch.bfloat16, qk_norm)
     want = _run(exact, torch.float32)[0]
     err_on = (_run(on, torch.bfloat16)[0] - want).abs().max().item()
     err_off = (_run(off, torch.bfloat16)[0] - want).abs().max().item()
