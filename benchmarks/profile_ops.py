@@ -136,6 +136,7 @@ def instrumented(timer: OpTimer, runner: Any) -> Iterator[None]:
     patch(layers.Linear, "forward", linear)
     patch(llama, "attention", attention)
     for name, op in (("rms_norm", "rms_norm (+ residual add)"), ("silu_and_mul", "silu_and_mul"),
+                     ("qk_norm", "q/k norm per head (Qwen3)"),
                      ("rope_store", "rotary + KV store")):
         patch(native, name, timer.timed(op, getattr(native, name)))
     patch(runner, "forward", timer.timed("forward", runner.forward))

@@ -7,8 +7,9 @@ batches out of the specialization, so what a model reaches depends only on its `
 (head_dim, query heads per KV head, block size, dtype, deterministic or not):
 
 - ``variants(config)``: that set (5 variants in the fast mode, 2 in the deterministic one);
-  ``fused_variants(hidden, q_heads, kv_heads, head_dim, block, dtype)``: the fused kernels'
-  (``tierserve.kernels.fused``: two RMSNorms and a rotary + KV store per model shape).
+  ``fused_variants(hidden, q_heads, kv_heads, head_dim, block, dtype, qk_norm)``: the fused
+  kernels' (``tierserve.kernels.fused``: two RMSNorms and a rotary + KV store, with the q/k
+  norm where the model has one, per model shape).
 - ``launch_key(kernel, args, kwargs)``: the key Triton's launcher computes for one launch, in the
   same form as ``Variant.key()``, so a test can check that real launches stay inside the set.
 - ``warmup(config, device)``: at start-up on a GPU, compiles the whole set into Triton's in-memory
@@ -103,12 +104,17 @@ _ARG_TYPES: dict[str, dict[str, str]] = {
         "slot_ptr": "*i64",
         "k_cache_ptr": "*model",
         "v_cache_ptr": "*model",
+        "q_norm_ptr": "*model",
+        "k_norm_ptr": "*model",
+        "eps": "fp32",
     },
 }
-# The fused kernels' shapes: (hidden size, query heads, KV heads, head_dim) of models the GPU
-# configs serve or name (SmolLM2-135M, Qwen2.5-0.5B, Llama-3.2-1B, Llama-3-8B).
-CI_MODEL_SHAPES: tuple[tuple[int, int, int, int], ...] = (
-    (576, 9, 3, 64), (896, 14, 2, 64), (2048, 32, 8, 64), (4096, 32, 8, 128),
+# The fused kernels' shapes: (hidden size, query heads, KV heads, head_dim, q/k norm) of models
+# the GPU configs serve or name (SmolLM2-135M, Qwen2.5-0.5B, Llama-3.2-1B, Llama-3-8B), and of
+# two with a q/k norm (Qwen3-0.6B, Qwen3-8B).
+CI_MODEL_SHAPES: tuple[tuple[int, int, int, int, bool], ...] = (
+    (576, 9, 3, 64, False), (896, 14, 2, 64, False), (2048, 32, 8, 64, False),
+    (4096, 32, 8, 128, False), (1024, 16, 8, 128, True), (4096, 32, 8, 128, True),
 )
 # Triton's launch default where a launch names none.
 DEFAULT_NUM_STAGES = 3
@@ -297,9 +303,10 @@ def variants(
 
 
 def fused_variants(hidden: int, q_heads: int, kv_heads: int, head_dim: int, block_size: int,
-                   dtype: torch.dtype) -> list[Variant]:
+                   dtype: torch.dtype, qk_norm: bool = False) -> list[Variant]:
     """The fused kernels' variants (``tierserve.kernels.fused``) of a model of that shape: RMSNorm alone
-    and with its residual add, and rotary + KV store (their tiles follow the model's sizes)."""
+    and with its residual add, and rotary + KV store (their tiles follow the model's sizes),
+    normalizing each q and k head first where ``qk_norm`` (Qwen3)."""
     if dtype not in _DTYPE_NAMES:
         raise ValueError(f"unsupported dtype {dtype}")
     block = triton.next_power_of_2(hidden)
@@ -308,10 +315,11 @@ def fused_variants(hidden: int, q_heads: int, kv_heads: int, head_dim: int, bloc
                       {"N": hidden, "BLOCK": block, "HAS_DELTA": delta}, warps,
                       DEFAULT_NUM_STAGES) for delta in (False, True)]
     half = head_dim // 2
-    rope = _variant("rope_store", "rope+store", dtype, {
+    rope = _variant("rope_store", "qk-norm+rope+store" if qk_norm else "rope+store", dtype, {
         "Q_HEADS": q_heads, "KV_HEADS": kv_heads, "HALF": half,
         "BLOCK_H": triton.next_power_of_2(q_heads + kv_heads),
-        "BLOCK_HALF": triton.next_power_of_2(half), "BLOCK_SIZE": block_size}, 4, DEFAULT_NUM_STAGES)
+        "BLOCK_HALF": triton.next_power_of_2(half), "BLOCK_SIZE": block_size,
+        "QK_NORM": qk_norm}, 4, DEFAULT_NUM_STAGES)
     return [*norms, rope]
 
 
@@ -339,9 +347,9 @@ def ci_configs() -> list[ServingConfig]:
 def ci_fused_variants() -> list[Variant]:
     """The fused kernels' variants of ``CI_MODEL_SHAPES`` x blocks x dtypes, without duplicates."""
     seen: dict[tuple[Any, ...], Variant] = {}
-    for (hidden, hq, hkv, d), block_size, dtype in itertools.product(
+    for (hidden, hq, hkv, d, qk_norm), block_size, dtype in itertools.product(
             CI_MODEL_SHAPES, CI_BLOCK_SIZES, CI_DTYPES):
-        for v in fused_variants(hidden, hq, hkv, d, block_size, dtype):
+        for v in fused_variants(hidden, hq, hkv, d, block_size, dtype, qk_norm):
             seen.setdefault(v.key(), v)
     return list(seen.values())
 

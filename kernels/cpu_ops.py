@@ -13,8 +13,9 @@
   ``cpu_packing.pack_linear_quantized`` found to be an exact Q4_1/Q8_0 dequantization and keeps
   in that form (1/6.4 or 1/3.8 of the bytes).
 - ``rms_norm`` (optionally adding the previous block's output into the residual first),
-  ``silu_and_mul`` and ``rope_store`` (rotary embedding of q and k, then k and v into the
-  cache): one pass over the rows each, where torch runs several ops with temporaries.
+  ``silu_and_mul``, ``qk_norm`` (RMSNorm of each q and k head, in place: Qwen3's) and
+  ``rope_store`` (rotary embedding of q and k, then k and v into the cache): one pass over the
+  rows each, where torch runs several ops with temporaries.
 
 Each checks its tensors' shapes here; the library's checked functions (``tierserve.kernels.cpu_abi``)
 check their dtypes, device and layout before passing addresses.
@@ -221,6 +222,42 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if rc != 0:
         raise NativeKernelError(f"silu_and_mul refused its arguments (code {rc})")
     return out
+
+
+def qk_norm(
+    qkv: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    q_heads: int,
+    eps: float,
+) -> None:
+    """RMS-normalize each q head of ``qkv`` ``[T, q_heads + 2 * kv_heads, D]`` by ``q_weight``
+    and each k head by ``k_weight`` (both ``[D]``) over ``D``, in place; v is left alone."""
+    lib = cpu_native.lib_or_raise()
+    t, heads, d = qkv.shape
+    if heads <= q_heads or (heads - q_heads) % 2:
+        raise NativeKernelError(
+            f"qkv {tuple(qkv.shape)} does not hold {q_heads} q heads and as many k as v heads"
+        )
+    if qkv.dtype != torch.float32 or qkv.stride(2) != 1 or qkv.stride(1) != d:
+        raise NativeKernelError(f"qkv must be fp32 with contiguous heads, got {qkv.stride()}")
+    for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
+        if w.shape != (d,) or w.dtype != torch.float32 or not w.is_contiguous():
+            raise NativeKernelError(f"{name} must be fp32 [{d}], got {tuple(w.shape)}")
+    rc = lib.ts_qk_norm_f32(
+        qkv,
+        qkv.stride(0),
+        q_weight,
+        k_weight,
+        t,
+        q_heads,
+        (heads - q_heads) // 2,
+        d,
+        float(eps),
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise NativeKernelError(f"qk_norm refused its arguments (code {rc})")
 
 
 def rope_store(

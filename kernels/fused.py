@@ -5,13 +5,16 @@
 - ``rope_store``: the rotary embedding of the q and k heads of a fused ``[q | k | v]`` projection
   (the "rotate half" layout of ``tierserve.replica.models.layers.apply_rotary_``), rotated in place, and
   the store of k and v into the paged cache at ``slot_mapping`` (a negative slot stores nothing:
-  padding rows).
+  padding rows). With ``qk_norm`` (Qwen3) each q and k head is first RMS-normalized over
+  head_dim by its weight (``tierserve.replica.models.layers.qk_norm_``), in the same pass.
 
 Both round where the torch ops round, so that the fused model stays within a rounding step of
 the unfused one in bf16/fp16 and matches it to fp32 accuracy in fp32:
 the residual sum is rounded to the residual's dtype before the norm reads it; the normalized row
 is rounded to the input's dtype before the weight multiplies it (as ``RMSNorm.forward`` does).
-The rotation is computed in fp32 from the stored q/k and the cos/sin tables and rounded once.
+The rotation is computed in fp32 from the stored q/k and the cos/sin tables and rounded once;
+a q/k head's norm, like ``RMSNorm``'s, is rounded to the model's dtype before its weight
+multiplies it, and the product before the rotation reads it.
 
 On CPU they run only under ``TRITON_INTERPRET=1`` (set before this module is first imported),
 for tests; the CPU serving path keeps its native kernels.
@@ -98,6 +101,9 @@ def _rope_store_kernel(  # type: ignore[no-untyped-def]
     slot_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    q_norm_ptr,
+    k_norm_ptr,
+    eps,
     stride_t,
     stride_h,
     stride_cos,
@@ -111,6 +117,7 @@ def _rope_store_kernel(  # type: ignore[no-untyped-def]
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    QK_NORM: tl.constexpr,
 ):
     # One token per program: every q, k and v head of it.
     tok = tl.program_id(0).to(tl.int64)
@@ -128,6 +135,25 @@ def _rope_store_kernel(  # type: ignore[no-untyped-def]
     x2 = tl.load(lo_ptr + HALF, mask=rot_mask, other=0.0)
     x1f = x1.to(tl.float32)
     x2f = x2.to(tl.float32)
+    if QK_NORM:
+        # Each head over its 2 * HALF values (masked lanes hold zeros), in fp32; the normalized
+        # value rounded to the model's dtype, times the head's weight, rounded again.
+        mean_sq = tl.sum(x1f * x1f + x2f * x2f, axis=1) / (2 * HALF)
+        inv = tl.rsqrt(mean_sq + eps)[:, None]
+        is_q = h < Q_HEADS
+        w1 = tl.where(
+            is_q,
+            tl.load(q_norm_ptr + j, mask=j_ok, other=0.0).to(tl.float32),
+            tl.load(k_norm_ptr + j, mask=j_ok, other=0.0).to(tl.float32),
+        )
+        w2 = tl.where(
+            is_q,
+            tl.load(q_norm_ptr + HALF + j, mask=j_ok, other=0.0).to(tl.float32),
+            tl.load(k_norm_ptr + HALF + j, mask=j_ok, other=0.0).to(tl.float32),
+        )
+        dt = qkv_ptr.dtype.element_ty
+        x1f = ((x1f * inv).to(dt).to(tl.float32) * w1).to(dt).to(tl.float32)
+        x2f = ((x2f * inv).to(dt).to(tl.float32) * w2).to(dt).to(tl.float32)
     y1 = (x1f * cos - x2f * sin).to(qkv_ptr.dtype.element_ty)
     y2 = (x2f * cos + x1f * sin).to(qkv_ptr.dtype.element_ty)
     tl.store(lo_ptr, y1, mask=rot_mask)
@@ -162,11 +188,16 @@ def rope_store(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     q_heads: int,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> None:
     """Rotate the q and k heads of ``qkv`` ``[T, q_heads + 2 * kv_heads, D]`` in place by the
     rows of ``cos``/``sin`` (``[T, D // 2]`` or ``[T, 1, D // 2]``), then store its k and v heads
     at ``slot_mapping`` ``[T]`` in the caches ``[num_blocks, block_size, kv_heads, D]``; a token
-    whose slot is negative is rotated but not stored."""
+    whose slot is negative is rotated but not stored.
+
+    ``qk_norm``: ``(q_weight, k_weight, eps)`` (weights ``[D]``, contiguous): each q and k head is
+    RMS-normalized by its weight before it is rotated (and so before k is stored), as
+    ``tierserve.replica.models.layers.qk_norm_`` does."""
     t, heads, d = qkv.shape
     _, block_size, hkv, dc = k_cache.shape
     if heads != q_heads + 2 * hkv or d != dc or d % 2:
@@ -185,6 +216,14 @@ def rope_store(
         raise ValueError("rope_store needs cos/sin with a contiguous last dimension")
     if slot_mapping.shape != (t,):
         raise ValueError(f"slot_mapping must be [{t}], got {tuple(slot_mapping.shape)}")
+    if qk_norm is not None:
+        q_weight, k_weight, eps = qk_norm
+        for name, w in (("q", q_weight), ("k", k_weight)):
+            if w.shape != (d,) or not w.is_contiguous():
+                raise ValueError(f"the {name} norm weight must be a contiguous [{d}], got "
+                                 f"{tuple(w.shape)}")
+    else:  # unused: the kernel reads them only with QK_NORM
+        q_weight, k_weight, eps = qkv, qkv, 0.0
     if t == 0:
         return
     block_h = triton.next_power_of_2(q_heads + hkv)
@@ -195,6 +234,9 @@ def rope_store(
         slot_mapping.to(torch.int64),
         k_cache,
         v_cache,
+        q_weight,
+        k_weight,
+        float(eps),
         qkv.stride(0),
         qkv.stride(1),
         cos2.stride(0),
@@ -208,5 +250,6 @@ def rope_store(
         BLOCK_H=block_h,
         BLOCK_HALF=triton.next_power_of_2(half),
         BLOCK_SIZE=block_size,
+        QK_NORM=qk_norm is not None,
         num_warps=4,
     )

@@ -22,8 +22,9 @@
 //
 // The fused row-wise ops around it (each one pass over its rows instead of several torch ops and
 // temporaries; rows in parallel): ts_rms_norm_f32 (optionally adding a delta into the residual
-// first), ts_silu_mul_f32 (SwiGLU's silu(gate) * up) and ts_rope_store_f32 (rotary embedding of
-// q and k in place, then k and v stored at their cache slots). ts_linear_f32 multiplies rows by
+// first), ts_silu_mul_f32 (SwiGLU's silu(gate) * up), ts_qk_norm_f32 (RMSNorm of each q and k
+// head over head_dim, in place: Qwen3's, before the rotary embedding) and ts_rope_store_f32
+// (rotary embedding of q and k in place, then k and v stored at their cache slots). ts_linear_f32 multiplies rows by
 // a weight that ts_pack_linear_f32 laid out in panels of 16 output features (see below);
 // ts_linear_q does the same on a weight that ts_pack_linear_q found to be an exact Q4_1/Q8_0
 // dequantization and keeps in that form (see "quantized weights"), with the same bits.
@@ -1485,6 +1486,29 @@ int ts_silu_mul_f32(const float* gate_up, int64_t gu_stride, float* out, int64_t
   return 0;
 }
 
+// qkv: [rows, hq + 2 * hkv, head_dim] as for ts_rope_store_f32. Each q head becomes
+// x / sqrt(mean(x^2) + eps) * q_weight and each k head the same with k_weight (both [head_dim]),
+// in place; v heads are left alone. The sum of squares is ts_rms_norm_f32's (16 lanes, a fixed
+// tree over head_dim), so a head's bits depend on that head alone.
+int ts_qk_norm_f32(float* qkv, int64_t qkv_stride, const float* q_weight, const float* k_weight,
+                   int64_t rows, int hq, int hkv, int head_dim, float eps, int num_threads) {
+  if (rows < 0 || head_dim <= 0 || hq <= 0 || hkv <= 0) return -1;
+#pragma omp parallel for schedule(static) num_threads(num_threads) \
+    if (rows > 1 && rows * (hq + hkv) * head_dim >= kParallelElems)
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = qkv + r * qkv_stride;
+    for (int h = 0; h < hq + hkv; ++h) {
+      float* x = row + static_cast<int64_t>(h) * head_dim;
+      const float* w = h < hq ? q_weight : k_weight;
+      const float ss = dot_fixed(x, x, head_dim);
+      const float inv = 1.0f / __builtin_sqrtf(ss / static_cast<float>(head_dim) + eps);
+#pragma omp simd
+      for (int i = 0; i < head_dim; ++i) x[i] = x[i] * inv * w[i];
+    }
+  }
+  return 0;
+}
+
 // qkv: [rows, hq + 2 * hkv, head_dim] (row stride qkv_stride, heads contiguous): q heads, then
 // k heads, then v heads. cos, sin: [rows, head_dim / 2] contiguous (this step's positions).
 // Rotates q and k in place ("rotate half": x1 cos - x2 sin, x2 cos + x1 sin), then copies each
@@ -1668,6 +1692,7 @@ void describe(std::string& out, const char* name, R (*)(A...)) {
   X(ts_paged_attention_f32)    \
   X(ts_rms_norm_f32)           \
   X(ts_silu_mul_f32)           \
+  X(ts_qk_norm_f32)            \
   X(ts_rope_store_f32)         \
   X(ts_pack_linear_f32)        \
   X(ts_linear_f32)             \

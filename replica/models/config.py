@@ -6,12 +6,21 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
 _ARCH_BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
 }
+# The architectures whose sliding window applies only where ``layer_types`` (or, in older
+# configs, ``use_sliding_window``) says so: their configs name a window they may not use.
+_LAYERED_WINDOW = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
 
@@ -33,8 +42,11 @@ class RopeScaling:
 class ModelConfig:
     """Shape and numerics of a Llama-family decoder.
 
-    ``qkv_bias``: q/k/v projections carry a bias (Qwen2; Llama with ``attention_bias``).
-    ``o_bias``: the output projection carries a bias (Llama with ``attention_bias`` only).
+    ``qkv_bias``: q/k/v projections carry a bias (Qwen2; Llama and Qwen3 with ``attention_bias``).
+    ``o_bias``: the output projection carries a bias (Llama and Qwen3 with ``attention_bias``).
+    ``qk_norm``: each query and key head is RMS-normalized over ``head_dim`` (weights
+    ``self_attn.q_norm`` and ``self_attn.k_norm``, eps ``rms_norm_eps``) before the rotary
+    embedding (Qwen3).
     ``sliding_window``: the window the checkpoint was trained with, or None for full attention.
     """
 
@@ -53,6 +65,7 @@ class ModelConfig:
     tie_word_embeddings: bool
     qkv_bias: bool = False
     o_bias: bool = False
+    qk_norm: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
@@ -137,6 +150,7 @@ class ModelConfig:
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             qkv_bias=qwen2 or attention_bias,
             o_bias=attention_bias and not qwen2,
+            qk_norm=arch == "Qwen3ForCausalLM",
             bos_token_id=getattr(hf, "bos_token_id", None),
             eos_token_ids=tuple(int(e) for e in eos_ids),
             pad_token_id=getattr(hf, "pad_token_id", None),
@@ -190,7 +204,7 @@ def _sliding_window(hf: Any, arch: str) -> int | None:
     window = getattr(hf, "sliding_window", None)
     if window is None:
         return None
-    if arch == "Qwen2ForCausalLM":
+    if arch in _LAYERED_WINDOW:
         layer_types = getattr(hf, "layer_types", None)
         if layer_types is not None:
             used = "sliding_attention" in layer_types

@@ -2,7 +2,7 @@
 
 ``engine.model`` may name a ``.gguf`` file, a folder holding exactly one, or a packaged model
 (``tierserve.replica.models.catalog``). Supported: ``general.architecture`` ``llama`` (which is also how
-llama.cpp writes Mistral models), ``mistral`` (see below) and ``qwen2``; tensors in every type
+llama.cpp writes Mistral models), ``mistral`` (see below), ``qwen2`` and ``qwen3``; tensors in every type
 the ``gguf`` package can dequantize (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, the K-quants
 Q2_K to Q6_K, the IQ types, ...), dequantized once at load into the engine's dtype.
 
@@ -14,8 +14,10 @@ Q2_K to Q6_K, the IQ types, ...), dequantized once at load into the engine's dty
   cast, copy into the model, drop), so the peak is about one tensor above the model. In the
   files llama.cpp writes as ``llama`` (Llama and Mistral models alike) the Q and K rows are in
   its rotary layout (the two halves of each head interleaved); they are permuted back. Its
-  ``qwen2`` files keep the Hugging Face layout (its rotary for qwen2 takes the halves as they
-  are). llama.cpp has no ``mistral`` architecture: it neither writes nor loads such a file, so
+  ``qwen2`` and ``qwen3`` files keep the Hugging Face layout (its rotary for them takes the
+  halves as they are; its converter writes Qwen3 as Qwen2 plus the per-head q/k norms,
+  ``blk.N.attn_q_norm.weight`` and ``blk.N.attn_k_norm.weight``, and ``qwen3.attention.key_length``
+  for a head_dim that need not be hidden / heads). llama.cpp has no ``mistral`` architecture: it neither writes nor loads such a file, so
   nothing permuted its Q/K; they are read as stored (``transformers`` registers its Q/K
   un-permutation for ``llama`` files only).
 - Tokenizer and chat template: ``transformers`` builds a fast tokenizer from the file's metadata
@@ -66,12 +68,15 @@ ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
 }
 # The architectures whose files hold Q/K rows in llama.cpp's rotary layout: ``llama`` (its
 # converter permutes Hugging Face Llama and Mistral checkpoints into it; Mistral's own checkpoint
-# format already has it). qwen2 it leaves as they are; ``mistral`` it never writes (nor loads),
-# so such a file's Q/K are taken as stored.
+# format already has it). qwen2 and qwen3 it leaves as they are; ``mistral`` it never writes (nor
+# loads), so such a file's Q/K are taken as stored.
 _PERMUTED = ("llama",)
+# The architectures whose layers normalize each q and k head (attn_q_norm, attn_k_norm).
+_QK_NORM = ("qwen3",)
 _GLOBAL = {
     "token_embd.weight": "embed",
     "output_norm.weight": "norm",
@@ -88,6 +93,8 @@ _PER_LAYER = {
     "attn_v.bias": "v_bias",
     "attn_output.weight": "o",
     "attn_output.bias": "o_bias",
+    "attn_q_norm.weight": "q_norm",
+    "attn_k_norm.weight": "k_norm",
     "ffn_gate.weight": "gate",
     "ffn_up.weight": "up",
     "ffn_down.weight": "down",
@@ -171,7 +178,7 @@ def gguf_architecture(reader: Any, path: Path) -> str:
     if arch not in ARCHITECTURES:
         raise ModelLoadError(
             f"{path}: unsupported GGUF architecture {arch!r}; supported: "
-            f"{', '.join(ARCHITECTURES)} (Llama, Mistral and Qwen2 models)"
+            f"{', '.join(ARCHITECTURES)} (Llama, Mistral, Qwen2 and Qwen3 models)"
         )
     return str(arch)
 
@@ -239,6 +246,7 @@ def gguf_config(reader: Any, path: Path) -> ModelConfig:
         tie_word_embeddings="output.weight" not in names,
         qkv_bias="blk.0.attn_q.bias" in names,
         o_bias="blk.0.attn_output.bias" in names,
+        qk_norm=arch in _QK_NORM,
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=tuple(dict.fromkeys(eos)),
         pad_token_id=None if pad is None else int(pad),
@@ -285,6 +293,8 @@ _HF_LAYER = {
     "v_bias": "self_attn.v_proj.bias",
     "o": "self_attn.o_proj.weight",
     "o_bias": "self_attn.o_proj.bias",
+    "q_norm": "self_attn.q_norm.weight",
+    "k_norm": "self_attn.k_norm.weight",
     "gate": "mlp.gate_proj.weight",
     "up": "mlp.up_proj.weight",
     "down": "mlp.down_proj.weight",

@@ -1,4 +1,5 @@
-"""Building blocks of the Llama family: Linear, RMSNorm, rotary embeddings, SwiGLU.
+"""Building blocks of the Llama family: Linear, RMSNorm (and Qwen3's per-head q/k norm), rotary
+embeddings, SwiGLU.
 
 Every op works on one flat batch of rows ``[T, ...]`` and is row-wise: a row's result depends
 only on that row. On CPU in fp32 the linear layers, the norms and SiLU run on the native kernels
@@ -187,6 +188,34 @@ class RMSNorm(nn.Module):
             return cpu_ops.rms_norm(residual, self.weight, self.eps, delta)
         residual.add_(delta)
         return self(residual)
+
+
+def qk_norm_(
+    qkv: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    q_heads: int,
+    eps: float,
+    deterministic: bool = False,
+) -> None:
+    """Qwen3's q/k norm: RMS-normalize each q head of ``qkv`` ``[T, q_heads + 2 * kv_heads, D]``
+    over ``D`` by ``q_weight`` and each k head by ``k_weight`` (both ``[D]``), in place, as
+    ``RMSNorm.forward`` does a row (fp32, rounded to ``qkv``'s dtype before the weight multiplies
+    it); v is left alone. On the native kernel (``cpu_ops.qk_norm``) where it takes ``qkv``;
+    the deterministic mode runs there only. A head's result depends on that head alone."""
+    if deterministic:
+        cpu_native.require_fused(qkv, "q/k RMSNorm")
+    if cpu_native.fused_ok(qkv):
+        cpu_ops.qk_norm(qkv, q_weight, k_weight, q_heads, eps)
+        return
+    kv_heads = (qkv.shape[1] - q_heads) // 2
+    qk = qkv[:, : q_heads + kv_heads]
+    xf = qk.float()
+    normed = xf * xf.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()
+    if normed.dtype != qkv.dtype:
+        normed = normed.to(qkv.dtype)
+    qk[:, :q_heads] = normed[:, :q_heads] * q_weight
+    qk[:, q_heads:] = normed[:, q_heads:] * k_weight
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2) over one flat batch of paged sequences.
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over one flat batch of paged sequences.
 
 A step's batch is flat: ``T`` tokens from many sequences (decodes first, then prefill chunks, as
 ``tierserve.kernels.metadata`` lays them out). Every op except attention is row-wise; attention reads and
@@ -24,6 +24,7 @@ from tierserve.replica.models.layers import (
     SwiGLU,
     VocabEmbedding,
     apply_rotary_,
+    qk_norm_,
 )
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -83,7 +84,13 @@ def check_deterministic(
 
 
 class LlamaAttention(nn.Module):
-    """Fused qkv projection, rotary embeddings, paged GQA attention, output projection."""
+    """Fused qkv projection, rotary embeddings, paged GQA attention, output projection.
+
+    With ``qk_norm`` (Qwen3) each q and k head is RMS-normalized over head_dim (``q_norm``,
+    ``k_norm``) between the projection and the rotary embedding: on the native CPU path as its
+    own step before the fused rotary + KV store; on the fused Triton path inside that kernel,
+    before it rotates and stores; else by torch ops before ``apply_rotary_``.
+    """
 
     def __init__(
         self,
@@ -105,6 +112,22 @@ class LlamaAttention(nn.Module):
             cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, cfg.qkv_bias, det, device, dtype
         )
         self.o_proj = Linear(cfg.q_size, cfg.hidden_size, cfg.o_bias, det, device, dtype)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, det, device, dtype)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, det, device, dtype)
+
+    def _norm_heads(self, qkv: torch.Tensor) -> None:
+        if self.q_norm is not None and self.k_norm is not None:
+            qk_norm_(
+                qkv,
+                self.q_norm.weight,
+                self.k_norm.weight,
+                self.num_heads,
+                self.q_norm.eps,
+                self.deterministic,
+            )
 
     def forward(
         self, x: torch.Tensor, rope: Rope, kv_cache: KVCache, meta: AttentionMetadata
@@ -116,6 +139,7 @@ class LlamaAttention(nn.Module):
         if self.deterministic:
             cpu_native.require_fused(qkv, "rotary embedding")
         if self.backend == "torch" and cpu_native.fused_ok(qkv):
+            self._norm_heads(qkv)  # its own pass: the fused rotary + store takes normed q/k
             cos, sin = rope
             cpu_ops.rope_store(qkv, cos, sin, meta.slot_mapping, kv_cache[0], kv_cache[1], hq)
             stored = True
@@ -125,9 +149,15 @@ class LlamaAttention(nn.Module):
             )
 
             cos, sin = rope
-            fused.rope_store(qkv, cos, sin, meta.slot_mapping, kv_cache[0], kv_cache[1], hq)
+            norm = None
+            if self.q_norm is not None and self.k_norm is not None:
+                norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+            fused.rope_store(
+                qkv, cos, sin, meta.slot_mapping, kv_cache[0], kv_cache[1], hq, qk_norm=norm
+            )
             stored = True
         else:
+            self._norm_heads(qkv)
             apply_rotary_(qkv[:, : hq + hkv], *rope)
         out = attention(
             qkv[:, :hq],
@@ -224,7 +254,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Llama/Mistral/Qwen2 causal LM over one flat paged batch.
+    """Llama/Mistral/Qwen2/Qwen3 causal LM over one flat paged batch.
 
     Parameters are allocated uninitialised (except norm weights); ``tierserve.replica.models.loader`` or
     ``tierserve.replica.models.embedded`` fills them. Names follow the Hugging Face layout, with q/k/v fused

@@ -201,6 +201,9 @@ def _targets(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
             out[f"{p}self_attn.k_proj.{kind}"] = param.data[q : q + kv]
             out[f"{p}self_attn.v_proj.{kind}"] = param.data[q + kv :]
         out[f"{p}self_attn.o_proj.weight"] = attn.o_proj.weight.data
+        if attn.q_norm is not None and attn.k_norm is not None:
+            out[f"{p}self_attn.q_norm.weight"] = attn.q_norm.weight.data
+            out[f"{p}self_attn.k_norm.weight"] = attn.k_norm.weight.data
         if attn.o_proj.bias is not None:
             out[f"{p}self_attn.o_proj.bias"] = attn.o_proj.bias.data
         out[f"{p}mlp.gate_proj.weight"] = mlp.gate_up_proj.weight.data[:inter]

@@ -362,6 +362,13 @@ def test_fused_ops_refuse_bad_inputs() -> None:
     with pytest.raises(cpu_abi.NativeKernelError, match="outside the cache"):
         cpu_ops.rope_store(qkv, cos, sin, torch.tensor([0, 64, 1]), kc, kc.clone(), 4)
     assert torch.equal(qkv, before)  # refused before touching anything
+    with pytest.raises(cpu_abi.NativeKernelError, match="does not hold 3 q heads"):
+        cpu_ops.qk_norm(qkv, w, w, 3, 1e-6)
+    with pytest.raises(cpu_abi.NativeKernelError, match="k_weight must be fp32 \\[8\\]"):
+        cpu_ops.qk_norm(qkv, w, torch.ones(4), 4, 1e-6)
+    with pytest.raises(cpu_abi.NativeKernelError, match="contiguous heads"):
+        cpu_ops.qk_norm(torch.zeros(3, 8, 16)[:, :, :8], w, w, 4, 1e-6)
+    assert torch.equal(qkv, before)
 
 
 def _embedded_model_step():  # type: ignore[no-untyped-def]

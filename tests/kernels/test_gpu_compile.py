@@ -48,10 +48,14 @@ def test_matrix_covers_every_kernel_of_the_gpu_path() -> None:
         # Small: 5 binaries per (head_dim, block, dtype) plus a combine per (head_dim, dtype).
         assert len(ci) == 2 * 2 * 2 * 5 + 2 * 2
     assert {v.kernel for v, _ in aot.ci_work()} == set(aot.KERNELS)
-    # The fused kernels: two norms per (hidden, dtype), a rope+store per (shape, block, dtype).
+    # The fused kernels: two norms per (hidden, dtype), a rope+store per (shape, block, dtype),
+    # with the q/k norm (Qwen3) at the shapes that have one.
     shapes = aot.CI_MODEL_SHAPES
     hiddens = {s[0] for s in shapes}
-    assert len(aot.ci_fused_variants()) == 2 * len(hiddens) * 2 + len(shapes) * 2 * 2
+    fused_ci = aot.ci_fused_variants()
+    assert len(fused_ci) == 2 * len(hiddens) * 2 + len(shapes) * 2 * 2
+    normed = [v for v in fused_ci if v.kernel == "rope_store" and dict(v.constexprs)["QK_NORM"]]
+    assert len(normed) == sum(s[4] for s in shapes) * 2 * 2 > 0
 
 
 def test_reports_flag_spills_and_shared_memory_over_the_limit() -> None:

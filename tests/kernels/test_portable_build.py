@@ -17,7 +17,7 @@ from tierserve.kernels import cpu_abi, cpu_build, cpu_native
 from tierserve.kernels.attention import attention
 from tierserve.kernels.metadata import SeqSpec, build_metadata
 from tierserve.replica.models.embedded import build_model
-from tierserve.replica.models.layers import Linear, RMSNorm, silu_and_mul
+from tierserve.replica.models.layers import Linear, RMSNorm, qk_norm_, silu_and_mul
 from tierserve.replica.models.llama import ModelOptions
 
 pytestmark = pytest.mark.skipif(
@@ -71,6 +71,22 @@ def test_portable_layers_keep_rows_independent(on_portable: None) -> None:
         torch.testing.assert_close(norm(x), x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
         gate_up = torch.randn(120, 2 * width, generator=gen)
         assert row_mismatches(lambda t: silu_and_mul(t, deterministic=True), gate_up, SIZES) == []
+    for head_dim in (32, 80):  # Qwen3's per-head q/k norm: 3 q, 1 k and 1 v head per row
+        qw, kw = torch.randn(head_dim, generator=gen), torch.randn(head_dim, generator=gen)
+
+        def heads_normed(
+            t: torch.Tensor, qw: torch.Tensor = qw, kw: torch.Tensor = kw
+        ) -> torch.Tensor:
+            out = t.clone()
+            qk_norm_(out.view(t.shape[0], 5, qw.shape[0]), qw, kw, 3, 1e-6, deterministic=True)
+            return out
+
+        x = torch.randn(120, 5 * head_dim, generator=gen)
+        assert row_mismatches(heads_normed, x, SIZES) == []
+        h = x.view(120, 5, head_dim)[:, :4]
+        want = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        want = torch.cat([want[:, :3] * qw, want[:, 3:] * kw], dim=1)
+        torch.testing.assert_close(heads_normed(x).view(120, 5, head_dim)[:, :4], want)
 
 
 def test_portable_attention_rows_do_not_depend_on_the_batch(on_portable: None) -> None:

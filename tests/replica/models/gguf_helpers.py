@@ -1,6 +1,7 @@
 """Write GGUF files from tiny ``transformers`` models, the way llama.cpp's converter lays them out:
 llama.cpp tensor names, Q/K rows permuted for its rotary layout where it permutes them (files of
-architecture ``llama``, which is also how it writes Mistral models; not ``qwen2``), the metadata
+architecture ``llama``, which is also how it writes Mistral models; not ``qwen2`` nor ``qwen3``,
+whose per-head q/k norms are ``blk.N.attn_q_norm`` / ``blk.N.attn_k_norm``), the metadata
 keys of ``general.architecture``, and a tokenizer with a chat template: byte-level BPE (the
 embedded model's vocabulary, a few merges; ``tokenizer.ggml.model`` ``gpt2``) or SentencePiece
 (a small vocabulary with scores, byte-fallback tokens; ``llama``).
@@ -33,7 +34,9 @@ from tierserve.replica.models.embedded import (
     _byte_chars,
 )
 
-ARCH = {"LlamaConfig": "llama", "MistralConfig": "llama", "Qwen2Config": "qwen2"}
+ARCH = {
+    "LlamaConfig": "llama", "MistralConfig": "llama", "Qwen2Config": "qwen2", "Qwen3Config": "qwen3"
+}
 PERMUTED_ARCHS = ("llama",)  # the architectures whose Q/K rows llama.cpp's converter permutes
 QUANTIZABLE = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 # K-quant block layouts (256 weights per block): byte offsets of the fp16 scale fields.
@@ -114,7 +117,7 @@ def write_gguf(
     chat_template: str | None = None,
     tokenizer: str = "gpt2",
 ) -> Path:
-    """Write ``model`` (a tiny ``transformers`` Llama/Mistral/Qwen2) to ``path`` in ``qtype``.
+    """Write ``model`` (a tiny ``transformers`` Llama/Mistral/Qwen2/Qwen3) to ``path`` in ``qtype``.
     ``arch`` overrides ``general.architecture``; tensors named in ``skip`` are left out; a model
     with tied embeddings gets no ``output.weight`` (as llama.cpp writes one). ``tokenizer``:
     ``gpt2`` (byte-level BPE) or ``llama`` (SentencePiece: the model's vocabulary must be
@@ -186,6 +189,8 @@ def write_gguf(
         "self_attn.k_proj": "attn_k",
         "self_attn.v_proj": "attn_v",
         "self_attn.o_proj": "attn_output",
+        "self_attn.q_norm": "attn_q_norm",
+        "self_attn.k_norm": "attn_k_norm",
         "mlp.gate_proj": "ffn_gate",
         "mlp.up_proj": "ffn_up",
         "mlp.down_proj": "ffn_down",
@@ -233,6 +238,8 @@ def reference_from_file(path: Path, like: Any) -> Any:
         "attn_k": "self_attn.k_proj",
         "attn_v": "self_attn.v_proj",
         "attn_output": "self_attn.o_proj",
+        "attn_q_norm": "self_attn.q_norm",
+        "attn_k_norm": "self_attn.k_norm",
         "ffn_gate": "mlp.gate_proj",
         "ffn_up": "mlp.up_proj",
         "ffn_down": "mlp.down_proj",

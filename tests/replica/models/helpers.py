@@ -148,6 +148,9 @@ def tiny_hf_model(kind: str, seed: int = 0, **overrides: Any) -> Any:
     elif kind == "mistral":
         cls = transformers.MistralConfig
         base.update(num_key_value_heads=2, head_dim=24, sliding_window=None)
+    elif kind == "qwen3":  # per-head q/k norms; head_dim 32, not hidden / heads (16)
+        cls = transformers.Qwen3Config
+        base.update(num_key_value_heads=2, head_dim=32)
     elif kind != "llama":
         raise ValueError(kind)
     base.update(overrides)
@@ -156,6 +159,7 @@ def tiny_hf_model(kind: str, seed: int = 0, **overrides: Any) -> Any:
         "LlamaConfig": transformers.LlamaForCausalLM,
         "Qwen2Config": transformers.Qwen2ForCausalLM,
         "MistralConfig": transformers.MistralForCausalLM,
+        "Qwen3Config": transformers.Qwen3ForCausalLM,
     }[cls.__name__]
     torch.manual_seed(seed)
     model = model_cls(config).eval()
@@ -165,7 +169,9 @@ def tiny_hf_model(kind: str, seed: int = 0, **overrides: Any) -> Any:
     return model
 
 
-TINY_KINDS = ("llama", "llama-gqa", "llama3-rope", "llama-tied", "llama-bias", "qwen2", "mistral")
+TINY_KINDS = (
+    "llama", "llama-gqa", "llama3-rope", "llama-tied", "llama-bias", "qwen2", "mistral", "qwen3"
+)
 
 
 def save_checkpoint(model: Any, path: Path, **save_kwargs: Any) -> Path:

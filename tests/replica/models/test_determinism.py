@@ -30,11 +30,19 @@ def qwen2_det(tmp_path_factory: pytest.TempPathFactory) -> LlamaForCausalLM:
     return load_model(str(path), options=DET)[0]
 
 
+@pytest.fixture(scope="module")
+def qwen3_det(tmp_path_factory: pytest.TempPathFactory) -> LlamaForCausalLM:
+    """Qwen3: a q/k norm per head (its own native pass before the rotary + KV store), head_dim
+    32 where hidden / heads is 16."""
+    path = save_checkpoint(tiny_hf_model("qwen3", seed=5), tmp_path_factory.mktemp("qwen3"))
+    return load_model(str(path), options=DET)[0]
+
+
 def _tokens(n: int, vocab: int, seed: int) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-@pytest.mark.parametrize("model_name", ["embedded_det", "qwen2_det"])
+@pytest.mark.parametrize("model_name", ["embedded_det", "qwen2_det", "qwen3_det"])
 @pytest.mark.parametrize("chunk", [1, 7, 16])
 def test_chunked_prefill_equals_whole_prefill(
     model_name: str, chunk: int, request: pytest.FixtureRequest
@@ -113,14 +121,16 @@ def _run(model: LlamaForCausalLM, seqs: dict[int, _Seq]) -> list[tuple[int, int]
     return mix
 
 
-def test_batch_of_eight_equals_each_alone(embedded_det: LlamaForCausalLM) -> None:
+@pytest.mark.parametrize("model_name", ["embedded_det", "qwen3_det"])
+def test_batch_of_eight_equals_each_alone(model_name: str, request: pytest.FixtureRequest) -> None:
+    model: LlamaForCausalLM = request.getfixturevalue(model_name)
     batched = dict(enumerate(_script()))
-    mix = _run(embedded_det, batched)
+    mix = _run(model, batched)
     assert any(dec >= 2 and pre >= 2 for dec, pre in mix), "batches should mix decodes and chunks"
     assert max(dec + pre for dec, pre in mix) == 8
     for i, script in enumerate(_script()):
         alone = {i: script}
-        _run(embedded_det, alone)
+        _run(model, alone)
         assert alone[i].tokens == batched[i].tokens
         assert len(alone[i].logits) == len(batched[i].logits)
         for a, b in zip(alone[i].logits, batched[i].logits, strict=True):

@@ -63,7 +63,7 @@ DATA_MOVEMENT = {
     "aten.unsqueeze",
     "aten.view",
 }
-NATIVE_OPS = ("linear", "rms_norm", "silu_and_mul", "rope_store", "paged_attention")
+NATIVE_OPS = ("linear", "rms_norm", "silu_and_mul", "qk_norm", "rope_store", "paged_attention")
 
 
 class _OpRecorder(TorchDispatchMode):
@@ -121,14 +121,14 @@ def _mixed_step(
 
 
 @needs_native
-@pytest.mark.parametrize("which", ["embedded", "qwen2"])
+@pytest.mark.parametrize("which", ["embedded", "qwen2", "qwen3"])
 def test_deterministic_forward_calls_no_library_gemm_or_reduction(
     which: str, native_calls: Counter[str], tmp_path: Any
 ) -> None:
     if which == "embedded":
         model = build_model(DET)
-    else:  # q/k/v biases, an untied head, an odd MLP width
-        path = save_checkpoint(tiny_hf_model("qwen2", seed=5), tmp_path)
+    else:  # qwen2: q/k/v biases, an untied head, an odd MLP width; qwen3: per-head q/k norms
+        path = save_checkpoint(tiny_hf_model(which, seed=5), tmp_path)
         model = load_model(str(path), options=DET)[0]
     ops, logits = _mixed_step(model, native_calls)
     layers = model.config.num_layers
@@ -137,13 +137,16 @@ def test_deterministic_forward_calls_no_library_gemm_or_reduction(
         f"the deterministic forward dispatched {foreign} to torch "
         f"(CPU capability {torch.backends.cpu.get_cpu_capability()})"
     )
-    assert dict(native_calls) == {
+    want = {
         "linear": 4 * layers + 1,  # qkv, o, gate_up, down; the output head
         "rms_norm": 2 * layers + 1,
         "silu_and_mul": layers,
         "rope_store": layers,
         "paged_attention": layers,
     }
+    if model.config.qk_norm:
+        want["qk_norm"] = layers
+    assert dict(native_calls) == want
     assert logits.shape == (4, model.config.vocab_size) and bool(logits.isfinite().all())
 
 

@@ -19,7 +19,7 @@ from tests.replica.models.helpers import randomize_
 from tierserve.kernels import fused, reference, triton_attention
 from tierserve.kernels.metadata import SeqSpec, build_metadata
 from tierserve.replica.models.config import ModelConfig
-from tierserve.replica.models.layers import RMSNorm, apply_rotary_
+from tierserve.replica.models.layers import RMSNorm, apply_rotary_, qk_norm_
 from tierserve.replica.models.llama import LlamaForCausalLM, ModelOptions
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -87,10 +87,14 @@ def test_rms_norm_takes_strided_rows_and_leaves_the_input_alone_without_delta() 
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("hq, hkv, head_dim", [(4, 2, 64), (3, 1, 64), (2, 2, 16)])
+@pytest.mark.parametrize("hq, hkv, head_dim", [(4, 2, 64), (3, 1, 64), (2, 2, 16), (3, 1, 48)])
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["rope", "qk-norm"])
 def test_rope_store_matches_rotary_then_store(
-    dtype: torch.dtype, hq: int, hkv: int, head_dim: int
+    dtype: torch.dtype, hq: int, hkv: int, head_dim: int, qk_norm: bool
 ) -> None:
+    """With ``qk_norm`` (Qwen3) each q and k head is normalized first (``qk_norm_``, its torch
+    ops here), so the cache gets normalized, rotated keys. head_dim 48: a half (24) narrower
+    than its power-of-two tile."""
     g = _gen(hq * 100 + head_dim)
     t, blocks, block_size = 5, 6, 4
     qkv = torch.randn(t, hq + 2 * hkv, head_dim, generator=g).to(dtype).to(DEVICE)
@@ -106,14 +110,22 @@ def test_rope_store_matches_rotary_then_store(
     v_ref = torch.randn(shape, generator=g).to(dtype).to(DEVICE)
     k_got, v_got = k_ref.clone(), v_ref.clone()
 
+    norm = None
+    if qk_norm:
+        qkv[:, 0] *= 30  # heads of very different scales
+        qw = (1 + 0.1 * torch.randn(head_dim, generator=g)).to(dtype).to(DEVICE)
+        kw = (1 + 0.1 * torch.randn(head_dim, generator=g)).to(dtype).to(DEVICE)
+        norm = (qw, kw, 1e-6)
     want = qkv.clone()
+    if norm is not None:
+        qk_norm_(want, norm[0], norm[1], hq, 1e-6)
     apply_rotary_(want[:, : hq + hkv], cos, sin)
     keep = slots >= 0
     reference.store_kv(
         want[keep, hq : hq + hkv], want[keep, hq + hkv :], k_ref, v_ref, slots[keep]
     )
     got = qkv.clone()
-    fused.rope_store(got, cos, sin, slots, k_got, v_got, hq)
+    fused.rope_store(got, cos, sin, slots, k_got, v_got, hq, qk_norm=norm)
 
     atol, rtol = TOL[dtype]
     torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=rtol)
@@ -126,9 +138,10 @@ def test_rope_store_matches_rotary_then_store(
     assert torch.equal(flat_k[untouched.to(DEVICE)], k_ref.view(-1, hkv, head_dim)[untouched.to(DEVICE)])
 
 
-def _tiny_config() -> ModelConfig:
+def _tiny_config(qk_norm: bool = False) -> ModelConfig:
+    """A tiny Llama, or with ``qk_norm`` a tiny Qwen3 (per-head q/k norms)."""
     return ModelConfig(
-        architecture="LlamaForCausalLM",
+        architecture="Qwen3ForCausalLM" if qk_norm else "LlamaForCausalLM",
         vocab_size=97,
         hidden_size=64,
         num_layers=2,
@@ -141,11 +154,14 @@ def _tiny_config() -> ModelConfig:
         rope_scaling=None,
         max_position_embeddings=128,
         tie_word_embeddings=False,
+        qk_norm=qk_norm,
     )
 
 
-def _pair(dtype: torch.dtype) -> tuple[LlamaForCausalLM, LlamaForCausalLM]:
-    cfg = _tiny_config()
+def _pair(
+    dtype: torch.dtype, qk_norm: bool = False
+) -> tuple[LlamaForCausalLM, LlamaForCausalLM]:
+    cfg = _tiny_config(qk_norm)
     on = LlamaForCausalLM(cfg, ModelOptions(attention_backend="triton", fused_kernels=True))
     randomize_(on, seed=3)
     off = LlamaForCausalLM(cfg, ModelOptions(attention_backend="triton", fused_kernels=False))
@@ -188,9 +204,11 @@ def _run(model: LlamaForCausalLM, dtype: torch.dtype) -> tuple[torch.Tensor, lis
     return logits.float(), [c.float() for pair in caches for c in pair]
 
 
-def test_the_model_gives_the_same_logits_with_fused_kernels_on_and_off_fp32() -> None:
-    on, off = _pair(torch.float32)
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["llama", "qwen3"])
+def test_the_model_gives_the_same_logits_with_fused_kernels_on_and_off_fp32(qk_norm: bool) -> None:
+    on, off = _pair(torch.float32, qk_norm)
     assert on.model.layers[0].self_attn.fused and on.model.norm.fused
+    assert (on.model.layers[0].self_attn.q_norm is not None) == qk_norm
     assert not off.model.layers[0].self_attn.fused and not off.model.norm.fused
     (got, got_kv), (want, want_kv) = _run(on, torch.float32), _run(off, torch.float32)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
@@ -198,12 +216,13 @@ def test_the_model_gives_the_same_logits_with_fused_kernels_on_and_off_fp32() ->
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
-def test_the_fused_model_in_bf16_is_as_close_to_fp32_as_the_unfused_one() -> None:
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["llama", "qwen3"])
+def test_the_fused_model_in_bf16_is_as_close_to_fp32_as_the_unfused_one(qk_norm: bool) -> None:
     """bf16 rounds differently in the fused kernels (once, in fp32) than in the chain of torch
     ops (after each op), so the two bf16 models differ by bf16 noise: each is held to the fp32
     model's logits, the fused one within twice the unfused one's error."""
-    exact = _pair(torch.float32)[1]
-    on, off = _pair(torch.bfloat16)
+    exact = _pair(torch.float32, qk_norm)[1]
+    on, off = _pair(torch.bfloat16, qk_norm)
     want = _run(exact, torch.float32)[0]
     err_on = (_run(on, torch.bfloat16)[0] - want).abs().max().item()
     err_off = (_run(off, torch.bfloat16)[0] - want).abs().max().item()

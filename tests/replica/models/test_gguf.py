@@ -1,7 +1,7 @@
-"""GGUF checkpoints: tiny random Llama, Qwen2 and Mistral models written with the ``gguf`` package's
-writer (as llama.cpp lays them out) in every tensor type we support, loaded by our loader and by
-``transformers`` (``gguf_file=``): logits close, greedy tokens equal; tokenizer and chat template
-from the file; every bad file refused with a message that names what is wrong."""
+"""GGUF checkpoints: tiny random Llama, Qwen2, Qwen3 and Mistral models written with the ``gguf``
+package's writer (as llama.cpp lays them out) in every tensor type we support, loaded by our loader
+and by ``transformers`` (``gguf_file=``): logits close, greedy tokens equal; tokenizer and chat
+template from the file; every bad file refused with a message that names what is wrong."""
 
 from __future__ import annotations
 
@@ -30,11 +30,16 @@ from tierserve.replica.models.loader import load_model, load_model_config, load_
 
 # Dimensions every block size divides (256 weights per K-quant block, 32 per Q8_0/Q4_x block).
 QUANT_DIMS: dict[str, Any] = dict(hidden_size=256, intermediate_size=512, vocab_size=300)
+# Qwen3's head_dim is 128 (not hidden / heads, 64) here: transformers (5.x) reads a qwen3 file's
+# head_dim as its config's default, 128, not from qwen3.attention.key_length, so only this
+# head_dim lets it be the reference; test_a_qwen3_file_with_its_own_head_dim takes another.
 KINDS = {
     "llama": {},
     "qwen2": {},
     "mistral": {"head_dim": 64},
+    "qwen3": {"head_dim": 128},
 }
+ARCHITECTURE = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 # A tied head (no output.weight: the head is token_embd), as SmolLM2 and most small models have:
 # fp32, the default model's Q4_1 and a K-quant.
@@ -83,7 +88,10 @@ def test_gguf_matches_transformers_on_the_same_file(kind: str, qtype: str, tmp_p
     ours, _, cfg = load_model(str(path))
     ref = _hf_from_gguf(path)
     # llama.cpp writes Mistral models as "llama" (and so does the helper).
-    assert cfg.architecture == ("Qwen2ForCausalLM" if kind == "qwen2" else "LlamaForCausalLM")
+    assert cfg.architecture == ARCHITECTURE.get(kind, "LlamaForCausalLM")
+    c = src.config
+    assert cfg.head_dim == (getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
+    assert cfg.qk_norm == (kind == "qwen3")
     assert cfg.num_kv_heads == src.config.num_key_value_heads and cfg.rms_norm_eps == 1e-5
     tied = kind in TIED
     names = {t.name for t in gguf.GGUFReader(str(path)).tensors}
@@ -130,6 +138,45 @@ def test_a_mistral_architecture_file_keeps_its_q_k_as_stored(qtype: str, tmp_pat
         for name, t in src.state_dict().items():
             assert torch.equal(ref.state_dict()[name], t), name
     _same_outputs(ours, ref)
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
+def test_a_qwen3_file_with_its_own_head_dim(qtype: str, tmp_path: Path) -> None:
+    """The tiny Qwen3 checkpoint (``transformers``' classes, ``save_pretrained``: hidden 64, 4
+    heads, 2 KV heads, head_dim 32; an MLP of 128, whole Q8_0 blocks) written as llama.cpp writes Qwen3 (``qwen3``:
+    ``blk.N.attn_q_norm`` / ``attn_k_norm``, Q/K not permuted, head_dim in
+    ``qwen3.attention.key_length``) gives ``transformers``' greedy tokens: in F32 those of the
+    checkpoint itself, in Q8_0 those of its model holding the file's dequantized tensors
+    (``transformers`` cannot load this file: it takes the head_dim of its config, 128); also
+    through the engine, in chunks and across preemption."""
+    from transformers import AutoModelForCausalLM
+
+    from tierserve.replica.llm import LLM
+    from tierserve.replica.sampler import SamplingParams
+
+    saved = tmp_path / "checkpoint"
+    tiny_hf_model("qwen3", seed=11, intermediate_size=128).save_pretrained(str(saved))
+    src = AutoModelForCausalLM.from_pretrained(str(saved), dtype=torch.float32).eval()
+    assert (src.config.head_dim, src.config.hidden_size // src.config.num_attention_heads) == (
+        32, 16)
+    path = write_gguf(src, tmp_path / f"qwen3-{qtype}.gguf", qtype)
+    reader = gguf.GGUFReader(str(path))
+    assert reader.fields["qwen3.attention.key_length"].contents() == 32
+    assert {"blk.1.attn_q_norm.weight", "blk.1.attn_k_norm.weight"} <= {
+        t.name for t in reader.tensors}
+    ours, _, cfg = load_model(str(path))
+    assert cfg.architecture == "Qwen3ForCausalLM" and cfg.qk_norm
+    assert (cfg.head_dim, cfg.q_size, cfg.kv_size) == (32, 128, 64)
+    ref = src if qtype == "F32" else reference_from_file(path, src)
+    _same_outputs(ours, ref)
+
+    prompts = [PROMPT, PROMPT[:3], [5, 9, 14, 2, 77] * 6, list(range(40, 81))]
+    llm = LLM(str(path), device="cpu", num_kv_blocks=6, block_size=16, max_num_seqs=4,
+              max_model_len=128, prefill_chunk_tokens=7)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    got = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == [_hf_greedy(ref, p, 24) for p in prompts]
+    assert llm.stats().preemptions > 0
 
 
 def test_tokenizer_and_chat_template_come_from_the_file(tmp_path: Path) -> None:
@@ -416,7 +463,11 @@ def test_truncated_file_is_refused(good: Path, tmp_path: Path, keep: float) -> N
 
 def test_unsupported_architecture_is_refused(tmp_path: Path) -> None:
     path = write_gguf(tiny_hf_model("llama"), tmp_path / "gpt2.gguf", arch="gpt2")
-    _refused(path, r"unsupported GGUF architecture 'gpt2'; supported: llama, mistral, qwen2")
+    _refused(
+        path,
+        r"unsupported GGUF architecture 'gpt2'; supported: llama, mistral, qwen2, qwen3 "
+        r"\(Llama, Mistral, Qwen2 and Qwen3 models\)$",
+    )
 
 
 def test_unsupported_tensor_type_is_refused(tmp_path: Path) -> None:
@@ -444,6 +495,17 @@ def test_unsupported_tensor_type_is_refused(tmp_path: Path) -> None:
     w.write_tensors_to_file()
     w.close()
     _refused(tmp_path / "f64.gguf", r"tensor blk\.0\.attn_v\.weight is of type F64, which the gguf")
+
+
+def test_a_qwen3_file_without_its_k_norm_names_it(tmp_path: Path) -> None:
+    path = write_gguf(
+        tiny_hf_model("qwen3"), tmp_path / "q3.gguf", skip=("blk.0.attn_k_norm.weight",)
+    )
+    _refused(
+        path,
+        r"q3\.gguf lacks 1 tensor\(s\): model\.layers\.0\.self_attn\.k_norm\.weight "
+        r"\(blk\.0\.attn_k_norm\.weight in the file\)$",
+    )
 
 
 def test_missing_tensors_are_named(tmp_path: Path) -> None:

@@ -1,7 +1,8 @@
-"""Layers: the deterministic Linear, SiLU and RMSNorm give a row the same bits wherever it sits in
-a batch of any size (on the native kernels, on whatever CPU this is: the failure messages name
-it); the deterministic Linear stays within fp32 rounding of a float64 reference; rotary
-embeddings and Llama 3 frequencies match ``transformers``."""
+"""Layers: the deterministic Linear, SiLU, RMSNorm and Qwen3's per-head q/k norm give a row the
+same bits wherever it sits in a batch of any size (on the native kernels, on whatever CPU this
+is: the failure messages name it); the deterministic Linear stays within fp32 rounding of a
+float64 reference; the q/k norm, rotary embeddings and Llama 3 frequencies match
+``transformers``."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from tierserve.replica.models.layers import (
     RMSNorm,
     RotaryEmbedding,
     apply_rotary_,
+    qk_norm_,
     rope_inv_freq,
     silu_and_mul,
 )
@@ -132,6 +134,55 @@ def test_deterministic_rmsnorm_rows_do_not_depend_on_the_batch(width: int, threa
     assert row_mismatches(add_and_norm, pairs, SIZES[:20]) == [], CPU
     want = (x + delta) * torch.rsqrt((x + delta).pow(2).mean(-1, keepdim=True) + 1e-5)
     torch.testing.assert_close(add_and_norm(pairs), want * norm.weight)
+
+
+def _qk_normed(
+    t: torch.Tensor, q_heads: int, kv_heads: int, qw: torch.Tensor, kw: torch.Tensor, det: bool
+) -> torch.Tensor:
+    """Rows ``[q | k | v]`` of ``t`` ``[rows, heads * D]`` after ``qk_norm_`` (in place, on a copy
+    at the same offset from a 64-byte boundary as ``t``, so that an alignment shows through)."""
+    heads, d = q_heads + 2 * kv_heads, qw.shape[0]
+    lead = (t.data_ptr() // t.element_size()) % 16
+    buf = torch.empty(t.numel() + 16)[lead : lead + t.numel()].view(t.shape).copy_(t)
+    qk_norm_(buf.view(t.shape[0], heads, d), qw, kw, q_heads, 1e-6, deterministic=det)
+    return buf
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 80, 128])
+def test_deterministic_qk_norm_heads_do_not_depend_on_the_batch_and_match_transformers(
+    head_dim: int, threads: int
+) -> None:
+    """Qwen3's norm of each q and k head (over head_dim, its own weight for q and for k): a row's
+    bits alone or in any batch; close to ``transformers``' Qwen3RMSNorm; v untouched."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    hq, hkv = 4, 2
+    gen = torch.Generator().manual_seed(head_dim)
+    qw = 1 + 0.1 * torch.randn(head_dim, generator=gen)
+    kw = 1 + 0.1 * torch.randn(head_dim, generator=gen)
+    x = torch.randn(300, (hq + 2 * hkv) * head_dim, generator=gen) * 3
+    x[:, :head_dim] *= 40  # heads of very different scales in one row
+
+    def det(t: torch.Tensor) -> torch.Tensor:
+        return _qk_normed(t, hq, hkv, qw, kw, det=True)
+
+    assert row_mismatches(det, x, SIZES) == [], CPU
+    got = det(x).view(300, hq + 2 * hkv, head_dim)
+    heads = x.view(300, hq + 2 * hkv, head_dim)
+    with torch.no_grad():
+        q_ref, k_ref = Qwen3RMSNorm(head_dim, eps=1e-6), Qwen3RMSNorm(head_dim, eps=1e-6)
+        q_ref.weight.copy_(qw)
+        k_ref.weight.copy_(kw)
+        want_q, want_k = q_ref(heads[:, :hq]), k_ref(heads[:, hq : hq + hkv])
+    torch.testing.assert_close(got[:, :hq], want_q, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[:, hq : hq + hkv], want_k, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got[:, hq + hkv :], heads[:, hq + hkv :])
+    cpu_native.enabled = False  # the torch ops (the GPU's unfused path) agree
+    try:
+        plain = _qk_normed(x, hq, hkv, qw, kw, det=False)
+    finally:
+        cpu_native.enabled = True
+    torch.testing.assert_close(plain, det(x), rtol=1e-5, atol=1e-5)
 
 
 def test_llama3_inverse_frequencies_match_transformers() -> None:

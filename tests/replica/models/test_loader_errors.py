@@ -41,19 +41,65 @@ def test_model_load_error_is_a_value_error() -> None:
     assert issubclass(ModelLoadError, ValueError)
 
 
+SUPPORTED = "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"
+
+
 def test_unsupported_architecture_is_named(tmp_path: Path) -> None:
     cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=300)
     cfg.architectures = ["GPT2LMHeadModel"]
     cfg.save_pretrained(str(tmp_path))
     with pytest.raises(ModelLoadError, match="GPT2LMHeadModel") as err:
         load_model(str(tmp_path))
-    assert "LlamaForCausalLM" in str(err.value)  # the supported ones are listed
+    assert str(err.value).endswith(f"; supported: {SUPPORTED}")  # the supported ones are listed
 
 
-def test_architecture_falls_back_to_model_type() -> None:
-    cfg = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=1)
+def test_a_qwen3_relative_without_its_layers_is_refused_by_name(tmp_path: Path) -> None:
+    """Qwen3's mixture-of-experts sibling shares its config fields but not its layers."""
+    path = save_checkpoint(tiny_hf_model("qwen3"), tmp_path / "c")
+    _edit_config(path, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe")
+    with pytest.raises(
+        ModelLoadError,
+        match=rf"unsupported architecture 'Qwen3MoeForCausalLM'; supported: {SUPPORTED}$",
+    ):
+        load_model(str(path))
+
+
+@pytest.mark.parametrize(
+    ("cls", "arch"),
+    [(transformers.LlamaConfig, "LlamaForCausalLM"), (transformers.Qwen3Config, "Qwen3ForCausalLM")],
+)
+def test_architecture_falls_back_to_model_type(cls: Any, arch: str) -> None:
+    cfg = cls(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=1)
     assert cfg.architectures is None
-    assert ModelConfig.from_hf(cfg).architecture == "LlamaForCausalLM"
+    assert ModelConfig.from_hf(cfg).architecture == arch
+
+
+def test_a_qwen3_config_reads_its_head_dim_norms_and_biases() -> None:
+    """Qwen3: head_dim as the config says (not hidden / heads), q/k norms, no biases unless
+    ``attention_bias`` (then on q, k, v and o alike), its window only where its layers use it."""
+    base: dict[str, Any] = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                head_dim=32, num_hidden_layers=2, max_position_embeddings=512)
+    cfg = ModelConfig.from_hf(transformers.Qwen3Config(**base))
+    assert (cfg.head_dim, cfg.q_size, cfg.kv_size) == (32, 128, 64)
+    assert cfg.qk_norm and not cfg.qkv_bias and not cfg.o_bias and cfg.sliding_window is None
+    biased = ModelConfig.from_hf(transformers.Qwen3Config(**base, attention_bias=True))
+    assert biased.qkv_bias and biased.o_bias
+    windowed = transformers.Qwen3Config(
+        **base, use_sliding_window=True, sliding_window=128, max_window_layers=1
+    )
+    assert ModelConfig.from_hf(windowed).sliding_window == 128
+    assert not ModelConfig.from_hf(transformers.Qwen2Config(**base)).qk_norm
+
+
+def test_a_qwen3_checkpoint_without_its_q_norm_names_it(tmp_path: Path) -> None:
+    path = save_checkpoint(tiny_hf_model("qwen3"), tmp_path / "c")
+    tensors = load_file(str(path / "model.safetensors"))
+    del tensors["model.layers.1.self_attn.q_norm.weight"]
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(
+        ModelLoadError, match=r"lacks 1 tensor\(s\): model\.layers\.1\.self_attn\.q_norm\.weight$"
+    ):
+        load_model(str(path))
 
 
 def test_missing_config(tmp_path: Path) -> None:

@@ -122,3 +122,39 @@ def test_embedded_model_is_a_llama_to_transformers() -> None:
     with torch.no_grad():
         want = hf(torch.tensor([prompt])).logits[0]
     torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
+def test_qwen3_greedy_through_the_engine_in_chunks_and_across_preemption(
+    deterministic: bool, tmp_path: Path
+) -> None:
+    """The whole engine (``LLM``) on a tiny Qwen3 checkpoint written by ``transformers``' own
+    classes (per-head q/k norms, head_dim 32 != hidden / heads): eight prompts prefilled in
+    chunks of 7 tokens, a KV pool of 10 blocks that cannot hold them all (requests are preempted
+    and recomputed), greedy tokens equal to ``transformers``' ``generate``, in the default and
+    the deterministic mode."""
+    from tierserve.replica.llm import LLM
+    from tierserve.replica.sampler import SamplingParams
+
+    hf = tiny_hf_model("qwen3", seed=7)
+    assert hf.config.head_dim != hf.config.hidden_size // hf.config.num_attention_heads
+    path = save_checkpoint(hf, tmp_path / "qwen3")
+    prompts = _prompts(hf.config.vocab_size, seed=4)
+    want = _hf_greedy(hf, prompts)
+    llm = LLM(
+        str(path),
+        device="cpu",
+        dtype="float32",
+        deterministic=deterministic,
+        num_kv_blocks=10,
+        block_size=16,
+        max_num_seqs=8,
+        max_model_len=128,
+        prefill_chunk_tokens=7,
+    )
+    assert llm.engine.model_config.qk_norm
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    got = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    stats = llm.stats()
+    assert stats.preemptions > 0 and stats.free_blocks == 10
