@@ -5,7 +5,8 @@ first, each growing its block table by ``append_slot`` and preempting the lowest
 request not yet scheduled when the pool is empty; (2) prefills already in progress, each getting the
 chunk its ``PrefillPolicy`` grants; (3) admissions from the waiting queue in rank order, all or
 nothing, stopping at the first request that does not fit. ``on_step`` then advances the computed
-positions, appends the sampled tokens and finishes requests.
+positions, appends the sampled tokens and finishes requests. Each request's record (``Seq``,
+replica/seq.py) says where it is: waiting, running, preempted or finished (``Status``).
 
 The plan (``StepPlan``) carries everything the runner feeds, so the runner never asks the
 scheduler back: each decode its newest token, position and block table (``Decode``), each chunk
@@ -39,8 +40,9 @@ from tierserve.replica.block_space import (
     RequestId,
 )
 from tierserve.replica.config import EngineConfig
-from tierserve.replica.lazy_heap import Handle, LazyHeap
+from tierserve.replica.lazy_heap import LazyHeap
 from tierserve.replica.prefill_policy import Chunked, PrefillPolicy, WholePrompt
+from tierserve.replica.seq import FINISHED, PREEMPTED, RUNNING, Seq, Status, rank_of
 from tierserve.replica.step_cost import StepCostModel, StepShape, chunk_attention, decode_attention
 
 __all__ = [
@@ -65,6 +67,7 @@ __all__ = [
     "SchedPolicy",
     "SchedStats",
     "Scheduler",
+    "Status",
     "StepPlan",
     "TokenEvent",
     "TooLong",
@@ -280,51 +283,7 @@ class SchedStats:
     target_seats: int = 0
 
 
-class _Seq:
-    """Scheduler-side state of one request."""
-
-    __slots__ = (
-        "cached",
-        "computed",
-        "deadline",
-        "first_at",
-        "handle",
-        "id",
-        "max_tokens",
-        "partition",
-        "priority",
-        "prompt_len",
-        "rank",
-        "reuse",
-        "target",
-        "tokens",
-    )
-
-    def __init__(self, id: RequestId, req: Request, rank: tuple[int, int]) -> None:
-        self.id = id
-        self.tokens: list[int] = list(req.prompt)
-        self.prompt_len = len(self.tokens)
-        self.max_tokens = req.max_tokens
-        self.priority = req.priority
-        self.reuse = req.reuse_cache
-        self.partition = req.cache_partition
-        self.target = req.tpot_target_s
-        self.rank = rank  # ascending = better; fixed at arrival, kept across preemption
-        self.computed = 0  # positions whose K/V are in the cache
-        self.cached: int | None = None  # prompt positions found cached at first admission
-        self.handle: Handle[_Seq] | None = None  # set while waiting
-        # When its first token was sampled (the scheduler's clock; §8's budget): kept across
-        # preemption, as the client's clock runs on.
-        self.first_at: float | None = None
-        # When its first token is due (the scheduler's clock; set by ``add``); None: no target.
-        self.deadline: float | None = None
-
-
-def _rank_of(seq: _Seq) -> tuple[int, int]:
-    return seq.rank
-
-
-def _decoding(fed: Sequence[tuple[_Seq, int]]) -> StepShape:
+def _decoding(fed: Sequence[tuple[Seq, int]]) -> StepShape:
     """A plan's requests as one decode each (the steps to come once their prompts are in)."""
     shape = StepShape()
     for seq, _ in fed:
@@ -332,7 +291,7 @@ def _decoding(fed: Sequence[tuple[_Seq, int]]) -> StepShape:
     return shape
 
 
-def _shape_of(fed: Sequence[tuple[_Seq, int]]) -> StepShape:
+def _shape_of(fed: Sequence[tuple[Seq, int]]) -> StepShape:
     """The work of a plan's (request, positions fed) entries."""
     shape = StepShape()
     for seq, n in fed:
@@ -374,14 +333,14 @@ class Scheduler:
             chunk = cfg.prefill_chunk_tokens
             prefill_policy = Chunked(chunk) if chunk else WholePrompt()
         self._policy: PrefillPolicy = prefill_policy
-        self._waiting: LazyHeap[_Seq] = LazyHeap()
-        self._running: list[_Seq] = []  # sorted by rank, best first
-        self._seqs: dict[RequestId, _Seq] = {}
+        self._waiting: LazyHeap[Seq] = LazyHeap()  # WAITING and PREEMPTED requests
+        self._running: list[Seq] = []  # RUNNING requests, sorted by rank, best first
+        self._seqs: dict[RequestId, Seq] = {}  # every unfinished request
         self._next_id = 0
         self._step = 0
         self._preemptions = 0
         self._rejected: dict[str, int] = {}
-        self._last: list[tuple[_Seq, int]] = []  # (seq, positions fed) of the last schedule()
+        self._last: list[tuple[Seq, int]] = []  # (seq, positions fed) of the last schedule()
         self.cost: StepCostModel | None = None
         if cfg.slo_scheduling:
             self.cost = cost or StepCostModel()
@@ -407,7 +366,7 @@ class Scheduler:
             raise
         rid = self._next_id
         self._next_id += 1
-        seq = _Seq(rid, req, (self._rank_key(req.priority), rid))
+        seq = Seq(rid, req, (self._rank_key(req.priority), rid))
         if req.ttft_left_s is not None and self.cost is not None:
             seq.deadline = self._clock() + req.ttft_left_s
         self._seqs[rid] = seq
@@ -439,7 +398,7 @@ class Scheduler:
         if queue and len(self._waiting) >= self.cfg.max_waiting:
             raise QueueFull(self.cfg.max_waiting)
 
-    def _enqueue(self, seq: _Seq) -> None:
+    def _enqueue(self, seq: Seq) -> None:
         seq.handle = self._waiting.push(seq.rank, seq)
 
     # ------------------------------------------------------------------ abort
@@ -450,17 +409,19 @@ class Scheduler:
         if seq is None:
             return False
         self._untarget(seq)
-        if seq.handle is not None:
-            self._waiting.remove(seq.handle)
-            seq.handle = None
-        else:
+        if seq.status is RUNNING:
             self._running.remove(seq)
             self._blocks.release(id)
+        else:  # waiting or preempted: in the queue
+            assert seq.handle is not None
+            self._waiting.remove(seq.handle)
+            seq.handle = None
+        seq.status = FINISHED
         return True
 
     # ------------------------------------------------------------------ the step
 
-    def _untarget(self, seq: _Seq) -> None:
+    def _untarget(self, seq: Seq) -> None:
         t = seq.target
         if t is not None:
             left = self._targets[t] - 1
@@ -511,16 +472,16 @@ class Scheduler:
         cfg = self.cfg
         blocks = self._blocks
         out = StepPlan()
-        fed: list[tuple[_Seq, int]] = []
+        fed: list[tuple[Seq, int]] = []
         budget = cfg.max_num_batched_tokens
         running = self._running
         limit = self.step_limit()
         cost = self.cost
         strict = min(self._targets) if limit is not None else 0.0
         shape = StepShape()
-        paused: list[_Seq] = []
+        paused: list[Seq] = []
 
-        def protected(seq: _Seq) -> bool:
+        def protected(seq: Seq) -> bool:
             """Of the strictest tier present: never left out or preempted for another."""
             return seq.target is not None and seq.target <= strict
 
@@ -531,7 +492,7 @@ class Scheduler:
         # when a protected chunk is first timed, not on every step.
         burst: list[float] = []
 
-        def chunk_limit(seq: _Seq) -> float:
+        def chunk_limit(seq: Seq) -> float:
             """What a chunk of ``seq`` is timed against: L, or L′ for a protected one."""
             assert limit is not None
             if not protected(seq):
@@ -542,7 +503,7 @@ class Scheduler:
         floors = [1]  # a block's worth past the limit, while no protected prompt has a chunk
         kept = [reserve.tokens]  # of the reserve, what protected chunks have not yet taken
 
-        def with_reserve(shape: StepShape, seq: _Seq) -> StepShape:
+        def with_reserve(shape: StepShape, seq: Seq) -> StepShape:
             """What a chunk of ``seq`` is timed against: the step so far, plus what is still
             kept for the strictest tier's prompts unless ``seq`` is one of them."""
             k = kept[0]
@@ -556,7 +517,7 @@ class Scheduler:
         decodes = out.decodes
         new_decode = tuple.__new__
         for seq in list(running):
-            if seq.handle is not None:
+            if seq.status is not RUNNING:
                 continue  # preempted for a request above it
             n = len(seq.tokens)
             if n - seq.computed != 1:
@@ -655,10 +616,11 @@ class Scheduler:
                 assert head.handle is not None
                 waiting.remove(head.handle)
             head.handle = None
+            head.status = RUNNING
             head.computed = cached
             if head.cached is None:
                 head.cached = cached
-            bisect.insort(running, head, key=_rank_of)
+            bisect.insort(running, head, key=rank_of)
             out.prefill.append(Chunk(head.id, cached, take, take == remaining,
                                      head.tokens[cached : cached + take],
                                      blocks.block_table(head.id), head.prompt_len, head.cached))
@@ -669,7 +631,7 @@ class Scheduler:
         if limit is not None and not fed and paused:
             # Nothing fits the limit (a target below what one decode takes here): the
             # best-ranked request left out runs anyway, so the replica never stalls.
-            first = next((s for s in paused if s.handle is None
+            first = next((s for s in paused if s.status is RUNNING
                           and len(s.tokens) - s.computed == 1), None)
             if first is not None:
                 n = len(first.tokens)
@@ -682,7 +644,7 @@ class Scheduler:
 
         out.shape = shape
         out.limit_s = limit
-        out.paused = sum(1 for seq in paused if seq.handle is None)
+        out.paused = sum(1 for seq in paused if seq.status is RUNNING)
         self._limit, self._paused = limit, out.paused
         self._strict = strict if limit is not None else None
         self._decoding = _decoding(fed) if limit is not None else None
@@ -747,7 +709,7 @@ class Scheduler:
                 return True
         return False
 
-    def _reserve(self, limit: float, protected: Callable[[_Seq], bool]) -> StepShape:
+    def _reserve(self, limit: float, protected: Callable[[Seq], bool]) -> StepShape:
         """The part of a step kept for prompts of the strictest tier: what the prefill policy
         would give each of them this step (those running and the head of the queue), at most
         ``_reserve_cap(limit)``."""
@@ -795,7 +757,7 @@ class Scheduler:
             floors[0] = 0  # one protected prompt progressing a step is all the floor promises
         return fit
 
-    def _fits(self, head: _Seq, fed: list[tuple[_Seq, int]], shape: StepShape,
+    def _fits(self, head: Seq, fed: list[tuple[Seq, int]], shape: StepShape,
               limit: float) -> bool:
         """Whether ``head`` (not of the strictest tier) can be admitted within ``limit``: a
         first position of it fits this step, and a step decoding the plan and it fits too."""
@@ -804,13 +766,13 @@ class Scheduler:
         return (self.cost.predict(shape.plus(1, 1, chunk_attention(0, 1))) <= limit
                 and self._carries(head, fed, limit)) if n else False
 
-    def _first_protected_waiting(self, protected: Callable[[_Seq], bool],
-                                 out: StepPlan) -> _Seq | None:
+    def _first_protected_waiting(self, protected: Callable[[Seq], bool],
+                                 out: StepPlan) -> Seq | None:
         """The best-ranked waiting request of the strictest tier (not preempted this step)."""
         return min((s for s in self._waiting.items()
-                    if protected(s) and s.id not in out.preempted), key=_rank_of, default=None)
+                    if protected(s) and s.id not in out.preempted), key=rank_of, default=None)
 
-    def _carries(self, head: _Seq, fed: list[tuple[_Seq, int]], limit: float) -> bool:
+    def _carries(self, head: Seq, fed: list[tuple[Seq, int]], limit: float) -> bool:
         """Whether a step decoding every request of this plan and ``head`` fits ``limit``."""
         assert self.cost is not None
         decoding = _decoding(fed).plus(1, 1, decode_attention(len(head.tokens)))
@@ -857,8 +819,8 @@ class Scheduler:
             seats += 1
         return seats
 
-    def _make_room(self, head: _Seq, out: StepPlan, fed: list[tuple[_Seq, int]],
-                   paused: list[_Seq], protected: Callable[[_Seq], bool]) -> bool:
+    def _make_room(self, head: Seq, out: StepPlan, fed: list[tuple[Seq, int]],
+                   paused: list[Seq], protected: Callable[[Seq], bool]) -> bool:
         """Preempt one running request for ``head`` (§8); False when there is none to take.
         For a head of the strictest tier: any request not of that tier, those left out of this
         step first, then the lowest-ranked. For another head: only one that ranks below it and
@@ -870,21 +832,21 @@ class Scheduler:
         self._preempt(victim, out)
         return True
 
-    def _victim(self, seq: _Seq, paused: list[_Seq], protected: Callable[[_Seq], bool],
-                anyone: bool) -> _Seq | None:
+    def _victim(self, seq: Seq, paused: list[Seq], protected: Callable[[Seq], bool],
+                anyone: bool) -> Seq | None:
         """Whom ``seq`` may preempt under a step limit (see ``_make_room``)."""
-        idle = [s for s in paused if s.handle is None and s is not seq and not protected(s)]
+        idle = [s for s in paused if s.status is RUNNING and s is not seq and not protected(s)]
         if not anyone:
             idle = [s for s in idle if s.rank > seq.rank]
         if idle:
-            return max(idle, key=_rank_of)
+            return max(idle, key=rank_of)
         if anyone:
             return next((s for s in reversed(self._running)
                          if s is not seq and not protected(s)), None)
         return None
 
     @staticmethod
-    def _unplan(victim: _Seq, out: StepPlan, fed: list[tuple[_Seq, int]]) -> None:
+    def _unplan(victim: Seq, out: StepPlan, fed: list[tuple[Seq, int]]) -> None:
         """Take ``victim`` out of this step's plan, where it is in it."""
         for k, (seq, _) in enumerate(fed):
             if seq is victim:
@@ -897,9 +859,9 @@ class Scheduler:
                 break
         out.prefill = [c for c in out.prefill if c.id != victim.id]
 
-    def _grow(self, seq: _Seq, n: int, out: StepPlan, fed: list[tuple[_Seq, int]],
-              paused: list[_Seq] | None = None,
-              protected: Callable[[_Seq], bool] | None = None) -> bool:
+    def _grow(self, seq: Seq, n: int, out: StepPlan, fed: list[tuple[Seq, int]],
+              paused: list[Seq] | None = None,
+              protected: Callable[[Seq], bool] | None = None) -> bool:
         """Room for ``n`` positions, preempting from the bottom; False when ``seq`` was the victim.
         With a step limit (``paused`` given), a request left out of this step goes first; a
         request of the strictest tier takes from any request not of that tier (taken out of the
@@ -909,7 +871,7 @@ class Scheduler:
                 self._blocks.append_slot(seq.id, n)
                 return True
             except NoCapacity:
-                victim: _Seq | None = None
+                victim: Seq | None = None
                 if paused is not None and protected is not None:
                     victim = self._victim(seq, paused, protected, protected(seq))
                 if victim is None:
@@ -921,11 +883,12 @@ class Scheduler:
                 if victim is seq:
                     return False
 
-    def _preempt(self, victim: _Seq, out: StepPlan) -> None:
+    def _preempt(self, victim: Seq, out: StepPlan) -> None:
         """Preemption by recompute (docs/scheduler.md §5): free the blocks now, requeue with the same rank."""
         self._running.remove(victim)
         self._blocks.release(victim.id)
         victim.computed = 0
+        victim.status = PREEMPTED
         self._enqueue(victim)
         self._preemptions += 1
         out.preempted.append(victim.id)
@@ -935,17 +898,17 @@ class Scheduler:
         blocks = self._blocks
         for seq, n in self._last:
             seq.computed += n
-            if seq.handle is None and seq.id in self._seqs:  # not preempted or aborted since
+            if seq.status is RUNNING:  # not preempted or aborted since
                 blocks.commit(seq.id, seq.tokens, seq.computed)
         self._last = []
         events: list[RequestEvent] = []
         ctx = self.max_model_len
-        finished: list[_Seq] = []
+        finished: list[Seq] = []
         seqs = self._seqs
         now = self._clock() if self.cost is not None else 0.0
         for o in outputs:
             got = seqs.get(o.id)
-            if got is None or got.handle is not None:
+            if got is None or got.status is not RUNNING:
                 continue  # aborted (or preempted) between schedule and on_step
             seq = got
             seq.tokens.append(o.token)
@@ -963,6 +926,7 @@ class Scheduler:
             finished.append(seq)
         if finished:
             for f in finished:
+                f.status = FINISHED
                 del seqs[f.id]
                 self._untarget(f)
                 self._blocks.release(f.id)
@@ -1022,7 +986,7 @@ class Scheduler:
 
     def is_waiting(self, id: RequestId) -> bool:
         seq = self._seqs.get(id)
-        return seq is not None and seq.handle is not None
+        return seq is not None and seq.status.queued
 
     @property
     def num_waiting(self) -> int:
