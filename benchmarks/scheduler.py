@@ -1,6 +1,6 @@
 """Scheduler step cost: one ``schedule()`` plus one ``on_step()``, with a minimal fake model.
 
-Run: ``python -m benchmarks.scheduler`` (about 15 s; ``--profile`` adds a cProfile of one case, ``--json
+Run: ``python -m benchmarks.scheduler`` (about 20 s; ``--profile`` adds a cProfile of one case, ``--json
 PATH`` writes the figures). It prints, per case, the median over repetitions of the wall time of
 ``schedule()`` + ``on_step()`` per step and per running request. Nothing here asserts on time.
 
@@ -13,6 +13,12 @@ What is measured, and what is not:
   their 2-token prompts (WholePrompt, not alone), so every step phase 3 still peeks the head of the
   queue and asks the prefill policy, then stops. (With ``max_num_seqs = R`` instead, phase 3 stops
   before it looks at the queue at all, which measures less.)
+- With SLO-aware steps (the ``slo`` rows, docs/scheduler.md §8): the same steady state under
+  priority scheduling, every other running request of a tier with a 50 ms TPOT target (protected)
+  and the others of a 200 ms one, over a cost model of a GPU-like step (5 ms, 20 us a token), so
+  every step has a limit (35 ms) that every decode fits: each step consults its ``StepLimit``
+  (each lower tier's decode timed against the limit, the waiting head's fit, the plan's decodes
+  for the stats). At ``SLO_WAITING`` waiting only.
 - The fake model is minimal on purpose: it emits one fixed token per decode and per last chunk, so
   the figures are the scheduler's. Building its ``SampledToken`` list is outside the timed region.
 - A waiting-queue abort at 100k waiting: single aborts (median), and the mean over aborting most
@@ -45,6 +51,7 @@ from tierserve.replica.scheduler import (
     Scheduler,
     StepPlan,
 )
+from tierserve.replica.step_cost import CostPrior, StepCostModel
 
 RUNNING = (64, 256, 1024)
 WAITING = (1_000, 10_000, 100_000)
@@ -52,6 +59,12 @@ BLOCK_TOKENS = 16
 CONTEXT = 1 << 16
 TOKEN = 7  # what the minimal fake always emits
 TARGET_US_PER_REQUEST = 5.0
+# SLO-aware steps: two tiers' TPOT targets (every other running request of each) and the step cost
+# the limit is predicted with (a GPU-like step: every decode of 1024 fits the 35 ms limit).
+SLO_TARGETS = (0.05, 0.2)
+SLO_PRIORITIES = (10, 5)
+SLO_PRIOR = CostPrior(base_s=0.005, per_token_s=2e-5, per_sequence_s=1e-6, per_pair_s=1e-9)
+SLO_WAITING = 10_000
 
 
 def fake_outputs(plan: StepPlan) -> list[SampledToken]:
@@ -65,27 +78,34 @@ def steps_per_rep(running: int) -> int:
     return max(10, 6400 // running)
 
 
-def steady_scheduler(running: int, horizon: int) -> Scheduler:
+def steady_scheduler(running: int, horizon: int, slo: bool = False) -> Scheduler:
     """``running`` requests, all admitted and decoding; the budget leaves one token spare.
 
-    The pool is roomy: every request can grow for ``horizon`` steps without a preemption.
+    The pool is roomy: every request can grow for ``horizon`` steps without a preemption. With
+    ``slo``, the requests alternate between the tiers of ``SLO_TARGETS`` and every step has a
+    limit that all of their decodes fit.
     """
     cfg = EngineConfig(
         max_num_seqs=running + 1,
         max_num_batched_tokens=running + 1,
         max_waiting=max(WAITING) + 1,
         max_model_len=CONTEXT,
-        scheduling_policy="fcfs",
+        scheduling_policy="priority" if slo else "fcfs",
         prefill_chunk_tokens=None,
     )
     blocks = running * (horizon // BLOCK_TOKENS + 2) + CONTEXT // BLOCK_TOKENS
-    s = Scheduler(cfg, FreeListBlocks(BLOCK_TOKENS, range(blocks)))
+    cost = StepCostModel(SLO_PRIOR) if slo else None
+    s = Scheduler(cfg, FreeListBlocks(BLOCK_TOKENS, range(blocks)), cost=cost)
     for i in range(running):
-        s.add(Request([i % 1000], max_tokens=10**9))
+        tier = i % 2
+        s.add(Request([i % 1000], max_tokens=10**9,
+                      priority=SLO_PRIORITIES[tier] if slo else 0,
+                      tpot_target_s=SLO_TARGETS[tier] if slo else None))
     s.on_step(fake_outputs(s.schedule()))  # one-token prompts: all admitted in one step
     plan = s.schedule()
     s.on_step(fake_outputs(plan))
     assert len(plan.decode) == running and not plan.prefill, "not in the steady state"
+    assert (plan.limit_s is not None) == slo and plan.paused == 0, plan
     return s
 
 
@@ -99,6 +119,7 @@ def fill_waiting(s: Scheduler, upto: int) -> None:
 class Case:
     running: int
     waiting: int
+    slo: bool  # SLO-aware steps with a limit (two tiers' targets)
     us_per_step: float  # median over repetitions
     us_per_request: float
     best_us_per_step: float  # the fastest repetition: the least disturbed by other load
@@ -125,35 +146,38 @@ def one_rep(s: Scheduler, steps: int) -> tuple[float, float]:
 
 
 def measure(running: int, reps: int) -> list[Case]:
-    """Every waiting size at ``running``, repetitions interleaved so that load hits all alike."""
+    """Every waiting size at ``running``, and the SLO case, repetitions interleaved so that
+    load hits all alike."""
     steps = steps_per_rep(running)
     horizon = 5 + reps * steps + 10
     scheds = {}
-    for waiting in WAITING:
-        s = steady_scheduler(running, horizon)
+    for waiting, slo in [(w, False) for w in WAITING] + [(SLO_WAITING, True)]:
+        s = steady_scheduler(running, horizon, slo)
         fill_waiting(s, waiting)
         for _ in range(5):  # warm up
             s.on_step(fake_outputs(s.schedule()))
-        scheds[waiting] = s
-    times: dict[int, list[tuple[float, float]]] = {w: [] for w in WAITING}
+        scheds[waiting, slo] = s
+    times: dict[tuple[int, bool], list[tuple[float, float]]] = {k: [] for k in scheds}
     for _ in range(reps):
-        for waiting, s in scheds.items():
-            times[waiting].append(one_rep(s, steps))
+        for key, s in scheds.items():
+            times[key].append(one_rep(s, steps))
     cases = []
-    for waiting, s in scheds.items():
+    for (waiting, slo), s in scheds.items():
         st = s.stats()
         assert st.running == running and st.waiting == waiting and st.preemptions == 0, st
-        totals = [a + b for a, b in times[waiting]]
+        assert (st.limit_s is not None) == slo and st.paused == 0, st
+        totals = [a + b for a, b in times[waiting, slo]]
         med = statistics.median(totals)
         cases.append(
             Case(
                 running=running,
                 waiting=waiting,
+                slo=slo,
                 us_per_step=med,
                 us_per_request=med / running,
                 best_us_per_step=min(totals),
-                schedule_us=statistics.median(a for a, _ in times[waiting]),
-                on_step_us=statistics.median(b for _, b in times[waiting]),
+                schedule_us=statistics.median(a for a, _ in times[waiting, slo]),
+                on_step_us=statistics.median(b for _, b in times[waiting, slo]),
                 spread=(percentile(totals, 90) - percentile(totals, 10)) / med,
             )
         )
@@ -219,7 +243,7 @@ def run(reps: int, log: Callable[[str], None] = print) -> dict:
     log(f"machine: {m['cpu']}, {m['cores_usable']} cores, Python {m['python']}, {m['platform']}")
     log(f"load average before: {m['load_avg_1m_before']:.2f} (other work on the machine adds noise)")
     header = (
-        f"{'running':>8} {'waiting':>8} {'us/step':>9} {'us/request':>11} {'best':>9} "
+        f"{'running':>8} {'waiting':>8} {'slo':>4} {'us/step':>9} {'us/request':>11} {'best':>9} "
         f"{'schedule':>9} {'on_step':>9} {'spread':>7}"
     )
     log(header)
@@ -229,20 +253,30 @@ def run(reps: int, log: Callable[[str], None] = print) -> dict:
         for c in measure(running, reps):
             cases.append(c)
             log(
-                f"{c.running:>8} {c.waiting:>8} {c.us_per_step:>9.1f} {c.us_per_request:>11.2f} "
+                f"{c.running:>8} {c.waiting:>8} {'on' if c.slo else 'off':>4} "
+                f"{c.us_per_step:>9.1f} {c.us_per_request:>11.2f} "
                 f"{c.best_us_per_step:>9.1f} {c.schedule_us:>9.1f} {c.on_step_us:>9.1f} "
                 f"{c.spread:>7.0%}"
             )
     log("")
     for running in RUNNING:
-        med = {c.waiting: c.us_per_step for c in cases if c.running == running}
-        best = {c.waiting: c.best_us_per_step for c in cases if c.running == running}
+        med = {c.waiting: c.us_per_step for c in cases if c.running == running and not c.slo}
+        best = {c.waiting: c.best_us_per_step for c in cases
+                if c.running == running and not c.slo}
         lo, hi = min(WAITING), max(WAITING)
         log(
             f"running {running:>5}: step cost at {hi} waiting / at {lo} waiting = "
             f"{med[hi] / med[lo]:.2f} (median), {best[hi] / best[lo]:.2f} (best)"
         )
-    at256 = [c.us_per_request for c in cases if c.running == 256]
+    for running in RUNNING:
+        on = next(c for c in cases if c.running == running and c.slo)
+        off = next(c for c in cases
+                   if c.running == running and not c.slo and c.waiting == SLO_WAITING)
+        log(
+            f"running {running:>5}: with a step limit {on.us_per_request:.2f} us per running "
+            f"request, {on.us_per_step / off.us_per_step:.2f} times the step without (median)"
+        )
+    at256 = [c.us_per_request for c in cases if c.running == 256 and not c.slo]
     verdict = "met" if max(at256) <= TARGET_US_PER_REQUEST else "NOT met"
     log(
         f"target <= {TARGET_US_PER_REQUEST} us per running request at 256 running: {verdict} "

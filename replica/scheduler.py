@@ -4,8 +4,11 @@ Every step ``schedule()`` re-forms the batch in three phases: (1) running decode
 first, each growing its block table by ``append_slot`` and preempting the lowest-ranked running
 request not yet scheduled when the pool is empty; (2) prefills already in progress, each getting the
 chunk its ``PrefillPolicy`` grants; (3) admissions from the waiting queue in rank order, all or
-nothing, stopping at the first request that does not fit. ``on_step`` then advances the computed
-positions, appends the sampled tokens and finishes requests.
+nothing, stopping at the first request that does not fit. Each phase consults the step's limit
+(``StepLimit``, replica/step_limit.py: SLO-aware steps, docs/scheduler.md §8; ``NoLimit``, whose
+answers are those above, when there is none). ``on_step`` then advances the computed positions,
+appends the sampled tokens and finishes requests. Each request's record (``Seq``, replica/seq.py)
+says where it is: waiting, running, preempted or finished (``Status``).
 
 The plan (``StepPlan``) carries everything the runner feeds, so the runner never asks the
 scheduler back: each decode its newest token, position and block table (``Decode``), each chunk
@@ -21,7 +24,6 @@ equals. Note: vLLM's ``priority`` runs lower values first; ours runs higher valu
 from __future__ import annotations
 
 import bisect
-import contextlib
 import enum
 import math
 import time
@@ -39,9 +41,20 @@ from tierserve.replica.block_space import (
     RequestId,
 )
 from tierserve.replica.config import EngineConfig
-from tierserve.replica.lazy_heap import Handle, LazyHeap
+from tierserve.replica.lazy_heap import LazyHeap
 from tierserve.replica.prefill_policy import Chunked, PrefillPolicy, WholePrompt
+from tierserve.replica.seq import FINISHED, PREEMPTED, RUNNING, Seq, Status, rank_of
 from tierserve.replica.step_cost import StepCostModel, StepShape, chunk_attention, decode_attention
+from tierserve.replica.step_limit import (
+    NO_LIMIT,
+    UNLIMITED,
+    SloLimit,
+    StepLimit,
+    StepReport,
+    decoding,
+    reserve_cap,
+    seats_within,
+)
 
 __all__ = [
     "AdmitError",
@@ -65,6 +78,7 @@ __all__ = [
     "SchedPolicy",
     "SchedStats",
     "Scheduler",
+    "Status",
     "StepPlan",
     "TokenEvent",
     "TooLong",
@@ -282,59 +296,7 @@ class SchedStats:
     target_seats: int = 0
 
 
-class _Seq:
-    """Scheduler-side state of one request."""
-
-    __slots__ = (
-        "cached",
-        "computed",
-        "deadline",
-        "first_at",
-        "handle",
-        "id",
-        "max_tokens",
-        "partition",
-        "priority",
-        "prompt_len",
-        "rank",
-        "reuse",
-        "target",
-        "tokens",
-    )
-
-    def __init__(self, id: RequestId, req: Request, rank: tuple[int, int]) -> None:
-        self.id = id
-        self.tokens: list[int] = list(req.prompt)
-        self.prompt_len = len(self.tokens)
-        self.max_tokens = req.max_tokens
-        self.priority = req.priority
-        self.reuse = req.reuse_cache
-        self.partition = req.cache_partition
-        self.target = req.tpot_target_s
-        self.rank = rank  # ascending = better; fixed at arrival, kept across preemption
-        self.computed = 0  # positions whose K/V are in the cache
-        self.cached: int | None = None  # prompt positions found cached at first admission
-        self.handle: Handle[_Seq] | None = None  # set while waiting
-        # When its first token was sampled (the scheduler's clock; §8's budget): kept across
-        # preemption, as the client's clock runs on.
-        self.first_at: float | None = None
-        # When its first token is due (the scheduler's clock; set by ``add``); None: no target.
-        self.deadline: float | None = None
-
-
-def _rank_of(seq: _Seq) -> tuple[int, int]:
-    return seq.rank
-
-
-def _decoding(fed: Sequence[tuple[_Seq, int]]) -> StepShape:
-    """A plan's requests as one decode each (the steps to come once their prompts are in)."""
-    shape = StepShape()
-    for seq, _ in fed:
-        shape = shape.plus(1, 1, decode_attention(len(seq.tokens)))
-    return shape
-
-
-def _shape_of(fed: Sequence[tuple[_Seq, int]]) -> StepShape:
+def _shape_of(fed: Sequence[tuple[Seq, int]]) -> StepShape:
     """The work of a plan's (request, positions fed) entries."""
     shape = StepShape()
     for seq, n in fed:
@@ -376,22 +338,19 @@ class Scheduler:
             chunk = cfg.prefill_chunk_tokens
             prefill_policy = Chunked(chunk) if chunk else WholePrompt()
         self._policy: PrefillPolicy = prefill_policy
-        self._waiting: LazyHeap[_Seq] = LazyHeap()
-        self._running: list[_Seq] = []  # sorted by rank, best first
-        self._seqs: dict[RequestId, _Seq] = {}
+        self._waiting: LazyHeap[Seq] = LazyHeap()  # WAITING and PREEMPTED requests
+        self._running: list[Seq] = []  # RUNNING requests, sorted by rank, best first
+        self._seqs: dict[RequestId, Seq] = {}  # every unfinished request
         self._next_id = 0
         self._step = 0
         self._preemptions = 0
         self._rejected: dict[str, int] = {}
-        self._last: list[tuple[_Seq, int]] = []  # (seq, positions fed) of the last schedule()
+        self._last: list[tuple[Seq, int]] = []  # (seq, positions fed) of the last schedule()
         self.cost: StepCostModel | None = None
         if cfg.slo_scheduling:
             self.cost = cost or StepCostModel()
         self._targets: dict[float, int] = {}  # TPOT target -> unfinished requests holding it
-        self._limit: float | None = None
-        self._strict: float | None = None  # the strictest target the last step planned for
-        self._paused = 0
-        self._decoding: StepShape | None = None  # the last plan as decodes, with a limit
+        self._report: StepReport = UNLIMITED  # the last step's limit, as the stats report it
         self._clock = clock
 
     # ------------------------------------------------------------------ admission
@@ -409,7 +368,7 @@ class Scheduler:
             raise
         rid = self._next_id
         self._next_id += 1
-        seq = _Seq(rid, req, (self._rank_key(req.priority), rid))
+        seq = Seq(rid, req, (self._rank_key(req.priority), rid))
         if req.ttft_left_s is not None and self.cost is not None:
             seq.deadline = self._clock() + req.ttft_left_s
         self._seqs[rid] = seq
@@ -441,7 +400,7 @@ class Scheduler:
         if queue and len(self._waiting) >= self.cfg.max_waiting:
             raise QueueFull(self.cfg.max_waiting)
 
-    def _enqueue(self, seq: _Seq) -> None:
+    def _enqueue(self, seq: Seq) -> None:
         seq.handle = self._waiting.push(seq.rank, seq)
 
     # ------------------------------------------------------------------ abort
@@ -452,17 +411,267 @@ class Scheduler:
         if seq is None:
             return False
         self._untarget(seq)
-        if seq.handle is not None:
-            self._waiting.remove(seq.handle)
-            seq.handle = None
-        else:
+        if seq.status is RUNNING:
             self._running.remove(seq)
             self._blocks.release(id)
+        else:  # waiting or preempted: in the queue
+            assert seq.handle is not None
+            self._waiting.remove(seq.handle)
+            seq.handle = None
+        seq.status = FINISHED
         return True
 
     # ------------------------------------------------------------------ the step
 
-    def _untarget(self, seq: _Seq) -> None:
+    def schedule(self) -> StepPlan:
+        """Plan one step in the phases of docs/scheduler.md §2: decodes, prefills in progress,
+        admissions, each consulting the step's limit (§8; ``NoLimit`` without one: every answer
+        is §2's), and progress when a limit leaves the step empty."""
+        cfg = self.cfg
+        blocks = self._blocks
+        table = blocks.block_table
+        running = self._running
+        step = self._limit_for_step()
+        out = StepPlan()
+        fed: list[tuple[Seq, int]] = []  # (request, positions fed) of this plan
+        budget = cfg.max_num_batched_tokens
+        shape = StepShape()  # the plan's work so far
+
+        # Phase 1: decodes, highest rank first. ``running`` is copied: room for a decode may
+        # preempt from its bottom, never a request already scheduled.
+        partial = False  # a prefill in progress was seen (only with chunked prefill)
+        decodes = out.decodes
+        new_decode = tuple.__new__
+        append_slot = blocks.append_slot
+        leaves_out = step.leaves_out
+        for seq in list(running):
+            if seq.status is not RUNNING:
+                continue  # preempted for a request above it
+            n = len(seq.tokens)
+            if n - seq.computed != 1:
+                partial = True
+                continue  # a prefill in progress: phase 2
+            if budget == 0:
+                break
+            if leaves_out(seq, shape, n):
+                continue  # left out by the limit, keeping its blocks
+            try:
+                append_slot(seq.id, n)
+            except NoCapacity:
+                if not self._preempt_for_block(seq, n, out, fed, step):
+                    break  # seq preempted itself: nothing ranks lower
+            # A Decode made by tuple.__new__: NamedTuple's own __new__ is Python code, and one
+            # is made per decode per step.
+            decodes.append(new_decode(Decode, (seq.id, seq.tokens[n - 1], n - 1, table(seq.id))))
+            fed.append((seq, 1))
+            budget -= 1
+            shape = shape.plus(1, 1, decode_attention(n))
+
+        # Phase 2: prefills in progress (chunked prefill), rank order, each the chunk its policy
+        # grants and the limit allows. Blocks were allocated at admission for every position.
+        chunk_len = self._policy.chunk_len
+        for seq in running if partial and budget else ():
+            remaining = len(seq.tokens) - seq.computed
+            if remaining <= 1 or budget == 0:
+                continue
+            take = chunk_len(remaining, budget, not fed)
+            if take > 0:
+                take = step.prefill_chunk(seq, take, shape)
+            if take <= 0:
+                continue
+            start = seq.computed
+            out.prefill.append(Chunk(seq.id, start, take, take == remaining,
+                                     seq.tokens[start : start + take], table(seq.id),
+                                     seq.prompt_len))
+            fed.append((seq, take))
+            budget -= take
+            shape = shape.plus(take, 1, chunk_attention(start, take))
+
+        # Phase 3: admissions in rank order, all or nothing, no skipping ahead (a protected
+        # request may pass a head the limit refuses, once a step).
+        waiting = self._waiting
+        while waiting and budget > 0:
+            head = waiting.peek()
+            assert head is not None
+            if head.id in out.preempted:
+                # Preempted this step for room: not back before the next one (a prefix cache
+                # would otherwise hand it its own blocks back at once, and it would thrash).
+                break
+            admit = step.admissible(head, shape, fed, out.preempted)
+            if admit is None:
+                break  # it would take the step, or the decodes to come, past the limit
+            alloc = self._allocate(admit)
+            while alloc is None and (victim := step.seat_victim(admit)) is not None:
+                self._preempt(victim, out, fed)
+                budget = cfg.max_num_batched_tokens - sum(k for _, k in fed)
+                shape = _shape_of(fed)
+                alloc = self._allocate(admit)
+            if alloc is None:
+                break  # no seat or no blocks: it waits
+            # Only what is not cached costs budget (the last position is always computed).
+            cached = min(alloc.cached_tokens, len(admit.tokens) - 1)
+            remaining = len(admit.tokens) - cached
+            take = chunk_len(remaining, budget, not fed)
+            if take > 0:
+                take = step.admit_chunk(admit, cached, take, shape, fed)
+            if take <= 0:
+                blocks.release(admit.id)  # all or nothing: it waits, holding nothing
+                break
+            self._admit(admit, cached)
+            out.prefill.append(Chunk(admit.id, cached, take, take == remaining,
+                                     admit.tokens[cached : cached + take], table(admit.id),
+                                     admit.prompt_len, admit.cached))
+            fed.append((admit, take))
+            budget -= take
+            shape = shape.plus(take, 1, chunk_attention(cached, take))
+
+        # Progress: when nothing fits the limit (a target below what one decode takes here),
+        # the best-ranked request left out runs anyway, so the replica never stalls.
+        first = step.stalled() if not fed else None
+        if first is not None:
+            n = len(first.tokens)
+            if self._grow(first, n, out, fed, step):
+                out.decodes.append(Decode(first.id, first.tokens[n - 1], n - 1, table(first.id)))
+                fed.append((first, 1))
+                shape = shape.plus(1, 1, decode_attention(n))
+
+        out.shape = shape
+        self._report = step.close(fed)
+        out.limit_s, out.paused = self._report.limit_s, self._report.paused
+        self._last = fed
+        self._step += 1
+        return out
+
+    def _limit_for_step(self) -> StepLimit:
+        """This step's limit (docs/scheduler.md §8): ``NO_LIMIT`` where none exists."""
+        limit = self.step_limit()
+        if limit is None:
+            return NO_LIMIT
+        assert self.cost is not None
+        return SloLimit(limit, min(self._targets), self.cost, self._running, self._waiting,
+                        self._policy, self.cfg.max_num_batched_tokens, self._blocks.block_size,
+                        self._burst_limit)
+
+    def _allocate(self, seq: Seq) -> Allocation | None:
+        """Blocks for every position of ``seq`` (all or nothing, §2) while fewer than
+        ``max_num_seqs`` run; None: no seat or no room."""
+        if len(self._running) >= self.cfg.max_num_seqs:
+            return None
+        try:
+            return self._blocks.allocate(seq.id, seq.tokens, seq.reuse, seq.partition)
+        except NoCapacity:
+            return None
+
+    def _admit(self, seq: Seq, cached: int) -> None:
+        """``seq`` leaves the waiting queue and runs (rank order) after ``cached`` positions."""
+        waiting = self._waiting
+        if seq is waiting.peek():
+            waiting.pop()
+        else:
+            assert seq.handle is not None
+            waiting.remove(seq.handle)
+        seq.handle = None
+        seq.status = RUNNING
+        seq.computed = cached
+        if seq.cached is None:
+            seq.cached = cached
+        bisect.insort(self._running, seq, key=rank_of)
+
+    def _grow(self, seq: Seq, n: int, out: StepPlan, fed: list[tuple[Seq, int]],
+              step: StepLimit) -> bool:
+        """Room in ``seq``'s block table for ``n`` positions; False when ``seq`` was preempted."""
+        try:
+            self._blocks.append_slot(seq.id, n)
+            return True
+        except NoCapacity:
+            return self._preempt_for_block(seq, n, out, fed, step)
+
+    def _preempt_for_block(self, seq: Seq, n: int, out: StepPlan, fed: list[tuple[Seq, int]],
+                   step: StepLimit) -> bool:
+        """The pool has no block for ``seq``'s ``n`` positions: preempt the step's victim
+        (``StepLimit.block_victim``; §2's is the lowest-ranked running request) and try again
+        until it fits; False when ``seq`` itself was the victim."""
+        while True:
+            victim = step.block_victim(seq, self._running[-1])
+            self._preempt(victim, out, fed)
+            if victim is seq:
+                return False
+            try:
+                self._blocks.append_slot(seq.id, n)
+                return True
+            except NoCapacity:
+                pass
+
+    def _preempt(self, victim: Seq, out: StepPlan, fed: list[tuple[Seq, int]]) -> None:
+        """Preemption by recompute (docs/scheduler.md §5): out of this step's plan where it is
+        in it, its blocks freed now, back in the waiting queue with the same rank."""
+        self._unplan(victim, out, fed)
+        self._running.remove(victim)
+        self._blocks.release(victim.id)
+        victim.computed = 0
+        victim.status = PREEMPTED
+        self._enqueue(victim)
+        self._preemptions += 1
+        out.preempted.append(victim.id)
+
+    @staticmethod
+    def _unplan(victim: Seq, out: StepPlan, fed: list[tuple[Seq, int]]) -> None:
+        """Take ``victim`` out of this step's plan, where it is in it."""
+        for k, (seq, _) in enumerate(fed):
+            if seq is victim:
+                del fed[k]
+                break
+        decodes = out.decodes
+        for k, d in enumerate(decodes):
+            if d.id == victim.id:
+                del decodes[k]
+                break
+        out.prefill = [c for c in out.prefill if c.id != victim.id]
+
+    def on_step(self, outputs: Sequence[SampledToken]) -> list[RequestEvent]:
+        """Advance the last plan: computed positions, sampled tokens, finishes (and their blocks)."""
+        blocks = self._blocks
+        for seq, n in self._last:
+            seq.computed += n
+            if seq.status is RUNNING:  # not preempted or aborted since
+                blocks.commit(seq.id, seq.tokens, seq.computed)
+        self._last = []
+        events: list[RequestEvent] = []
+        ctx = self.max_model_len
+        finished: list[Seq] = []
+        seqs = self._seqs
+        now = self._clock() if self.cost is not None else 0.0
+        for o in outputs:
+            got = seqs.get(o.id)
+            if got is None or got.status is not RUNNING:
+                continue  # aborted (or preempted) between schedule and on_step
+            seq = got
+            seq.tokens.append(o.token)
+            if seq.first_at is None:
+                seq.first_at = now
+            events.append(TokenEvent(o.id, o.token))
+            n = len(seq.tokens)
+            if o.stop:
+                reason = FinishReason.STOP
+            elif n - seq.prompt_len >= seq.max_tokens or n >= ctx:
+                reason = FinishReason.LENGTH
+            else:
+                continue
+            events.append(FinishedEvent(o.id, reason))
+            finished.append(seq)
+        if finished:
+            for f in finished:
+                f.status = FINISHED
+                del seqs[f.id]
+                self._untarget(f)
+                self._blocks.release(f.id)
+            done = {f.id for f in finished}
+            self._running = [s for s in self._running if s.id not in done]
+        return events
+
+    # ------------------------------------------------------------------ SLO-aware steps (§8)
+
+    def _untarget(self, seq: Seq) -> None:
         t = seq.target
         if t is not None:
             left = self._targets[t] - 1
@@ -506,193 +715,6 @@ class Scheduler:
         if self.cost is None or not self._targets:
             return None
         return min(self._targets) * self.cfg.slo_headroom
-
-    def schedule(self) -> StepPlan:
-        """Plan one step: decodes, prefills in progress, admissions (docs/scheduler.md §2; with
-        a step limit, §8)."""
-        cfg = self.cfg
-        blocks = self._blocks
-        out = StepPlan()
-        fed: list[tuple[_Seq, int]] = []
-        budget = cfg.max_num_batched_tokens
-        running = self._running
-        limit = self.step_limit()
-        cost = self.cost
-        strict = min(self._targets) if limit is not None else 0.0
-        shape = StepShape()
-        paused: list[_Seq] = []
-
-        def protected(seq: _Seq) -> bool:
-            """Of the strictest tier present: never left out or preempted for another."""
-            return seq.target is not None and seq.target <= strict
-
-        # With a limit, part of the step is kept for the strictest tier's prompts (their first
-        # token has a target too): lower tiers' decodes fill the rest.
-        reserve = self._reserve(limit, protected) if limit is not None else StepShape()
-        # How long the step may take for protected prompts (§8's TPOT budget): worked out
-        # when a protected chunk is first timed, not on every step.
-        burst: list[float] = []
-
-        def chunk_limit(seq: _Seq) -> float:
-            """What a chunk of ``seq`` is timed against: L, or L′ for a protected one."""
-            assert limit is not None
-            if not protected(seq):
-                return limit
-            if not burst:
-                burst.append(self._burst_limit(limit, strict))
-            return burst[0]
-        floors = [1]  # a block's worth past the limit, while no protected prompt has a chunk
-        kept = [reserve.tokens]  # of the reserve, what protected chunks have not yet taken
-
-        def with_reserve(shape: StepShape, seq: _Seq) -> StepShape:
-            """What a chunk of ``seq`` is timed against: the step so far, plus what is still
-            kept for the strictest tier's prompts unless ``seq`` is one of them."""
-            k = kept[0]
-            if k <= 0 or protected(seq):
-                return shape
-            return shape.plus(k, 1, chunk_attention(0, k))
-
-        # Phase 1: decodes, highest rank first. ``running`` is re-read: _grow may preempt from
-        # its bottom, never a request already scheduled.
-        partial = False  # a prefill in progress was seen (only with chunked prefill)
-        decodes = out.decodes
-        new_decode = tuple.__new__
-        for seq in list(running):
-            if seq.handle is not None:
-                continue  # preempted for a request above it
-            n = len(seq.tokens)
-            if n - seq.computed != 1:
-                partial = True
-                continue  # a prefill in progress: phase 2
-            if budget == 0:
-                break
-            if (limit is not None and cost is not None and not protected(seq)
-                    and cost.predict(shape.plus(reserve.tokens + 1, reserve.sequences + 1,
-                                                reserve.attention + n)) > limit):
-                paused.append(seq)  # left out of this step, keeping its blocks
-                continue
-            if not self._grow(seq, n, out, fed, paused if limit is not None else None,
-                              protected):
-                break  # seq preempted itself: nothing ranks lower
-            # A Decode made by tuple.__new__: NamedTuple's own __new__ is Python code, and one
-            # is made per decode per step.
-            decodes.append(new_decode(Decode, (seq.id, seq.tokens[n - 1], n - 1,
-                                               blocks.block_table(seq.id))))
-            fed.append((seq, 1))
-            budget -= 1
-            shape = shape.plus(1, 1, decode_attention(n))
-
-        # Phase 2: prefills in progress (chunked prefill), rank order. Blocks were allocated at
-        # admission for every position, so no allocation happens here.
-        policy = self._policy
-        for seq in running if partial and budget else ():
-            remaining = len(seq.tokens) - seq.computed
-            if remaining <= 1 or budget == 0:
-                continue
-            take = policy.chunk_len(remaining, budget, not fed)
-            if take > 0 and limit is not None and cost is not None:
-                take = self._timed_chunk(seq.computed, take, with_reserve(shape, seq),
-                                         chunk_limit(seq), protected(seq), floors)
-                if take == 0:
-                    paused.append(seq)
-                elif protected(seq):
-                    kept[0] -= take
-            if take > 0:
-                start = seq.computed
-                out.prefill.append(Chunk(seq.id, start, take, take == remaining,
-                                         seq.tokens[start : start + take],
-                                         blocks.block_table(seq.id), seq.prompt_len))
-                fed.append((seq, take))
-                budget -= take
-                shape = shape.plus(take, 1, chunk_attention(seq.computed, take))
-
-        # Phase 3: admissions in rank order, all or nothing, no skipping ahead (with a limit, the
-        # strictest tier's best-ranked request may pass a head the limit refuses, once a step).
-        waiting = self._waiting
-        passed = False
-        while waiting and budget > 0:
-            head = waiting.peek()
-            assert head is not None
-            if head.id in out.preempted:
-                # Preempted this step for room: not back before the next one (a prefix cache
-                # would otherwise hand it its own blocks back at once, and it would thrash).
-                break
-            if (limit is not None and not protected(head)
-                    and not self._fits(head, fed, with_reserve(shape, head), limit)):
-                # It would take the step, or the decodes to come, past the limit: it waits.
-                found = None if passed else self._first_protected_waiting(protected, out)
-                passed = True
-                if found is None:
-                    break
-                head = found
-            while True:
-                alloc = None
-                if len(running) < cfg.max_num_seqs:
-                    with contextlib.suppress(NoCapacity):
-                        alloc = blocks.allocate(head.id, head.tokens, head.reuse, head.partition)
-                if alloc is not None or limit is None or not self._make_room(
-                        head, out, fed, paused, protected):
-                    break
-                budget = cfg.max_num_batched_tokens - sum(k for _, k in fed)
-                shape = _shape_of(fed)
-            if alloc is None:
-                break
-            # Only what is not cached costs budget (the last position is always computed).
-            cached = min(alloc.cached_tokens, len(head.tokens) - 1)
-            remaining = len(head.tokens) - cached
-            take = policy.chunk_len(remaining, budget, not fed)
-            if take > 0 and limit is not None and cost is not None:
-                take = self._timed_chunk(cached, take, with_reserve(shape, head),
-                                         chunk_limit(head), protected(head), floors)
-                if take and not protected(head) and not self._carries(head, fed, limit):
-                    take = 0  # it would slow the decodes past the limit once it decodes
-                if protected(head):
-                    kept[0] = 0  # the reserve's part for the queue's protected head is spent
-            if take == 0:
-                blocks.release(head.id)  # all or nothing: it waits, holding nothing
-                break
-            if head is waiting.peek():
-                waiting.pop()
-            else:
-                assert head.handle is not None
-                waiting.remove(head.handle)
-            head.handle = None
-            head.computed = cached
-            if head.cached is None:
-                head.cached = cached
-            bisect.insort(running, head, key=_rank_of)
-            out.prefill.append(Chunk(head.id, cached, take, take == remaining,
-                                     head.tokens[cached : cached + take],
-                                     blocks.block_table(head.id), head.prompt_len, head.cached))
-            fed.append((head, take))
-            budget -= take
-            shape = shape.plus(take, 1, chunk_attention(cached, take))
-
-        if limit is not None and not fed and paused:
-            # Nothing fits the limit (a target below what one decode takes here): the
-            # best-ranked request left out runs anyway, so the replica never stalls.
-            first = next((s for s in paused if s.handle is None
-                          and len(s.tokens) - s.computed == 1), None)
-            if first is not None:
-                n = len(first.tokens)
-                if self._grow(first, n, out, fed, paused, protected):
-                    out.decodes.append(Decode(first.id, first.tokens[n - 1], n - 1,
-                                              blocks.block_table(first.id)))
-                    fed.append((first, 1))
-                    shape = shape.plus(1, 1, decode_attention(n))
-                    paused.remove(first)
-
-        out.shape = shape
-        out.limit_s = limit
-        out.paused = sum(1 for seq in paused if seq.handle is None)
-        self._limit, self._paused = limit, out.paused
-        self._strict = strict if limit is not None else None
-        self._decoding = _decoding(fed) if limit is not None else None
-        self._last = fed
-        self._step += 1
-        return out
-
-    # ------------------------------------------------------------------ SLO-aware steps (§8)
 
     def _burst_limit(self, limit: float, strict: float) -> float:
         """How long a step may take for the strictest tier's prompts (§8): past ``limit`` by
@@ -741,7 +763,9 @@ class Scheduler:
                 due.append((seq.deadline, len(seq.tokens)))
         if not due:
             return False
-        rate = (self._reserve_cap(limit) or self._blocks.block_size) / limit
+        assert self.cost is not None
+        cap = reserve_cap(self.cost, limit, self.cfg.max_num_batched_tokens)
+        rate = (cap or self._blocks.block_size) / limit
         ahead = 0
         for deadline, positions in sorted(due):
             ahead += positions
@@ -749,83 +773,25 @@ class Scheduler:
                 return True
         return False
 
-    def _reserve(self, limit: float, protected: Callable[[_Seq], bool]) -> StepShape:
-        """The part of a step kept for prompts of the strictest tier: what the prefill policy
-        would give each of them this step (those running and the head of the queue), at most
-        ``_reserve_cap(limit)``."""
-        assert self.cost is not None
-        beta = self.cfg.max_num_batched_tokens
-        chunk = self._policy.chunk_len
-        want = sum(chunk(len(s.tokens) - s.computed, beta, False) for s in self._running
-                   if protected(s) and len(s.tokens) - s.computed > 1)
-        head = self._waiting.peek()
-        if head is not None and protected(head):
-            want += chunk(len(head.tokens), beta, False)
-        if want <= 0:
-            return StepShape()
-        take = min(want, self._reserve_cap(limit))
-        return StepShape(take, 1, chunk_attention(0, take))
-
-    def _reserve_cap(self, limit: float) -> int:
-        """The most of a step kept for the strictest tier's prompts: three quarters of what an
-        empty step holds within ``limit``."""
-        assert self.cost is not None
-        cap = self.cost.max_tokens(StepShape(), limit, 0, self.cfg.max_num_batched_tokens,
-                                   new_sequence=True)
-        return cap * 3 // 4
-
     def strictest_prefill_rate(self) -> float:
         """Prompt positions a second the strictest tier's prompts get under the current limit
         (the reserve, at least a block's worth a step, over the limit); 0 without a limit."""
         limit = self.step_limit()
         if limit is None or limit <= 0:
             return 0.0
-        return max(self._reserve_cap(limit), self._blocks.block_size) / limit
-
-    def _timed_chunk(self, start: int, take: int, shape: StepShape, limit: float,
-                     protect: bool, floors: list[int]) -> int:
-        """The part of a ``take``-token chunk (after ``start`` computed positions) that keeps the
-        step within ``limit`` (``shape``: the step so far, with what is kept for the strictest
-        tier's prompts unless this is one). A request of that tier that fits nothing gets a
-        block's worth all the same while none of its tier has a chunk in this step (its first
-        token has a target too); a chunk of that tier uses up ``floors``."""
         assert self.cost is not None
-        fit = self.cost.max_tokens(shape, limit, start, take, new_sequence=True)
-        if protect and fit == 0 and floors[0] > 0:
-            fit = min(take, self._blocks.block_size)
-        if protect and fit > 0:
-            floors[0] = 0  # one protected prompt progressing a step is all the floor promises
-        return fit
-
-    def _fits(self, head: _Seq, fed: list[tuple[_Seq, int]], shape: StepShape,
-              limit: float) -> bool:
-        """Whether ``head`` (not of the strictest tier) can be admitted within ``limit``: a
-        first position of it fits this step, and a step decoding the plan and it fits too."""
-        assert self.cost is not None
-        n = len(head.tokens)
-        return (self.cost.predict(shape.plus(1, 1, chunk_attention(0, 1))) <= limit
-                and self._carries(head, fed, limit)) if n else False
-
-    def _first_protected_waiting(self, protected: Callable[[_Seq], bool],
-                                 out: StepPlan) -> _Seq | None:
-        """The best-ranked waiting request of the strictest tier (not preempted this step)."""
-        return min((s for s in self._waiting.items()
-                    if protected(s) and s.id not in out.preempted), key=_rank_of, default=None)
-
-    def _carries(self, head: _Seq, fed: list[tuple[_Seq, int]], limit: float) -> bool:
-        """Whether a step decoding every request of this plan and ``head`` fits ``limit``."""
-        assert self.cost is not None
-        decoding = _decoding(fed).plus(1, 1, decode_attention(len(head.tokens)))
-        return self.cost.predict(decoding) <= limit
+        cap = reserve_cap(self.cost, limit, self.cfg.max_num_batched_tokens)
+        return max(cap, self._blocks.block_size) / limit
 
     def _free_seats(self) -> int:
         """More decoding requests the last step could carry: within its limit, or by
         ``max_num_seqs`` (computed when asked, not every step)."""
         free = max(self.cfg.max_num_seqs - len(self._running), 0)
-        decoding, limit = self._decoding, self._limit
-        if decoding is None or limit is None:
+        last = self._report
+        if last.decoding is None or last.limit_s is None:
             return free
-        return self._seats_within(decoding, free, limit)
+        assert self.cost is not None
+        return seats_within(self.cost, last.decoding, free, last.limit_s)
 
     def _target_seats(self) -> int:
         """More decoding requests of the target the last step kept (its strictest) that the
@@ -835,7 +801,7 @@ class Scheduler:
         limit) and the running requests of other targets that rank above one of that target
         arriving now (aged, or any under fcfs); ``max_num_seqs`` less them. ``_free_seats``
         without a limit or once none of that target is left."""
-        limit, strict = self._limit, self._strict
+        limit, strict = self._report.limit_s, self._report.strict
         if limit is None or strict is None:
             return self._free_seats()
         mine = [s for s in self._seqs.values() if s.target is not None and s.target <= strict]
@@ -845,132 +811,9 @@ class Scheduler:
         ahead = [s for s in self._running if s.rank < arriving
                  and not (s.target is not None and s.target <= strict)]
         counted = [(s, 1) for s in mine + ahead]
-        return self._seats_within(_decoding(counted),
-                                  max(self.cfg.max_num_seqs - len(counted), 0), limit)
-
-    def _seats_within(self, decoding: StepShape, free: int, limit: float) -> int:
-        """How many more decodes (at most ``free``, each at the mean context of ``decoding``)
-        a step decoding ``decoding`` takes within ``limit``."""
         assert self.cost is not None
-        per = decoding.attention / decoding.sequences if decoding.sequences else 256.0
-        seats = 0
-        while seats < free and self.cost.predict(decoding.plus(seats + 1, seats + 1,
-                                                               per * (seats + 1))) <= limit:
-            seats += 1
-        return seats
-
-    def _make_room(self, head: _Seq, out: StepPlan, fed: list[tuple[_Seq, int]],
-                   paused: list[_Seq], protected: Callable[[_Seq], bool]) -> bool:
-        """Preempt one running request for ``head`` (§8); False when there is none to take.
-        For a head of the strictest tier: any request not of that tier, those left out of this
-        step first, then the lowest-ranked. For another head: only one that ranks below it and
-        was left out of this step."""
-        victim = self._victim(head, paused, protected, protected(head))
-        if victim is None:
-            return False
-        self._unplan(victim, out, fed)
-        self._preempt(victim, out)
-        return True
-
-    def _victim(self, seq: _Seq, paused: list[_Seq], protected: Callable[[_Seq], bool],
-                anyone: bool) -> _Seq | None:
-        """Whom ``seq`` may preempt under a step limit (see ``_make_room``)."""
-        idle = [s for s in paused if s.handle is None and s is not seq and not protected(s)]
-        if not anyone:
-            idle = [s for s in idle if s.rank > seq.rank]
-        if idle:
-            return max(idle, key=_rank_of)
-        if anyone:
-            return next((s for s in reversed(self._running)
-                         if s is not seq and not protected(s)), None)
-        return None
-
-    @staticmethod
-    def _unplan(victim: _Seq, out: StepPlan, fed: list[tuple[_Seq, int]]) -> None:
-        """Take ``victim`` out of this step's plan, where it is in it."""
-        for k, (seq, _) in enumerate(fed):
-            if seq is victim:
-                del fed[k]
-                break
-        decodes = out.decodes
-        for k, d in enumerate(decodes):
-            if d.id == victim.id:
-                del decodes[k]
-                break
-        out.prefill = [c for c in out.prefill if c.id != victim.id]
-
-    def _grow(self, seq: _Seq, n: int, out: StepPlan, fed: list[tuple[_Seq, int]],
-              paused: list[_Seq] | None = None,
-              protected: Callable[[_Seq], bool] | None = None) -> bool:
-        """Room for ``n`` positions, preempting from the bottom; False when ``seq`` was the victim.
-        With a step limit (``paused`` given), a request left out of this step goes first; a
-        request of the strictest tier takes from any request not of that tier (taken out of the
-        plan if it is in it) before the plain bottom of §2."""
-        while True:
-            try:
-                self._blocks.append_slot(seq.id, n)
-                return True
-            except NoCapacity:
-                victim: _Seq | None = None
-                if paused is not None and protected is not None:
-                    victim = self._victim(seq, paused, protected, protected(seq))
-                if victim is None:
-                    victim = self._running[-1]
-                    if protected is not None and protected(victim) and not protected(seq):
-                        victim = seq  # never the strictest tier's for another: seq waits
-                self._unplan(victim, out, fed)
-                self._preempt(victim, out)
-                if victim is seq:
-                    return False
-
-    def _preempt(self, victim: _Seq, out: StepPlan) -> None:
-        """Preemption by recompute (docs/scheduler.md §5): free the blocks now, requeue with the same rank."""
-        self._running.remove(victim)
-        self._blocks.release(victim.id)
-        victim.computed = 0
-        self._enqueue(victim)
-        self._preemptions += 1
-        out.preempted.append(victim.id)
-
-    def on_step(self, outputs: Sequence[SampledToken]) -> list[RequestEvent]:
-        """Advance the last plan: computed positions, sampled tokens, finishes (and their blocks)."""
-        blocks = self._blocks
-        for seq, n in self._last:
-            seq.computed += n
-            if seq.handle is None and seq.id in self._seqs:  # not preempted or aborted since
-                blocks.commit(seq.id, seq.tokens, seq.computed)
-        self._last = []
-        events: list[RequestEvent] = []
-        ctx = self.max_model_len
-        finished: list[_Seq] = []
-        seqs = self._seqs
-        now = self._clock() if self.cost is not None else 0.0
-        for o in outputs:
-            got = seqs.get(o.id)
-            if got is None or got.handle is not None:
-                continue  # aborted (or preempted) between schedule and on_step
-            seq = got
-            seq.tokens.append(o.token)
-            if seq.first_at is None:
-                seq.first_at = now
-            events.append(TokenEvent(o.id, o.token))
-            n = len(seq.tokens)
-            if o.stop:
-                reason = FinishReason.STOP
-            elif n - seq.prompt_len >= seq.max_tokens or n >= ctx:
-                reason = FinishReason.LENGTH
-            else:
-                continue
-            events.append(FinishedEvent(o.id, reason))
-            finished.append(seq)
-        if finished:
-            for f in finished:
-                del seqs[f.id]
-                self._untarget(f)
-                self._blocks.release(f.id)
-            done = {f.id for f in finished}
-            self._running = [s for s in self._running if s.id not in done]
-        return events
+        return seats_within(self.cost, decoding(counted),
+                            max(self.cfg.max_num_seqs - len(counted), 0), limit)
 
     # ------------------------------------------------------------------ queries
 
@@ -1024,7 +867,7 @@ class Scheduler:
 
     def is_waiting(self, id: RequestId) -> bool:
         seq = self._seqs.get(id)
-        return seq is not None and seq.handle is not None
+        return seq is not None and seq.status.queued
 
     @property
     def num_waiting(self) -> int:
@@ -1039,8 +882,8 @@ class Scheduler:
             preemptions=self._preemptions,
             rejected=dict(self._rejected),
             step=self._step,
-            limit_s=self._limit,
-            paused=self._paused,
+            limit_s=self._report.limit_s,
+            paused=self._report.paused,
             seats=self._free_seats(),
             target_seats=self._target_seats(),
         )
