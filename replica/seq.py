@@ -1,4 +1,5 @@
-"""The scheduler's record of one request (``Seq``) and where the request is (``Status``).
+"""What a caller asks the scheduler for (``Request``), the scheduler's record of it (``Seq``)
+and where the request is (``Status``).
 
 A request is ``WAITING`` from ``add`` until its admission, ``RUNNING`` while it holds blocks
 (prefilling or decoding, docs/scheduler.md §1), ``PREEMPTED`` once a preemption (§5) has sent it
@@ -9,13 +10,52 @@ its length or was aborted (the scheduler then forgets it).
 from __future__ import annotations
 
 import enum
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tierserve.records import RequestId
 
 if TYPE_CHECKING:
     from tierserve.replica.lazy_heap import Handle
-    from tierserve.replica.scheduler import Request
+
+
+@dataclass(slots=True)
+class Request:
+    """What a caller asks for: prompt token ids, how many tokens to generate, a priority."""
+
+    prompt: Sequence[int]
+    max_tokens: int
+    priority: int = 0
+    # False: compute every prompt position, never starting after a cached prefix (a request
+    # that scores its prompt needs the logits of every position).
+    reuse_cache: bool = True
+    # The time per output token its tier promises (docs/scheduler.md §8); None: no target.
+    tpot_target_s: float | None = None
+    # Seconds left, as it reaches the scheduler, until its tier's first-token target (that
+    # target less what it already waited upstream; below 0: late already); None: no target.
+    ttft_left_s: float | None = None
+    # The prefix-cache partition its blocks are shared in (``BlockSpace.allocate``); None: the
+    # shared one.
+    cache_partition: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
+            raise TypeError(f"max_tokens must be an int, got {type(self.max_tokens).__name__}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
+            raise ValueError(f"priority must be an integer, got {self.priority!r}")
+        t = self.tpot_target_s
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float))
+                              or not 0.0 < t < float("inf")):
+            raise ValueError(f"tpot_target_s must be a positive number of seconds, got {t!r}")
+        left = self.ttft_left_s
+        if left is not None and (isinstance(left, bool) or not isinstance(left, (int, float))
+                                 or not math.isfinite(left)):
+            raise ValueError(f"ttft_left_s must be a finite number of seconds, got {left!r}")
+
 
 
 class Status(enum.Enum):
