@@ -15,6 +15,7 @@ ones: Hugging Face's ``kernels`` (which ``transformers`` requires from 5.25 on) 
 from __future__ import annotations
 
 import os
+import shutil
 import site
 import subprocess
 import sys
@@ -89,10 +90,25 @@ def _installs_and_imports(artifact: Path, tmp_path: Path) -> None:
     assert script.returncode == 0 and "usage: tierserve-load" in script.stdout, script.stderr[-3000:]
 
 
+def _tracked_copy(dest: Path) -> Path:
+    """The repository's tracked files (links kept as links) under ``dest``: what a clean clone
+    builds from, without a checkout's leftovers (a stale ``build/`` would go into the wheel)."""
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, check=True, capture_output=True,
+                            text=True).stdout.split("\0")
+    for name in filter(None, listed):
+        src, dst = ROOT / name, dest / name
+        if not src.is_symlink() and not src.exists():
+            continue  # deleted in the work tree, not yet in the index
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src, dst, follow_symlinks=False)
+    return dest
+
+
 @pytest.mark.slow
 def test_the_wheel_installs_one_name(tmp_path: Path) -> None:
+    source = _tracked_copy(tmp_path / "src")
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
-                    "--no-build-isolation", "-w", str(tmp_path), str(ROOT)],
+                    "--no-build-isolation", "-w", str(tmp_path), str(source)],
                    check=True, capture_output=True, text=True, timeout=600)
     (wheel,) = tmp_path.glob("tierserve-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
