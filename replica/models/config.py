@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -21,7 +22,7 @@ _ARCH_BY_MODEL_TYPE = {
 # The architectures whose sliding window applies only where ``layer_types`` (or, in older
 # configs, ``use_sliding_window``) says so: their configs name a window they may not use.
 _LAYERED_WINDOW = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
-SUPPORTED_ROPE_TYPES = ("default", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "yarn")
 
 
 class ModelLoadError(ValueError):
@@ -36,6 +37,31 @@ class RopeScaling:
     low_freq_factor: float
     high_freq_factor: float
     original_max_position_embeddings: int
+
+
+@dataclass(frozen=True, slots=True)
+class YarnScaling:
+    """YaRN ("yarn") rotary scaling, as ``transformers`` computes it.
+
+    Frequencies that turn fewer than ``beta_slow`` times over ``original_max_position_embeddings``
+    are divided by ``factor``, those turning more than ``beta_fast`` times are kept, and a linear
+    ramp over the head dimensions blends the two between (the ramp's ends rounded outwards when
+    ``truncate``). ``attention_factor`` multiplies the cos/sin tables: already resolved from
+    ``factor`` (and ``mscale``/``mscale_all_dim``) when the config did not give it.
+    """
+
+    factor: float
+    original_max_position_embeddings: int
+    attention_factor: float
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    rope_type: str = "yarn"  # tells ``ModelConfig.from_json`` which scaling it reads
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention scaling ``0.1 * mscale * ln(factor) + 1`` (1 for ``factor <= 1``)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +86,7 @@ class ModelConfig:
     intermediate_size: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: RopeScaling | None
+    rope_scaling: RopeScaling | YarnScaling | None
     max_position_embeddings: int
     tie_word_embeddings: bool
     qkv_bias: bool = False
@@ -111,7 +137,12 @@ class ModelConfig:
         """The config ``to_json`` wrote; a ``KeyError``/``TypeError`` for anything else."""
         fields = dict(data)
         scaling = fields.get("rope_scaling")
-        fields["rope_scaling"] = None if scaling is None else RopeScaling(**scaling)
+        if scaling is None:
+            fields["rope_scaling"] = None
+        elif scaling.get("rope_type") == "yarn":
+            fields["rope_scaling"] = YarnScaling(**scaling)
+        else:
+            fields["rope_scaling"] = RopeScaling(**scaling)
         fields["eos_token_ids"] = tuple(fields.get("eos_token_ids", ()))
         return cls(**fields)
 
@@ -171,7 +202,7 @@ def _architecture(hf: Any) -> str:
     return str(arch)
 
 
-def _rope(hf: Any, arch: str) -> tuple[float, RopeScaling | None]:
+def _rope(hf: Any, arch: str) -> tuple[float, RopeScaling | YarnScaling | None]:
     params: Mapping[str, Any] = getattr(hf, "rope_parameters", None) or {}
     legacy: Mapping[str, Any] = getattr(hf, "rope_scaling", None) or {}
     if "full_attention" in params:  # per-layer-type parameters (v5): all our layers are full
@@ -189,6 +220,8 @@ def _rope(hf: Any, arch: str) -> tuple[float, RopeScaling | None]:
         raise ModelLoadError(f"{arch}: partial rotary embeddings are not supported")
     if rope_type == "default":
         return theta, None
+    if rope_type == "yarn":
+        return theta, _yarn(hf, arch, scaling)
     try:
         return theta, RopeScaling(
             factor=float(scaling["factor"]),
@@ -198,6 +231,41 @@ def _rope(hf: Any, arch: str) -> tuple[float, RopeScaling | None]:
         )
     except KeyError as e:
         raise ModelLoadError(f"{arch}: llama3 rope scaling lacks the field {e.args[0]!r}") from e
+
+
+def _yarn(hf: Any, arch: str, scaling: Mapping[str, Any]) -> YarnScaling:
+    """The YaRN parameters as ``transformers``' ``_compute_yarn_parameters`` reads them."""
+    max_pos = int(hf.max_position_embeddings)
+    # A config-level original_max_position_embeddings wins (transformers' standardization);
+    # lacking both, transformers takes max_position_embeddings.
+    orig = getattr(hf, "original_max_position_embeddings", None)
+    if orig is None:
+        orig = scaling.get("original_max_position_embeddings") or max_pos
+    orig = int(orig)
+    factor = scaling.get("factor")
+    factor = max_pos / orig if factor is None else float(factor)
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = yarn_mscale(factor, float(mscale)) / yarn_mscale(
+                factor, float(mscale_all_dim)
+            )
+        else:
+            attention_factor = yarn_mscale(factor)
+    if factor <= 0 or float(attention_factor) <= 0:
+        raise ModelLoadError(
+            f"{arch}: yarn rope scaling needs a positive factor and attention_factor, got "
+            f"{factor} and {attention_factor}"
+        )
+    return YarnScaling(
+        factor=factor,
+        original_max_position_embeddings=orig,
+        attention_factor=float(attention_factor),
+        beta_fast=float(scaling.get("beta_fast") or 32),  # transformers: 0/None -> the default
+        beta_slow=float(scaling.get("beta_slow") or 1),
+        truncate=bool(scaling.get("truncate", True)),
+    )
 
 
 def _sliding_window(hf: Any, arch: str) -> int | None:

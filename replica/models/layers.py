@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tierserve.kernels import cpu_native, cpu_ops, cpu_packing
-from tierserve.replica.models.config import RopeScaling
+from tierserve.replica.models.config import RopeScaling, YarnScaling
 
 
 class Linear(nn.Module):
@@ -218,8 +218,11 @@ def qk_norm_(
     qk[:, q_heads:] = normed[:, q_heads:] * k_weight
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
-    """Inverse rotary frequencies ``[head_dim // 2]`` (fp32), with Llama 3 scaling if given.
+def rope_inv_freq(
+    head_dim: int, theta: float, scaling: RopeScaling | YarnScaling | None
+) -> torch.Tensor:
+    """Inverse rotary frequencies ``[head_dim // 2]`` (fp32), with Llama 3 or YaRN scaling if given
+    (YaRN's ``attention_factor`` is not here: ``RotaryEmbedding`` applies it to its tables).
 
     Llama 3 scaling keeps high frequencies (wavelength below ``original / high_freq_factor``),
     divides low ones (wavelength above ``original / low_freq_factor``) by ``factor``, and blends
@@ -229,6 +232,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
     inv_freq = 1.0 / (theta**exponents)
     if scaling is None:
         return inv_freq
+    if isinstance(scaling, YarnScaling):
+        return _yarn_inv_freq(head_dim, theta, scaling)
     orig = scaling.original_max_position_embeddings
     wavelen = 2 * math.pi / inv_freq
     slow = inv_freq / scaling.factor
@@ -243,11 +248,33 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
     return torch.where(band, mixed, out)
 
 
+def _yarn_inv_freq(head_dim: int, theta: float, scaling: YarnScaling) -> torch.Tensor:
+    """YaRN: per frequency pair, a blend of the original frequency (kept where it turns often
+    over the original context) and the frequency divided by ``factor`` (where it turns rarely)."""
+    orig = scaling.original_max_position_embeddings
+
+    def dim_of(rotations: float) -> float:  # the head dimension turning ``rotations`` times
+        return head_dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(scaling.beta_fast), dim_of(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: the original frequency, 0: divided by factor
+    base = theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    return (1.0 / (scaling.factor * base)) * (1 - keep) + (1.0 / base) * keep
+
+
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding tables (the "rotate half" layout).
 
-    ``cos``/``sin`` ``[max_positions, head_dim // 2]`` are computed once in fp32 and follow the
-    module's dtype; a position past the tables is an indexing error.
+    ``cos``/``sin`` ``[max_positions, head_dim // 2]`` are computed once in fp32 (times YaRN's
+    ``attention_factor``) and follow the module's dtype; a position past the tables is an
+    indexing error. Every path (torch, the native CPU ``rope_store``, the fused Triton kernel)
+    reads these tables, so the factor reaches all of them.
     """
 
     def __init__(
@@ -255,17 +282,20 @@ class RotaryEmbedding(nn.Module):
         head_dim: int,
         max_positions: int,
         theta: float,
-        scaling: RopeScaling | None,
+        scaling: RopeScaling | YarnScaling | None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        cos, sin = freqs.cos(), freqs.sin()
+        if isinstance(scaling, YarnScaling):
+            cos, sin = cos * scaling.attention_factor, sin * scaling.attention_factor
         self.cos: torch.Tensor
         self.sin: torch.Tensor
-        self.register_buffer("cos", freqs.cos().to(device=device, dtype=dtype), persistent=False)
-        self.register_buffer("sin", freqs.sin().to(device=device, dtype=dtype), persistent=False)
+        self.register_buffer("cos", cos.to(device=device, dtype=dtype), persistent=False)
+        self.register_buffer("sin", sin.to(device=device, dtype=dtype), persistent=False)
 
     @property
     def max_positions(self) -> int:

@@ -145,6 +145,13 @@ def tiny_hf_model(kind: str, seed: int = 0, **overrides: Any) -> Any:
     elif kind == "qwen2":
         cls = transformers.Qwen2Config
         base["num_key_value_heads"] = 2
+    elif kind == "qwen2-yarn":  # the tests' prompts and decodes run past 32 positions
+        cls = transformers.Qwen2Config
+        base.update(
+            num_key_value_heads=2,
+            max_position_embeddings=128,  # factor * original: transformers warns otherwise
+            rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32),
+        )
     elif kind == "mistral":
         cls = transformers.MistralConfig
         base.update(num_key_value_heads=2, head_dim=24, sliding_window=None)
@@ -170,7 +177,8 @@ def tiny_hf_model(kind: str, seed: int = 0, **overrides: Any) -> Any:
 
 
 TINY_KINDS = (
-    "llama", "llama-gqa", "llama3-rope", "llama-tied", "llama-bias", "qwen2", "mistral", "qwen3"
+    "llama", "llama-gqa", "llama3-rope", "llama-tied", "llama-bias", "qwen2", "qwen2-yarn",
+    "mistral", "qwen3",
 )
 
 

@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
 from tests.replica.models.helpers import randomize_
 from tierserve.kernels import fused, reference, triton_attention
 from tierserve.kernels.metadata import SeqSpec, build_metadata
-from tierserve.replica.models.config import ModelConfig
+from tierserve.replica.models.config import ModelConfig, YarnScaling, yarn_mscale
 from tierserve.replica.models.layers import RMSNorm, apply_rotary_, qk_norm_
 from tierserve.replica.models.llama import LlamaForCausalLM, ModelOptions
 
@@ -138,8 +138,9 @@ def test_rope_store_matches_rotary_then_store(
     assert torch.equal(flat_k[untouched.to(DEVICE)], k_ref.view(-1, hkv, head_dim)[untouched.to(DEVICE)])
 
 
-def _tiny_config(qk_norm: bool = False) -> ModelConfig:
-    """A tiny Llama, or with ``qk_norm`` a tiny Qwen3 (per-head q/k norms)."""
+def _tiny_config(qk_norm: bool = False, yarn: bool = False) -> ModelConfig:
+    """A tiny Llama, or with ``qk_norm`` a tiny Qwen3 (per-head q/k norms); with ``yarn``, YaRN
+    rope scaling from 8 positions (the prompts pass it), its attention factor in the tables."""
     return ModelConfig(
         architecture="Qwen3ForCausalLM" if qk_norm else "LlamaForCausalLM",
         vocab_size=97,
@@ -151,7 +152,9 @@ def _tiny_config(qk_norm: bool = False) -> ModelConfig:
         intermediate_size=96,
         rms_norm_eps=1e-5,
         rope_theta=10000.0,
-        rope_scaling=None,
+        rope_scaling=YarnScaling(
+            factor=4.0, original_max_position_embeddings=8, attention_factor=yarn_mscale(4.0)
+        ) if yarn else None,
         max_position_embeddings=128,
         tie_word_embeddings=False,
         qk_norm=qk_norm,
@@ -159,9 +162,9 @@ def _tiny_config(qk_norm: bool = False) -> ModelConfig:
 
 
 def _pair(
-    dtype: torch.dtype, qk_norm: bool = False
+    dtype: torch.dtype, qk_norm: bool = False, yarn: bool = False
 ) -> tuple[LlamaForCausalLM, LlamaForCausalLM]:
-    cfg = _tiny_config(qk_norm)
+    cfg = _tiny_config(qk_norm, yarn)
     on = LlamaForCausalLM(cfg, ModelOptions(attention_backend="triton", fused_kernels=True))
     randomize_(on, seed=3)
     off = LlamaForCausalLM(cfg, ModelOptions(attention_backend="triton", fused_kernels=False))
@@ -204,9 +207,15 @@ def _run(model: LlamaForCausalLM, dtype: torch.dtype) -> tuple[torch.Tensor, lis
     return logits.float(), [c.float() for pair in caches for c in pair]
 
 
-@pytest.mark.parametrize("qk_norm", [False, True], ids=["llama", "qwen3"])
-def test_the_model_gives_the_same_logits_with_fused_kernels_on_and_off_fp32(qk_norm: bool) -> None:
-    on, off = _pair(torch.float32, qk_norm)
+@pytest.mark.parametrize(
+    "qk_norm, yarn", [(False, False), (True, False), (True, True)], ids=["llama", "qwen3", "yarn"]
+)
+def test_the_model_gives_the_same_logits_with_fused_kernels_on_and_off_fp32(
+    qk_norm: bool, yarn: bool
+) -> None:
+    """The fused rope kernel reads the same cos/sin tables as the torch ops (with ``yarn``,
+    tables scaled by the attention factor: a kernel that recomputed them would differ)."""
+    on, off = _pair(torch.float32, qk_norm, yarn)
     assert on.model.layers[0].self_attn.fused and on.model.norm.fused
     assert (on.model.layers[0].self_attn.q_norm is not None) == qk_norm
     assert not off.model.layers[0].self_attn.fused and not off.model.norm.fused
