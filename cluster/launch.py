@@ -7,7 +7,8 @@ This process starts a Ray instance on this machine with Ray's metrics exported o
 to the process group) stops ``serve run`` (which deletes the applications), then this process
 shuts its Ray instance down, so every process it started is gone and the ports are free again.
 The config is checked first (``tierserve.cluster.app.check_serve_config``): a field at fault is
-named and nothing starts. Once ``GET /ready`` answers 200 (every replica can take work) it prints
+named and nothing starts; so does a packaged model whose package is not installed (the message
+says what to install). Once ``GET /ready`` answers 200 (every replica can take work) it prints
 one line saying so, among Ray's logs: until then Ray's proxy may answer a request with a 404 (the
 application's routes are not there yet) and the ingress holds what it gets. On a multi-node Ray cluster, start Ray with ``ray start`` on every node and use ``serve run``
 directly (see docs/operations.md).
@@ -104,6 +105,17 @@ def _serve(args: argparse.Namespace) -> int:
         check_serve_config(raw)
     except (ConfigError, yaml.YAMLError) as e:
         print(f"tierserve: {args.config}: {e}", file=sys.stderr)
+        return 2
+    from tierserve.replica.models.prepare import config_models, missing_packages
+
+    for model in missing_packages(config_models(raw)):
+        print(
+            f"tierserve: {args.config}: model {model.name!r} comes from the Python package "
+            f"{model.requirement!r}, which is not installed: install it with "
+            f"`{model.install_hint()}`, or start with `make serve CONFIG={args.config}` "
+            "(which installs it)",
+            file=sys.stderr,
+        )
         return 2
     serve_bin = shutil.which("serve", path=os.path.dirname(sys.executable)) or shutil.which("serve")
     if serve_bin is None:

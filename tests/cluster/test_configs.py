@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parents[2] / "configs"
 CPU, GPU = ROOT / "cluster.yaml", ROOT / "cluster-gpu.yaml"
 CPU_ONE = ROOT / "cpu-one-replica.yaml"
 AUTOSCALE = ROOT / "cluster-autoscale.yaml"
-CONFIGS = [CPU, GPU, CPU_ONE, AUTOSCALE]
+GEMMA3 = ROOT / "cluster-gemma3.yaml"
+CONFIGS = [CPU, GPU, CPU_ONE, AUTOSCALE, GEMMA3]
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
@@ -204,3 +205,12 @@ def test_the_environment_holds_only_what_the_docs_table_lists() -> None:
     assert read == listed
     fields = {f.upper() for t in tables() for f, _, _ in t.rows}
     assert not {v.removeprefix("TIERSERVE_") for v in listed} & fields  # no second way
+
+
+def test_the_gemma3_config_is_the_default_config_serving_gemma() -> None:
+    """configs/cluster-gemma3.yaml differs from the default config in its model alone."""
+    cpu, gemma = (yaml.safe_load(p.read_text()) for p in (CPU, GEMMA3))
+    engine = gemma["applications"][0]["args"]["engine"]
+    assert engine.pop("model") == "gemma-3-270m"
+    cpu["applications"][0]["args"]["engine"].pop("model")
+    assert gemma == cpu

