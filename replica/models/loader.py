@@ -23,7 +23,7 @@ from transformers import PreTrainedTokenizerBase
 
 from tierserve.replica.models import embedded, gguf_loader
 from tierserve.replica.models.config import ModelConfig, ModelLoadError
-from tierserve.replica.models.layers import permute_rotary_rows_, rotary_permutation
+from tierserve.replica.models.layers import Linear, permute_rotary_rows_, rotary_permutation
 from tierserve.replica.models.llama import LlamaDecoderLayer, LlamaForCausalLM, ModelOptions
 from tierserve.replica.models.meta import (
     _tokenizer_from,
@@ -286,10 +286,12 @@ def _fused_targets(model: LlamaForCausalLM) -> dict[str, tuple[torch.Tensor, tup
                     param.data,
                     tuple(f"{p}self_attn.{x}_proj.{kind}" for x in ("q", "k", "v")),
                 )
-        out[f"{p}mlp.gate_up_proj.weight"] = (
-            layer.mlp.gate_up_proj.weight.data,
-            (f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"),
-        )
+        gate_up = getattr(layer.mlp, "gate_up_proj", None)  # a dense MLP's (not experts')
+        if isinstance(gate_up, Linear):
+            out[f"{p}mlp.gate_up_proj.weight"] = (
+                gate_up.weight.data,
+                (f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"),
+            )
     return out
 
 
