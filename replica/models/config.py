@@ -12,17 +12,22 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Phi3ForCausalLM",
 )
 _ARCH_BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 # The architectures whose sliding window applies only where ``layer_types`` (or, in older
 # configs, ``use_sliding_window``) says so: their configs name a window they may not use.
 _LAYERED_WINDOW = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
-SUPPORTED_ROPE_TYPES = ("default", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "yarn", "longrope")
+# The architectures whose rotary embedding may cover only part of each head
+# (``partial_rotary_factor`` < 1): transformers' Llama-style attention rotates whole heads.
+_PARTIAL_ROTARY = ("Phi3ForCausalLM",)
 
 
 class ModelLoadError(ValueError):
@@ -59,6 +64,49 @@ class YarnScaling:
     rope_type: str = "yarn"  # tells ``ModelConfig.from_json`` which scaling it reads
 
 
+@dataclass(frozen=True, slots=True)
+class LongRopeScaling:
+    """LongRoPE ("longrope", Phi-3's "su") rotary scaling: each inverse frequency divided by its
+    own factor, ``short_factor`` or ``long_factor`` (one per frequency of the rotary dims).
+
+    ``transformers`` switches between the two by the current sequence length (long past
+    ``original_max_position_embeddings``), which a paged KV cache cannot follow: keys already in
+    the cache were rotated with the short factors, and a prefix-cached block is shared by
+    sequences of any length. So the choice is made once per engine (``factors``): the short
+    factors when the engine serves at most ``original_max_position_embeddings`` positions (every
+    token then equals ``transformers``'), the long ones when it serves more (as llama.cpp
+    chooses by its context size). ``attention_factor`` multiplies the rotated part of the
+    cos/sin tables either way, as ``transformers`` does; already resolved from the config
+    (``sqrt(1 + ln(s) / ln(original))``, ``s = max_position_embeddings / original``, 1 for
+    ``s <= 1``) when it did not give one.
+    """
+
+    short_factor: tuple[float, ...]
+    long_factor: tuple[float, ...]
+    original_max_position_embeddings: int
+    attention_factor: float
+    rope_type: str = "longrope"  # tells ``ModelConfig.from_json`` which scaling it reads
+
+    def __post_init__(self) -> None:
+        # from_json hands lists: keep tuples, so that the config stays hashable and comparable.
+        object.__setattr__(self, "short_factor", tuple(float(f) for f in self.short_factor))
+        object.__setattr__(self, "long_factor", tuple(float(f) for f in self.long_factor))
+
+    def factors(self, max_positions: int) -> tuple[float, ...]:
+        """The factors an engine serving ``max_positions`` positions uses (see the class)."""
+        if max_positions > self.original_max_position_embeddings:
+            return self.long_factor
+        return self.short_factor
+
+
+def longrope_attention_factor(factor: float, original_max_position_embeddings: int) -> float:
+    """LongRoPE's default attention scaling ``sqrt(1 + ln(factor) / ln(original))`` (1 for
+    ``factor <= 1``)."""
+    if factor <= 1:
+        return 1.0
+    return math.sqrt(1 + math.log(factor) / math.log(original_max_position_embeddings))
+
+
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     """YaRN's attention scaling ``0.1 * mscale * ln(factor) + 1`` (1 for ``factor <= 1``)."""
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
@@ -74,6 +122,11 @@ class ModelConfig:
     ``self_attn.q_norm`` and ``self_attn.k_norm``, eps ``rms_norm_eps``) before the rotary
     embedding (Qwen3).
     ``sliding_window``: the window the checkpoint was trained with, or None for full attention.
+    ``rotary_dim``: the leading dims of each q/k head that the rotary embedding turns (Phi-3's
+    ``partial_rotary_factor``: Phi-4-mini rotates 96 of 128), the rest passing through; None
+    for all of ``head_dim``. The model keeps those dims in another order than the checkpoint
+    (``layers.rotary_permutation``: the loaders permute the q/k rows), so that the rotary
+    kernels, which turn pairs ``(i, i + head_dim / 2)``, need no change.
     """
 
     architecture: str
@@ -86,7 +139,7 @@ class ModelConfig:
     intermediate_size: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: RopeScaling | YarnScaling | None
+    rope_scaling: RopeScaling | YarnScaling | LongRopeScaling | None
     max_position_embeddings: int
     tie_word_embeddings: bool
     qkv_bias: bool = False
@@ -96,6 +149,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
     sliding_window: int | None = None
+    rotary_dim: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -105,6 +159,40 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ModelLoadError(f"rotary embeddings need an even head_dim, got {self.head_dim}")
+        self._check_rotary()
+
+    def _check_rotary(self) -> None:
+        """Partial rotary dims and LongRoPE factors that fit the head; ModelLoadError if not."""
+        rot = self.rope_dim
+        if not 0 < rot <= self.head_dim or rot % 2:
+            raise ModelLoadError(
+                f"{self.architecture}: the rotary embedding must turn an even number of dims, "
+                f"at most head_dim {self.head_dim}; got rotary_dim {self.rotary_dim}"
+            )
+        scaling = self.rope_scaling
+        if isinstance(scaling, LongRopeScaling):
+            for name in ("short_factor", "long_factor"):
+                factors = getattr(scaling, name)
+                if len(factors) != rot // 2:
+                    raise ModelLoadError(
+                        f"{self.architecture}: longrope {name} has {len(factors)} entries; the "
+                        f"rotary dims ({rot}) need {rot // 2}, one per frequency"
+                    )
+                if not all(math.isfinite(f) and f > 0 for f in factors):
+                    raise ModelLoadError(
+                        f"{self.architecture}: longrope {name} must hold positive numbers"
+                    )
+            if scaling.original_max_position_embeddings <= 0 or not scaling.attention_factor > 0:
+                raise ModelLoadError(
+                    f"{self.architecture}: longrope needs a positive "
+                    "original_max_position_embeddings and attention_factor, got "
+                    f"{scaling.original_max_position_embeddings} and {scaling.attention_factor}"
+                )
+
+    @property
+    def rope_dim(self) -> int:
+        """The dims of each q/k head the rotary embedding turns (``rotary_dim`` or ``head_dim``)."""
+        return self.head_dim if self.rotary_dim is None else self.rotary_dim
 
     @property
     def q_size(self) -> int:
@@ -141,6 +229,8 @@ class ModelConfig:
             fields["rope_scaling"] = None
         elif scaling.get("rope_type") == "yarn":
             fields["rope_scaling"] = YarnScaling(**scaling)
+        elif scaling.get("rope_type") == "longrope":
+            fields["rope_scaling"] = LongRopeScaling(**scaling)
         else:
             fields["rope_scaling"] = RopeScaling(**scaling)
         fields["eos_token_ids"] = tuple(fields.get("eos_token_ids", ()))
@@ -161,6 +251,7 @@ class ModelConfig:
         hidden = int(hf.hidden_size)
         head_dim = getattr(hf, "head_dim", None) or hidden // heads
         theta, scaling = _rope(hf, arch)
+        rotary_dim = _rotary_dim(hf, arch, int(head_dim))
         attention_bias = bool(getattr(hf, "attention_bias", False))
         qwen2 = arch == "Qwen2ForCausalLM"
         eos = getattr(hf, "eos_token_id", None)
@@ -186,6 +277,7 @@ class ModelConfig:
             eos_token_ids=tuple(int(e) for e in eos_ids),
             pad_token_id=getattr(hf, "pad_token_id", None),
             sliding_window=_sliding_window(hf, arch),
+            rotary_dim=rotary_dim,
         )
 
 
@@ -202,26 +294,37 @@ def _architecture(hf: Any) -> str:
     return str(arch)
 
 
-def _rope(hf: Any, arch: str) -> tuple[float, RopeScaling | YarnScaling | None]:
+def _rope_parameters(hf: Any) -> tuple[Mapping[str, Any], dict[str, Any]]:
+    """The config's rope parameters (v5 ``rope_parameters``, per layer type or not) and those
+    merged over the legacy ``rope_scaling``."""
     params: Mapping[str, Any] = getattr(hf, "rope_parameters", None) or {}
     legacy: Mapping[str, Any] = getattr(hf, "rope_scaling", None) or {}
     if "full_attention" in params:  # per-layer-type parameters (v5): all our layers are full
         params = params["full_attention"]
-    theta = float(params.get("rope_theta", getattr(hf, "rope_theta", None) or 10000.0))
     scaling = dict(legacy)
     scaling.update(params)
+    return params, scaling
+
+
+def _rope(
+    hf: Any, arch: str
+) -> tuple[float, RopeScaling | YarnScaling | LongRopeScaling | None]:
+    params, scaling = _rope_parameters(hf)
+    theta = float(params.get("rope_theta", getattr(hf, "rope_theta", None) or 10000.0))
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "su":  # LongRoPE's first name (early Phi-3 configs)
+        rope_type = "longrope"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ModelLoadError(
             f"{arch}: rope scaling type {rope_type!r} is not supported; "
             f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
-    if float(scaling.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise ModelLoadError(f"{arch}: partial rotary embeddings are not supported")
     if rope_type == "default":
         return theta, None
     if rope_type == "yarn":
         return theta, _yarn(hf, arch, scaling)
+    if rope_type == "longrope":
+        return theta, _longrope(hf, arch, scaling)
     try:
         return theta, RopeScaling(
             factor=float(scaling["factor"]),
@@ -266,6 +369,69 @@ def _yarn(hf: Any, arch: str, scaling: Mapping[str, Any]) -> YarnScaling:
         beta_slow=float(scaling.get("beta_slow") or 1),
         truncate=bool(scaling.get("truncate", True)),
     )
+
+
+def _longrope(hf: Any, arch: str, scaling: Mapping[str, Any]) -> LongRopeScaling:
+    """The LongRoPE parameters as ``transformers``' ``_compute_longrope_parameters`` reads them
+    (the factor lists' lengths are checked against the rotary dims by ``ModelConfig``)."""
+    max_pos = int(hf.max_position_embeddings)
+    # As for YaRN, a config-level original_max_position_embeddings wins (Phi-3 keeps it there).
+    orig = getattr(hf, "original_max_position_embeddings", None)
+    if orig is None:
+        orig = scaling.get("original_max_position_embeddings") or max_pos
+    orig = int(orig)
+    factors: dict[str, tuple[float, ...]] = {}
+    for name in ("short_factor", "long_factor"):
+        value = scaling.get(name)
+        if value is None:
+            raise ModelLoadError(f"{arch}: longrope rope scaling lacks the field {name!r}")
+        if not isinstance(value, (list, tuple)) or not all(
+            isinstance(f, (int, float)) and not isinstance(f, bool) for f in value
+        ):
+            raise ModelLoadError(
+                f"{arch}: longrope {name} must be a list of numbers, got {value!r}"
+            )
+        factors[name] = tuple(float(f) for f in value)
+    if orig <= 0:
+        raise ModelLoadError(
+            f"{arch}: longrope needs a positive original_max_position_embeddings, got {orig}"
+        )
+    factor = scaling.get("factor")
+    factor = max_pos / orig if factor is None else float(factor)
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = longrope_attention_factor(factor, orig)
+    return LongRopeScaling(
+        short_factor=factors["short_factor"],
+        long_factor=factors["long_factor"],
+        original_max_position_embeddings=orig,
+        attention_factor=float(attention_factor),
+    )
+
+
+def _rotary_dim(hf: Any, arch: str, head_dim: int) -> int | None:
+    """The rotated dims of each head when ``partial_rotary_factor`` (in the rope parameters, or
+    on the config itself in older configs) is below 1, as ``transformers`` rounds it
+    (``int(head_dim * factor)``); None when the whole head turns."""
+    _, scaling = _rope_parameters(hf)
+    factor = scaling.get("partial_rotary_factor")
+    if factor is None:
+        factor = getattr(hf, "partial_rotary_factor", None)
+    factor = 1.0 if factor is None else float(factor)
+    if factor == 1.0:
+        return None
+    if arch not in _PARTIAL_ROTARY:
+        raise ModelLoadError(
+            f"{arch}: partial rotary embeddings (partial_rotary_factor {factor}) are supported "
+            f"for {', '.join(_PARTIAL_ROTARY)} only"
+        )
+    rot = int(head_dim * factor)
+    if not 0 < factor < 1 or rot <= 0 or rot % 2:
+        raise ModelLoadError(
+            f"{arch}: partial_rotary_factor {factor} of head_dim {head_dim} gives {rot} rotary "
+            "dims; it must be in (0, 1] and give an even number of dims"
+        )
+    return rot
 
 
 def _sliding_window(hf: Any, arch: str) -> int | None:

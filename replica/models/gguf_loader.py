@@ -2,7 +2,8 @@
 
 ``engine.model`` may name a ``.gguf`` file, a folder holding exactly one, or a packaged model
 (``tierserve.replica.models.catalog``). Supported: ``general.architecture`` ``llama`` (which is also how
-llama.cpp writes Mistral models), ``mistral`` (see below), ``qwen2`` and ``qwen3``; tensors in every type
+llama.cpp writes Mistral models), ``mistral`` (see below), ``qwen2``, ``qwen3`` and ``phi3`` (see
+below); tensors in every type
 the ``gguf`` package can dequantize (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, the K-quants
 Q2_K to Q6_K, the IQ types, ...), dequantized once at load into the engine's dtype.
 
@@ -20,6 +21,16 @@ Q2_K to Q6_K, the IQ types, ...), dequantized once at load into the engine's dty
   for a head_dim that need not be hidden / heads). llama.cpp has no ``mistral`` architecture: it neither writes nor loads such a file, so
   nothing permuted its Q/K; they are read as stored (``transformers`` registers its Q/K
   un-permutation for ``llama`` files only).
+- ``phi3`` (Phi-3, Phi-4-mini), as llama.cpp's converter writes it: Q/K/V fused in
+  ``blk.N.attn_qkv`` (rows ``[q | k | v]``, not permuted: its rotary for phi3 takes the halves
+  as they are) and gate/up in ``blk.N.ffn_up`` (rows ``[gate | up]``; no ``ffn_gate``), both read
+  whole; head_dim hidden / heads unless ``phi3.attention.key_length`` says otherwise, and
+  ``phi3.rope.dimension_count`` the rotated dims of each head (partial rotary: Phi-4-mini's 96
+  of 128). LongRoPE models carry their factors as the tensors ``rope_factors_short.weight`` and
+  ``rope_factors_long.weight``, with ``phi3.rope.scaling.original_context_length`` and
+  ``phi3.rope.scaling.attn_factor`` (``config.LongRopeScaling``). ``phi3.attention.sliding_window``
+  0 (what the converter writes when the model has none: Phi-4-mini) means no window; another
+  value (Phi-3-mini-4k's 2047) is kept, as ``transformers`` applies it (llama.cpp ignores it).
 - Tokenizer and chat template: ``transformers`` builds a fast tokenizer from the file's metadata
   (a few seconds for a 49k vocabulary); it is saved under the cache directory
   (``$TIERSERVE_CACHE_DIR``, else ``~/.cache/tierserve``) keyed by the file's SHA-256, so later
@@ -56,7 +67,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from tierserve.replica.models.config import ModelConfig, ModelLoadError
+from tierserve.replica.models.config import (
+    LongRopeScaling,
+    ModelConfig,
+    ModelLoadError,
+    longrope_attention_factor,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -69,6 +85,7 @@ ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 # The architectures whose files hold Q/K rows in llama.cpp's rotary layout: ``llama`` (its
 # converter permutes Hugging Face Llama and Mistral checkpoints into it; Mistral's own checkpoint
@@ -77,6 +94,11 @@ ARCHITECTURES = {
 _PERMUTED = ("llama",)
 # The architectures whose layers normalize each q and k head (attn_q_norm, attn_k_norm).
 _QK_NORM = ("qwen3",)
+# The architectures whose ``ffn_up`` holds gate and up together (rows [gate | up], no ffn_gate),
+# whose ``rope.dimension_count`` is the rotated part of a head (not a head_dim), and whose
+# LongRoPE factors are the rope_factors_short / rope_factors_long tensors: phi3.
+_PHI3_LAYOUT = ("phi3",)
+_ROPE_FACTORS = ("rope_factors_short.weight", "rope_factors_long.weight")
 _GLOBAL = {
     "token_embd.weight": "embed",
     "output_norm.weight": "norm",
@@ -88,6 +110,7 @@ _PER_LAYER = {
     "attn_q.weight": "q",
     "attn_k.weight": "k",
     "attn_v.weight": "v",
+    "attn_qkv.weight": "qkv",
     "attn_q.bias": "q_bias",
     "attn_k.bias": "k_bias",
     "attn_v.bias": "v_bias",
@@ -178,7 +201,7 @@ def gguf_architecture(reader: Any, path: Path) -> str:
     if arch not in ARCHITECTURES:
         raise ModelLoadError(
             f"{path}: unsupported GGUF architecture {arch!r}; supported: "
-            f"{', '.join(ARCHITECTURES)} (Llama, Mistral, Qwen2 and Qwen3 models)"
+            f"{', '.join(ARCHITECTURES)} (Llama, Mistral, Qwen2, Qwen3 and Phi-3 models)"
         )
     return str(arch)
 
@@ -208,9 +231,10 @@ def gguf_config(reader: Any, path: Path) -> ModelConfig:
     hidden = int(need("embedding_length"))
     head_dim = int(
         _field(reader, f"{arch}.attention.key_length")
-        or _field(reader, f"{arch}.rope.dimension_count")
+        or (None if arch in _PHI3_LAYOUT else _field(reader, f"{arch}.rope.dimension_count"))
         or hidden // heads
     )
+    rotary_dim, longrope = _phi3_rope(reader, path, arch, head_dim)
     tokens = _field(reader, "tokenizer.ggml.tokens")
     vocab = _field(reader, f"{arch}.vocab_size") or (len(tokens) if tokens else None)
     embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
@@ -241,7 +265,7 @@ def gguf_config(reader: Any, path: Path) -> ModelConfig:
         intermediate_size=int(need("feed_forward_length")),
         rms_norm_eps=_float32_value(need("attention.layer_norm_rms_epsilon")),
         rope_theta=_float32_value(_field(reader, f"{arch}.rope.freq_base") or 10000.0),
-        rope_scaling=None,
+        rope_scaling=longrope,
         max_position_embeddings=int(need("context_length")),
         tie_word_embeddings="output.weight" not in names,
         qkv_bias="blk.0.attn_q.bias" in names,
@@ -250,8 +274,46 @@ def gguf_config(reader: Any, path: Path) -> ModelConfig:
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=tuple(dict.fromkeys(eos)),
         pad_token_id=None if pad is None else int(pad),
-        sliding_window=None if window is None else int(window),
+        sliding_window=None if not window else int(window),  # phi3 writes 0 for none
+        rotary_dim=rotary_dim,
     )
+
+
+def _phi3_rope(
+    reader: Any, path: Path, arch: str, head_dim: int
+) -> tuple[int | None, LongRopeScaling | None]:
+    """A phi3 file's rotated dims per head (None: all of head_dim) and its LongRoPE scaling
+    (None without the factor tensors); (None, None) for the other architectures."""
+    if arch not in _PHI3_LAYOUT:
+        return None, None
+    rot = int(_field(reader, f"{arch}.rope.dimension_count") or head_dim)
+    found = {str(t.name): t for t in reader.tensors if str(t.name) in _ROPE_FACTORS}
+    if not found:
+        return (None if rot == head_dim else rot), None
+    if len(found) != len(_ROPE_FACTORS):
+        raise ModelLoadError(
+            f"{path}: LongRoPE needs both {' and '.join(_ROPE_FACTORS)}; the file holds "
+            f"{', '.join(found)} only"
+        )
+    key = f"{arch}.rope.scaling.original_context_length"
+    orig = _field(reader, key)
+    if not orig:
+        raise ModelLoadError(f"{path}: the file has LongRoPE factors but lacks {key}")
+    attn = _field(reader, f"{arch}.rope.scaling.attn_factor")
+    if attn is None:  # the converter writes it; else the default of its max / original length
+        ctx = int(_field(reader, f"{arch}.context_length") or orig)
+        attn = longrope_attention_factor(ctx / int(orig), int(orig))
+    short, long = (
+        tuple(_float32_value(f) for f in _dequantized(found[n], path).reshape(-1))
+        for n in _ROPE_FACTORS
+    )
+    scaling = LongRopeScaling(
+        short_factor=short,
+        long_factor=long,
+        original_max_position_embeddings=int(orig),
+        attention_factor=_float32_value(attn),
+    )
+    return (None if rot == head_dim else rot), scaling
 
 
 def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -288,6 +350,8 @@ _HF_LAYER = {
     "q": "self_attn.q_proj.weight",
     "k": "self_attn.k_proj.weight",
     "v": "self_attn.v_proj.weight",
+    "qkv": "self_attn.qkv_proj.weight",
+    "gate_up": "mlp.gate_up_proj.weight",
     "q_bias": "self_attn.q_proj.bias",
     "k_bias": "self_attn.k_proj.bias",
     "v_bias": "self_attn.v_proj.bias",
@@ -303,6 +367,7 @@ _HF_LAYER = {
 
 _GGUF_GLOBAL = {role: name for name, role in _GLOBAL.items()}
 _GGUF_LAYER = {role: rest for rest, role in _PER_LAYER.items()}
+_GGUF_LAYER["gate_up"] = "ffn_up.weight"  # phi3's ffn_up holds gate and up
 _FROM_HF_GLOBAL = {hf: role for role, hf in _HF_GLOBAL.items()}
 _FROM_HF_LAYER = {hf: role for role, hf in _HF_LAYER.items()}
 
@@ -579,10 +644,12 @@ def iter_gguf_weights(
     reader: Any, path: Path, config: ModelConfig
 ) -> Iterator[tuple[str, int | None, np.ndarray]]:
     """``(role, layer, float32 array)`` for every tensor the model needs, one at a time, Q/K
-    un-permuted. Roles: ``embed``, ``norm``, ``head`` (layer None) and those of ``_PER_LAYER``.
-    Raises ``ModelLoadError`` for an unknown or unreadable tensor type."""
+    un-permuted. Roles: ``embed``, ``norm``, ``head`` (layer None) and those of ``_PER_LAYER``
+    (phi3's ``ffn_up`` as ``gate_up``). Raises ``ModelLoadError`` for an unknown or unreadable
+    tensor type."""
     arch = gguf_architecture(reader, path)
     permute = arch in _PERMUTED
+    fused_up = arch in _PHI3_LAYOUT
     for t in reader.tensors:
         name = str(t.name)
         if name in _GLOBAL:
@@ -592,6 +659,8 @@ def iter_gguf_weights(
             if rest not in _PER_LAYER:
                 continue  # e.g. an unused rotary cache; missing roles are found by the caller
             role, layer = _PER_LAYER[rest], int(index)
+            if fused_up and role == "up":
+                role = "gate_up"
         else:
             continue
         arr = _dequantized(t, path)

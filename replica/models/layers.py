@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tierserve.kernels import cpu_native, cpu_ops, cpu_packing
-from tierserve.replica.models.config import RopeScaling, YarnScaling
+from tierserve.replica.models.config import LongRopeScaling, RopeScaling, YarnScaling
 
 
 class Linear(nn.Module):
@@ -219,14 +219,20 @@ def qk_norm_(
 
 
 def rope_inv_freq(
-    head_dim: int, theta: float, scaling: RopeScaling | YarnScaling | None
+    head_dim: int,
+    theta: float,
+    scaling: RopeScaling | YarnScaling | LongRopeScaling | None,
+    max_positions: int | None = None,
 ) -> torch.Tensor:
-    """Inverse rotary frequencies ``[head_dim // 2]`` (fp32), with Llama 3 or YaRN scaling if given
-    (YaRN's ``attention_factor`` is not here: ``RotaryEmbedding`` applies it to its tables).
+    """Inverse rotary frequencies ``[head_dim // 2]`` (fp32), with Llama 3, YaRN or LongRoPE
+    scaling if given (their ``attention_factor`` is not here: ``RotaryEmbedding`` applies it to
+    its tables). ``head_dim`` is the rotated dims (``ModelConfig.rope_dim``).
 
     Llama 3 scaling keeps high frequencies (wavelength below ``original / high_freq_factor``),
     divides low ones (wavelength above ``original / low_freq_factor``) by ``factor``, and blends
-    linearly between the two in the band between.
+    linearly between the two in the band between. LongRoPE divides each frequency by its own
+    factor, the short or the long ones by ``max_positions`` (``LongRopeScaling.factors``; None:
+    the short ones, as ``transformers`` starts).
     """
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     inv_freq = 1.0 / (theta**exponents)
@@ -234,6 +240,9 @@ def rope_inv_freq(
         return inv_freq
     if isinstance(scaling, YarnScaling):
         return _yarn_inv_freq(head_dim, theta, scaling)
+    if isinstance(scaling, LongRopeScaling):
+        chosen = scaling.factors(max_positions or scaling.original_max_position_embeddings)
+        return 1.0 / (torch.tensor(chosen, dtype=torch.float32) * theta**exponents)
     orig = scaling.original_max_position_embeddings
     wavelen = 2 * math.pi / inv_freq
     slow = inv_freq / scaling.factor
@@ -268,13 +277,52 @@ def _yarn_inv_freq(head_dim: int, theta: float, scaling: YarnScaling) -> torch.T
     return (1.0 / (scaling.factor * base)) * (1 - keep) + (1.0 / base) * keep
 
 
+def rotary_permutation(head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """The order of a head's dims (``new[j] = old[perm[j]]``, int64 ``[head_dim]``) that lets a
+    rotary embedding over the first ``rotary_dim`` dims (pairs ``(i, i + rotary_dim / 2)``, the
+    rest passing through) run as one over the whole head (pairs ``(j, j + head_dim / 2)``).
+
+    Pair ``i < rotary_dim / 2`` lands on ``(i, i + head_dim / 2)``; the pass-through dims fill
+    the slots ``rotary_dim / 2 .. head_dim / 2`` of each half, where ``RotaryEmbedding``'s
+    tables hold cos 1 and sin 0 (an exact identity). Applied to the rows of each q and k head
+    alike it leaves every q.k, so attention, unchanged; v and the output projection are not
+    touched. ``rotary_dim == head_dim`` gives the identity."""
+    if not 0 < rotary_dim <= head_dim or rotary_dim % 2 or head_dim % 2:
+        raise ValueError(
+            f"rotary_dim must be even and in (0, head_dim], head_dim even; got rotary_dim "
+            f"{rotary_dim} of head_dim {head_dim}"
+        )
+    half, rot_half = head_dim // 2, rotary_dim // 2
+    rotated = torch.arange(rotary_dim)
+    passed = torch.arange(rotary_dim, head_dim)
+    pad = half - rot_half  # pass-through dims in each half
+    return torch.cat([rotated[:rot_half], passed[:pad], rotated[rot_half:], passed[pad:]])
+
+
+def permute_rotary_rows_(w: torch.Tensor, heads: int, perm: torch.Tensor) -> None:
+    """Reorder in place the rows of ``w`` (``[heads * head_dim, ...]``: a q or k projection's
+    weight or bias) within each head by ``rotary_permutation``'s ``perm``."""
+    head_dim = perm.numel()
+    if w.shape[0] != heads * head_dim:
+        raise ValueError(
+            f"{w.shape[0]} rows are not {heads} heads of {head_dim} dims to permute"
+        )
+    view = w.view(heads, head_dim, -1)
+    view.copy_(view.index_select(1, perm.to(w.device)))
+
+
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding tables (the "rotate half" layout).
 
-    ``cos``/``sin`` ``[max_positions, head_dim // 2]`` are computed once in fp32 (times YaRN's
-    ``attention_factor``) and follow the module's dtype; a position past the tables is an
-    indexing error. Every path (torch, the native CPU ``rope_store``, the fused Triton kernel)
-    reads these tables, so the factor reaches all of them.
+    ``cos``/``sin`` ``[max_positions, head_dim // 2]`` are computed once in fp32 (times YaRN's or
+    LongRoPE's ``attention_factor``) and follow the module's dtype; a position past the tables
+    is an indexing error. Every path (torch, the native CPU ``rope_store``, the fused Triton
+    kernel) reads these tables, so the factor reaches all of them.
+
+    ``rotary_dim`` < ``head_dim`` (partial rotary): the first ``rotary_dim // 2`` columns hold the
+    frequencies of the rotated dims; the others cos 1 and sin 0, unscaled by the attention
+    factor, so that the dims ``rotary_permutation`` puts there pass through exactly. LongRoPE
+    picks its short or long factors by ``max_positions`` (``LongRopeScaling.factors``).
     """
 
     def __init__(
@@ -282,16 +330,23 @@ class RotaryEmbedding(nn.Module):
         head_dim: int,
         max_positions: int,
         theta: float,
-        scaling: RopeScaling | YarnScaling | None,
+        scaling: RopeScaling | YarnScaling | LongRopeScaling | None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        *,
+        rotary_dim: int | None = None,
     ) -> None:
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        rot = head_dim if rotary_dim is None else rotary_dim
+        inv_freq = rope_inv_freq(rot, theta, scaling, max_positions)
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
         cos, sin = freqs.cos(), freqs.sin()
-        if isinstance(scaling, YarnScaling):
+        if isinstance(scaling, (YarnScaling, LongRopeScaling)):
             cos, sin = cos * scaling.attention_factor, sin * scaling.attention_factor
+        if rot < head_dim:  # the pass-through columns: an exact identity
+            pad = (max_positions, (head_dim - rot) // 2)
+            cos = torch.cat([cos, torch.ones(pad)], dim=1)
+            sin = torch.cat([sin, torch.zeros(pad)], dim=1)
         self.cos: torch.Tensor
         self.sin: torch.Tensor
         self.register_buffer("cos", cos.to(device=device, dtype=dtype), persistent=False)

@@ -235,7 +235,8 @@ class LlamaModel(nn.Module):
             cfg.hidden_size, cfg.rms_norm_eps, opts.deterministic, device, dtype, fused=opts.fused
         )
         self.rotary = RotaryEmbedding(
-            cfg.head_dim, max_len, cfg.rope_theta, cfg.rope_scaling, device, dtype
+            cfg.head_dim, max_len, cfg.rope_theta, cfg.rope_scaling, device, dtype,
+            rotary_dim=cfg.rotary_dim,
         )
 
     def forward(
@@ -259,7 +260,9 @@ class LlamaForCausalLM(nn.Module):
     Parameters are allocated uninitialised (except norm weights); ``tierserve.replica.models.loader`` or
     ``tierserve.replica.models.embedded`` fills them. Names follow the Hugging Face layout, with q/k/v fused
     into ``self_attn.qkv_proj`` (rows ``[q | k | v]``) and gate/up into ``mlp.gate_up_proj``
-    (rows ``[gate | up]``).
+    (rows ``[gate | up]``). With partial rotary (``config.rotary_dim``: Phi-3) the rows of each
+    q and k head are in ``layers.rotary_permutation``'s order, not the checkpoint's: the
+    loaders permute them (``loader.fill_weights``).
     """
 
     def __init__(

@@ -6,14 +6,16 @@ Face hub id.
 A checkpoint directory holds ``config.json``, weights (``model.safetensors``, sharded
 ``*.safetensors`` with ``model.safetensors.index.json``, or ``pytorch_model.bin`` / its sharded
 index) and tokenizer files. Hugging Face tensor names map onto ours with q/k/v fused into
-``qkv_proj`` and gate/up into ``gate_up_proj``. Every failure is a ``ModelLoadError`` (a
+``qkv_proj`` and gate/up into ``gate_up_proj``; a checkpoint that holds them fused already
+(Phi-3's ``self_attn.qkv_proj`` rows ``[q | k | v]`` and ``mlp.gate_up_proj`` rows
+``[gate | up]``, our order) is read as it is. Every failure is a ``ModelLoadError`` (a
 ``ValueError``) that names what was wrong.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 
 import torch
@@ -21,6 +23,7 @@ from transformers import PreTrainedTokenizerBase
 
 from tierserve.replica.models import embedded, gguf_loader
 from tierserve.replica.models.config import ModelConfig, ModelLoadError
+from tierserve.replica.models.layers import Linear, permute_rotary_rows_, rotary_permutation
 from tierserve.replica.models.llama import LlamaDecoderLayer, LlamaForCausalLM, ModelOptions
 from tierserve.replica.models.meta import (
     _tokenizer_from,
@@ -122,12 +125,12 @@ def load_weights(model: LlamaForCausalLM, path: Path) -> None:
     or when the model's layers are already packed for the CPU kernel (load before packing).
     """
     _check_unpacked(model)
-    targets = _targets(model)
+    wanted = set(_targets(model)) | set(_fused_targets(model))
     files = weight_files(path)
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for file in files:
-            yield from _read_tensors(file, targets)
+            yield from _read_tensors(file, wanted)
 
     fill_weights(model, tensors(), f"checkpoint {path}")
 
@@ -150,9 +153,14 @@ def fill_weights(
     moved to its device); names the model does not have are skipped. Raises ``ModelLoadError``
     for a misshapen tensor, for tensors the model needs that never came, and for a model whose
     layers are already packed. ``file_name`` gives a tensor's name in the source where it differs
-    (a GGUF file's ``blk.1.ffn_up.weight``): errors name both."""
+    (a GGUF file's ``blk.1.ffn_up.weight``): errors name both.
+
+    A fused tensor (``self_attn.qkv_proj.weight``, ``mlp.gate_up_proj.weight``, in our row order)
+    stands for the split ones it holds. With partial rotary (``config.rotary_dim``) the q/k rows
+    of every head are permuted once all came (``_permute_rotary``)."""
     _check_unpacked(model)
     targets = _targets(model)
+    fused = _fused_targets(model)
     filled: set[str] = set()
 
     def named(name: str) -> str:
@@ -162,6 +170,9 @@ def fill_weights(
     with torch.no_grad():
         for name, tensor in tensors:
             target = targets.get(name)
+            parts: tuple[str, ...] = (name,)
+            if target is None and name in fused:
+                target, parts = fused[name]
             if target is None:
                 continue
             if tuple(tensor.shape) != tuple(target.shape):
@@ -170,13 +181,60 @@ def fill_weights(
                     f"the config implies {tuple(target.shape)}"
                 )
             target.copy_(tensor)
-            filled.add(name)
+            filled.update(parts)
     missing = [n for n in targets if n not in filled]
     if missing:
+        if model.config.architecture in _FUSED_LAYOUT:
+            missing = _fused_names(missing, fused)
         shown = ", ".join(named(n) for n in missing[:8]) + (
             f" and {len(missing) - 8} more" if len(missing) > 8 else ""
         )
         raise ModelLoadError(f"{source} lacks {len(missing)} tensor(s): {shown}")
+    _permute_rotary(model)
+
+
+# The architectures whose checkpoints hold q/k/v and gate/up fused: a missing tensor is named
+# as they hold it.
+_FUSED_LAYOUT = ("Phi3ForCausalLM",)
+
+
+def _fused_names(
+    missing: list[str], fused: dict[str, tuple[torch.Tensor, tuple[str, ...]]]
+) -> list[str]:
+    """``missing`` with the split names of each fused tensor that is missing whole replaced by
+    the fused name (where it stood first)."""
+    owner = {part: name for name, (_, parts) in fused.items() for part in parts}
+    gone = set(missing)
+    out: list[str] = []
+    for n in missing:
+        name = owner.get(n)
+        if name is not None and set(fused[name][1]) <= gone:
+            if name not in out:
+                out.append(name)
+        else:
+            out.append(n)
+    return out
+
+
+def _permute_rotary(model: LlamaForCausalLM) -> None:
+    """Put the rows of every q and k head (weights, biases, Qwen3-style per-head norms) in
+    ``layers.rotary_permutation``'s order, when the config rotates only part of each head."""
+    cfg = model.config
+    if cfg.rope_dim == cfg.head_dim:
+        return
+    perm = rotary_permutation(cfg.head_dim, cfg.rope_dim)
+    q, kv = cfg.q_size, cfg.kv_size
+    with torch.no_grad():
+        for layer in model.model.layers:
+            assert isinstance(layer, LlamaDecoderLayer)
+            attn = layer.self_attn
+            for param in (attn.qkv_proj.weight, attn.qkv_proj.bias):
+                if param is not None:
+                    permute_rotary_rows_(param.data[:q], cfg.num_heads, perm)
+                    permute_rotary_rows_(param.data[q : q + kv], cfg.num_kv_heads, perm)
+            for norm in (attn.q_norm, attn.k_norm):
+                if norm is not None:
+                    permute_rotary_rows_(norm.weight.data, 1, perm)
 
 
 def _targets(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
@@ -214,9 +272,30 @@ def _targets(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
     return out
 
 
-def _read_tensors(
-    file: Path, wanted: dict[str, torch.Tensor]
-) -> Iterator[tuple[str, torch.Tensor]]:
+def _fused_targets(model: LlamaForCausalLM) -> dict[str, tuple[torch.Tensor, tuple[str, ...]]]:
+    """Fused checkpoint names (Phi-3's) -> (the parameter they fill whole, the split names in
+    ``_targets`` they stand for). Our rows are in their order: ``[q | k | v]``, ``[gate | up]``."""
+    out: dict[str, tuple[torch.Tensor, tuple[str, ...]]] = {}
+    for i, layer in enumerate(model.model.layers):
+        assert isinstance(layer, LlamaDecoderLayer)
+        p = f"model.layers.{i}."
+        attn = layer.self_attn
+        for kind, param in (("weight", attn.qkv_proj.weight), ("bias", attn.qkv_proj.bias)):
+            if param is not None:
+                out[f"{p}self_attn.qkv_proj.{kind}"] = (
+                    param.data,
+                    tuple(f"{p}self_attn.{x}_proj.{kind}" for x in ("q", "k", "v")),
+                )
+        gate_up = getattr(layer.mlp, "gate_up_proj", None)  # a dense MLP's (not experts')
+        if isinstance(gate_up, Linear):
+            out[f"{p}mlp.gate_up_proj.weight"] = (
+                gate_up.weight.data,
+                (f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"),
+            )
+    return out
+
+
+def _read_tensors(file: Path, wanted: Collection[str]) -> Iterator[tuple[str, torch.Tensor]]:
     """The tensors of ``file`` named in ``wanted``, one at a time (on CPU)."""
     if file.suffix == ".safetensors":
         from safetensors import safe_open

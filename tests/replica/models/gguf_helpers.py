@@ -6,6 +6,13 @@ keys of ``general.architecture``, and a tokenizer with a chat template: byte-lev
 embedded model's vocabulary, a few merges; ``tokenizer.ggml.model`` ``gpt2``) or SentencePiece
 (a small vocabulary with scores, byte-fallback tokens; ``llama``).
 
+Phi-3 (``phi3``) as llama.cpp's converter writes it: ``blk.N.attn_qkv`` and ``blk.N.ffn_up``
+holding the checkpoint's fused ``qkv_proj`` and ``gate_up_proj`` as they are (not permuted),
+``phi3.rope.dimension_count`` the rotated dims (no ``attention.key_length``),
+``phi3.rope.scaling.original_context_length``, ``phi3.attention.sliding_window`` (0 for none)
+and, for LongRoPE, the F32 tensors ``rope_factors_long.weight`` / ``rope_factors_short.weight``
+and ``phi3.rope.scaling.attn_factor``.
+
 A file of architecture ``mistral`` keeps Hugging Face's Q/K layout: llama.cpp neither writes nor
 reads that architecture (it writes Mistral models as ``llama``), and ``tierserve.replica.models.gguf_loader``
 reads such a file's Q/K as stored.
@@ -18,6 +25,7 @@ of a comparison).
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +43,8 @@ from tierserve.replica.models.embedded import (
 )
 
 ARCH = {
-    "LlamaConfig": "llama", "MistralConfig": "llama", "Qwen2Config": "qwen2", "Qwen3Config": "qwen3"
+    "LlamaConfig": "llama", "MistralConfig": "llama", "Qwen2Config": "qwen2", "Qwen3Config": "qwen3",
+    "Phi3Config": "phi3",
 }
 PERMUTED_ARCHS = ("llama",)  # the architectures whose Q/K rows llama.cpp's converter permutes
 QUANTIZABLE = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
@@ -117,7 +126,7 @@ def write_gguf(
     chat_template: str | None = None,
     tokenizer: str = "gpt2",
 ) -> Path:
-    """Write ``model`` (a tiny ``transformers`` Llama/Mistral/Qwen2/Qwen3) to ``path`` in ``qtype``.
+    """Write ``model`` (a tiny ``transformers`` Llama/Mistral/Qwen2/Qwen3/Phi3) to ``path`` in ``qtype``.
     ``arch`` overrides ``general.architecture``; tensors named in ``skip`` are left out; a model
     with tied embeddings gets no ``output.weight`` (as llama.cpp writes one). ``tokenizer``:
     ``gpt2`` (byte-level BPE) or ``llama`` (SentencePiece: the model's vocabulary must be
@@ -136,10 +145,14 @@ def write_gguf(
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
-    w.add_rope_dimension_count(head_dim)
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_rope_freq_base(float(getattr(cfg, "rope_theta", None) or 10000.0))
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    if arch == "phi3":
+        _add_phi3_metadata(w, cfg, rope)
+    else:
+        w.add_rope_dimension_count(head_dim)
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    w.add_rope_freq_base(float(rope.get("rope_theta") or getattr(cfg, "rope_theta", None) or 1e4))
     w.add_layer_norm_rms_eps(float(cfg.rms_norm_eps))
     w.add_vocab_size(cfg.vocab_size)
     if tokenizer == "gpt2":
@@ -191,13 +204,20 @@ def write_gguf(
         "self_attn.o_proj": "attn_output",
         "self_attn.q_norm": "attn_q_norm",
         "self_attn.k_norm": "attn_k_norm",
+        "self_attn.qkv_proj": "attn_qkv",
         "mlp.gate_proj": "ffn_gate",
         "mlp.up_proj": "ffn_up",
+        "mlp.gate_up_proj": "ffn_up",
         "mlp.down_proj": "ffn_down",
         "input_layernorm": "attn_norm",
         "post_attention_layernorm": "ffn_norm",
     }
     state = model.state_dict()
+    if rope.get("rope_type") == "longrope":  # the converter's extra F32 tensors
+        for name in ("long_factor", "short_factor"):
+            gname = f"rope_factors_{name.split('_')[0]}.weight"
+            if gname not in skip:
+                w.add_tensor(gname, np.asarray(rope[name], dtype=np.float32))
     seed = 0
     for name, t in state.items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
@@ -222,6 +242,22 @@ def write_gguf(
     return path
 
 
+def _add_phi3_metadata(w: Any, cfg: Any, rope: dict[str, Any]) -> None:
+    """The rope and window keys llama.cpp's converter writes for a Phi-3 model."""
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    rot = int(rope.get("partial_rotary_factor", 1.0) * cfg.hidden_size) // cfg.num_attention_heads
+    assert getattr(cfg, "head_dim", head_dim) == head_dim, "phi3 files carry no key_length"
+    orig = cfg.original_max_position_embeddings
+    w.add_rope_dimension_count(rot)
+    w.add_rope_scaling_orig_ctx_len(orig)
+    w.add_sliding_window(cfg.sliding_window or 0)
+    if rope.get("rope_type") == "longrope":
+        scale = cfg.max_position_embeddings / orig
+        w.add_rope_scaling_attn_factors(
+            math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1 else 1.0
+        )
+
+
 def reference_from_file(path: Path, like: Any) -> Any:
     """A ``transformers`` model of ``like``'s class and config holding the tensors of GGUF file
     ``path``: dequantized, Q/K un-permuted where the helper permuted them (``PERMUTED_ARCHS``),
@@ -240,14 +276,17 @@ def reference_from_file(path: Path, like: Any) -> Any:
         "attn_output": "self_attn.o_proj",
         "attn_q_norm": "self_attn.q_norm",
         "attn_k_norm": "self_attn.k_norm",
+        "attn_qkv": "self_attn.qkv_proj",
         "ffn_gate": "mlp.gate_proj",
-        "ffn_up": "mlp.up_proj",
+        "ffn_up": "mlp.gate_up_proj" if arch == "phi3" else "mlp.up_proj",
         "ffn_down": "mlp.down_proj",
         "attn_norm": "input_layernorm",
         "ffn_norm": "post_attention_layernorm",
     }
     state: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
+        if str(t.name).startswith("rope_factors_"):  # config, not weights: like's config has them
+            continue
         arr = gguf.quants.dequantize(t.data, t.tensor_type)
         arr = np.asarray(arr, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])
         w = torch.from_numpy(arr.copy())

@@ -158,6 +158,22 @@ def tiny_hf_model(kind: str, seed: int = 0, **overrides: Any) -> Any:
     elif kind == "qwen3":  # per-head q/k norms; head_dim 32, not hidden / heads (16)
         cls = transformers.Qwen3Config
         base.update(num_key_value_heads=2, head_dim=32)
+    elif kind.startswith("phi3"):  # fused qkv_proj and gate_up_proj in the checkpoint
+        cls = transformers.Phi3Config
+        base.update(num_key_value_heads=2, sliding_window=None)
+        if kind in ("phi3-partial", "phi3-longrope"):  # as Phi-4-mini: 12 of 16 dims rotate
+            base.update(tie_word_embeddings=True)
+            base["rope_parameters"] = dict(
+                rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.75
+            )
+        if kind == "phi3-longrope":  # served within 128 positions: the short factors
+            base.update(original_max_position_embeddings=PHI3_LONGROPE_ORIGINAL)
+            base["rope_parameters"] = dict(
+                rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.75,
+                short_factor=list(PHI3_SHORT_FACTOR), long_factor=list(PHI3_LONG_FACTOR),
+            )
+        elif kind not in ("phi3", "phi3-partial"):
+            raise ValueError(kind)
     elif kind != "llama":
         raise ValueError(kind)
     base.update(overrides)
@@ -167,6 +183,7 @@ def tiny_hf_model(kind: str, seed: int = 0, **overrides: Any) -> Any:
         "Qwen2Config": transformers.Qwen2ForCausalLM,
         "MistralConfig": transformers.MistralForCausalLM,
         "Qwen3Config": transformers.Qwen3ForCausalLM,
+        "Phi3Config": transformers.Phi3ForCausalLM,
     }[cls.__name__]
     torch.manual_seed(seed)
     model = model_cls(config).eval()
@@ -178,8 +195,16 @@ def tiny_hf_model(kind: str, seed: int = 0, **overrides: Any) -> Any:
 
 TINY_KINDS = (
     "llama", "llama-gqa", "llama3-rope", "llama-tied", "llama-bias", "qwen2", "qwen2-yarn",
-    "mistral", "qwen3",
+    "mistral", "qwen3", "phi3", "phi3-partial", "phi3-longrope",
 )
+# The tiny LongRoPE Phi-3 ("phi3-longrope"): trained for 128 positions of its 512 (attention
+# factor sqrt(1 + ln 4 / ln 128)), one factor per frequency of its 12 rotary dims.
+PHI3_LONGROPE_ORIGINAL = 128
+PHI3_SHORT_FACTOR = (1.0, 1.1, 1.3, 1.6, 2.0, 2.5)
+PHI3_LONG_FACTOR = (1.2, 2.0, 4.0, 8.0, 16.0, 24.0)
+# The engine length each kind is served at where it matters (LongRoPE: within the original
+# context, so that the short factors, and transformers' tokens, apply).
+TINY_MAX_MODEL_LEN = {"phi3-longrope": PHI3_LONGROPE_ORIGINAL}
 
 
 def save_checkpoint(model: Any, path: Path, **save_kwargs: Any) -> Path:

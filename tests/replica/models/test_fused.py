@@ -6,6 +6,7 @@ the kernels are first imported; a run that imported them compiled for a GPU firs
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 
@@ -18,7 +19,12 @@ if not torch.cuda.is_available():
 from tests.replica.models.helpers import randomize_
 from tierserve.kernels import fused, reference, triton_attention
 from tierserve.kernels.metadata import SeqSpec, build_metadata
-from tierserve.replica.models.config import ModelConfig, YarnScaling, yarn_mscale
+from tierserve.replica.models.config import (
+    LongRopeScaling,
+    ModelConfig,
+    YarnScaling,
+    yarn_mscale,
+)
 from tierserve.replica.models.layers import RMSNorm, apply_rotary_, qk_norm_
 from tierserve.replica.models.llama import LlamaForCausalLM, ModelOptions
 
@@ -238,3 +244,31 @@ def test_the_fused_model_in_bf16_is_as_close_to_fp32_as_the_unfused_one(qk_norm:
     scale = want.abs().max().item()
     assert err_off < 0.05 * scale  # the bf16 model itself is sane
     assert err_on <= 2 * err_off + 0.01 * scale, (err_on, err_off, scale)
+
+
+def test_a_phi3_model_gives_the_same_logits_with_fused_kernels_on_and_off() -> None:
+    """Phi-3-style partial rotary (24 of 32 dims rotate: the heads' rows permuted at load, the
+    tables' pass-through columns cos 1, sin 0) with LongRoPE (the long factors: the model serves
+    128 positions of an original 8; its attention factor on the rotated columns only): the fused
+    rope kernel turns the whole head by the same tables as the torch ops."""
+    cfg = dataclasses.replace(
+        _tiny_config(),
+        architecture="Phi3ForCausalLM",
+        rotary_dim=24,
+        rope_scaling=LongRopeScaling(
+            short_factor=tuple(1.0 + 0.1 * i for i in range(12)),
+            long_factor=tuple(1.0 + i for i in range(12)),
+            original_max_position_embeddings=8,
+            attention_factor=1.2,
+        ),
+    )
+    on = LlamaForCausalLM(cfg, ModelOptions(attention_backend="triton", fused_kernels=True))
+    randomize_(on, seed=5)
+    off = LlamaForCausalLM(cfg, ModelOptions(attention_backend="triton", fused_kernels=False))
+    off.load_state_dict(on.state_dict())
+    on, off = on.to(DEVICE).eval(), off.to(DEVICE).eval()
+    assert torch.equal(on.model.rotary.cos[:, 12:].cpu(), torch.ones(128, 4))
+    (got, got_kv), (want, want_kv) = _run(on, torch.float32), _run(off, torch.float32)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    for a, b in zip(got_kv, want_kv, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

@@ -1,4 +1,4 @@
-"""GGUF checkpoints: tiny random Llama, Qwen2, Qwen3 and Mistral models written with the ``gguf``
+"""GGUF checkpoints: tiny random Llama, Qwen2, Qwen3, Mistral and Phi-3 models written with the ``gguf``
 package's writer (as llama.cpp lays them out) in every tensor type we support, loaded by our loader
 and by ``transformers`` (``gguf_file=``): logits close, greedy tokens equal; tokenizer and chat
 template from the file; every bad file refused with a message that names what is wrong."""
@@ -23,9 +23,10 @@ from tests.replica.models.gguf_helpers import (
     spm_vocab,
     write_gguf,
 )
-from tests.replica.models.helpers import PagedHarness, Work, tiny_hf_model
+from tests.replica.models.helpers import PHI3_LONGROPE_ORIGINAL, PagedHarness, Work, tiny_hf_model
 from tierserve.replica.models import catalog, gguf_loader
-from tierserve.replica.models.config import ModelLoadError
+from tierserve.replica.models.config import LongRopeScaling, ModelConfig, ModelLoadError
+from tierserve.replica.models.llama import ModelOptions
 from tierserve.replica.models.loader import load_model, load_model_config, load_tokenizer
 
 # Dimensions every block size divides (256 weights per K-quant block, 32 per Q8_0/Q4_x block).
@@ -177,6 +178,112 @@ def test_a_qwen3_file_with_its_own_head_dim(qtype: str, tmp_path: Path) -> None:
     got = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == [_hf_greedy(ref, p, 24) for p in prompts]
     assert llm.stats().preemptions > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0", "Q4_K"])
+def test_a_phi3_file_matches_transformers_on_the_same_file(qtype: str, tmp_path: Path) -> None:
+    """Phi-3 as llama.cpp writes it (``phi3``): Q/K/V fused in ``blk.N.attn_qkv`` and gate/up in
+    ``blk.N.ffn_up`` (read whole, not permuted), no window (``phi3.attention.sliding_window``
+    0); ``transformers`` loads the same file as the reference."""
+    src = tiny_hf_model("phi3", seed=3, **QUANT_DIMS)
+    path = write_gguf(src, tmp_path / f"phi3-{qtype}.gguf", qtype)
+    reader = gguf.GGUFReader(str(path))
+    names = {t.name for t in reader.tensors}
+    assert {"blk.0.attn_qkv.weight", "blk.0.ffn_up.weight"} <= names
+    assert not {"blk.0.attn_q.weight", "blk.0.ffn_gate.weight"} & names
+    assert reader.fields["phi3.attention.sliding_window"].contents() == 0
+    ours, _, cfg = load_model(str(path))
+    assert cfg.architecture == "Phi3ForCausalLM" and (cfg.head_dim, cfg.rotary_dim) == (64, None)
+    assert cfg.rope_scaling is None and cfg.sliding_window is None
+    _same_outputs(ours, _hf_from_gguf(path))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
+def test_a_phi4_mini_style_file_with_partial_rotary_and_longrope(
+    qtype: str, tmp_path: Path
+) -> None:
+    """The tiny Phi-4-mini-style model (12 of 16 dims rotate, LongRoPE, tied head) as llama.cpp
+    writes it: ``phi3.rope.dimension_count`` 12 and no key_length, the factors as the tensors
+    ``rope_factors_short`` / ``rope_factors_long``, ``phi3.rope.scaling.original_context_length``
+    and ``attn_factor``. The config is the checkpoint's (the factors and attention factor as
+    float32 keeps them); served within the original context it gives ``transformers``' tokens:
+    in F32 those of the checkpoint itself, in Q8_0 those of its model holding the file's
+    dequantized tensors (``transformers`` reads neither the rotary dims nor the factors of a
+    GGUF file)."""
+    src = tiny_hf_model("phi3-longrope", seed=11, intermediate_size=128)
+    path = write_gguf(src, tmp_path / f"phi4-{qtype}.gguf", qtype)
+    reader = gguf.GGUFReader(str(path))
+    assert reader.fields["phi3.rope.dimension_count"].contents() == 12
+    assert "phi3.attention.key_length" not in reader.fields
+    assert {"rope_factors_short.weight", "rope_factors_long.weight"} <= {
+        t.name for t in reader.tensors}
+    want = ModelConfig.from_hf(src.config)
+    cfg = load_model_config(str(path))
+    assert (cfg.head_dim, cfg.rotary_dim, cfg.tie_word_embeddings) == (16, 12, True)
+    got_rope, want_rope = cfg.rope_scaling, want.rope_scaling
+    assert isinstance(got_rope, LongRopeScaling) and isinstance(want_rope, LongRopeScaling)
+    assert got_rope.short_factor == want_rope.short_factor
+    assert got_rope.long_factor == want_rope.long_factor
+    assert got_rope.original_max_position_embeddings == PHI3_LONGROPE_ORIGINAL
+    assert got_rope.attention_factor == pytest.approx(want_rope.attention_factor, rel=1e-7)
+    options = ModelOptions(max_model_len=PHI3_LONGROPE_ORIGINAL)
+    ours, _, again = load_model(str(path), options=options)
+    assert again == cfg
+    _same_outputs(ours, src if qtype == "F32" else reference_from_file(path, src))
+
+
+def _copy_without_keys(src: Path, dst: Path, drop: tuple[str, ...]) -> Path:
+    """``src`` rewritten to ``dst`` with the metadata keys ``drop`` left out."""
+    reader = gguf.GGUFReader(str(src))
+    w = gguf.GGUFWriter(str(dst), str(reader.fields["general.architecture"].contents()))
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        if field.name in drop:
+            continue
+        if field.types[0] == gguf.GGUFValueType.ARRAY:
+            w.add_array(field.name, field.contents())
+        else:
+            w.add_key_value(field.name, field.contents(), field.types[0])
+    for t in reader.tensors:
+        w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+def test_a_phi3_file_with_broken_longrope_is_refused(tmp_path: Path) -> None:
+    src = tiny_hf_model("phi3-longrope")
+    half = write_gguf(src, tmp_path / "half.gguf", skip=("rope_factors_short.weight",))
+    _refused(half, r"half\.gguf: LongRoPE needs both rope_factors_short\.weight and "
+                   r"rope_factors_long\.weight; the file holds rope_factors_long\.weight only$")
+    whole = write_gguf(src, tmp_path / "whole.gguf")
+    key = "phi3.rope.scaling.original_context_length"
+    _refused(_copy_without_keys(whole, tmp_path / "no-orig.gguf", (key,)),
+             rf"no-orig\.gguf: the file has LongRoPE factors but lacks {key}$")
+    # Without its attn_factor the factor is LongRoPE's default for 512 of 128 positions.
+    plain = _copy_without_keys(whole, tmp_path / "no-attn.gguf", ("phi3.rope.scaling.attn_factor",))
+    scaling = load_model_config(str(plain)).rope_scaling
+    assert isinstance(scaling, LongRopeScaling)
+    assert scaling.attention_factor == pytest.approx(
+        (1 + np.log(4) / np.log(PHI3_LONGROPE_ORIGINAL)) ** 0.5, rel=1e-7)
+
+
+def test_a_phi3_file_without_its_fused_tensors_names_them(tmp_path: Path) -> None:
+    path = write_gguf(
+        tiny_hf_model("phi3"), tmp_path / "p3.gguf",
+        skip=("blk.0.attn_qkv.weight", "blk.1.ffn_up.weight"),
+    )
+    _refused(
+        path,
+        r"p3\.gguf lacks 2 tensor\(s\): model\.layers\.0\.self_attn\.qkv_proj\.weight "
+        r"\(blk\.0\.attn_qkv\.weight in the file\), model\.layers\.1\.mlp\.gate_up_proj\.weight "
+        r"\(blk\.1\.ffn_up\.weight in the file\)$",
+    )
 
 
 def test_tokenizer_and_chat_template_come_from_the_file(tmp_path: Path) -> None:
@@ -465,8 +572,8 @@ def test_unsupported_architecture_is_refused(tmp_path: Path) -> None:
     path = write_gguf(tiny_hf_model("llama"), tmp_path / "gpt2.gguf", arch="gpt2")
     _refused(
         path,
-        r"unsupported GGUF architecture 'gpt2'; supported: llama, mistral, qwen2, qwen3 "
-        r"\(Llama, Mistral, Qwen2 and Qwen3 models\)$",
+        r"unsupported GGUF architecture 'gpt2'; supported: llama, mistral, qwen2, qwen3, phi3 "
+        r"\(Llama, Mistral, Qwen2, Qwen3 and Phi-3 models\)$",
     )
 
 

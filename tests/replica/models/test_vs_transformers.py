@@ -12,6 +12,7 @@ import transformers
 
 from tests.replica.models.helpers import (
     TINY_KINDS,
+    TINY_MAX_MODEL_LEN,
     PagedHarness,
     Work,
     hf_state_dict,
@@ -19,7 +20,7 @@ from tests.replica.models.helpers import (
     tiny_hf_model,
 )
 from tierserve.replica.models.embedded import build_model
-from tierserve.replica.models.llama import LlamaForCausalLM
+from tierserve.replica.models.llama import LlamaForCausalLM, ModelOptions
 from tierserve.replica.models.loader import load_model
 
 pytestmark = pytest.mark.slow
@@ -54,7 +55,8 @@ def pair(
 ) -> tuple[Any, LlamaForCausalLM]:
     hf = tiny_hf_model(request.param)
     path = save_checkpoint(hf, tmp_path_factory.mktemp(request.param))
-    ours, _, cfg = load_model(str(path), dtype=torch.float32, device="cpu")
+    options = ModelOptions(max_model_len=TINY_MAX_MODEL_LEN.get(request.param))
+    ours, _, cfg = load_model(str(path), dtype=torch.float32, device="cpu", options=options)
     assert cfg.vocab_size == hf.config.vocab_size
     return hf, ours
 
