@@ -382,6 +382,9 @@ def test_weights_of_no_k_quant_form_stay_fp32() -> None:
     assert cpu_packing.pack_linear_quantized(q6, (cpu_abi.QUANT_K4, cpu_abi.QUANT_K5)) is None
     q5 = k_dequantized((32, 256), "Q5_K", 26)
     assert cpu_packing.pack_linear_quantized(q5, (cpu_abi.QUANT_K4,)) is None
+    # A fused layer of Q4_K rows beside Q6_K rows (qkv with a Q6_K v) fits no one form.
+    mixed = torch.cat([k_dequantized((32, 256), "Q4_K", 27), q6])
+    assert cpu_packing.pack_linear_quantized(mixed) is None
 
 
 @needs_native
