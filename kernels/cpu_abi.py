@@ -253,14 +253,27 @@ def packed_shape(out_features: int, in_features: int) -> tuple[int, int, int]:
 
 
 QUANT_BLOCK = 32  # inputs per block (the kernel's kQBlock)
-QUANT_BLOCK_BYTES = {4: 320, 8: 544}  # bytes per block of a panel (16 outputs x 32 inputs)
+# The K-quant forms' codes (the kernel's kFormK4 ...: 100 + the GGUF type's bits), passed where
+# Q4/Q8 pass 4 or 8: GGUF Q4_K's and Q5_K's w = fma(S, q, O), Q6_K's w = S * q, with fp32 S and O
+# per sub-block (see "K-quant forms" in the C++).
+QUANT_K4, QUANT_K5, QUANT_K6 = 104, 105, 106
+# bytes per block of a panel (16 outputs x 32 inputs), by form
+QUANT_BLOCK_BYTES = {4: 320, 8: 544, QUANT_K4: 384, QUANT_K5: 640, QUANT_K6: 640}
+QUANT_NAMES = {4: "4-bit", 8: "8-bit", QUANT_K4: "Q4_K", QUANT_K5: "Q5_K", QUANT_K6: "Q6_K"}
 
 
 def quantized_shape(out_features: int, in_features: int, bits: int) -> tuple[int, int]:
     """The shape (bytes) ``pack_linear_quantized`` gives an ``[out, in]`` weight at ``bits``."""
     if bits not in QUANT_BLOCK_BYTES:
-        raise NativeKernelError(f"quantized weights are 4 or 8 bits, got {bits}")
+        raise NativeKernelError(
+            f"quantized weights are 4 or 8 bits or a K-quant form ({QUANT_K4}, {QUANT_K5}, "
+            f"{QUANT_K6}), got {bits}"
+        )
     return (ceil_div(out_features, PANEL), in_features // QUANT_BLOCK * QUANT_BLOCK_BYTES[bits])
+
+
+def _form(bits: int) -> str:
+    return f"{bits} bits" if bits in (4, 8) else f"the {QUANT_NAMES.get(bits, '?')} form ({bits})"
 
 
 def check_quantized(packed: torch.Tensor, bits: int, out_features: int, k: int) -> None:
@@ -274,7 +287,7 @@ def check_quantized(packed: torch.Tensor, bits: int, out_features: int, k: int) 
     if packed.dtype != torch.uint8 or tuple(packed.shape) != quantized_shape(out_features, k, bits):
         raise NativeKernelError(
             f"the quantized weight {packed.dtype} {tuple(packed.shape)} is not "
-            f"[{out_features} outputs, {k} inputs] at {bits} bits (expected uint8 "
+            f"[{out_features} outputs, {k} inputs] at {_form(bits)} (expected uint8 "
             f"{quantized_shape(out_features, k, bits)})"
         )
 

@@ -2,8 +2,8 @@
 
 - ``pack_linear``: an fp32 ``[out, in]`` weight as panels of 16 output features, the layout
   ``cpu_ops.linear`` reads (``unpack_linear`` gives it back);
-- ``pack_linear_quantized``: a weight that is exactly a Q4_1/Q8_0 dequantization as quantized
-  panels, read by ``cpu_ops.linear_quantized`` (see below);
+- ``pack_linear_quantized``: a weight that is exactly a Q4_1/Q8_0 or Q4_K/Q5_K/Q6_K
+  dequantization as quantized panels, read by ``cpu_ops.linear_quantized`` (see below);
 - ``pack_weight``: what ``tierserve.replica.models.layers.Linear.pack_for_cpu`` asks for: a
   layer's weight in whichever of the two forms fits it, and in the default mode from which row
   count the library GEMM takes over (``cpu_calibration.library_rows``), or None where it stays
@@ -28,6 +28,9 @@ from tierserve.kernels import cpu_calibration, cpu_native
 from tierserve.kernels.cpu_abi import (
     PANEL,
     QUANT_BLOCK,
+    QUANT_K4,
+    QUANT_K5,
+    QUANT_K6,
     NativeKernelError,
     check_quantized,
     packed_shape,
@@ -77,6 +80,18 @@ def unpack_linear(packed: torch.Tensor, out_features: int) -> torch.Tensor:
 # the same FMA chain over k as on the fp32 panels: the same bits as ``cpu_ops.linear`` (the
 # deterministic mode and batch invariance hold). ``pack_linear_quantized`` finds d, m and q and
 # checks every weight; a layer with any block that is not such a dequantization stays fp32.
+#
+# GGUF's K-quants have their own forms (codes ``QUANT_K4``, ``QUANT_K5``, ``QUANT_K6`` where Q4/Q8
+# pass 4 or 8): per sub-block an fp32 scale S (and offset O), w = fma(S, q, O) for Q4_K and Q5_K
+# (the loader's S * q - M: S * q is exact, so one rounding either way) and w = S * q for Q6_K
+# (exact), the same fp32 weights again. The packer finds S and O from the fp32 weight alone (the
+# prepared cache keeps no GGUF types) and checks every weight, as for Q4/Q8.
+
+# The forms ``pack_weight`` tries, fewest bytes first (320, 384, 544, 640, 640 per 16 x 32
+# block, against 2,048 in fp32). Each is faster than fp32 panels at decode row counts here
+# (docs/models.md has the figures); where the library GEMM is faster at more rows,
+# ``cpu_calibration.library_rows`` hands those over as for fp32 panels.
+QUANT_FORMS = (4, QUANT_K4, 8, QUANT_K5, QUANT_K6)
 
 ENV_QUANTIZED = "TIERSERVE_QUANTIZED_WEIGHTS"
 
@@ -93,11 +108,11 @@ def quantized_enabled() -> bool:
 
 
 def pack_linear_quantized(
-    weight: torch.Tensor, bits_tried: Sequence[int] = (4, 8)
+    weight: torch.Tensor, bits_tried: Sequence[int] = QUANT_FORMS
 ) -> tuple[torch.Tensor, int] | None:
     """``weight`` ``[out, in]`` (fp32, CPU) as quantized panels (``(packed, bits)``, the first of
-    ``bits_tried`` that gives back every weight exactly), or None when it is no such
-    dequantization (or ``in`` is not a multiple of 32)."""
+    ``bits_tried`` that gives back every weight exactly: 4, 8 or a K-quant form's code), or None
+    when it is no such dequantization (or ``in`` is not a multiple of 32)."""
     lib = cpu_native.lib_or_raise()
     if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
         raise NativeKernelError(
@@ -108,6 +123,8 @@ def pack_linear_quantized(
     if n == 0 or k == 0 or k % QUANT_BLOCK:
         return None
     w = weight.contiguous()
+    for bits in bits_tried:
+        quantized_shape(n, k, bits)  # an unknown form: refused before anything is packed
     for bits in bits_tried:
         packed = torch.empty(quantized_shape(n, k, bits), dtype=torch.uint8)
         rc = lib.ts_pack_linear_q(w, n, k, bits, packed, torch.get_num_threads())
@@ -149,8 +166,9 @@ def unpack_weight(
 class PackedLinear:
     """A linear layer's weight as the native kernel reads it: ``weight`` the fp32 panels of
     ``pack_linear`` (``bits`` None) or the quantized panels of ``pack_linear_quantized``
-    (``bits`` 4 or 8); ``library`` ``(rows, [out, in] weight)`` where the library GEMM takes over
-    from ``rows`` rows on (the default mode, where it is clearly faster here), else None."""
+    (``bits`` 4, 8 or a K-quant form's code, ``cpu_abi.QUANT_K4`` ...); ``library``
+    ``(rows, [out, in] weight)`` where the library GEMM takes over from ``rows`` rows on (the
+    default mode, where it is clearly faster here), else None."""
 
     weight: torch.Tensor
     bits: int | None

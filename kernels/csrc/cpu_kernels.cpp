@@ -1307,6 +1307,448 @@ void linear_q_panels(const LinearArgs& a, int64_t m, int64_t row_block, const ui
   });
 }
 
+// ----------------------------------------------------------------------------- K-quant forms
+//
+// GGUF's K-quants (Q4_K, Q5_K, Q6_K) keep fp16 scales per superblock of 256 inputs and small
+// integer scales per sub-block; the loader's dequantization (the gguf package, in fp32, each op
+// rounded) gives, per sub-block, Q4_K and Q5_K: w = S * q - M with S = d * sc and M = dmin * m
+// (d, dmin fp16; sc, m 6-bit; q 0 .. 15 or 0 .. 31), and Q6_K: w = S * q with S = d * sc (sc
+// int8, q -32 .. 31, sub-blocks of 16). S * q is exact in fp32 (at most 11 + 6 + 5 significant
+// bits; 11 + 8 + 6 for Q6_K), so Q4_K's and Q5_K's w is the one rounding of S * q - M, which is
+// fma(S, q, -M) (or S * q + (-M) without FMA: the same value), and Q6_K's w is S * q itself.
+// These forms keep S (and -M) per sub-block as fp32 and q as it is; the kernel computes each
+// weight with that one operation, the loader's fp32 weight bit for bit, then the same FMA chain
+// over k as on the fp32 panels (same bits, as for Q4/Q8 above).
+//
+// ts_pack_linear_q finds the form from the fp32 weight alone (the prepared cache holds no GGUF
+// types) and checks every weight: per sub-block it estimates S from the gaps between the
+// weights, tries the S = fp16 x (1 .. 63) near it, and takes for -M any fp32 that every weight's
+// rounding interval allows; Q6_K's S is the greatest magnitude over the greatest |q|. Any S and
+// offset that give back every weight exactly will do; a layer with any sub-block of no such form
+// stays fp32.
+//
+// Layout: panels of 16 outputs, k / 32 blocks of 32 inputs each; a block is
+//   K4 (Q4_K): S[16], O[16] (fp32, O = -M), then 16 lines of 16 bytes as Q4's (low nibble input
+//       2i, high 2i + 1)                                             (384 bytes: 5.3x smaller)
+//   K5 (Q5_K): S[16], O[16] (fp32), then 32 lines of 16 bytes: line i output j's q for input i
+//                                                                    (640 bytes: 3.2x smaller)
+//   K6 (Q6_K): S0[16] (inputs 0 .. 15), S1[16] (16 .. 31) (fp32), then 32 lines of 16 int8
+//                                                                    (640 bytes)
+// Zero weights pad the last panel (S = O = q = 0). The codes (the `bits` argument of the
+// exports) are 100 + the K-quant's bits.
+constexpr int kFormK4 = 104, kFormK5 = 105, kFormK6 = 106;
+constexpr int64_t kKHead = 2 * 4 * kPanel;  // the two fp32 vectors before the lines
+constexpr int64_t kK4Bytes = kKHead + kQBlock / 2 * kPanel;
+constexpr int64_t kK5Bytes = kKHead + kQBlock * kPanel;
+constexpr int64_t kK6Bytes = kKHead + kQBlock * kPanel;
+
+inline bool is_k_form(int form) { return form == kFormK4 || form == kFormK5 || form == kFormK6; }
+inline int64_t k_block_bytes(int form) { return form == kFormK4 ? kK4Bytes : kK5Bytes; }
+
+// The doubles that round to the finite fp32 f lie strictly between *lo and *hi.
+inline void rounding_interval(float f, double* lo, double* hi) {
+  const double below = static_cast<double>(f) - static_cast<double>(std::nextafter(f, -__builtin_inff()));
+  const double above = static_cast<double>(std::nextafter(f, __builtin_inff())) - static_cast<double>(f);
+  *lo = static_cast<double>(f) - below / 2;
+  *hi = static_cast<double>(f) + above / 2;
+}
+
+// The weights w[0 .. 32) (least lo, rounding intervals (a[i], b[i])) as fma(s, q[i], o) with q[i]
+// in 0 .. qmax, for this s: each q relative to the least weight's, the offsets every weight's
+// interval allows ([olo, ohi] with the least weight's q at 0; s * q0 less with it at q0), then for
+// each place q0 the fp32 o nearest the middle (and its neighbours: the bounds were computed in
+// double), checked with the kernel's own operation.
+bool affine_offset(const float* w, const double* a, const double* b, float s, int qmax, float lo,
+                   float* o_out, int* q) {
+  int rel[kQBlock], rmax = 0;
+  double olo = -1e300, ohi = 1e300;
+  for (int i = 0; i < kQBlock; ++i) {
+    const double t = std::nearbyint((static_cast<double>(w[i]) - lo) / s);
+    if (!(t >= 0.0 && t <= qmax)) return false;
+    rel[i] = static_cast<int>(t);
+    rmax = std::max(rmax, rel[i]);
+    const double p = static_cast<double>(s) * rel[i];  // exact: 24 + 5 bits
+    olo = std::max(olo, a[i] - p);
+    ohi = std::min(ohi, b[i] - p);
+  }
+  if (olo > ohi + 1e-30 * std::fabs(ohi)) return false;
+  for (int q0 = 0; q0 + rmax <= qmax; ++q0) {
+    const float mid = static_cast<float>((olo + ohi) / 2 - static_cast<double>(s) * q0);
+    const float inf = __builtin_inff();
+    for (const float o : {mid, std::nextafter(mid, -inf), std::nextafter(mid, inf)}) {
+      bool ok = std::fabs(o) <= 3.4e38f;
+      for (int i = 0; i < kQBlock && ok; ++i)
+        ok = same_bits(fmadd(s, static_cast<float>(q0 + rel[i]), o), w[i]);
+      if (ok) {
+        for (int i = 0; i < kQBlock; ++i) q[i] = q0 + rel[i];
+        *o_out = o;
+        return true;
+      }
+    }
+  }
+  return false;
+}
+
+// 32 weights as fma(S, q, O) with S = fp16 x (1 .. 63) (Q4_K's and Q5_K's sub-block scale),
+// q in 0 .. qmax, O any fp32; true if found (every weight checked). *d_hint: the fp16 of the
+// last block's S (a K-quant shares it over a superblock of 8 blocks), tried first; updated.
+bool affine_block(const float* w, int qmax, float* s_out, float* o_out, int* q, uint16_t* d_hint) {
+  float lo = w[0], hi = w[0];
+  for (int i = 0; i < kQBlock; ++i) {
+    if (!(std::fabs(w[i]) <= 3.4e38f)) return false;  // inf, nan
+    lo = std::min(lo, w[i]);
+    hi = std::max(hi, w[i]);
+  }
+  if (lo == hi) {  // one value (+0 and -0 compare equal: the check tells them apart)
+    for (const float s : {0.0f, -0.0f}) {
+      bool ok = true;
+      for (int i = 0; i < kQBlock && ok; ++i) ok = same_bits(fmadd(s, 0.0f, w[0]), w[i]);
+      if (ok) {
+        *s_out = s;
+        *o_out = w[0];
+        for (int i = 0; i < kQBlock; ++i) q[i] = 0;
+        return true;
+      }
+    }
+    return false;
+  }
+  double a[kQBlock], b[kQBlock];
+  for (int i = 0; i < kQBlock; ++i) rounding_interval(w[i], &a[i], &b[i]);
+  float v[kQBlock];
+  std::memcpy(v, w, sizeof v);
+  std::sort(v, v + kQBlock);
+  double gap = 1e300;  // the least gap between two distinct weights: S times a small integer
+  for (int i = 1; i < kQBlock; ++i)
+    if (v[i] > v[i - 1]) gap = std::min(gap, static_cast<double>(v[i]) - v[i - 1]);
+  const double span = static_cast<double>(hi) - lo;
+  // Each weight is within half an ulp of S q + O: S from the span is this close.
+  const double wmax = std::max(std::fabs(static_cast<double>(lo)), std::fabs(static_cast<double>(hi)));
+  const double ulp = wmax * 1.1920928955078125e-07;  // 2^-23 wmax: at least an ulp of any weight
+  float tried = -1.0f;
+  auto attempt = [&](uint16_t h, int sc) {
+    const float s = half_to_float(h) * static_cast<float>(sc);  // exact: 11 + 6 bits
+    if (s == tried) return false;
+    tried = s;
+    if (!affine_offset(w, a, b, s, qmax, lo, o_out, q)) return false;
+    *s_out = s;
+    *d_hint = h;
+    return true;
+  };
+  for (int div = 1; div <= qmax; ++div) {
+    const double steps = std::nearbyint(span / (gap / div));
+    if (!(steps >= 1.0 && steps <= qmax)) continue;
+    const double est = span / steps, tol = 1.5 * ulp / steps + est * 1e-12;
+    if (*d_hint) {  // the superblock's d, the scale nearest est
+      const double d = half_to_float(*d_hint);
+      const int sc = static_cast<int>(std::nearbyint(est / d));
+      if (sc >= 1 && sc <= 63 && std::fabs(d * sc - est) <= tol && attempt(*d_hint, sc)) return true;
+    }
+    for (int sc = 1; sc <= 63; ++sc) {
+      const double dlo = (est - tol) / sc, dhi = (est + tol) / sc;
+      if (!(dhi > 0.0) || dlo > 65504.0) continue;
+      // The fp16 values in [dlo, dhi] (a few at most: stop after 4).
+      uint16_t h = dlo > 0.0 ? half_below(static_cast<float>(dlo)) : 1;
+      for (int c = 0; c < 4 && h <= 0x7bff; ++c, ++h) {
+        const float d = half_to_float(h);
+        if (d < dlo) continue;
+        if (d > dhi) break;
+        if (attempt(h, sc)) return true;
+      }
+    }
+  }
+  return false;
+}
+
+// 16 weights as s * q (Q6_K's sub-block: s = fp16 x int8, q in -32 .. 31, kept as int8), each
+// product exact and checked; -0 weights need a negative s (s * 0 is then -0), +0 a positive one,
+// except where s is 0 and every weight a zero (-0 from a negative q).
+bool scaled_group(const float* w, float* s_out, int8_t* q) {
+  float amax = 0.0f;
+  bool neg0 = false, pos0 = false;
+  for (int i = 0; i < 16; ++i) {
+    if (!(std::fabs(w[i]) <= 3.4e38f)) return false;
+    amax = std::max(amax, std::fabs(w[i]));
+    if (w[i] == 0.0f) (std::signbit(w[i]) ? neg0 : pos0) = true;
+  }
+  if (amax == 0.0f) {  // s = 0 (Q6_K's sc 0): +0 * q is -0 for a negative q
+    *s_out = 0.0f;
+    for (int i = 0; i < 16; ++i) q[i] = std::signbit(w[i]) ? -1 : 0;
+    return true;
+  }
+  if (neg0 && pos0) return false;
+  const float sign = neg0 ? -1.0f : 1.0f;
+  // The weight of greatest magnitude is s times the greatest |q|: amax / that is s exactly.
+  for (int top = 1; top <= 128; ++top) {
+    const float s = sign * (amax / static_cast<float>(top));
+    bool ok = true;
+    for (int i = 0; i < 16 && ok; ++i) {
+      const float r = std::nearbyint(w[i] / s);
+      ok = r >= -128.0f && r <= 127.0f && same_bits(s * r, w[i]);
+      if (ok) q[i] = static_cast<int8_t>(r);
+    }
+    if (ok) {
+      *s_out = s;
+      return true;
+    }
+  }
+  return false;
+}
+
+// One block of 32 weights w (output j of a panel) in K-quant form `form` into the panel's block:
+// true if every weight is given back exactly. d_hint: see affine_block (0 at a row's start).
+bool k_quantize_block(const float* w, int form, int j, uint8_t* blk, uint16_t* d_hint) {
+  float head[2];
+  uint8_t* lines = blk + kKHead;
+  if (form == kFormK6) {
+    int8_t q[kQBlock];
+    if (!scaled_group(w, &head[0], q) || !scaled_group(w + 16, &head[1], q + 16)) return false;
+    for (int i = 0; i < kQBlock; ++i) lines[i * kPanel + j] = static_cast<uint8_t>(q[i]);
+  } else {
+    int q[kQBlock];
+    if (!affine_block(w, form == kFormK4 ? 15 : 31, &head[0], &head[1], q, d_hint)) return false;
+    if (form == kFormK4) {
+      for (int i = 0; i < kQBlock; i += 2)
+        lines[i / 2 * kPanel + j] = static_cast<uint8_t>(q[i] | (q[i + 1] << 4));
+    } else {
+      for (int i = 0; i < kQBlock; ++i) lines[i * kPanel + j] = static_cast<uint8_t>(q[i]);
+    }
+  }
+  std::memcpy(blk + 4 * j, &head[0], 4);
+  std::memcpy(blk + 4 * (kPanel + j), &head[1], 4);
+  return true;
+}
+
+// Block blk of a K form dequantized into out[32][16] (the fp32 panel layout), each weight with
+// the kernel's operation: fma(S, q, O) (K4, K5) or S * q (K6).
+void k_dequant_block(const uint8_t* blk, int form, float* out) {
+  float s[kPanel], o[kPanel];
+  std::memcpy(s, blk, sizeof s);
+  std::memcpy(o, blk + 4 * kPanel, sizeof o);
+  const uint8_t* lines = blk + kKHead;
+  for (int i = 0; i < kQBlock; ++i) {
+    float* row = out + i * kPanel;
+    if (form == kFormK4) {
+      const uint8_t* line = lines + i / 2 * kPanel;
+      const int shift = (i & 1) * 4;
+#pragma omp simd
+      for (int j = 0; j < kPanel; ++j)
+        row[j] = fmadd(s[j], static_cast<float>((line[j] >> shift) & 15), o[j]);
+    } else if (form == kFormK5) {
+      const uint8_t* line = lines + i * kPanel;
+#pragma omp simd
+      for (int j = 0; j < kPanel; ++j) row[j] = fmadd(s[j], static_cast<float>(line[j]), o[j]);
+    } else {
+      const int8_t* line = reinterpret_cast<const int8_t*>(lines + i * kPanel);
+      const float* sc = i < 16 ? s : o;
+#pragma omp simd
+      for (int j = 0; j < kPanel; ++j) row[j] = sc[j] * static_cast<float>(line[j]);
+    }
+  }
+}
+
+// Panel wq's k / 32 blocks of a K form dequantized into out[k][16].
+void k_dequant_panel(const uint8_t* wq, int64_t k, int form, float* out) {
+  const int64_t bb = k_block_bytes(form);
+  for (int64_t b = 0; b < k / kQBlock; ++b)
+    k_dequant_block(wq + b * bb, form, out + b * kQBlock * kPanel);
+}
+
+#if defined(__AVX512F__)
+// Input i's 16 weights of a K-form block (s, o: its two fp32 vectors), as k_dequant_block.
+template <int FORM>
+inline __m512 k_weights(const uint8_t* blk, int i, __m512 s, __m512 o) {
+  const uint8_t* lines = blk + kKHead;
+  const __m128i line = _mm_loadu_si128(
+      reinterpret_cast<const __m128i*>(lines + (FORM == kFormK4 ? i / 2 : i) * kPanel));
+  if constexpr (FORM == kFormK4) {
+    __m512i qs = _mm512_cvtepu8_epi32(line);
+    qs = (i & 1) ? _mm512_srli_epi32(qs, 4) : _mm512_and_si512(qs, _mm512_set1_epi32(15));
+    return _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(qs), o);
+  } else if constexpr (FORM == kFormK5) {
+    return _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(line)), o);
+  } else {
+    return _mm512_mul_ps(i < 16 ? s : o, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(line)));
+  }
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+// Half h (outputs 8h .. 8h + 7) of input i's weights of a K-form block (s, o: that half of its
+// two fp32 vectors), as k_dequant_block.
+template <int FORM>
+inline __m256 k_weights(const uint8_t* blk, int i, int h, __m256 s, __m256 o) {
+  const uint8_t* lines = blk + kKHead;
+  const __m128i line = _mm_loadl_epi64(
+      reinterpret_cast<const __m128i*>(lines + (FORM == kFormK4 ? i / 2 : i) * kPanel + 8 * h));
+  if constexpr (FORM == kFormK4) {
+    __m256i qs = _mm256_cvtepu8_epi32(line);
+    qs = (i & 1) ? _mm256_srli_epi32(qs, 4) : _mm256_and_si256(qs, _mm256_set1_epi32(15));
+    return _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(qs), o);
+  } else if constexpr (FORM == kFormK5) {
+    return _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(line)), o);
+  } else {
+    return _mm256_mul_ps(i < 16 ? s : o, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(line)));
+  }
+}
+#endif
+
+// R rows x NP panels of y straight from K-form panels (wq: the first panel; the next qstride
+// bytes on), each weight computed as it is used: the same FMA chain per output as linear_tile
+// on the dequantized panel.
+template <int R, int NP, int FORM>
+inline void linear_tile_k(const LinearArgs& a, int64_t row, const uint8_t* wq, int64_t qstride,
+                          int64_t col) {
+  const float* x = a.x + row * a.x_stride;
+  constexpr int64_t bb = FORM == kFormK4 ? kK4Bytes : kK5Bytes;
+  const int64_t blocks = a.k / kQBlock;
+  Acc<R, NP> acc;
+  acc.zero();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t k0 = b * kQBlock;
+#if defined(__AVX512F__)
+    __m512 sv[NP], ov[NP];
+#pragma GCC unroll 4
+    for (int q = 0; q < NP; ++q) {
+      const uint8_t* blk = wq + q * qstride + b * bb;
+      for (int64_t off = 0; off < bb; off += 64) __builtin_prefetch(blk + 4 * bb + off);
+      sv[q] = _mm512_loadu_ps(reinterpret_cast<const float*>(blk));
+      ov[q] = _mm512_loadu_ps(reinterpret_cast<const float*>(blk) + kPanel);
+    }
+#pragma GCC unroll 2
+    for (int i = 0; i < kQBlock; ++i) {
+      __m512 wv[NP];
+#pragma GCC unroll 4
+      for (int q = 0; q < NP; ++q) wv[q] = k_weights<FORM>(wq + q * qstride + b * bb, i, sv[q], ov[q]);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+        for (int q = 0; q < NP; ++q) acc.fma(r, q, x[r * a.x_stride + k0 + i], wv[q]);
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 sv[2 * NP], ov[2 * NP];
+#pragma GCC unroll 4
+    for (int q = 0; q < NP; ++q) {
+      const uint8_t* blk = wq + q * qstride + b * bb;
+      for (int64_t off = 0; off < bb; off += 64) __builtin_prefetch(blk + 4 * bb + off);
+      const float* f = reinterpret_cast<const float*>(blk);
+      sv[2 * q] = _mm256_loadu_ps(f);
+      sv[2 * q + 1] = _mm256_loadu_ps(f + 8);
+      ov[2 * q] = _mm256_loadu_ps(f + kPanel);
+      ov[2 * q + 1] = _mm256_loadu_ps(f + kPanel + 8);
+    }
+    for (int i = 0; i < kQBlock; ++i) {
+      __m256 wv[2 * NP];
+#pragma GCC unroll 4
+      for (int j = 0; j < 2 * NP; ++j)
+        wv[j] = k_weights<FORM>(wq + j / 2 * qstride + b * bb, i, j & 1, sv[j], ov[j]);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+        for (int j = 0; j < 2 * NP; ++j) acc.fma(r, j, x[r * a.x_stride + k0 + i], wv[j]);
+    }
+#else
+    float wb[NP][kQBlock * kPanel];
+    for (int q = 0; q < NP; ++q) k_dequant_block(wq + q * qstride + b * bb, FORM, wb[q]);
+    for (int i = 0; i < kQBlock; ++i)
+      for (int r = 0; r < R; ++r)
+        for (int q = 0; q < NP; ++q) acc.fma(r, q, x[r * a.x_stride + k0 + i], wb[q] + i * kPanel);
+#endif
+  }
+  acc.store(a, row, col);
+}
+
+// The fused K-form tile of exactly rem rows (0 < rem <= R), against one panel or a pair.
+template <int R, int FORM>
+inline void linear_fused_k(const LinearArgs& a, int64_t row, int rem, const uint8_t* wq,
+                           int64_t qstride, int64_t col, bool pair) {
+  if constexpr (R >= 1) {
+    if (rem == R) {
+      if (pair) linear_tile_k<R, 2, FORM>(a, row, wq, qstride, col);
+      else linear_tile_k<R, 1, FORM>(a, row, wq, qstride, col);
+      return;
+    }
+    linear_fused_k<R - 1, FORM>(a, row, rem, wq, qstride, col, pair);
+  }
+}
+
+// Panels p0 .. p1 - 1 of a K-form weight for all m rows (one thread's share), as
+// linear_q_panels: fused tiles for up to 2 kQFusedRows rows, else a pair of panels dequantized
+// into the thread's scratch buffer at a time.
+template <int FORM>
+void linear_k_panels(const LinearArgs& a, int64_t m, int64_t row_block, const uint8_t* packed,
+                     int64_t p0, int64_t p1) {
+  const int64_t qstride = a.k / kQBlock * k_block_bytes(FORM);
+  if (m <= 2 * kQFusedRows) {
+    const int first = static_cast<int>(m <= kQFusedRows ? m : (m + 1) / 2);
+    for (int64_t p = p0; p < p1; p += 2) {
+      linear_fused_k<kQFusedRows, FORM>(a, 0, first, packed + p * qstride, qstride, p * kPanel,
+                                        p + 1 < p1);
+      if (m > first)
+        linear_fused_k<kQFusedRows, FORM>(a, first, static_cast<int>(m - first),
+                                          packed + p * qstride, qstride, p * kPanel, p + 1 < p1);
+    }
+    return;
+  }
+  static thread_local std::vector<float> scratch;
+  scratch.resize(static_cast<size_t>(2 * a.k * kPanel));
+  float* s = scratch.data();
+  linear_panels(a, m, row_block, p0, p1, [&](int64_t p, bool pair) {
+    for (int q = 0; q < (pair ? 2 : 1); ++q)
+      k_dequant_panel(packed + (p + q) * qstride, a.k, FORM, s + q * a.k * kPanel);
+    return static_cast<const float*>(s);
+  });
+}
+
+// The K forms' halves of ts_pack_linear_q, ts_unpack_linear_q and ts_linear_q (same contracts).
+int pack_k(const float* w, int64_t n, int64_t k, int form, uint8_t* packed, int num_threads) {
+  if (n <= 0 || k <= 0 || k % kQBlock) return -1;
+  const int64_t panels = (n + kPanel - 1) / kPanel, blocks = k / kQBlock;
+  const int64_t bb = k_block_bytes(form);
+  int failed = 0;
+#pragma omp parallel for schedule(static) num_threads(num_threads) reduction(| : failed)
+  for (int64_t p = 0; p < panels; ++p) {
+    if (failed) continue;
+    uint8_t* panel = packed + p * blocks * bb;
+    std::memset(panel, 0, static_cast<size_t>(blocks * bb));
+    for (int j = 0; j < kPanel && !failed; ++j) {
+      const int64_t row = p * kPanel + j;
+      if (row >= n) break;
+      uint16_t d_hint = 0;
+      for (int64_t b = 0; b < blocks && !failed; ++b)
+        if (!k_quantize_block(w + row * k + b * kQBlock, form, j, panel + b * bb, &d_hint)) failed = 1;
+    }
+  }
+  return failed ? 1 : 0;
+}
+
+int unpack_k(const uint8_t* packed, int64_t n, int64_t k, int form, float* out, int num_threads) {
+  if (n <= 0 || k <= 0 || k % kQBlock) return -1;
+  const int64_t panels = (n + kPanel - 1) / kPanel;
+  const int64_t qstride = k / kQBlock * k_block_bytes(form);
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+  for (int64_t p = 0; p < panels; ++p) k_dequant_panel(packed + p * qstride, k, form, out + p * k * kPanel);
+  return 0;
+}
+
+int linear_k(const float* x, int64_t x_stride, int64_t m, int64_t k, const uint8_t* packed,
+             int form, int64_t n, const float* bias, float* y, int64_t y_stride, int num_threads) {
+  if (m < 0 || k <= 0 || n <= 0 || k % kQBlock || (m > 1 && (x_stride < k || y_stride < n)))
+    return -1;
+  if (m == 0) return 0;
+  const LinearArgs a{x, x_stride, k, n, bias, y, y_stride};
+  const int64_t panels = (n + kPanel - 1) / kPanel;
+  const int64_t pairs = (panels + 1) / 2;
+  const int64_t row_block = std::max(kRowBlockMin, kRowBlockBytes / (4 * k) / 48 * 48);
+#pragma omp parallel num_threads(num_threads) if (pairs > 1 && m * n * k >= kParallelMacs)
+  {
+    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t p0 = std::min(panels, 2 * (pairs * t / nt));
+    const int64_t p1 = std::min(panels, 2 * (pairs * (t + 1) / nt));
+    if (form == kFormK4) linear_k_panels<kFormK4>(a, m, row_block, packed, p0, p1);
+    else if (form == kFormK5) linear_k_panels<kFormK5>(a, m, row_block, packed, p0, p1);
+    else linear_k_panels<kFormK6>(a, m, row_block, packed, p0, p1);
+  }
+  return 0;
+}
+
 }  // namespace
 
 extern "C" {
@@ -1583,11 +2025,13 @@ int ts_linear_f32(const float* x, int64_t x_stride, int64_t m, int64_t k, const 
 }
 
 // w: [n, k] row-major fp32 -> packed: its quantized panels (see "quantized weights"), bits 4 or
-// 8; packed holds ceil(n / 16) * (k / 32) blocks of 320 (Q4) or 544 (Q8) bytes. Returns 0; 1
+// 8, or a K form's code (104, 105, 106: see "K-quant forms"); packed holds ceil(n / 16) * (k / 32)
+// blocks of 320 (Q4), 544 (Q8), 384 (K4) or 640 (K5, K6) bytes. Returns 0; 1
 // when some block of w is not such a dequantization exactly (packed is then of no use); -1 on
-// sizes that do not fit (k not a multiple of 32, bits not 4 or 8).
+// sizes that do not fit (k not a multiple of 32, bits none of these).
 int ts_pack_linear_q(const float* w, int64_t n, int64_t k, int32_t bits, uint8_t* packed,
                      int num_threads) {
+  if (is_k_form(bits)) return pack_k(w, n, k, bits, packed, num_threads);
   if (n <= 0 || k <= 0 || k % kQBlock || (bits != 4 && bits != 8)) return -1;
   const int64_t panels = (n + kPanel - 1) / kPanel, blocks = k / kQBlock;
   const int64_t bb = q_block_bytes(bits);
@@ -1610,6 +2054,7 @@ int ts_pack_linear_q(const float* w, int64_t n, int64_t k, int32_t bits, uint8_t
 // The fp32 panels (ts_pack_linear_f32's layout, [ceil(n / 16), k, 16]) of a quantized weight.
 int ts_unpack_linear_q(const uint8_t* packed, int64_t n, int64_t k, int32_t bits, float* out,
                        int num_threads) {
+  if (is_k_form(bits)) return unpack_k(packed, n, k, bits, out, num_threads);
   if (n <= 0 || k <= 0 || k % kQBlock || (bits != 4 && bits != 8)) return -1;
   const int64_t panels = (n + kPanel - 1) / kPanel;
   const int64_t qstride = k / kQBlock * q_block_bytes(bits);
@@ -1623,6 +2068,7 @@ int ts_unpack_linear_q(const uint8_t* packed, int64_t n, int64_t k, int32_t bits
 int ts_linear_q(const float* x, int64_t x_stride, int64_t m, int64_t k, const uint8_t* packed,
                 int32_t bits, int64_t n, const float* bias, float* y, int64_t y_stride,
                 int num_threads) {
+  if (is_k_form(bits)) return linear_k(x, x_stride, m, k, packed, bits, n, bias, y, y_stride, num_threads);
   if (m < 0 || k <= 0 || n <= 0 || k % kQBlock || (bits != 4 && bits != 8) ||
       (m > 1 && (x_stride < k || y_stride < n)))
     return -1;

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tierserve.kernels import cpu_native, cpu_ops, cpu_packing
+from tierserve.kernels.cpu_abi import QUANT_NAMES
 from tierserve.replica.models.config import LongRopeScaling, RopeScaling, YarnScaling
 
 
@@ -39,7 +40,8 @@ class Linear(nn.Module):
     A weight that is exactly the dequantization of a quantized checkpoint (a GGUF's Q4_1 or
     Q8_0: ``cpu_packing.pack_linear_quantized``) is packed in that form instead (``bits`` 4 or
     8): 1/6.4 (Q4) or 1/3.8 (Q8) of the bytes for a decode step to stream, the same output
-    bits.
+    bits; likewise a K-quant's (Q4_K, Q5_K, Q6_K: ``bits`` ``cpu_abi.QUANT_K4`` ..., 1/5.3 or
+    1/3.2).
     """
 
     def __init__(
@@ -70,7 +72,8 @@ class Linear(nn.Module):
         # weight instead (default mode, where it is clearly faster here); None: never. A plain
         # attribute, not a parameter: the weights as loaded are ``weight`` alone.
         self.library: tuple[int, torch.Tensor] | None = None
-        # 4 or 8 once packed as quantized panels (``weight`` then uint8), else None.
+        # 4, 8 or a K-quant form's code once packed as quantized panels (``weight`` then uint8),
+        # else None.
         self.bits: int | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -126,7 +129,7 @@ class Linear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, deterministic={self.deterministic}, "
             f"packed={self.packed}"
-            + ("" if self.bits is None else f", quantized={self.bits}-bit")
+            + ("" if self.bits is None else f", quantized={QUANT_NAMES[self.bits]}")
             + ("" if self.library is None else f", library_from_rows={self.library[0]}")
         )
 
