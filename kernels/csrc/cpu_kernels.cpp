@@ -1049,14 +1049,20 @@ bool quantize_block(const float* w, int bits, int j, uint8_t* blk) {
       lines[i / 2 * kPanel + j] = static_cast<uint8_t>(q[i] | (q[i + 1] << 4));
     return true;
   }
-  // Q8: w = d * q; the greatest magnitude is q = 127 (or -128).
-  for (const float div : {127.0f, 128.0f}) {
+  // Q8: w = d * q with q an int8. Q8_0: d = amax / 127 > 0, so the greatest magnitude is
+  // q = 127 (or -128). Q5_0 (d * (q5 - 16)) and Q4_0 (d * (q4 - 8)) fit the same form: their
+  // reference quantizers set d = (the weight of greatest magnitude) / -16 (or / -8), so that
+  // weight is q = -16 (-8) and d has either sign; a zero weight is then d * 0, +0 or -0 by d's
+  // sign, which the check below holds to. Each candidate fails at its first mismatch.
+  static const float kDivs[][2] = {{127.0f, 1.0f}, {128.0f, 1.0f}, {16.0f, 1.0f},
+                                   {16.0f, -1.0f}, {8.0f, 1.0f}, {8.0f, -1.0f}};
+  for (const auto& cand : kDivs) {
     uint16_t dh;
-    if (!half_exact(amax / div, &dh)) continue;
+    if (!half_exact(cand[1] * (amax / cand[0]), &dh)) continue;
     const float d = half_to_float(dh);
     bool ok = true;
     for (int i = 0; i < kQBlock && ok; ++i) {
-      const float t = d > 0.0f ? w[i] / d : 0.0f;
+      const float t = d != 0.0f ? w[i] / d : 0.0f;
       const float r = std::nearbyint(t);
       if (!(r >= -128.0f && r <= 127.0f)) {  // (a cast out of range is undefined)
         ok = false;

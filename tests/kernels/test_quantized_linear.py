@@ -55,7 +55,7 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @needs_native
-@pytest.mark.parametrize(("qtype", "bits"), [("Q4_1", 4), ("Q8_0", 8)])
+@pytest.mark.parametrize(("qtype", "bits"), [("Q4_1", 4), ("Q8_0", 8), ("Q5_0", 8)])
 @pytest.mark.parametrize(("n", "k"), [(40, 64), (17, 32), (960, 576), (96, 1536)])
 def test_quantized_panels_give_the_fp32_bits(qtype: str, bits: int, n: int, k: int) -> None:
     w = dequantized((n, k), qtype, seed=n + k)
@@ -64,7 +64,7 @@ def test_quantized_panels_give_the_fp32_bits(qtype: str, bits: int, n: int, k: i
     packed, got_bits = found
     assert got_bits == bits and packed.dtype == torch.uint8
     assert tuple(packed.shape) == cpu_abi.quantized_shape(n, k, bits)
-    # A fifth (Q4) or a quarter (Q8) of the fp32 panels' bytes, or less.
+    # A fifth (Q4) or a quarter (Q8; Q5_0 takes the Q8 form) of the fp32 panels' bytes, or less.
     assert packed.numel() * (5 if bits == 4 else 3.7) <= 4 * np.prod(cpu_abi.packed_shape(n, k))
     assert same_bits(cpu_packing.unpack_linear_quantized(packed, bits, n, k), w)
     fp32 = cpu_packing.pack_linear(w)
@@ -435,3 +435,22 @@ def test_a_k_quant_model_runs_quantized_with_the_fp32_bits(
     f, f_bits = logits("off")
     assert q_bits == {K_FORMS[qtype]} and f_bits == {None}
     assert same_bits(q, f)
+
+
+@needs_native
+def test_q5_0_and_q8_0_in_one_fused_weight_take_the_q8_form() -> None:
+    """Gemma 3 270M's file holds q and k in Q5_0 and v in Q8_0 (gate and up in Q5_0): fused into
+    one qkv weight they still pack, as Q8 (d of either sign: Q5_0's d is the extreme weight / -16,
+    so a block's zero weights are -0 where d is negative, and stay so)."""
+    q, k, v = (dequantized((n, 640), t, seed) for n, t, seed in
+               ((64, "Q5_0", 1), (32, "Q5_0", 2), (32, "Q8_0", 3)))
+    k[3, :32] = dequantized((1, 32), "Q5_0", 0, values=np.full((1, 32), 0.25))[0]
+    w = torch.cat([q, k, v])
+    assert bool((w == 0).any()) and bool(torch.signbit(w[w == 0]).any())  # -0 weights present
+    found = cpu_packing.pack_linear_quantized(w)
+    assert found is not None and found[1] == 8
+    packed, bits = found
+    assert same_bits(cpu_packing.unpack_linear_quantized(packed, bits, 128, 640), w)
+    x = torch.randn(9, 640, generator=torch.Generator().manual_seed(4))
+    want = cpu_ops.linear(x, cpu_packing.pack_linear(w), 128)
+    assert same_bits(cpu_ops.linear_quantized(x, packed, bits, 128), want)
