@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tierserve.kernels import cpu_native, cpu_ops, cpu_packing
-from tierserve.replica.models.config import RopeScaling, YarnScaling
+from tierserve.replica.models.config import LinearScaling, RopeScaling, YarnScaling
 
 
 class Linear(nn.Module):
@@ -219,10 +219,11 @@ def qk_norm_(
 
 
 def rope_inv_freq(
-    head_dim: int, theta: float, scaling: RopeScaling | YarnScaling | None
+    head_dim: int, theta: float, scaling: RopeScaling | YarnScaling | LinearScaling | None
 ) -> torch.Tensor:
-    """Inverse rotary frequencies ``[head_dim // 2]`` (fp32), with Llama 3 or YaRN scaling if given
-    (YaRN's ``attention_factor`` is not here: ``RotaryEmbedding`` applies it to its tables).
+    """Inverse rotary frequencies ``[head_dim // 2]`` (fp32), with Llama 3, YaRN or linear scaling
+    if given (YaRN's ``attention_factor`` is not here: ``RotaryEmbedding`` applies it to its
+    tables). Linear scaling divides every frequency by ``factor`` (positions / factor).
 
     Llama 3 scaling keeps high frequencies (wavelength below ``original / high_freq_factor``),
     divides low ones (wavelength above ``original / low_freq_factor``) by ``factor``, and blends
@@ -234,6 +235,8 @@ def rope_inv_freq(
         return inv_freq
     if isinstance(scaling, YarnScaling):
         return _yarn_inv_freq(head_dim, theta, scaling)
+    if isinstance(scaling, LinearScaling):
+        return inv_freq / scaling.factor
     orig = scaling.original_max_position_embeddings
     wavelen = 2 * math.pi / inv_freq
     slow = inv_freq / scaling.factor
@@ -282,7 +285,7 @@ class RotaryEmbedding(nn.Module):
         head_dim: int,
         max_positions: int,
         theta: float,
-        scaling: RopeScaling | YarnScaling | None,
+        scaling: RopeScaling | YarnScaling | LinearScaling | None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:

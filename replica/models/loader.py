@@ -1,4 +1,4 @@
-"""Load a Llama-family model and its tokenizer: the embedded default, a packaged model
+"""Load a model (the Llama family, Gemma 2/3: ``causal_lm``) and its tokenizer: the embedded default, a packaged model
 (``tierserve.replica.models.catalog``: its GGUF installed from the package registry), a GGUF file or a
 folder holding one (``tierserve.replica.models.gguf_loader``), a local checkpoint directory, or a Hugging
 Face hub id.
@@ -6,7 +6,8 @@ Face hub id.
 A checkpoint directory holds ``config.json``, weights (``model.safetensors``, sharded
 ``*.safetensors`` with ``model.safetensors.index.json``, or ``pytorch_model.bin`` / its sharded
 index) and tokenizer files. Hugging Face tensor names map onto ours with q/k/v fused into
-``qkv_proj`` and gate/up into ``gate_up_proj``. Every failure is a ``ModelLoadError`` (a
+``qkv_proj`` and gate/up into ``gate_up_proj``; a Gemma checkpoint's norm weights (offsets
+from one) get their one added (``gemma.fold_norm_offsets``). Every failure is a ``ModelLoadError`` (a
 ``ValueError``) that names what was wrong.
 """
 
@@ -19,8 +20,8 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from tierserve.replica.models import embedded, gguf_loader
-from tierserve.replica.models.config import ModelConfig, ModelLoadError
+from tierserve.replica.models import embedded, gemma, gguf_loader
+from tierserve.replica.models.config import GEMMA_ARCHITECTURES, ModelConfig, ModelLoadError
 from tierserve.replica.models.llama import LlamaDecoderLayer, LlamaForCausalLM, ModelOptions
 from tierserve.replica.models.meta import (
     _tokenizer_from,
@@ -33,8 +34,10 @@ from tierserve.replica.models.meta import (
 
 # The weight-free half (config, tokenizer) lives in tierserve.replica.models.meta; re-exported here.
 __all__ = [
+    "CausalLM",
     "ModelLoadError",
     "ModelOptions",
+    "causal_lm",
     "default_dtype",
     "fill_weights",
     "gguf_file",
@@ -48,6 +51,23 @@ __all__ = [
 ]
 
 
+# The model classes ``load_model`` builds.
+CausalLM = LlamaForCausalLM | gemma.GemmaForCausalLM
+
+
+def causal_lm(
+    cfg: ModelConfig,
+    options: ModelOptions | None = None,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+) -> CausalLM:
+    """The (unloaded) model of ``cfg.architecture``: ``GemmaForCausalLM`` for Gemma 2/3,
+    ``LlamaForCausalLM`` for the rest."""
+    if cfg.architecture in GEMMA_ARCHITECTURES:
+        return gemma.GemmaForCausalLM(cfg, options, device, dtype)
+    return LlamaForCausalLM(cfg, options, device, dtype)
+
+
 def default_dtype(device: torch.device | str) -> torch.dtype:
     """fp32 on CPU, bf16 on CUDA and other accelerators."""
     return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
@@ -59,7 +79,7 @@ def load_model(
     device: torch.device | str = "cpu",
     options: ModelOptions | None = None,
     trust_remote_code: bool = False,
-) -> tuple[LlamaForCausalLM, PreTrainedTokenizerBase, ModelConfig]:
+) -> tuple[CausalLM, PreTrainedTokenizerBase, ModelConfig]:
     """Build the model, its tokenizer (a ``transformers`` fast tokenizer) and its config.
 
     ``model``: ``embedded.EMBEDDED_MODEL``, a packaged model's name, a GGUF file (or a folder
@@ -74,15 +94,18 @@ def load_model(
     gguf = gguf_file(model)
     if gguf is not None:
         cfg = gguf_loader.gguf_model_config(gguf)
-        net = LlamaForCausalLM(cfg, options, dev, dtype)
+        net = causal_lm(cfg, options, dev, dtype)
         fill_weights(
-            net, gguf_loader.gguf_weights(gguf, cfg), str(gguf), gguf_loader.gguf_tensor_name
+            net,
+            gguf_loader.gguf_weights(gguf, cfg),
+            str(gguf),
+            gguf_loader.gguf_tensor_namer(cfg.architecture),
         )
         tokenizer = gguf_loader.gguf_tokenizer(gguf)
     else:
         path = resolve_checkpoint(model)
         cfg = read_config(path, trust_remote_code)
-        net = LlamaForCausalLM(cfg, options, dev, dtype)
+        net = causal_lm(cfg, options, dev, dtype)
         load_weights(net, path)
         tokenizer = _tokenizer_from(path, trust_remote_code)
     if net.options.deterministic:
@@ -115,7 +138,7 @@ def weight_files(path: Path) -> list[Path]:
     )
 
 
-def load_weights(model: LlamaForCausalLM, path: Path) -> None:
+def load_weights(model: CausalLM, path: Path) -> None:
     """Copy a checkpoint's tensors into ``model`` (casting to its dtype, moving to its device).
 
     Raises ``ModelLoadError`` naming missing tensors or a tensor whose shape does not match,
@@ -129,10 +152,13 @@ def load_weights(model: LlamaForCausalLM, path: Path) -> None:
         for file in files:
             yield from _read_tensors(file, targets)
 
-    fill_weights(model, tensors(), f"checkpoint {path}")
+    source = tensors()
+    if isinstance(model, gemma.GemmaForCausalLM):
+        source = gemma.fold_norm_offsets(source)
+    fill_weights(model, source, f"checkpoint {path}")
 
 
-def _check_unpacked(model: LlamaForCausalLM) -> None:
+def _check_unpacked(model: CausalLM) -> None:
     if any(getattr(m, "packed", False) for m in model.modules()):
         raise ModelLoadError(
             "the model's linear layers are packed for the native CPU kernel (pack_for_cpu); "
@@ -141,7 +167,7 @@ def _check_unpacked(model: LlamaForCausalLM) -> None:
 
 
 def fill_weights(
-    model: LlamaForCausalLM,
+    model: CausalLM,
     tensors: Iterator[tuple[str, torch.Tensor]],
     source: str,
     file_name: Callable[[str], str | None] | None = None,
@@ -179,8 +205,10 @@ def fill_weights(
         raise ModelLoadError(f"{source} lacks {len(missing)} tensor(s): {shown}")
 
 
-def _targets(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
+def _targets(model: CausalLM) -> dict[str, torch.Tensor]:
     """HF tensor name -> the view of our parameter it fills."""
+    if isinstance(model, gemma.GemmaForCausalLM):
+        return gemma.hf_targets(model)
     cfg = model.config
     q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
     out: dict[str, torch.Tensor] = {
