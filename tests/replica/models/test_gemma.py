@@ -507,3 +507,24 @@ def test_gemma_sqrt_hidden_is_what_transformers_multiplies_by() -> None:
 
     emb = Gemma3TextScaledWordEmbedding(10, 640, 0, embed_scale=640**0.5).to(torch.bfloat16)
     assert float(emb.embed_scale.to(torch.bfloat16)) == 25.25 != math.sqrt(640)
+
+
+@pytest.mark.slow
+def test_gemma3_through_the_engine_in_chunks_and_across_preemption(
+    checkpoints: dict[str, tuple[Any, Path]],
+) -> None:
+    """The whole engine (``LLM``: linear layers packed for the native kernel, chunked prefill,
+    preemption and recompute) on the tiny Gemma 3 checkpoint: greedy tokens equal to
+    ``transformers``' ``generate``, every position within the window."""
+    from tierserve.replica.llm import LLM
+    from tierserve.replica.sampler import SamplingParams
+
+    hf, path = checkpoints["gemma3"]
+    prompts = _prompts(hf.config.vocab_size, (3, 9, 14, 20), seed=12)
+    want = _hf_greedy(hf, prompts, 12)
+    llm = LLM(str(path), device="cpu", dtype="float32", num_kv_blocks=5, block_size=8,
+              max_num_seqs=4, max_model_len=WINDOW, prefill_chunk_tokens=7)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    got = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    assert llm.stats().preemptions > 0
