@@ -104,7 +104,9 @@ def build(name: str, options: ModelOptions, pack: str = "quantized") -> LlamaFor
             from tierserve.replica.models.catalog import SMOLLM2
             from tierserve.replica.models.loader import load_model
 
-            model = load_model(SMOLLM2.name, options=options)[0]
+            loaded = load_model(SMOLLM2.name, options=options)[0]
+            assert isinstance(loaded, LlamaForCausalLM)  # SmolLM2 is a Llama
+            model = loaded
         if pack != "none":
             model.pack_for_cpu()
     finally:

@@ -1,4 +1,5 @@
-"""Model configuration: the few numbers the Llama-family model code needs, read from a HF config."""
+"""Model configuration: the few numbers the model code needs (the Llama family's, and Gemma 2's
+and Gemma 3's), read from a HF config."""
 
 from __future__ import annotations
 
@@ -13,21 +14,33 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "Phi3ForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
 )
+# The Gemma decoders (``tierserve.replica.models.gemma``): (1 + weight) norms, four per layer,
+# GELU-tanh MLP, scaled embeddings, per-layer sliding or global attention.
+GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 _ARCH_BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 # The architectures whose sliding window applies only where ``layer_types`` (or, in older
 # configs, ``use_sliding_window``) says so: their configs name a window they may not use.
-_LAYERED_WINDOW = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
-SUPPORTED_ROPE_TYPES = ("default", "llama3", "yarn", "longrope")
+_LAYERED_WINDOW = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", *GEMMA_ARCHITECTURES)
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 # The architectures whose rotary embedding may cover only part of each head
 # (``partial_rotary_factor`` < 1): transformers' Llama-style attention rotates whole heads.
 _PARTIAL_ROTARY = ("Phi3ForCausalLM",)
+# ``layer_types`` entries: a layer attends to every earlier position, or to the last
+# ``sliding_window`` of them.
+LAYER_TYPES = ("full_attention", "sliding_attention")
+# MLP activations: SwiGLU's SiLU (the Llama family), Gemma's tanh-approximated GELU.
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 class ModelLoadError(ValueError):
@@ -107,6 +120,15 @@ def longrope_attention_factor(factor: float, original_max_position_embeddings: i
     return math.sqrt(1 + math.log(factor) / math.log(original_max_position_embeddings))
 
 
+@dataclass(frozen=True, slots=True)
+class LinearScaling:
+    """Linear ("linear", position interpolation) rotary scaling: positions divided by ``factor``
+    (every inverse frequency divided by it). Gemma 3's global layers from 4B up use factor 8."""
+
+    factor: float
+    rope_type: str = "linear"  # tells ``ModelConfig.from_json`` which scaling it reads
+
+
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     """YaRN's attention scaling ``0.1 * mscale * ln(factor) + 1`` (1 for ``factor <= 1``)."""
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
@@ -127,6 +149,19 @@ class ModelConfig:
     for all of ``head_dim``. The model keeps those dims in another order than the checkpoint
     (``layers.rotary_permutation``: the loaders permute the q/k rows), so that the rotary
     kernels, which turn pairs ``(i, i + head_dim / 2)``, need no change.
+
+    Gemma (``GEMMA_ARCHITECTURES``; the fields below keep the Llama family's meaning at their
+    defaults):
+    ``hidden_act``: the MLP's gate activation, one of ``ACTIVATIONS``.
+    ``layer_types``: per layer, ``"full_attention"`` or ``"sliding_attention"`` (the window is
+    ``sliding_window``); None: every layer as ``sliding_window`` says (``layer_windows``).
+    ``rope_local_theta``: the rotary base of the sliding layers, which then have their own
+    unscaled table (Gemma 3: 10000, the global layers ``rope_theta`` 1e6 with ``rope_scaling``);
+    None: every layer shares one table.
+    ``query_pre_attn_scalar``: attention scores are scaled by its ``** -0.5`` (None: by
+    ``head_dim ** -0.5``).
+    ``attn_logit_softcapping`` / ``final_logit_softcapping``: scores / logits ``s`` become
+    ``c * tanh(s / c)`` (Gemma 2: 50 and 30); None: uncapped.
     """
 
     architecture: str
@@ -139,7 +174,7 @@ class ModelConfig:
     intermediate_size: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: RopeScaling | YarnScaling | LongRopeScaling | None
+    rope_scaling: RopeScaling | YarnScaling | LongRopeScaling | LinearScaling | None
     max_position_embeddings: int
     tie_word_embeddings: bool
     qkv_bias: bool = False
@@ -150,6 +185,13 @@ class ModelConfig:
     pad_token_id: int | None = None
     sliding_window: int | None = None
     rotary_dim: int | None = None
+    # Gemma (see the class docstring).
+    hidden_act: str = "silu"
+    layer_types: tuple[str, ...] | None = None
+    rope_local_theta: float | None = None
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -159,6 +201,32 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ModelLoadError(f"rotary embeddings need an even head_dim, got {self.head_dim}")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ModelLoadError(
+                f"{self.architecture}: activation {self.hidden_act!r} is not supported; "
+                f"supported: {', '.join(ACTIVATIONS)}"
+            )
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers:
+                raise ModelLoadError(
+                    f"{self.architecture}: layer_types names {len(self.layer_types)} layers; the "
+                    f"model has {self.num_layers}"
+                )
+            unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+            if unknown:
+                raise ModelLoadError(
+                    f"{self.architecture}: layer type(s) {', '.join(map(repr, unknown))} are not "
+                    f"supported; supported: {', '.join(LAYER_TYPES)}"
+                )
+            if "sliding_attention" in self.layer_types and self.sliding_window is None:
+                raise ModelLoadError(
+                    f"{self.architecture}: layer_types has sliding_attention layers but the "
+                    "config names no sliding_window"
+                )
+        for name in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ModelLoadError(f"{self.architecture}: {name} must be > 0, got {value}")
         self._check_rotary()
 
     def _check_rotary(self) -> None:
@@ -202,6 +270,15 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Per layer, the attention window (``sliding_window``) or None (full attention): as
+        ``layer_types`` says, else ``sliding_window`` for every layer."""
+        if self.layer_types is None:
+            return (self.sliding_window,) * self.num_layers
+        return tuple(
+            self.sliding_window if t == "sliding_attention" else None for t in self.layer_types
+        )
+
     def check_context(self, max_model_len: int) -> None:
         """Raise ``ModelLoadError`` if serving ``max_model_len`` positions needs what we lack."""
         if max_model_len > self.max_position_embeddings:
@@ -231,15 +308,21 @@ class ModelConfig:
             fields["rope_scaling"] = YarnScaling(**scaling)
         elif scaling.get("rope_type") == "longrope":
             fields["rope_scaling"] = LongRopeScaling(**scaling)
+        elif scaling.get("rope_type") == "linear":
+            fields["rope_scaling"] = LinearScaling(**scaling)
         else:
             fields["rope_scaling"] = RopeScaling(**scaling)
         fields["eos_token_ids"] = tuple(fields.get("eos_token_ids", ()))
+        if fields.get("layer_types") is not None:
+            fields["layer_types"] = tuple(fields["layer_types"])
         return cls(**fields)
 
     @classmethod
     def from_hf(cls, hf: Any) -> ModelConfig:
         """Build from a ``transformers`` config (v4 or v5 field names); unsupported -> ModelLoadError."""
         arch = _architecture(hf)
+        if arch in GEMMA_ARCHITECTURES:
+            return _gemma(hf, arch)
         act = getattr(hf, "hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise ModelLoadError(f"{arch}: activation {act!r} is not supported (only silu)")
@@ -308,7 +391,7 @@ def _rope_parameters(hf: Any) -> tuple[Mapping[str, Any], dict[str, Any]]:
 
 def _rope(
     hf: Any, arch: str
-) -> tuple[float, RopeScaling | YarnScaling | LongRopeScaling | None]:
+) -> tuple[float, RopeScaling | YarnScaling | LongRopeScaling | LinearScaling | None]:
     params, scaling = _rope_parameters(hf)
     theta = float(params.get("rope_theta", getattr(hf, "rope_theta", None) or 10000.0))
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
@@ -325,6 +408,13 @@ def _rope(
         return theta, _yarn(hf, arch, scaling)
     if rope_type == "longrope":
         return theta, _longrope(hf, arch, scaling)
+    if rope_type == "linear":
+        factor = float(scaling.get("factor") or 0)
+        if not factor > 0:
+            raise ModelLoadError(
+                f"{arch}: linear rope scaling needs a factor > 0, got {scaling.get('factor')!r}"
+            )
+        return theta, LinearScaling(factor)
     try:
         return theta, RopeScaling(
             factor=float(scaling["factor"]),
@@ -447,3 +537,69 @@ def _sliding_window(hf: Any, arch: str) -> int | None:
         if not used:
             return None
     return int(window)
+
+
+def _gemma(hf: Any, arch: str) -> ModelConfig:
+    """Gemma 2 / Gemma 3 (text): the fields ``transformers``' Gemma configs carry. Gemma 3's
+    ``rope_parameters`` are per layer type: the global (``full_attention``) ones give
+    ``rope_theta``/``rope_scaling``, the ``sliding_attention`` ones ``rope_local_theta`` (which
+    must be unscaled); Gemma 2's one set serves every layer."""
+    act = getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", None)
+    if act != "gelu_pytorch_tanh":
+        raise ModelLoadError(
+            f"{arch}: hidden_activation {act!r} is not supported (only gelu_pytorch_tanh)"
+        )
+    if getattr(hf, "use_bidirectional_attention", False):
+        raise ModelLoadError(
+            f"{arch}: use_bidirectional_attention=True (an encoder's attention) is not supported; "
+            "only causal attention is"
+        )
+    theta, scaling = _rope(hf, arch)
+    local_theta = None
+    params: Mapping[str, Any] = getattr(hf, "rope_parameters", None) or {}
+    local = params.get("sliding_attention")
+    if local is not None:
+        local_type = local.get("rope_type", "default")
+        if local_type != "default":
+            raise ModelLoadError(
+                f"{arch}: rope type {local_type!r} on the sliding-window layers is not "
+                "supported (only default: their table is unscaled)"
+            )
+        local_theta = float(local.get("rope_theta") or 10000.0)
+    heads = int(hf.num_attention_heads)
+    hidden = int(hf.hidden_size)
+    layer_types = getattr(hf, "layer_types", None)
+    bias = bool(getattr(hf, "attention_bias", False))
+    eos = getattr(hf, "eos_token_id", None)
+    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+    scalar = getattr(hf, "query_pre_attn_scalar", None)
+    attn_cap = getattr(hf, "attn_logit_softcapping", None)
+    final_cap = getattr(hf, "final_logit_softcapping", None)
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=int(hf.vocab_size),
+        hidden_size=hidden,
+        num_layers=int(hf.num_hidden_layers),
+        num_heads=heads,
+        num_kv_heads=int(getattr(hf, "num_key_value_heads", None) or heads),
+        head_dim=int(getattr(hf, "head_dim", None) or hidden // heads),
+        intermediate_size=int(hf.intermediate_size),
+        rms_norm_eps=float(hf.rms_norm_eps),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=int(hf.max_position_embeddings),
+        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", True)),
+        qkv_bias=bias,
+        o_bias=bias,
+        qk_norm=arch == "Gemma3ForCausalLM",
+        bos_token_id=getattr(hf, "bos_token_id", None),
+        eos_token_ids=tuple(int(e) for e in eos_ids),
+        pad_token_id=getattr(hf, "pad_token_id", None),
+        sliding_window=_sliding_window(hf, arch),
+        hidden_act="gelu_pytorch_tanh",
+        layer_types=None if layer_types is None else tuple(str(t) for t in layer_types),
+        rope_local_theta=local_theta,
+        query_pre_attn_scalar=None if scalar is None else float(scalar),
+        attn_logit_softcapping=None if attn_cap is None else float(attn_cap),
+        final_logit_softcapping=None if final_cap is None else float(final_cap),
+    )

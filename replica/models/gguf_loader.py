@@ -1,4 +1,5 @@
-"""GGUF checkpoints (llama.cpp's format): config, tokenizer and weights of a Llama-family model.
+"""GGUF checkpoints (llama.cpp's format): config, tokenizer and weights of a Llama-family or Gemma
+model.
 
 ``engine.model`` may name a ``.gguf`` file, a folder holding exactly one, or a packaged model
 (``tierserve.replica.models.catalog``). Supported: ``general.architecture`` ``llama`` (which is also how
@@ -7,6 +8,19 @@ below); tensors in every type
 the ``gguf`` package can dequantize (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, the K-quants
 Q2_K to Q6_K, the IQ types, ...), dequantized once at load into the engine's dtype.
 
+- Gemma: ``gemma2`` and ``gemma3`` files (llama.cpp writes Gemma 3's text model as ``gemma3``). Its
+  converter stores every norm weight as ``1 + w`` already (``transformers`` subtracts the one when
+  it reads such a file; tierserve's Gemma norms take ``1 + w``, so it is read as stored). Per layer,
+  ``attn_norm`` is the input norm, ``post_attention_norm`` the attention output's, ``ffn_norm`` the
+  pre-feedforward and ``post_ffw_norm`` the post-feedforward norm. The metadata holds what
+  llama.cpp does not take as given: ``{arch}.attention.sliding_window`` (none or 0: every layer
+  global), optionally ``attention.sliding_window_pattern`` (a period, or a per-layer list where
+  true is sliding), ``rope.freq_base_swa`` and the soft-caps; lacking them, llama.cpp's own
+  rules: every 2nd (Gemma 2) or all but every 6th (Gemma 3) layer sliding, Gemma 3's sliding
+  layers on base 10000 (unscaled: a ``linear`` ``rope.scaling`` applies to its global layers
+  only), and attention scaled by ``head_dim ** -0.5``, except ``(hidden / heads) ** -0.5`` for
+  the 27B models (46 layers in Gemma 2, 62 in Gemma 3), as llama.cpp scales them.
+  ``<end_of_turn>``, where the vocabulary has it, ends a sequence too.
 - Config: from the metadata keys of the architecture (``llama.block_count``, ...). Floats are
   stored as float32, so ``rms_norm_eps`` 1e-5 reads 9.99999975e-06: they are rounded back to the
   shortest decimal that gives the same float32. The head is tied when there is no
@@ -61,13 +75,14 @@ import os
 import shutil
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from tierserve.replica.models.config import (
+    LinearScaling,
     LongRopeScaling,
     ModelConfig,
     ModelLoadError,
@@ -86,14 +101,22 @@ ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
+_GEMMA = ("gemma2", "gemma3")
+ARCHITECTURES_GEMMA = tuple(ARCHITECTURES[a] for a in _GEMMA)
+# llama.cpp's sliding-window period of a Gemma file that does not name one.
+_GEMMA_SWA_PERIOD = {"gemma2": 2, "gemma3": 6}
+# Layer counts of the 27B models, whose attention llama.cpp scales by (hidden / heads) ** -0.5.
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 # The architectures whose files hold Q/K rows in llama.cpp's rotary layout: ``llama`` (its
 # converter permutes Hugging Face Llama and Mistral checkpoints into it; Mistral's own checkpoint
 # format already has it). qwen2 and qwen3 it leaves as they are; ``mistral`` it never writes (nor
 # loads), so such a file's Q/K are taken as stored.
 _PERMUTED = ("llama",)
 # The architectures whose layers normalize each q and k head (attn_q_norm, attn_k_norm).
-_QK_NORM = ("qwen3",)
+_QK_NORM = ("qwen3", "gemma3")
 # The architectures whose ``ffn_up`` holds gate and up together (rows [gate | up], no ffn_gate),
 # whose ``rope.dimension_count`` is the rotated part of a head (not a head_dim), and whose
 # LongRoPE factors are the rope_factors_short / rope_factors_long tensors: phi3.
@@ -121,6 +144,8 @@ _PER_LAYER = {
     "ffn_gate.weight": "gate",
     "ffn_up.weight": "up",
     "ffn_down.weight": "down",
+    "post_attention_norm.weight": "attn_post_norm",  # Gemma's sandwich norms
+    "post_ffw_norm.weight": "ffn_post_norm",
 }
 _tokenizer_lock = threading.Lock()
 _digest_lock = threading.Lock()
@@ -201,7 +226,8 @@ def gguf_architecture(reader: Any, path: Path) -> str:
     if arch not in ARCHITECTURES:
         raise ModelLoadError(
             f"{path}: unsupported GGUF architecture {arch!r}; supported: "
-            f"{', '.join(ARCHITECTURES)} (Llama, Mistral, Qwen2, Qwen3 and Phi-3 models)"
+            f"{', '.join(ARCHITECTURES)} (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and "
+            "Gemma 3 models)"
         )
     return str(arch)
 
@@ -219,8 +245,18 @@ def gguf_config(reader: Any, path: Path) -> ModelConfig:
     if (_field(reader, f"{arch}.expert_count") or 0) > 0:
         raise ModelLoadError(f"{path}: mixture-of-experts models are not supported")
     scaling = _field(reader, f"{arch}.rope.scaling.type")
-    if scaling not in (None, "none"):
-        raise ModelLoadError(f"{path}: rope scaling {scaling!r} is not supported")
+    rope_scaling = None
+    if scaling == "linear":
+        factor = _field(reader, f"{arch}.rope.scaling.factor")
+        if factor is None or not float(factor) > 0:
+            raise ModelLoadError(
+                f"{path}: linear rope scaling needs {arch}.rope.scaling.factor > 0, got {factor}"
+            )
+        rope_scaling = LinearScaling(_float32_value(factor))
+    elif scaling not in (None, "none"):
+        raise ModelLoadError(
+            f"{path}: rope scaling {scaling!r} is not supported (only linear, or none)"
+        )
     names = {t.name for t in reader.tensors}
     if "rope_freqs.weight" in names:
         raise ModelLoadError(
@@ -254,18 +290,25 @@ def gguf_config(reader: Any, path: Path) -> ModelConfig:
     window = _field(reader, f"{arch}.attention.sliding_window")
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
     pad = _field(reader, "tokenizer.ggml.padding_token_id")
+    layers = int(need("block_count"))
+    gemma: dict[str, Any] = {}
+    if arch in _GEMMA:
+        gemma = _gemma_fields(reader, path, arch, layers, hidden, heads, head_dim)
+        window = gemma.pop("sliding_window")
+        if tokens and "<end_of_turn>" in tokens:  # its chat turns end with it
+            eos.append(tokens.index("<end_of_turn>"))
     return ModelConfig(
         architecture=ARCHITECTURES[arch],
         vocab_size=int(vocab),
         hidden_size=hidden,
-        num_layers=int(need("block_count")),
+        num_layers=layers,
         num_heads=heads,
         num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv") or heads),
         head_dim=head_dim,
         intermediate_size=int(need("feed_forward_length")),
         rms_norm_eps=_float32_value(need("attention.layer_norm_rms_epsilon")),
         rope_theta=_float32_value(_field(reader, f"{arch}.rope.freq_base") or 10000.0),
-        rope_scaling=longrope,
+        rope_scaling=longrope or rope_scaling,
         max_position_embeddings=int(need("context_length")),
         tie_word_embeddings="output.weight" not in names,
         qkv_bias="blk.0.attn_q.bias" in names,
@@ -276,6 +319,46 @@ def gguf_config(reader: Any, path: Path) -> ModelConfig:
         pad_token_id=None if pad is None else int(pad),
         sliding_window=None if not window else int(window),  # phi3 writes 0 for none
         rotary_dim=rotary_dim,
+        **gemma,
+    )
+
+
+def _gemma_fields(
+    reader: Any, path: Path, arch: str, layers: int, hidden: int, heads: int, head_dim: int
+) -> dict[str, Any]:
+    """The ``ModelConfig`` fields of a Gemma file beyond the Llama family's (and its
+    ``sliding_window``), with llama.cpp's defaults where the metadata says nothing (module
+    docstring)."""
+    window = _field(reader, f"{arch}.attention.sliding_window")
+    window = int(window) if window else None
+    pattern = _field(reader, f"{arch}.attention.sliding_window_pattern")
+    if window is None:
+        sliding = [False] * layers
+    elif isinstance(pattern, list):
+        if len(pattern) != layers:
+            raise ModelLoadError(
+                f"{path}: {arch}.attention.sliding_window_pattern names {len(pattern)} layers; "
+                f"the model has {layers}"
+            )
+        sliding = [bool(p) for p in pattern]
+    else:
+        period = int(pattern) if pattern is not None else _GEMMA_SWA_PERIOD[arch]
+        sliding = [period == 0 or i % period < period - 1 for i in range(layers)]
+    scalar = hidden // heads if layers == _GEMMA_27B_LAYERS[arch] else head_dim
+    local_theta = None
+    if arch == "gemma3":
+        local_theta = _float32_value(_field(reader, f"{arch}.rope.freq_base_swa") or 10000.0)
+    caps = {}
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        value = _field(reader, f"{arch}.{key}")
+        caps[key] = None if not value else _float32_value(value)
+    return dict(
+        sliding_window=window,
+        hidden_act="gelu_pytorch_tanh",
+        layer_types=tuple("sliding_attention" if s else "full_attention" for s in sliding),
+        rope_local_theta=local_theta,
+        query_pre_attn_scalar=float(scalar),
+        **caps,
     )
 
 
@@ -365,6 +448,19 @@ _HF_LAYER = {
 }
 
 
+# Gemma's layers: ``ffn_norm`` is the pre-feedforward norm, and two more norms follow the blocks.
+_HF_LAYER_GEMMA = {
+    **_HF_LAYER,
+    "post_norm": "pre_feedforward_layernorm.weight",
+    "attn_post_norm": "post_attention_layernorm.weight",
+    "ffn_post_norm": "post_feedforward_layernorm.weight",
+}
+
+
+def _hf_layer_names(architecture: str) -> dict[str, str]:
+    """Role -> Hugging Face name (within a layer) for a model of ``architecture``."""
+    return _HF_LAYER_GEMMA if architecture in ARCHITECTURES_GEMMA else _HF_LAYER
+
 _GGUF_GLOBAL = {role: name for name, role in _GLOBAL.items()}
 _GGUF_LAYER = {role: rest for rest, role in _PER_LAYER.items()}
 _GGUF_LAYER["gate_up"] = "ffn_up.weight"  # phi3's ffn_up holds gate and up
@@ -384,6 +480,23 @@ def gguf_tensor_name(hf_name: str) -> str | None:
         if role is not None:
             return f"blk.{parts[2]}.{_GGUF_LAYER[role]}"
     return None
+
+
+def gguf_tensor_namer(architecture: str) -> Callable[[str], str | None]:
+    """``gguf_tensor_name`` for a model of ``architecture`` (``ModelConfig.architecture``): Gemma's
+    layers name their norms otherwise."""
+    if architecture not in ARCHITECTURES_GEMMA:
+        return gguf_tensor_name
+    from_hf = {hf: role for role, hf in _HF_LAYER_GEMMA.items()}
+
+    def name(hf_name: str) -> str | None:
+        parts = hf_name.split(".", 3)
+        if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[2].isdigit():
+            role = from_hf.get(parts[3])
+            return None if role is None else f"blk.{parts[2]}.{_GGUF_LAYER[role]}"
+        return gguf_tensor_name(hf_name)
+
+    return name
 
 
 def prepared_dir(path: Path) -> Path:
@@ -635,8 +748,11 @@ def gguf_tensors(reader: Any, path: Path, config: ModelConfig) -> Iterator[tuple
     """The model's tensors under Hugging Face names (fp32, CPU), one at a time."""
     import torch  # here, not at the top: the ingress reads configs and tokenizers without torch
 
+    layer_names = _hf_layer_names(config.architecture)
     for role, layer, arr in iter_gguf_weights(reader, path, config):
-        name = _HF_GLOBAL[role] if layer is None else f"model.layers.{layer}.{_HF_LAYER[role]}"
+        if layer is not None and role not in layer_names:
+            continue  # a Gemma norm in a file of another architecture: not the model's
+        name = _HF_GLOBAL[role] if layer is None else f"model.layers.{layer}.{layer_names[role]}"
         yield name, torch.from_numpy(arr)
 
 

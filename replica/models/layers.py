@@ -23,7 +23,12 @@ from torch import nn
 
 from tierserve.kernels import cpu_native, cpu_ops, cpu_packing
 from tierserve.kernels.cpu_abi import QUANT_NAMES
-from tierserve.replica.models.config import LongRopeScaling, RopeScaling, YarnScaling
+from tierserve.replica.models.config import (
+    LinearScaling,
+    LongRopeScaling,
+    RopeScaling,
+    YarnScaling,
+)
 
 
 class Linear(nn.Module):
@@ -224,12 +229,13 @@ def qk_norm_(
 def rope_inv_freq(
     head_dim: int,
     theta: float,
-    scaling: RopeScaling | YarnScaling | LongRopeScaling | None,
+    scaling: RopeScaling | YarnScaling | LongRopeScaling | LinearScaling | None,
     max_positions: int | None = None,
 ) -> torch.Tensor:
-    """Inverse rotary frequencies ``[head_dim // 2]`` (fp32), with Llama 3, YaRN or LongRoPE
-    scaling if given (their ``attention_factor`` is not here: ``RotaryEmbedding`` applies it to
-    its tables). ``head_dim`` is the rotated dims (``ModelConfig.rope_dim``).
+    """Inverse rotary frequencies ``[head_dim // 2]`` (fp32), with Llama 3, YaRN, LongRoPE or
+    linear scaling if given (their ``attention_factor`` is not here: ``RotaryEmbedding`` applies
+    it to its tables). ``head_dim`` is the rotated dims (``ModelConfig.rope_dim``). Linear
+    scaling divides every frequency by ``factor`` (positions / factor).
 
     Llama 3 scaling keeps high frequencies (wavelength below ``original / high_freq_factor``),
     divides low ones (wavelength above ``original / low_freq_factor``) by ``factor``, and blends
@@ -246,6 +252,8 @@ def rope_inv_freq(
     if isinstance(scaling, LongRopeScaling):
         chosen = scaling.factors(max_positions or scaling.original_max_position_embeddings)
         return 1.0 / (torch.tensor(chosen, dtype=torch.float32) * theta**exponents)
+    if isinstance(scaling, LinearScaling):
+        return inv_freq / scaling.factor
     orig = scaling.original_max_position_embeddings
     wavelen = 2 * math.pi / inv_freq
     slow = inv_freq / scaling.factor
@@ -333,7 +341,7 @@ class RotaryEmbedding(nn.Module):
         head_dim: int,
         max_positions: int,
         theta: float,
-        scaling: RopeScaling | YarnScaling | LongRopeScaling | None,
+        scaling: RopeScaling | YarnScaling | LongRopeScaling | LinearScaling | None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         *,

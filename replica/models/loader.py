@@ -1,4 +1,4 @@
-"""Load a Llama-family model and its tokenizer: the embedded default, a packaged model
+"""Load a model (the Llama family, Gemma 2/3: ``causal_lm``) and its tokenizer: the embedded default, a packaged model
 (``tierserve.replica.models.catalog``: its GGUF installed from the package registry), a GGUF file or a
 folder holding one (``tierserve.replica.models.gguf_loader``), a local checkpoint directory, or a Hugging
 Face hub id.
@@ -8,7 +8,8 @@ A checkpoint directory holds ``config.json``, weights (``model.safetensors``, sh
 index) and tokenizer files. Hugging Face tensor names map onto ours with q/k/v fused into
 ``qkv_proj`` and gate/up into ``gate_up_proj``; a checkpoint that holds them fused already
 (Phi-3's ``self_attn.qkv_proj`` rows ``[q | k | v]`` and ``mlp.gate_up_proj`` rows
-``[gate | up]``, our order) is read as it is. Every failure is a ``ModelLoadError`` (a
+``[gate | up]``, our order) is read as it is; a Gemma checkpoint's norm weights (offsets from
+one) get their one added (``gemma.fold_norm_offsets``). Every failure is a ``ModelLoadError`` (a
 ``ValueError``) that names what was wrong.
 """
 
@@ -21,8 +22,8 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from tierserve.replica.models import embedded, gguf_loader
-from tierserve.replica.models.config import ModelConfig, ModelLoadError
+from tierserve.replica.models import embedded, gemma, gguf_loader
+from tierserve.replica.models.config import GEMMA_ARCHITECTURES, ModelConfig, ModelLoadError
 from tierserve.replica.models.layers import Linear, permute_rotary_rows_, rotary_permutation
 from tierserve.replica.models.llama import LlamaDecoderLayer, LlamaForCausalLM, ModelOptions
 from tierserve.replica.models.meta import (
@@ -36,8 +37,10 @@ from tierserve.replica.models.meta import (
 
 # The weight-free half (config, tokenizer) lives in tierserve.replica.models.meta; re-exported here.
 __all__ = [
+    "CausalLM",
     "ModelLoadError",
     "ModelOptions",
+    "causal_lm",
     "default_dtype",
     "fill_weights",
     "gguf_file",
@@ -51,6 +54,23 @@ __all__ = [
 ]
 
 
+# The model classes ``load_model`` builds.
+CausalLM = LlamaForCausalLM | gemma.GemmaForCausalLM
+
+
+def causal_lm(
+    cfg: ModelConfig,
+    options: ModelOptions | None = None,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+) -> CausalLM:
+    """The (unloaded) model of ``cfg.architecture``: ``GemmaForCausalLM`` for Gemma 2/3,
+    ``LlamaForCausalLM`` for the rest."""
+    if cfg.architecture in GEMMA_ARCHITECTURES:
+        return gemma.GemmaForCausalLM(cfg, options, device, dtype)
+    return LlamaForCausalLM(cfg, options, device, dtype)
+
+
 def default_dtype(device: torch.device | str) -> torch.dtype:
     """fp32 on CPU, bf16 on CUDA and other accelerators."""
     return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
@@ -62,7 +82,7 @@ def load_model(
     device: torch.device | str = "cpu",
     options: ModelOptions | None = None,
     trust_remote_code: bool = False,
-) -> tuple[LlamaForCausalLM, PreTrainedTokenizerBase, ModelConfig]:
+) -> tuple[CausalLM, PreTrainedTokenizerBase, ModelConfig]:
     """Build the model, its tokenizer (a ``transformers`` fast tokenizer) and its config.
 
     ``model``: ``embedded.EMBEDDED_MODEL``, a packaged model's name, a GGUF file (or a folder
@@ -77,15 +97,18 @@ def load_model(
     gguf = gguf_file(model)
     if gguf is not None:
         cfg = gguf_loader.gguf_model_config(gguf)
-        net = LlamaForCausalLM(cfg, options, dev, dtype)
+        net = causal_lm(cfg, options, dev, dtype)
         fill_weights(
-            net, gguf_loader.gguf_weights(gguf, cfg), str(gguf), gguf_loader.gguf_tensor_name
+            net,
+            gguf_loader.gguf_weights(gguf, cfg),
+            str(gguf),
+            gguf_loader.gguf_tensor_namer(cfg.architecture),
         )
         tokenizer = gguf_loader.gguf_tokenizer(gguf)
     else:
         path = resolve_checkpoint(model)
         cfg = read_config(path, trust_remote_code)
-        net = LlamaForCausalLM(cfg, options, dev, dtype)
+        net = causal_lm(cfg, options, dev, dtype)
         load_weights(net, path)
         tokenizer = _tokenizer_from(path, trust_remote_code)
     if net.options.deterministic:
@@ -118,7 +141,7 @@ def weight_files(path: Path) -> list[Path]:
     )
 
 
-def load_weights(model: LlamaForCausalLM, path: Path) -> None:
+def load_weights(model: CausalLM, path: Path) -> None:
     """Copy a checkpoint's tensors into ``model`` (casting to its dtype, moving to its device).
 
     Raises ``ModelLoadError`` naming missing tensors or a tensor whose shape does not match,
@@ -132,10 +155,13 @@ def load_weights(model: LlamaForCausalLM, path: Path) -> None:
         for file in files:
             yield from _read_tensors(file, wanted)
 
-    fill_weights(model, tensors(), f"checkpoint {path}")
+    source = tensors()
+    if isinstance(model, gemma.GemmaForCausalLM):
+        source = gemma.fold_norm_offsets(source)
+    fill_weights(model, source, f"checkpoint {path}")
 
 
-def _check_unpacked(model: LlamaForCausalLM) -> None:
+def _check_unpacked(model: CausalLM) -> None:
     if any(getattr(m, "packed", False) for m in model.modules()):
         raise ModelLoadError(
             "the model's linear layers are packed for the native CPU kernel (pack_for_cpu); "
@@ -144,7 +170,7 @@ def _check_unpacked(model: LlamaForCausalLM) -> None:
 
 
 def fill_weights(
-    model: LlamaForCausalLM,
+    model: CausalLM,
     tensors: Iterator[tuple[str, torch.Tensor]],
     source: str,
     file_name: Callable[[str], str | None] | None = None,
@@ -216,7 +242,7 @@ def _fused_names(
     return out
 
 
-def _permute_rotary(model: LlamaForCausalLM) -> None:
+def _permute_rotary(model: CausalLM) -> None:
     """Put the rows of every q and k head (weights, biases, Qwen3-style per-head norms) in
     ``layers.rotary_permutation``'s order, when the config rotates only part of each head."""
     cfg = model.config
@@ -237,8 +263,10 @@ def _permute_rotary(model: LlamaForCausalLM) -> None:
                     permute_rotary_rows_(norm.weight.data, 1, perm)
 
 
-def _targets(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
+def _targets(model: CausalLM) -> dict[str, torch.Tensor]:
     """HF tensor name -> the view of our parameter it fills."""
+    if isinstance(model, gemma.GemmaForCausalLM):
+        return gemma.hf_targets(model)
     cfg = model.config
     q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
     out: dict[str, torch.Tensor] = {
@@ -272,7 +300,7 @@ def _targets(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
     return out
 
 
-def _fused_targets(model: LlamaForCausalLM) -> dict[str, tuple[torch.Tensor, tuple[str, ...]]]:
+def _fused_targets(model: CausalLM) -> dict[str, tuple[torch.Tensor, tuple[str, ...]]]:
     """Fused checkpoint names (Phi-3's) -> (the parameter they fill whole, the split names in
     ``_targets`` they stand for). Our rows are in their order: ``[q | k | v]``, ``[gate | up]``."""
     out: dict[str, tuple[torch.Tensor, tuple[str, ...]]] = {}

@@ -12,6 +12,10 @@ holding the checkpoint's fused ``qkv_proj`` and ``gate_up_proj`` as they are (no
 ``phi3.rope.scaling.original_context_length``, ``phi3.attention.sliding_window`` (0 for none)
 and, for LongRoPE, the F32 tensors ``rope_factors_long.weight`` / ``rope_factors_short.weight``
 and ``phi3.rope.scaling.attn_factor``.
+Gemma (``gemma2``, ``gemma3``; from ``transformers``' ``Gemma2ForCausalLM`` / ``Gemma3ForCausalLM``)
+as llama.cpp's converter writes it: every norm weight stored as ``1 + w``, the layer norms named
+``attn_norm``, ``post_attention_norm``, ``ffn_norm`` (pre-feedforward), ``post_ffw_norm``, the
+metadata ``{arch}.attention.sliding_window`` and, for Gemma 2, both soft-caps.
 
 A file of architecture ``mistral`` keeps Hugging Face's Q/K layout: llama.cpp neither writes nor
 reads that architecture (it writes Mistral models as ``llama``), and ``tierserve.replica.models.gguf_loader``
@@ -45,6 +49,15 @@ from tierserve.replica.models.embedded import (
 ARCH = {
     "LlamaConfig": "llama", "MistralConfig": "llama", "Qwen2Config": "qwen2", "Qwen3Config": "qwen3",
     "Phi3Config": "phi3",
+    "Gemma2Config": "gemma2", "Gemma3TextConfig": "gemma3",
+}
+GEMMA_ARCHS = ("gemma2", "gemma3")
+# Gemma's per-layer norms: Hugging Face module -> llama.cpp tensor.
+GEMMA_NORMS = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
 }
 PERMUTED_ARCHS = ("llama",)  # the architectures whose Q/K rows llama.cpp's converter permutes
 QUANTIZABLE = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
@@ -116,6 +129,13 @@ def encode_tensor(w: torch.Tensor, qtype: str, seed: int) -> tuple[np.ndarray, A
     return gguf.quants.quantize(data, q), q
 
 
+def rope_theta(cfg: Any) -> float:
+    """The (global) rotary base of a ``transformers`` config, v4 or v5 fields."""
+    params = getattr(cfg, "rope_parameters", None) or {}
+    params = params.get("full_attention", params)
+    return float(params.get("rope_theta") or getattr(cfg, "rope_theta", None) or 10000.0)
+
+
 def write_gguf(
     model: Any,
     path: Path,
@@ -125,12 +145,14 @@ def write_gguf(
     skip: tuple[str, ...] = (),
     chat_template: str | None = None,
     tokenizer: str = "gpt2",
+    metadata: dict[str, Any] | None = None,
 ) -> Path:
     """Write ``model`` (a tiny ``transformers`` Llama/Mistral/Qwen2/Qwen3/Phi3) to ``path`` in ``qtype``.
     ``arch`` overrides ``general.architecture``; tensors named in ``skip`` are left out; a model
     with tied embeddings gets no ``output.weight`` (as llama.cpp writes one). ``tokenizer``:
     ``gpt2`` (byte-level BPE) or ``llama`` (SentencePiece: the model's vocabulary must be
-    ``len(spm_vocab()[0])``)."""
+    ``len(spm_vocab()[0])``). ``metadata``: ``GGUFWriter.add_<key>(value)`` calls to add (e.g.
+    ``{"sliding_window_pattern": [True, False]}``)."""
     cfg = model.config
     path.parent.mkdir(parents=True, exist_ok=True)
     arch = arch or ARCH[type(cfg).__name__]
@@ -152,9 +174,19 @@ def write_gguf(
         w.add_rope_dimension_count(head_dim)
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
-    w.add_rope_freq_base(float(rope.get("rope_theta") or getattr(cfg, "rope_theta", None) or 1e4))
+    w.add_rope_freq_base(rope_theta(cfg))
     w.add_layer_norm_rms_eps(float(cfg.rms_norm_eps))
     w.add_vocab_size(cfg.vocab_size)
+    gemma = arch in GEMMA_ARCHS
+    if gemma:
+        if "sliding_attention" in cfg.layer_types:
+            w.add_sliding_window(cfg.sliding_window)
+        if getattr(cfg, "attn_logit_softcapping", None) is not None:
+            w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        if getattr(cfg, "final_logit_softcapping", None) is not None:
+            w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    for key, value in (metadata or {}).items():
+        getattr(w, f"add_{key}")(value)
     if tokenizer == "gpt2":
         tokens = tokenizer_vocab()[: cfg.vocab_size]
         tokens += [f"<|unused{i}|>" for i in range(cfg.vocab_size - len(tokens))]
@@ -212,6 +244,8 @@ def write_gguf(
         "input_layernorm": "attn_norm",
         "post_attention_layernorm": "ffn_norm",
     }
+    if gemma:
+        per_layer.update(GEMMA_NORMS)
     state = model.state_dict()
     if rope.get("rope_type") == "longrope":  # the converter's extra F32 tensors
         for name in ("long_factor", "short_factor"):
@@ -232,6 +266,8 @@ def write_gguf(
             continue
         if permute and (".attn_q." in gname or ".attn_k." in gname):
             t = permute_for_gguf(t, heads if ".attn_q." in gname else kv_heads)
+        if gemma and name.endswith("norm.weight"):  # llama.cpp stores Gemma's 1 + w
+            t = t.float() + 1
         data, raw = encode_tensor(t, qtype, seed)
         seed += 1
         w.add_tensor(gname, data, raw_dtype=raw)
@@ -283,6 +319,9 @@ def reference_from_file(path: Path, like: Any) -> Any:
         "attn_norm": "input_layernorm",
         "ffn_norm": "post_attention_layernorm",
     }
+    gemma = arch in GEMMA_ARCHS
+    if gemma:
+        names.update({g: hf for hf, g in GEMMA_NORMS.items()})
     state: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         if str(t.name).startswith("rope_factors_"):  # config, not weights: like's config has them
@@ -290,6 +329,8 @@ def reference_from_file(path: Path, like: Any) -> Any:
         arr = gguf.quants.dequantize(t.data, t.tensor_type)
         arr = np.asarray(arr, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])
         w = torch.from_numpy(arr.copy())
+        if gemma and str(t.name).endswith("norm.weight"):
+            w = w - 1  # transformers' Gemma norms take the offset from one
         parts = str(t.name).split(".")
         if parts[0] == "blk":  # blk.{i}.{module}.{weight|bias}
             if arch in PERMUTED_ARCHS and parts[2] in ("attn_q", "attn_k"):

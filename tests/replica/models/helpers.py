@@ -15,6 +15,7 @@ from tierserve.kernels.metadata import SeqSpec, build_metadata
 from tierserve.kernels.reference import gather_seq
 from tierserve.replica.models.embedded import build_tokenizer
 from tierserve.replica.models.llama import LlamaForCausalLM
+from tierserve.replica.models.loader import CausalLM
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,7 @@ class PagedHarness:
     """Per-layer KV caches and contiguous block tables: sequence ``i`` owns blocks
     ``1 + i * per_seq .. 1 + (i + 1) * per_seq - 1`` (block 0 stays unused)."""
 
-    model: LlamaForCausalLM
+    model: CausalLM
     max_seqs: int
     max_len: int
     block_size: int = 16
@@ -174,11 +175,15 @@ def tiny_hf_model(kind: str, seed: int = 0, **overrides: Any) -> Any:
             )
         elif kind not in ("phi3", "phi3-partial"):
             raise ValueError(kind)
+    elif kind in GEMMA_KINDS:
+        cls = _gemma_config(kind, base)
     elif kind != "llama":
         raise ValueError(kind)
     base.update(overrides)
     config = cls(**base)
     model_cls = {
+        "Gemma2Config": transformers.Gemma2ForCausalLM,
+        "Gemma3TextConfig": transformers.Gemma3ForCausalLM,
         "LlamaConfig": transformers.LlamaForCausalLM,
         "Qwen2Config": transformers.Qwen2ForCausalLM,
         "MistralConfig": transformers.MistralForCausalLM,
@@ -191,6 +196,40 @@ def tiny_hf_model(kind: str, seed: int = 0, **overrides: Any) -> Any:
     if config.tie_word_embeddings:
         model.tie_weights()
     return model
+
+
+# Tiny Gemma models: GQA, head_dim 32 (not hidden / heads), query_pre_attn_scalar 24 (not
+# head_dim), three layers mixing sliding (window 32: longer than the tests' default positions,
+# see gemma_window) and full attention. gemma3: per-head q/k norms, sliding layers on rotary base
+# 10000 and global ones on 1e6 with linear scaling (factor 8, as Gemma 3 4B+); gemma2: final logit
+# soft-capping 30 and attention soft-capping 50; gemma2-nocap: without the latter.
+GEMMA_KINDS = ("gemma3", "gemma2", "gemma2-nocap")
+
+
+def _gemma_config(kind: str, base: dict[str, Any]) -> Any:
+    import transformers
+
+    base.update(
+        num_hidden_layers=3,
+        num_key_value_heads=2,
+        head_dim=32,
+        query_pre_attn_scalar=24,
+        sliding_window=32,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+    )
+    if kind == "gemma3":
+        base["rope_parameters"] = {
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        }
+        return transformers.Gemma3TextConfig
+    base.update(final_logit_softcapping=30.0, attn_logit_softcapping=50.0)
+    if kind == "gemma2-nocap":
+        base["attn_logit_softcapping"] = None
+    return transformers.Gemma2Config
 
 
 TINY_KINDS = (

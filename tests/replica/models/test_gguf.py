@@ -572,8 +572,8 @@ def test_unsupported_architecture_is_refused(tmp_path: Path) -> None:
     path = write_gguf(tiny_hf_model("llama"), tmp_path / "gpt2.gguf", arch="gpt2")
     _refused(
         path,
-        r"unsupported GGUF architecture 'gpt2'; supported: llama, mistral, qwen2, qwen3, phi3 "
-        r"\(Llama, Mistral, Qwen2, Qwen3 and Phi-3 models\)$",
+        r"unsupported GGUF architecture 'gpt2'; supported: llama, mistral, qwen2, qwen3, phi3, "
+        r"gemma2, gemma3 \(Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and Gemma 3 models\)$",
     )
 
 

