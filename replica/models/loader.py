@@ -302,8 +302,11 @@ def _targets(model: CausalLM) -> dict[str, torch.Tensor]:
 
 def _fused_targets(model: CausalLM) -> dict[str, tuple[torch.Tensor, tuple[str, ...]]]:
     """Fused checkpoint names (Phi-3's) -> (the parameter they fill whole, the split names in
-    ``_targets`` they stand for). Our rows are in their order: ``[q | k | v]``, ``[gate | up]``."""
+    ``_targets`` they stand for). Our rows are in their order: ``[q | k | v]``, ``[gate | up]``.
+    Gemma checkpoints hold them split: none."""
     out: dict[str, tuple[torch.Tensor, tuple[str, ...]]] = {}
+    if isinstance(model, gemma.GemmaForCausalLM):
+        return out
     for i, layer in enumerate(model.model.layers):
         assert isinstance(layer, LlamaDecoderLayer)
         p = f"model.layers.{i}."
