@@ -55,6 +55,8 @@ PROTOTYPES: tuple[str, ...] = (
     "i32 hidden, f32 eps, i32 num_threads)",
     "i32 ts_silu_mul_f32(strided const f32* gate_up, i64 gu_stride, f32* out, i64 rows, "
     "i32 inter, i32 num_threads)",
+    "i32 ts_gelu_tanh_mul_f32(strided const f32* gate_up, i64 gu_stride, f32* out, i64 rows, "
+    "i32 inter, i32 num_threads)",
     "i32 ts_qk_norm_f32(strided f32* qkv, i64 qkv_stride, const f32* q_weight, "
     "const f32* k_weight, i64 rows, i32 hq, i32 hkv, i32 head_dim, f32 eps, i32 num_threads)",
     "i32 ts_rope_store_f32(strided f32* qkv, i64 qkv_stride, const f32* cos, const f32* sin, "

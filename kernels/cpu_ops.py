@@ -13,7 +13,7 @@
   ``cpu_packing.pack_linear_quantized`` found to be an exact Q4_1/Q8_0 dequantization and keeps
   in that form (1/6.4 or 1/3.8 of the bytes).
 - ``rms_norm`` (optionally adding the previous block's output into the residual first),
-  ``silu_and_mul``, ``qk_norm`` (RMSNorm of each q and k head, in place: Qwen3's) and
+  ``silu_and_mul``, ``gelu_tanh_and_mul`` (Gemma's), ``qk_norm`` (RMSNorm of each q and k head, in place: Qwen3's) and
   ``rope_store`` (rotary embedding of q and k, then k and v into the cache): one pass over the
   rows each, where torch runs several ops with temporaries.
 
@@ -24,6 +24,7 @@ check their dtypes, device and layout before passing addresses.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -205,22 +206,25 @@ def rms_norm(
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for ``gate_up`` ``[rows, 2 * inter]`` laid out ``[gate | up]``."""
-    lib = cpu_native.lib_or_raise()
+    return _gated("silu_and_mul", cpu_native.lib_or_raise().ts_silu_mul_f32, gate_up)
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``gelu_tanh(gate) * up`` (``transformers``' ``gelu_pytorch_tanh``, Gemma's MLP) for
+    ``gate_up`` ``[rows, 2 * inter]`` laid out ``[gate | up]``."""
+    return _gated("gelu_tanh_and_mul", cpu_native.lib_or_raise().ts_gelu_tanh_mul_f32, gate_up)
+
+
+def _gated(name: str, fn: Any, gate_up: torch.Tensor) -> torch.Tensor:
+    """``act(gate) * up`` through the native function ``fn`` (``ts_*_mul_f32``'s signature)."""
     rows, width = gate_up.shape
     if width % 2:
         raise NativeKernelError(f"gate_up must have an even width, got {width}")
     _check_rows("gate_up", gate_up, rows, width)
     out = torch.empty((rows, width // 2), dtype=torch.float32)
-    rc = lib.ts_silu_mul_f32(
-        gate_up,
-        gate_up.stride(0),
-        out,
-        rows,
-        width // 2,
-        torch.get_num_threads(),
-    )
+    rc = fn(gate_up, gate_up.stride(0), out, rows, width // 2, torch.get_num_threads())
     if rc != 0:
-        raise NativeKernelError(f"silu_and_mul refused its arguments (code {rc})")
+        raise NativeKernelError(f"{name} refused its arguments (code {rc})")
     return out
 
 

@@ -1934,6 +1934,46 @@ int ts_silu_mul_f32(const float* gate_up, int64_t gu_stride, float* out, int64_t
   return 0;
 }
 
+// Gemma's MLP: as ts_silu_mul_f32, out = gelu_tanh(gate) * up with
+// gelu_tanh(g) = 0.5 g (1 + tanh(z)), z = sqrt(2 / pi) (g + 0.044715 g^3), and
+// tanh(z) = 1 - 2 / (1 + exp(2 z)) (exp(2 z) overflowing to +inf gives tanh 1; a very negative z
+// gives -1). Each element is computed alone, so a row's bits depend neither on the other rows
+// nor on how many there are.
+int ts_gelu_tanh_mul_f32(const float* gate_up, int64_t gu_stride, float* out, int64_t rows,
+                         int inter, int num_threads) {
+  if (rows < 0 || inter <= 0) return -1;
+  const float c2 = 2.0f * 0.7978845608028654f;  // 2 sqrt(2 / pi)
+  const float cubic = 0.044715f;
+#pragma omp parallel for schedule(static) num_threads(num_threads) \
+    if (rows > 1 && rows * inter >= kParallelElems / 2)
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* g = gate_up + r * gu_stride;
+    const float* u = g + inter;
+    float* o = out + r * inter;
+    int i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m256 one = _mm256_set1_ps(1.0f), two = _mm256_set1_ps(2.0f);
+    const __m256 half = _mm256_set1_ps(0.5f), c2v = _mm256_set1_ps(c2);
+    const __m256 cubicv = _mm256_set1_ps(cubic);
+    for (; i + 8 <= inter; i += 8) {
+      const __m256 gv = _mm256_loadu_ps(g + i);
+      const __m256 g3 = _mm256_mul_ps(_mm256_mul_ps(gv, gv), gv);
+      const __m256 z2 = _mm256_mul_ps(c2v, _mm256_add_ps(gv, _mm256_mul_ps(cubicv, g3)));
+      const __m256 th = _mm256_sub_ps(one, _mm256_div_ps(two, _mm256_add_ps(one, exp8(z2))));
+      const __m256 act = _mm256_mul_ps(_mm256_mul_ps(half, gv), _mm256_add_ps(one, th));
+      _mm256_storeu_ps(o + i, _mm256_mul_ps(act, _mm256_loadu_ps(u + i)));
+    }
+#endif
+    for (; i < inter; ++i) {
+      const float gi = g[i];
+      const float z2 = c2 * (gi + cubic * (gi * gi * gi));
+      const float th = 1.0f - 2.0f / (1.0f + fast_exp(z2));
+      o[i] = 0.5f * gi * (1.0f + th) * u[i];
+    }
+  }
+  return 0;
+}
+
 // qkv: [rows, hq + 2 * hkv, head_dim] as for ts_rope_store_f32. Each q head becomes
 // x / sqrt(mean(x^2) + eps) * q_weight and each k head the same with k_weight (both [head_dim]),
 // in place; v heads are left alone. The sum of squares is ts_rms_norm_f32's (16 lanes, a fixed
@@ -2144,6 +2184,7 @@ void describe(std::string& out, const char* name, R (*)(A...)) {
   X(ts_paged_attention_f32)    \
   X(ts_rms_norm_f32)           \
   X(ts_silu_mul_f32)           \
+  X(ts_gelu_tanh_mul_f32)      \
   X(ts_qk_norm_f32)            \
   X(ts_rope_store_f32)         \
   X(ts_pack_linear_f32)        \

@@ -11,10 +11,11 @@ Built from the Llama family's layers (``tierserve.replica.models.layers``) and r
   The q/k head norms (Gemma 3) and the final norm are the same kind.
 - Four norms per layer ("sandwich"): input -> attention -> post-attention norm -> residual add;
   pre-feedforward norm -> MLP -> post-feedforward norm -> residual add.
-- The MLP is ``down(gelu_tanh(gate(x)) * up(x))``. The native CPU kernels have a fused SiLU-and-mul
-  but no GELU analogue: this MLP's activation runs on torch ops on every path (the linear layers
-  still run on the native kernel), and the deterministic mode, which runs on the native kernels
-  only, refuses a Gemma model (``DeterministicModeUnavailable``).
+- The MLP is ``down(gelu_tanh(gate(x)) * up(x))``: on CPU the activation is the native kernel's
+  fused GELU-tanh-and-mul (``cpu_ops.gelu_tanh_and_mul``, each element alone), elsewhere torch's
+  ``gelu(approximate="tanh")``. The deterministic mode runs every layer on the native kernels,
+  as for the Llama family; it refuses Gemma 2's final logit soft-cap (a torch ``tanh`` over the
+  logits, whose bits it does not hold to).
 - Embeddings are multiplied by ``sqrt(hidden_size)`` rounded to the model's dtype (as
   ``transformers`` does: 25.25 in bf16 where 25.298... in fp32 for hidden 640).
 - Attention scores are scaled by ``query_pre_attn_scalar ** -0.5``; each layer attends fully or
@@ -50,7 +51,7 @@ from tierserve.replica.models.layers import (
     VocabEmbedding,
     apply_rotary_,
 )
-from tierserve.replica.models.llama import KVCache, ModelOptions, Rope
+from tierserve.replica.models.llama import KVCache, ModelOptions, Rope, check_deterministic
 
 __all__ = [
     "GEMMA_ARCHITECTURES",
@@ -112,9 +113,14 @@ def gemma_qk_norm_(
     qk[:, q_heads:] = (normed[:, q_heads:] * k_norm.weight).to(qkv.dtype)
 
 
-def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def gelu_tanh_and_mul(gate_up: torch.Tensor, deterministic: bool = False) -> torch.Tensor:
     """``gelu_tanh(gate) * up`` for ``gate_up`` ``[T, 2 * I]`` laid out ``[gate | up]`` -> ``[T, I]``
-    (``transformers``' ``gelu_pytorch_tanh``), on torch ops: the native kernels have no GELU."""
+    (``transformers``' ``gelu_pytorch_tanh``): the native fused kernel on fp32 CPU rows, torch
+    ops elsewhere (the deterministic mode refuses those)."""
+    if deterministic:
+        cpu_native.require_fused(gate_up, "GELU-tanh")
+    if gate_up.dim() == 2 and cpu_native.fused_ok(gate_up):
+        return cpu_ops.gelu_tanh_and_mul(gate_up)
     inter = gate_up.shape[-1] // 2
     return F.gelu(gate_up[..., :inter], approximate="tanh").mul_(gate_up[..., inter:])
 
@@ -132,13 +138,14 @@ class GeluMLP(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
+        self.deterministic = deterministic
         self.gate_up_proj = Linear(
             hidden_size, 2 * intermediate_size, False, deterministic, device, dtype
         )
         self.down_proj = Linear(intermediate_size, hidden_size, False, deterministic, device, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(gelu_tanh_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(gelu_tanh_and_mul(self.gate_up_proj(x), self.deterministic))
 
 
 class GemmaAttention(nn.Module):
@@ -331,8 +338,8 @@ class GemmaForCausalLM(nn.Module):
     is tied to the embedding unless the config says otherwise.
 
     Raises ``ModelLoadError`` for a config the kernels of this build cannot run (score capping
-    without ``attention``'s ``softcap``), ``DeterministicModeUnavailable`` in the deterministic
-    mode (the GELU runs on torch ops).
+    without ``attention``'s ``softcap``), ``DeterministicModeUnavailable`` where the
+    deterministic mode cannot run (as ``LlamaForCausalLM``; and with a final logit soft-cap).
     """
 
     def __init__(
@@ -350,11 +357,13 @@ class GemmaForCausalLM(nn.Module):
             )
         self.config = config
         self.options = options or ModelOptions()
-        if self.options.deterministic:
+        if self.options.deterministic and config.final_logit_softcapping is not None:
             raise cpu_native.DeterministicModeUnavailable(
-                f"the deterministic mode cannot run {config.architecture}: its GELU-tanh MLP has "
-                "no native CPU kernel (it runs on torch ops, whose bits may depend on the batch)"
+                f"the deterministic mode cannot run {config.architecture} with a final logit "
+                f"soft-cap ({config.final_logit_softcapping}): it runs on torch ops, whose bits "
+                "the mode does not hold to"
             )
+        check_deterministic(self.options, config, device or "cpu", dtype or torch.get_default_dtype())
         if config.attn_logit_softcapping is not None and not SOFTCAP_SUPPORTED:
             raise ModelLoadError(
                 f"{config.architecture}: attention logit soft-capping "

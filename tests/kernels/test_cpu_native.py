@@ -317,6 +317,25 @@ def test_silu_and_mul_matches_torch(rows: int, inter: int) -> None:
 
 
 @needs_native
+@pytest.mark.parametrize("rows", [1, 5, 200])
+@pytest.mark.parametrize("inter", [2048, 13])
+def test_gelu_tanh_and_mul_matches_torch(rows: int, inter: int) -> None:
+    """Gemma's MLP activation: close to torch's tanh-approximated GELU over both tails (where
+    exp(2z) overflows and where it vanishes), and a row's bits the same alone as in the batch."""
+    torch.manual_seed(0)
+    gate_up = torch.randn(rows, 2 * inter) * 6
+    gate_up[0, 0], gate_up[0, 1], gate_up[0, 2] = -100.0, 100.0, 0.0
+    want = torch.nn.functional.gelu(gate_up[:, :inter], approximate="tanh") * gate_up[:, inter:]
+    got = cpu_ops.gelu_tanh_and_mul(gate_up)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    assert got[0, 0] == 0 and got[0, 1] == 100.0 * gate_up[0, inter + 1]
+    for r in (0, rows - 1):
+        assert torch.equal(cpu_ops.gelu_tanh_and_mul(gate_up[r : r + 1].clone()), got[r : r + 1])
+    with pytest.raises(cpu_abi.NativeKernelError, match="even width"):
+        cpu_ops.gelu_tanh_and_mul(torch.zeros(2, 7))
+
+
+@needs_native
 @pytest.mark.parametrize("tokens", [1, 9, 150])
 def test_rope_store_matches_torch(tokens: int) -> None:
     from tierserve.kernels import reference

@@ -264,10 +264,16 @@ def test_embeddings_are_scaled_by_sqrt_hidden_in_the_models_dtype() -> None:
     assert not torch.equal(model.model.rotary.cos, model.model.rotary_local.cos)
 
 
-def test_the_deterministic_mode_refuses_gemma() -> None:
+def test_the_deterministic_mode_refuses_a_final_logit_softcap() -> None:
+    """Gemma 3 runs in the deterministic mode (every layer on the native kernels: its GELU too);
+    Gemma 2's final soft-cap is a torch tanh, which the mode refuses by name."""
     cfg = _tiny_config()
-    with pytest.raises(cpu_native.DeterministicModeUnavailable, match="GELU-tanh"):
-        gemma.GemmaForCausalLM(cfg, ModelOptions(deterministic=True, max_model_len=32))
+    det = ModelOptions(deterministic=True, max_model_len=32)
+    if cpu_native.available():
+        gemma.GemmaForCausalLM(cfg, det)
+    capped = dataclasses.replace(cfg, final_logit_softcapping=30.0)
+    with pytest.raises(cpu_native.DeterministicModeUnavailable, match="final logit soft-cap"):
+        gemma.GemmaForCausalLM(capped, det)
 
 
 def test_a_context_past_the_window_needs_windowed_attention() -> None:
