@@ -23,6 +23,10 @@ _ARCH_BY_MODEL_TYPE = {
 # configs, ``use_sliding_window``) says so: their configs name a window they may not use.
 _LAYERED_WINDOW = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "yarn")
+# Per-layer attention kinds, as ``layer_types`` in Hugging Face configs names them.
+SLIDING_ATTENTION = "sliding_attention"
+FULL_ATTENTION = "full_attention"
+LAYER_TYPES = (SLIDING_ATTENTION, FULL_ATTENTION)
 
 
 class ModelLoadError(ValueError):
@@ -74,6 +78,9 @@ class ModelConfig:
     ``self_attn.q_norm`` and ``self_attn.k_norm``, eps ``rms_norm_eps``) before the rotary
     embedding (Qwen3).
     ``sliding_window``: the window the checkpoint was trained with, or None for full attention.
+    ``layer_types``: per layer, ``"sliding_attention"`` (the window applies) or
+    ``"full_attention"``; None: the window, if any, applies to every layer (Mistral).
+    ``layer_windows()`` resolves the two into each layer's window.
     """
 
     architecture: str
@@ -96,6 +103,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
     sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -105,6 +113,22 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ModelLoadError(f"rotary embeddings need an even head_dim, got {self.head_dim}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ModelLoadError(
+                f"{self.architecture}: sliding_window must be at least 1, got {self.sliding_window}"
+            )
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers:
+                raise ModelLoadError(
+                    f"{self.architecture}: layer_types names {len(self.layer_types)} layers but "
+                    f"the model has {self.num_layers}"
+                )
+            unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+            if unknown:
+                raise ModelLoadError(
+                    f"{self.architecture}: layer type(s) {', '.join(map(repr, unknown))} not "
+                    f"supported; supported: {', '.join(LAYER_TYPES)}"
+                )
 
     @property
     def q_size(self) -> int:
@@ -114,18 +138,28 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's attention window (None: full causal attention), for ``attention``'s
+        ``window``: ``sliding_window`` on the layers ``layer_types`` calls sliding (on every
+        layer without ``layer_types``), None elsewhere and everywhere without a window."""
+        if self.sliding_window is None:
+            return (None,) * self.num_layers
+        if self.layer_types is None:
+            return (self.sliding_window,) * self.num_layers
+        return tuple(
+            self.sliding_window if t == SLIDING_ATTENTION else None for t in self.layer_types
+        )
+
     def check_context(self, max_model_len: int) -> None:
-        """Raise ``ModelLoadError`` if serving ``max_model_len`` positions needs what we lack."""
+        """Raise ``ModelLoadError`` if serving ``max_model_len`` positions needs what we lack.
+
+        A sliding window shorter than ``max_model_len`` is served as such (the attention kernels
+        take the window per layer), so it is no reason to refuse.
+        """
         if max_model_len > self.max_position_embeddings:
             raise ModelLoadError(
                 f"max_model_len {max_model_len} exceeds the model's "
                 f"max_position_embeddings {self.max_position_embeddings}"
-            )
-        if self.sliding_window is not None and self.sliding_window < max_model_len:
-            raise ModelLoadError(
-                f"{self.architecture} uses sliding-window attention (window {self.sliding_window}) "
-                f"and sliding windows are not supported; set max_model_len <= "
-                f"{self.sliding_window} to serve it with full attention"
             )
 
     def to_json(self) -> dict[str, Any]:
@@ -144,6 +178,8 @@ class ModelConfig:
         else:
             fields["rope_scaling"] = RopeScaling(**scaling)
         fields["eos_token_ids"] = tuple(fields.get("eos_token_ids", ()))
+        if fields.get("layer_types") is not None:
+            fields["layer_types"] = tuple(fields["layer_types"])
         return cls(**fields)
 
     @classmethod
@@ -165,6 +201,7 @@ class ModelConfig:
         qwen2 = arch == "Qwen2ForCausalLM"
         eos = getattr(hf, "eos_token_id", None)
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        window = _sliding_window(hf, arch)
         return cls(
             architecture=arch,
             vocab_size=int(hf.vocab_size),
@@ -185,7 +222,8 @@ class ModelConfig:
             bos_token_id=getattr(hf, "bos_token_id", None),
             eos_token_ids=tuple(int(e) for e in eos_ids),
             pad_token_id=getattr(hf, "pad_token_id", None),
-            sliding_window=_sliding_window(hf, arch),
+            sliding_window=window,
+            layer_types=_layer_types(hf, arch, window),
         )
 
 
@@ -281,3 +319,17 @@ def _sliding_window(hf: Any, arch: str) -> int | None:
         if not used:
             return None
     return int(window)
+
+
+def _layer_types(hf: Any, arch: str, window: int | None) -> tuple[str, ...] | None:
+    """Which layers the window applies to, for the architectures where that is per layer: the
+    config's ``layer_types``, or in older configs the layers from ``max_window_layers`` on (as
+    ``transformers`` derives it). None where every layer is alike (no window, or Mistral's)."""
+    if window is None or arch not in _LAYERED_WINDOW:
+        return None
+    layer_types = getattr(hf, "layer_types", None)
+    if layer_types is not None:
+        return tuple(str(t) for t in layer_types)
+    first = int(getattr(hf, "max_window_layers", 0) or 0)
+    layers = int(hf.num_hidden_layers)
+    return tuple(SLIDING_ATTENTION if i >= first else FULL_ATTENTION for i in range(layers))
