@@ -32,7 +32,7 @@ specialization of the other arguments (an int equal to 1 becomes a constant, one
 gets a divisibility hint, a pointer 16-byte aligned gets one too). Everything that changes from one
 batch to the next is a runtime argument excluded from specialization (``do_not_specialize``): the
 first sequence of a launch, the block table's row stride, the query group size and its padding,
-the context split count, and the index tensors' pointers. What is left is fixed by the model and
+the context split count, the attention window, and the index tensors' pointers. What is left is fixed by the model and
 the deployment (head_dim, block size, dtype, the launch's tile configuration), so a model reaches a
 small, known set of variants: ``tierserve.kernels.aot.variants`` lists them and ``tierserve.kernels.aot.warmup``
 compiles them at start-up instead of inside the serving loop.
@@ -458,9 +458,12 @@ def paged_attention(
     ``MAX_KV_SPLITS``; fast mode only); ``None`` picks one from the GPU size. ``deterministic``
     runs every row through one fixed configuration (see the module docstring). ``window``: each
     row sees its last ``window`` positions (None: all up to its own); ``softcap``: scores ``s``
-    become ``softcap * tanh(s / softcap)`` (None: unchanged); checked by
-    ``tierserve.kernels.attention.validate_window``.
+    become ``softcap * tanh(s / softcap)`` (None: unchanged); both checked as
+    ``tierserve.kernels.attention.validate_window`` does (``ValueError``).
     """
+    from tierserve.kernels.attention import validate_window
+
+    validate_window(window, softcap)
     t, hq, d = q.shape
     hkv = k_cache.shape[2]
     group = hq // hkv

@@ -404,3 +404,20 @@ def test_tiles_before_the_window_are_not_read(backend: str, mode: str) -> None:
         )
     assert not got.isnan().any(), "a tile wholly before the window was read"
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.triton
+@pytest.mark.skipif(not TRITON_DEVICES, reason="Triton needs a CUDA GPU or TRITON_INTERPRET=1")
+def test_triton_paged_attention_checks_its_window_and_softcap() -> None:
+    """Called directly (as the benchmarks do), not only through ``attention``."""
+    from tierserve.kernels import triton_attention
+
+    gen = torch.Generator().manual_seed(0)
+    shape = Shape(kv_heads=1, group=2, head_dim=16)
+    seq = new_seq(5, shape, 16, 8, torch.float32, "cpu", gen)
+    k_cache, v_cache = new_cache(8, 16, shape, torch.float32, "cpu")
+    step = make_step([(seq, 0, 5)], 16, "cpu")
+    with pytest.raises(ValueError, match="window must be"):
+        triton_attention.paged_attention(step.q, k_cache, v_cache, step.meta, 0.3, window=-2)
+    with pytest.raises(ValueError, match="softcap must be"):
+        triton_attention.paged_attention(step.q, k_cache, v_cache, step.meta, 0.3, softcap=0.0)
