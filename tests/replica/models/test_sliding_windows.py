@@ -194,3 +194,39 @@ def test_qwen2_with_some_windowed_layers_matches_transformers(tmp_path: Path) ->
         torch.testing.assert_close(logits, want, rtol=0, atol=1e-4)
     greedy = PagedHarness(ours, len(prompts), 96).greedy(prompts, NEW_TOKENS)
     assert greedy == [_hf_greedy(hf, p) for p in prompts]
+
+
+@pytest.mark.slow
+def test_mistral_window_through_the_engine_with_prefix_cache_chunks_and_preemption(
+    mistral: tuple[Any, Path],
+) -> None:
+    """The whole engine on the window-8 checkpoint: prompts that share a 40-token prefix (the
+    second and later admissions read it from the prefix cache, a window cutting through it),
+    prefilled in chunks of 7, in a pool of 10 blocks too small for all of them (requests are
+    preempted and recomputed): greedy tokens equal to ``transformers``' on every prompt."""
+    from tierserve.replica.llm import LLM
+    from tierserve.replica.sampler import SamplingParams
+
+    hf, path = mistral
+    gen = torch.Generator().manual_seed(9)
+    shared = torch.randint(0, hf.config.vocab_size, (40,), generator=gen).tolist()
+    prompts = [
+        shared + torch.randint(0, hf.config.vocab_size, (n,), generator=gen).tolist()
+        for n in (3, 9, 1, 14, 6, 11)
+    ]
+    want = [_hf_greedy(hf, p) for p in prompts]
+    llm = LLM(
+        str(path),
+        device="cpu",
+        dtype="float32",
+        num_kv_blocks=10,
+        block_size=16,
+        max_num_seqs=6,
+        max_model_len=128,
+        prefill_chunk_tokens=7,
+    )
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in outs] == want
+    assert any(o.cached_tokens > 0 for o in outs), "no prompt read the shared prefix"
+    assert llm.stats().preemptions > 0
