@@ -4,7 +4,8 @@ A variant is one binary Triton would build: a kernel, its compile-time constants
 specialization of each other argument, and its launch options (``num_warps``, ``num_stages``).
 ``tierserve.kernels.triton_attention`` and ``tierserve.kernels.triton_kv`` keep everything that changes between
 batches out of the specialization, so what a model reaches depends only on its ``ServingConfig``
-(head_dim, query heads per KV head, block size, dtype, deterministic or not):
+(head_dim, query heads per KV head, block size, dtype, deterministic or not, soft-capped scores or
+not; an attention window is a runtime argument and adds none):
 
 - ``variants(config)``: that set (5 variants in the fast mode, 2 in the deterministic one);
   ``fused_variants(hidden, q_heads, kv_heads, head_dim, block, dtype, qk_norm)``: the fused
@@ -76,6 +77,7 @@ _ARG_TYPES: dict[str, dict[str, str]] = {
         "seq_lens_ptr": "*i32",
         "cu_q_lens_ptr": "*i32",
         "qk_scale": "fp32",
+        "softcap": "fp32",
     },
     "combine_splits": {
         "out_ptr": "*model",
@@ -132,7 +134,9 @@ SHARED_MEMORY_LIMIT: dict[int, int] = {
 }
 # The CI matrix: architectures and configurations every variant of which must compile cleanly.
 CI_ARCHS: tuple[int, ...] = (80, 90)
-CI_HEAD_DIMS: tuple[int, ...] = (64, 128)
+CI_HEAD_DIMS: tuple[int, ...] = (64, 128, 256)  # 256: Gemma's
+# The head sizes compiled with soft-capped scores too (Gemma 2's: 256, and 128 for the 27B).
+CI_SOFTCAP_HEAD_DIMS: tuple[int, ...] = (128, 256)
 CI_GROUPS: tuple[int, ...] = (1, 2, 3, 4, 8)
 CI_BLOCK_SIZES: tuple[int, ...] = (16, 32)
 CI_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
@@ -147,6 +151,7 @@ class ServingConfig:
     block_size: int  # positions per KV cache block
     dtype: torch.dtype  # activations and KV cache
     deterministic: bool
+    softcap: bool = False  # attention logits soft-capped (Gemma 2)
 
 
 @dataclass(frozen=True, slots=True)
@@ -279,11 +284,13 @@ def variants(
     )
 
     def attn(role: str, cfg: ta.KernelConfig, split: bool, exact: bool) -> Variant:
-        const = ta.attention_constexprs(cfg, d, block_size, dtype, split, exact, interpreter)
+        const = ta.attention_constexprs(
+            cfg, d, block_size, dtype, split, exact, interpreter, config.softcap
+        )
         return _variant("paged_attn", role, dtype, const, cfg.num_warps, cfg.num_stages)
 
     if config.deterministic:
-        return [store, attn("deterministic", ta.deterministic_config(group_pad), False, True)]
+        return [store, attn("deterministic", ta.deterministic_config(group_pad, d), False, True)]
     decode = ta.decode_config(group_pad, d)
     combine = _variant(
         "combine_splits",
@@ -335,11 +342,13 @@ def variants_for(
 
 
 def ci_configs() -> list[ServingConfig]:
-    """The configurations the CPU CI compiles for every architecture of ``CI_ARCHS``."""
+    """The configurations the CPU CI compiles for every architecture of ``CI_ARCHS``: without
+    soft-capping at ``CI_HEAD_DIMS``, with it at ``CI_SOFTCAP_HEAD_DIMS``."""
     return [
-        ServingConfig(d, g, b, dt, det)
+        ServingConfig(d, g, b, dt, det, cap)
+        for cap, dims in ((False, CI_HEAD_DIMS), (True, CI_SOFTCAP_HEAD_DIMS))
         for d, g, b, dt, det in itertools.product(
-            CI_HEAD_DIMS, CI_GROUPS, CI_BLOCK_SIZES, CI_DTYPES, (False, True)
+            dims, CI_GROUPS, CI_BLOCK_SIZES, CI_DTYPES, (False, True)
         )
     ]
 
@@ -401,7 +410,8 @@ def launch_key(kernel: str, args: Sequence[Any], kwargs: dict[str, Any]) -> tupl
 
 
 def run_warmup_launches(config: ServingConfig, device: torch.device | str) -> None:
-    """Launch every path of ``config`` once on a tiny batch (one KV head, zeros).
+    """Launch every path of ``config`` once on a tiny batch (one KV head, zeros; with a window,
+    which selects no other binary, and soft-capped where ``config.softcap``).
 
     On a GPU this compiles each variant into Triton's cache for ``device``; under the
     interpreter it runs them on CPU (used by tests to check it reaches the whole set).
@@ -416,11 +426,14 @@ def run_warmup_launches(config: ServingConfig, device: torch.device | str) -> No
     kv = torch.zeros((4, 1, d), dtype=dt, device=dev)
     tkv.store_kv(kv, kv, k_cache, v_cache, meta.slot_mapping)
     scale = d**-0.5
+    cap = 30.0 if config.softcap else None
     if config.deterministic:
-        ta.paged_attention(q, k_cache, v_cache, meta, scale, deterministic=True)
+        ta.paged_attention(
+            q, k_cache, v_cache, meta, scale, deterministic=True, window=bs, softcap=cap
+        )
         return
-    ta.paged_attention(q, k_cache, v_cache, meta, scale, num_kv_splits=1)
-    ta.paged_attention(q, k_cache, v_cache, meta, scale, num_kv_splits=2)
+    ta.paged_attention(q, k_cache, v_cache, meta, scale, num_kv_splits=1, window=bs, softcap=cap)
+    ta.paged_attention(q, k_cache, v_cache, meta, scale, num_kv_splits=2, softcap=cap)
 
 
 def warmup(config: ServingConfig, device: torch.device | str = "cuda") -> list[Variant]:

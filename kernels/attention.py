@@ -16,10 +16,21 @@ the batch, on how a prompt was cut into chunks, or on whether a token is a decod
   compiles them at start-up with ``tierserve.kernels.aot.warmup`` rather than on a step's first launch.
 
 The two deterministic paths are each invariant; they are not bit-equal to each other.
+
+Attention windows and soft-capping are per call (a model passes its layer's): ``window`` W lets
+the query at position ``i`` see only keys ``i - W < j <= i`` (the last W positions, itself
+included); ``softcap`` c maps each scaled score ``s`` to ``c * tanh(s / c)`` before the softmax.
+Every path implements both; the native and Triton kernels skip the key tiles that lie wholly
+before a row's window, so a decode row's cost is bounded by W rather than by its context. The
+cache is not windowed: the blocks of positions a window has left stay allocated (the scheduler
+frees a sequence's blocks only when it finishes or is preempted), so prefix caching, chunked
+prefill and preemption see the same cache as without a window and stay exact. The price is
+memory: a windowed layer keeps its whole context's K/V although it reads only the last W.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
@@ -42,16 +53,21 @@ def attention(
     backend: Backend = "torch",
     deterministic: bool = False,
     kv_stored: bool = False,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """``q`` ``[T, q_heads, D]``, ``k``/``v`` ``[T, kv_heads, D]`` -> ``[T, q_heads, D]`` in ``q.dtype``.
 
     Stores ``k``/``v`` at ``meta.slot_mapping`` in ``k_cache``/``v_cache``
     (``[num_blocks, block_size, kv_heads, D]``, mutated; skipped when ``kv_stored`` says the
     caller already did, e.g. ``cpu_ops.rope_store``), then attends every query row causally
-    over its sequence's cached positions. Raises ``ValueError`` on inconsistent shapes or an
-    unknown backend.
+    over its sequence's cached positions: all of them up to its own (``window`` None), or the
+    last ``window`` of them, its own included. ``softcap`` caps the scaled scores (None: no
+    capping; see the module docstring). Raises ``ValueError`` on inconsistent shapes, an
+    unknown backend, a window below 1 or a softcap not above 0.
     """
     validate(q, k, v, k_cache, v_cache, meta, backend)
+    validate_window(window, softcap)
     if backend == "triton":
         from tierserve.kernels import triton_attention, triton_kv
 
@@ -59,7 +75,14 @@ def attention(
         if not kv_stored:
             triton_kv.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         return triton_attention.paged_attention(
-            q, k_cache, v_cache, meta, scale, deterministic=deterministic
+            q,
+            k_cache,
+            v_cache,
+            meta,
+            scale,
+            deterministic=deterministic,
+            window=window,
+            softcap=softcap,
         )
     if not kv_stored:
         reference.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -71,9 +94,32 @@ def attention(
         )
     if plan is not None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        cpu_ops.paged_attention(q, k_cache, v_cache, meta, scale, out, meta.num_seqs, plan)
+        cpu_ops.paged_attention(
+            q, k_cache, v_cache, meta, scale, out, meta.num_seqs, plan, window, softcap
+        )
         return out
-    return torch_attention.paged_attention_fast(q, k_cache, v_cache, meta, scale)
+    return torch_attention.paged_attention_fast(q, k_cache, v_cache, meta, scale, window, softcap)
+
+
+def validate_window(window: int | None, softcap: float | None) -> None:
+    """Raise ``ValueError`` unless ``window`` is None or a positive int and ``softcap`` None or
+    a positive finite number."""
+    if window is not None and (
+        isinstance(window, bool) or not isinstance(window, int) or window < 1
+    ):
+        raise ValueError(
+            f"window must be None (full causal attention) or an int >= 1 (the positions a "
+            f"query sees, itself included), got {window!r}"
+        )
+    if softcap is not None and (
+        isinstance(softcap, bool)
+        or not isinstance(softcap, (int, float))
+        or not math.isfinite(softcap)
+        or softcap <= 0
+    ):
+        raise ValueError(
+            f"softcap must be None (no capping) or a finite number > 0, got {softcap!r}"
+        )
 
 
 def validate(

@@ -48,8 +48,8 @@ PROTOTYPES: tuple[str, ...] = (
     "i32 ts_paged_attention_f32(strided const f32* q, i64 q_row_stride, const f32* k_cache, "
     "const f32* v_cache, const i32* tables, i64 table_stride, const i32* seq_lens, "
     "const i32* cu_q_lens, strided f32* out, i64 out_row_stride, i32 num_seqs, i32 hq, i32 hkv, "
-    "i32 head_dim, i32 block_size, i32 num_blocks, f32 scale, i32 row_tile, "
-    "i32 heads_per_item, i32 num_threads)",
+    "i32 head_dim, i32 block_size, i32 num_blocks, f32 scale, i32 window, f32 softcap, "
+    "i32 row_tile, i32 heads_per_item, i32 num_threads)",
     "i32 ts_rms_norm_f32(strided f32* x, i64 x_stride, strided const f32*? delta, "
     "i64 delta_stride, const f32* weight, strided f32* out, i64 out_stride, i64 rows, "
     "i32 hidden, f32 eps, i32 num_threads)",

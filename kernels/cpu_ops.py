@@ -42,6 +42,7 @@ _ERRORS = {
     -3: "a sequence's query length is not within 1 .. its context length",
     -4: "a sequence's context is longer than its block table",
     -5: "a block table names a block outside the cache",
+    -6: "a negative window, or a softcap that is negative or not finite",
 }
 
 
@@ -101,11 +102,16 @@ def paged_attention(
     out: torch.Tensor,
     num_seqs: int,
     plan: AttentionPlan,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> None:
     """Attend the query rows of the first ``num_seqs`` sequences of ``meta`` into ``out``.
 
     ``q`` ``[T, hq, D]`` (rows may be strided, heads contiguous), ``out`` likewise; caches
     contiguous ``[num_blocks, block_size, hkv, D]``; ``plan`` from ``attention_plan``.
+    ``window``: each row sees its last ``window`` positions only (None: all up to its own; the
+    kernel skips the key runs before a row's window). ``softcap``: scores ``s`` become
+    ``softcap * tanh(s / softcap)`` (None: unchanged).
     """
     lib = cpu_native.lib_or_raise()
     hq, d = q.shape[1], q.shape[2]
@@ -147,6 +153,8 @@ def paged_attention(
         bs,
         k_cache.shape[0],
         float(scale),
+        0 if window is None else min(int(window), 2**31 - 1),
+        0.0 if softcap is None else float(softcap),
         plan.row_tile,
         plan.heads_per_item,
         torch.get_num_threads(),

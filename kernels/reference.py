@@ -38,8 +38,15 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Causal attention of every query row over its sequence's cached positions (fp32 math)."""
+    """Causal attention of every query row over its sequence's cached positions (fp32 math).
+
+    ``window``: the query at position ``i`` sees only keys ``j`` with ``i - window < j <= i``
+    (None: every key up to ``i``). ``softcap``: the scaled scores ``s`` become
+    ``softcap * tanh(s / softcap)`` before the softmax (None: unchanged).
+    """
     out = torch.empty_like(q)
     hq = q.shape[1]
     for s in range(meta.num_seqs):
@@ -52,9 +59,14 @@ def paged_attention(
         v = v.repeat_interleave(group, dim=1)
         qs = q[lo:hi].float()  # [n, hq, d]
         scores = torch.einsum("nhd,chd->hnc", qs, k) * scale
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
         qpos = torch.arange(ctx - (hi - lo), ctx).view(1, -1, 1)
         kpos = torch.arange(ctx).view(1, 1, -1)
-        scores = scores.masked_fill(kpos > qpos, float("-inf"))
+        hidden = kpos > qpos
+        if window is not None:
+            hidden = hidden | (kpos <= qpos - window)
+        scores = scores.masked_fill(hidden, float("-inf"))
         probs = scores.softmax(dim=-1)
         out[lo:hi] = torch.einsum("hnc,chd->nhd", probs, v).to(q.dtype)
     return out

@@ -7,7 +7,11 @@ step's K/V are already stored.
 ``paged_attention_fast`` sorts the decodes by context length into a few groups (up to
 ``_MAX_GROUPS``, when fewer padded positions pay for another call); each group is one gather of its
 rows' cache slots, padded to the group's longest context, plus one ``scaled_dot_product_attention``
-call. Each prefill chunk runs through SDPA with a causal mask offset by the cached prefix. What
+call. Each prefill chunk runs through SDPA with a causal mask offset by the cached prefix. An
+attention window only adds to the masks (the positions before a row's window are still gathered:
+this fallback's cost stays that of the whole context); soft-capping replaces SDPA by the same math
+in plain ops (scores, cap, mask, softmax, values), as SDPA has no hook between scores and
+softmax. What
 depends only on the step's metadata (slot indices, masks, groups) is computed once per step and
 reused by every layer; the gathered K/V land in a per-thread buffer that is reused (no fresh
 allocation, so no page faults, per layer). Its rounding depends on the batch (grouping, padding
@@ -41,9 +45,12 @@ def paged_attention_fast(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of ``q`` ``[T, q_heads, D]`` over the paged cache -> ``[T, q_heads, D]`` in ``q.dtype``.
 
+    ``window`` and ``softcap`` as in ``tierserve.kernels.attention.attention`` (None: off).
     Not batch invariant.
     """
     out = torch.empty_like(q)
@@ -51,25 +58,50 @@ def paged_attention_fast(
     dt = _math_dtype(q)
     plan = _plan(meta, k_cache.shape[1], dt, q.device)
     if nd:
-        _decode(q, k_cache, v_cache, plan, scale, dt, out)
-    gqa = q.shape[1] != k_cache.shape[2]
+        _decode(q, k_cache, v_cache, plan, scale, dt, out, window, softcap)
+    group = q.shape[1] // k_cache.shape[2]
     row = nd
     for s in range(nd, meta.num_seqs):
         n, ctx = meta.q_lens_host[s], meta.seq_lens_host[s]
         k = _gather(k_cache, meta.block_tables[s], ctx).to(dt).transpose(0, 1).unsqueeze(0)
         v = _gather(v_cache, meta.block_tables[s], ctx).to(dt).transpose(0, 1).unsqueeze(0)
         qs = q[row : row + n].to(dt).transpose(0, 1).unsqueeze(0)  # [1, hq, n, D]
-        if n == ctx:
+        if softcap is not None:
+            mask = plan.chunk_mask(s, n, ctx, window)
+            k = k.repeat_interleave(group, dim=1)
+            v = v.repeat_interleave(group, dim=1)
+            o = _capped_attention(qs, k, v, mask, scale, softcap)
+        elif n == ctx and (window is None or window >= ctx):
             o = F.scaled_dot_product_attention(
-                qs, k, v, is_causal=True, scale=scale, enable_gqa=gqa
+                qs, k, v, is_causal=True, scale=scale, enable_gqa=group > 1
             )
         else:
             o = F.scaled_dot_product_attention(
-                qs, k, v, attn_mask=plan.chunk_mask(s, n, ctx), scale=scale, enable_gqa=gqa
+                qs,
+                k,
+                v,
+                attn_mask=plan.chunk_mask(s, n, ctx, window),
+                scale=scale,
+                enable_gqa=group > 1,
             )
         out[row : row + n] = o[0].transpose(0, 1)
         row += n
     return out
+
+
+def _capped_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    softcap: float,
+) -> torch.Tensor:
+    """SDPA's math with the scores soft-capped: ``q`` ``[..., n, D]``, ``k``/``v`` ``[..., c, D]``
+    (as many heads as ``q``), ``mask`` additive, broadcast to ``[..., n, c]``."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap + mask
+    return torch.matmul(scores.softmax(dim=-1), v)
 
 
 def _gather(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
@@ -87,6 +119,8 @@ class _Group:
     slots: ``[n * length]`` cache slots of every row's positions ``0 .. length - 1``; positions
     past a row's context repeat its last slot (written this step, so never uninitialized memory).
     mask: ``[n, 1, 1, length]`` additive mask, 0 where visible and -inf past the context.
+    last: ``[n, 1]`` each row's position (its context length - 1), for the windowed masks.
+    windowed: the masks with a window (per window; built by the first layer that has it).
     """
 
     rows: torch.Tensor | None
@@ -94,6 +128,21 @@ class _Group:
     length: int
     slots: torch.Tensor
     mask: torch.Tensor
+    last: torch.Tensor
+    windowed: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def mask_for(self, window: int | None) -> torch.Tensor:
+        """The additive mask of the rows with ``window`` (None: ``mask``): also -inf at the
+        positions before a row's last ``window``."""
+        if window is None:
+            return self.mask
+        mask = self.windowed.get(window)
+        if mask is None:
+            pos = torch.arange(self.length, device=self.mask.device)[None, :]
+            before = (pos <= self.last - window)[:, None, None, :]
+            mask = self.mask.masked_fill(before, float("-inf"))
+            self.windowed[window] = mask
+        return mask
 
 
 @dataclass(slots=True)
@@ -105,17 +154,21 @@ class _Plan:
     positions: int  # sum of n * length over the groups
     dtype: torch.dtype
     device: torch.device
-    masks: dict[int, torch.Tensor] = field(default_factory=dict)
+    masks: dict[tuple[int, int | None], torch.Tensor] = field(default_factory=dict)
 
-    def chunk_mask(self, s: int, n: int, ctx: int) -> torch.Tensor:
-        """Additive causal mask ``[n, ctx]`` of a chunk whose queries sit at ``ctx - n .. ctx - 1``."""
-        mask = self.masks.get(s)
+    def chunk_mask(self, s: int, n: int, ctx: int, window: int | None = None) -> torch.Tensor:
+        """Additive causal mask ``[n, ctx]`` of a chunk whose queries sit at ``ctx - n .. ctx - 1``,
+        hiding too the keys before each query's last ``window`` positions (None: none)."""
+        mask = self.masks.get((s, window))
         if mask is None:
-            qpos = torch.arange(ctx - n, ctx, device=self.device)
-            hidden = torch.arange(ctx, device=self.device)[None, :] > qpos[:, None]
+            qpos = torch.arange(ctx - n, ctx, device=self.device)[:, None]
+            kpos = torch.arange(ctx, device=self.device)[None, :]
+            hidden = kpos > qpos
+            if window is not None:
+                hidden |= kpos <= qpos - window
             mask = torch.zeros((n, ctx), dtype=self.dtype, device=self.device)
             mask.masked_fill_(hidden, float("-inf"))
-            self.masks[s] = mask
+            self.masks[(s, window)] = mask
         return mask
 
 
@@ -188,7 +241,7 @@ def _build_plan(
         slots = (tables.gather(1, pos // bs) * bs + pos % bs).view(-1)
         mask = torch.zeros((n, 1, 1, length), dtype=dtype, device=device)
         mask.masked_fill_(hidden[:, None, None, :], float("-inf"))
-        groups.append(_Group(idx, n, length, slots, mask))
+        groups.append(_Group(idx, n, length, slots, mask, last))
         positions += n * length
     return _Plan(key, groups, positions, dtype, device)
 
@@ -244,6 +297,8 @@ def _decode(
     scale: float,
     dt: torch.dtype,
     out: torch.Tensor,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> None:
     """Every decode row, one gather and one SDPA call per group, into ``out[:num_decodes]``.
 
@@ -269,9 +324,13 @@ def _decode(
         k = kg.view(n, length, h, d).to(dt).transpose(1, 2)
         v = vg.view(n, length, h, d).to(dt).transpose(1, 2)
         qg = q[:n] if grp.rows is None else q.index_select(0, grp.rows)
-        o = F.scaled_dot_product_attention(
-            qg.to(dt).reshape(n, h, g, d), k, v, attn_mask=grp.mask, scale=scale
-        ).reshape(n, h * g, d)
+        qg = qg.to(dt).reshape(n, h, g, d)
+        mask = grp.mask_for(window)
+        if softcap is None:
+            o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
+        else:
+            o = _capped_attention(qg, k, v, mask, scale, softcap)
+        o = o.reshape(n, h * g, d)
         if grp.rows is None:
             out[:n] = o
         else:

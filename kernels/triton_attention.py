@@ -16,12 +16,23 @@ Launch plans (``paged_attention``):
   in fixed ``BLOCK_N`` steps, keys a row may not see get score ``-inf`` and value 0 through
   ``where`` and masked loads, and a tile with no visible key leaves the row's state untouched.
 
+Attention windows: ``window`` (a runtime argument, 0 = none) limits the row at position ``p`` to
+keys ``p - window < j <= p``. A program starts at the tile holding its first row's first visible
+key (the tiles wholly before every row's window are never loaded, so a decode reads about
+``window`` keys whatever its context; the split decode divides those tiles), and masks the keys
+before each row's window in the tiles it reads. In the deterministic launch a row's tiles are
+still the fixed ``BLOCK_N`` steps from key 0, and one that holds no key of the row's window leaves
+it untouched, so a row's bits stay fixed by its own position and window. Soft-capping (constexpr
+``SOFTCAP``, the cap a runtime argument) maps each score ``s`` to ``c * tanh(s / c)`` before the
+mask, with tanh from ``exp2`` (portable to every backend and the interpreter); models without it
+compile it out.
+
 Compiled variants. Triton compiles one binary per distinct set of compile-time constants and per
 specialization of the other arguments (an int equal to 1 becomes a constant, one divisible by 16
 gets a divisibility hint, a pointer 16-byte aligned gets one too). Everything that changes from one
 batch to the next is a runtime argument excluded from specialization (``do_not_specialize``): the
 first sequence of a launch, the block table's row stride, the query group size and its padding,
-the context split count, and the index tensors' pointers. What is left is fixed by the model and
+the context split count, the attention window, and the index tensors' pointers. What is left is fixed by the model and
 the deployment (head_dim, block size, dtype, the launch's tile configuration), so a model reaches a
 small, known set of variants: ``tierserve.kernels.aot.variants`` lists them and ``tierserve.kernels.aot.warmup``
 compiles them at start-up instead of inside the serving loop.
@@ -59,6 +70,7 @@ ATTN_DO_NOT_SPECIALIZE = (
     "group_pad",
     "num_splits",
     "stride_bt",
+    "window",
 )
 COMBINE_DO_NOT_SPECIALIZE = ("num_splits",)
 
@@ -80,6 +92,8 @@ def _paged_attn_kernel(  # type: ignore[no-untyped-def]
     group_pad,
     num_splits,
     qk_scale,
+    window,
+    softcap,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -100,6 +114,7 @@ def _paged_attn_kernel(  # type: ignore[no-untyped-def]
     EXACT_SKIP: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     # group_pad: the group rounded up to a power of two <= BLOCK_M; block_q query rows per program.
     block_q = BLOCK_M // group_pad
@@ -121,7 +136,11 @@ def _paged_attn_kernel(  # type: ignore[no-untyped-def]
     row_ok = (q_local < q_len) & (head_in_group < group)
     row = (q_start + q_local).to(tl.int64)
     head = kv_head * group + head_in_group
-    pos = prefix + q_local  # each row sees keys 0..pos
+    pos = prefix + q_local  # each row sees keys 0..pos, or first..pos with a window
+    windowed = window > 0
+    first = tl.where(windowed, tl.maximum(pos - window + 1, 0), 0)
+    # the program's first row has its smallest first key
+    prog_first = tl.where(windowed, tl.maximum(prefix + qblock * block_q - window + 1, 0), 0)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
 
@@ -133,11 +152,13 @@ def _paged_attn_kernel(  # type: ignore[no-untyped-def]
     if UPCAST:
         q = q.to(tl.float32)
 
-    # Keys this program may need: up to the last row's position; split evenly across num_splits.
+    # Keys this program may need: from its first row's window (key 0 without a window) up to its
+    # last row's position; split evenly across num_splits.
     kv_end = prefix + tl.minimum(q_len, (qblock + 1) * block_q)
     num_tiles = tl.cdiv(kv_end, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_tiles, num_splits)
-    tile_lo = split * tiles_per_split
+    tile_start = prog_first // BLOCK_N
+    tiles_per_split = tl.cdiv(num_tiles - tile_start, num_splits)
+    tile_lo = tile_start + split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -166,7 +187,11 @@ def _paged_attn_kernel(  # type: ignore[no-untyped-def]
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(q, k, input_precision=PRECISION) * qk_scale
-        visible = (n[None, :] <= pos[:, None]) & n_ok[None, :]
+        if SOFTCAP:
+            # softcap is the cap in these base-2 units: c * tanh(s / c) = c (1 - 2 / (e^2x + 1))
+            e2x = tl.exp2(s * (2.8853900817779268 / softcap))  # 2 log2(e) / c
+            s = softcap - 2.0 * softcap / (e2x + 1.0)
+        visible = (n[None, :] <= pos[:, None]) & (n[None, :] >= first[:, None]) & n_ok[None, :]
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -177,7 +202,7 @@ def _paged_attn_kernel(  # type: ignore[no-untyped-def]
         acc_new = tl.dot(p.to(v.dtype), v, acc_new, input_precision=PRECISION)
         if EXACT_SKIP:
             # A tile with no key visible to a row must leave that row bit-for-bit unchanged.
-            touched = tile * BLOCK_N <= pos
+            touched = (tile * BLOCK_N <= pos) & (tile * BLOCK_N + BLOCK_N > first)
             m_i = tl.where(touched, m_new, m_i)
             l_i = tl.where(touched, l_new, l_i)
             acc = tl.where(touched[:, None], acc_new, acc)
@@ -268,6 +293,8 @@ DETERMINISTIC_BLOCK_M = 64
 DETERMINISTIC_BLOCK_N = 32
 # The most context splits a decode launch uses (``auto_kv_splits``; a forced count is checked).
 MAX_KV_SPLITS = 32
+# Windows at least this long are passed as this (an int32 argument; no context is that long).
+_MAX_WINDOW = 2**31 - 1
 
 
 def interpreted() -> bool:
@@ -290,12 +317,15 @@ def prefill_config(group_pad: int, head_dim: int, arch: int | None = None) -> Ke
     if head_dim <= 128:
         stages = 1 if head_dim > 64 and arch is not None and arch < 90 else 2
         return KernelConfig(max(128, group_pad), 64, 8, stages)
-    return KernelConfig(max(64, group_pad), 32, 4, 2)
+    # Larger heads (Gemma's 256): a 64-row tile's accumulator needs 8 warps not to spill.
+    return KernelConfig(max(64, group_pad), 32, 8, 2)
 
 
-def deterministic_config(group_pad: int) -> KernelConfig:
-    """The one tile configuration of the deterministic mode."""
-    return KernelConfig(max(DETERMINISTIC_BLOCK_M, group_pad), DETERMINISTIC_BLOCK_N, 4, 2)
+def deterministic_config(group_pad: int, head_dim: int = 128) -> KernelConfig:
+    """The one tile configuration of the deterministic mode, fixed per head size (beyond 128, 8
+    warps, so that the 64-row accumulator does not spill); every row of a model runs on it."""
+    warps = 8 if head_dim > 128 else 4
+    return KernelConfig(max(DETERMINISTIC_BLOCK_M, group_pad), DETERMINISTIC_BLOCK_N, warps, 2)
 
 
 _ARCHS: dict[torch.device, int | None] = {}
@@ -321,8 +351,10 @@ def attention_constexprs(
     split: bool,
     exact: bool,
     upcast: bool,
+    softcap: bool = False,
 ) -> dict[str, Any]:
-    """The compile-time constants of one ``_paged_attn_kernel`` launch (shared with ``aot``)."""
+    """The compile-time constants of one ``_paged_attn_kernel`` launch (shared with ``aot``);
+    ``softcap``: the variant that soft-caps its scores."""
     return {
         "HEAD_DIM": head_dim,
         "BLOCK_M": cfg.block_m,
@@ -333,6 +365,7 @@ def attention_constexprs(
         "EXACT_SKIP": exact,
         "UPCAST": upcast,
         "PRECISION": "ieee" if dtype == torch.float32 else "tf32",
+        "SOFTCAP": softcap,
     }
 
 
@@ -415,14 +448,22 @@ def paged_attention(
     scale: float,
     deterministic: bool = False,
     num_kv_splits: int | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of ``q`` ``[T, q_heads, D]`` over the paged cache -> ``[T, q_heads, D]`` in ``q.dtype``.
 
     This step's K/V must already be stored. ``q``'s last dimension must be contiguous; the caches
     contiguous. ``num_kv_splits`` forces the decode context split (a power of two up to
     ``MAX_KV_SPLITS``; fast mode only); ``None`` picks one from the GPU size. ``deterministic``
-    runs every row through one fixed configuration (see the module docstring).
+    runs every row through one fixed configuration (see the module docstring). ``window``: each
+    row sees its last ``window`` positions (None: all up to its own); ``softcap``: scores ``s``
+    become ``softcap * tanh(s / softcap)`` (None: unchanged); both checked as
+    ``tierserve.kernels.attention.validate_window`` does (``ValueError``).
     """
+    from tierserve.kernels.attention import validate_window
+
+    validate_window(window, softcap)
     t, hq, d = q.shape
     hkv = k_cache.shape[2]
     group = hq // hkv
@@ -440,17 +481,30 @@ def paged_attention(
         raise ValueError(
             f"num_kv_splits must be a power of two in 1..{MAX_KV_SPLITS}, got {num_kv_splits}"
         )
-    launch = _Launcher(q, k_cache, v_cache, out, meta, scale, group, group_pad)
+    launch = _Launcher(
+        q,
+        k_cache,
+        v_cache,
+        out,
+        meta,
+        scale,
+        group,
+        group_pad,
+        0 if window is None else min(int(window), _MAX_WINDOW),
+        softcap,
+    )
     nd, ns = meta.num_decodes, meta.num_seqs
     if deterministic:
-        cfg = deterministic_config(group_pad)
+        cfg = deterministic_config(group_pad, d)
         launch(cfg, seq_offset=0, num_seqs=ns, max_q_len=meta.max_q_len, splits=1, exact=True)
         return out
     if nd:
         cfg = decode_config(group_pad, d)
         splits = num_kv_splits
         if splits is None:
-            splits = auto_kv_splits(q.device, nd * hkv, max(meta.seq_lens_host[:nd]))
+            longest = max(meta.seq_lens_host[:nd])
+            keys = longest if window is None else min(longest, window)  # what a row reads
+            splits = auto_kv_splits(q.device, nd * hkv, keys)
         launch(cfg, seq_offset=0, num_seqs=nd, max_q_len=1, splits=splits, exact=False)
     if ns > nd:
         cfg = prefill_config(group_pad, d, device_arch(q.device))
@@ -471,6 +525,8 @@ class _Launcher:
     scale: float
     group: int
     group_pad: int
+    window: int  # 0: none
+    softcap: float | None
 
     def __call__(
         self,
@@ -509,6 +565,10 @@ class _Launcher:
             self.group_pad,
             splits,
             self.scale * _LOG2E,
+            self.window,
+            # the cap in the kernel's base-2 units (its scores are scaled by log2(e)); unused
+            # (compiled out) without soft-capping
+            0.0 if self.softcap is None else self.softcap * _LOG2E,
             q.stride(0),
             q.stride(1),
             out.stride(0),
@@ -521,7 +581,14 @@ class _Launcher:
             vc.stride(1),
             vc.stride(2),
             **attention_constexprs(
-                cfg, d, kc.shape[1], q.dtype, split=splits > 1, exact=exact, upcast=_INTERPRETED
+                cfg,
+                d,
+                kc.shape[1],
+                q.dtype,
+                split=splits > 1,
+                exact=exact,
+                upcast=_INTERPRETED,
+                softcap=self.softcap is not None,
             ),
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,

@@ -19,6 +19,12 @@
 // FMA partial sums reduced by horizontal adds, exp is a vector polynomial, and the value sum
 // keeps two accumulator sets to hide FMA latency; otherwise a portable loop does the same math.
 // The order of the sums differs from torch's SDPA: results agree to rounding, not bits.
+// An attention window (window > 0) limits each row to its last `window` positions, itself
+// included: the key runs start at the run holding the item's first visible key (runs wholly
+// before a row's window are skipped, so a decode's cost is bounded by the window, not the
+// context) and a row's part of a run starts at its own first key. Soft-capping (softcap > 0)
+// maps each scaled score s to softcap * tanh(s / softcap) before the softmax (tanh from the same
+// polynomial exp; a few ulp).
 //
 // The fused row-wise ops around it (each one pass over its rows instead of several torch ops and
 // temporaries; rows in parallel): ts_rms_norm_f32 (optionally adding a delta into the residual
@@ -113,6 +119,30 @@ inline float fast_exp(float x) {
   return x <= -87.0f ? 0.0f : p * two_n;
 }
 
+// cap * tanh(s / cap) (soft-capping; inv_cap = 1 / cap), to a few ulp of tanh: an odd Taylor
+// polynomial where |x| < 1/8 (where 1 - e^-2|x| would cancel), else (1 - e^-2|x|) / (1 + e^-2|x|).
+// Branchless, so that the loop over a run's scores vectorizes; elementwise, so its bits do not
+// depend on the lanes the compiler picks.
+inline float soft_cap(float s, float cap, float inv_cap) {
+  const float x = s * inv_cap;
+  const float ax = x < 0.0f ? -x : x;
+  const float x2 = ax * ax;
+  float poly = 62.0f / 2835.0f;
+  poly = poly * x2 - 17.0f / 315.0f;
+  poly = poly * x2 + 2.0f / 15.0f;
+  poly = poly * x2 - 1.0f / 3.0f;
+  poly = (poly * x2) * ax + ax;
+  const float t = fast_exp(-2.0f * ax);
+  const float big = (1.0f - t) / (1.0f + t);
+  const float th = ax < 0.125f ? poly : big;
+  return (x < 0.0f ? -th : th) * cap;
+}
+inline void soft_cap_run(float* s, int n, float cap) {
+  if (cap <= 0.0f) return;
+  const float inv = 1.0f / cap;
+  for (int j = 0; j < n; ++j) s[j] = soft_cap(s[j], cap, inv);
+}
+
 // A work item: up to kMaxVecs query rows, each with its own sequence's block table and visible
 // keys, and `heads` consecutive KV heads. The rows of a prefill tile are consecutive rows of one
 // sequence; decode rows of sequences whose block tables start with the same block (a prefix the
@@ -126,31 +156,40 @@ struct Item {
   const float* q[kMaxVecs];        // row r's query at the item's first query head
   float* out[kMaxVecs];            // likewise
   const int32_t* table[kMaxVecs];  // row r's block table
-  int visible[kMaxVecs];           // keys row r sees (its position + 1)
+  int visible[kMaxVecs];           // keys row r sees end here (its position + 1)
+  int first[kMaxVecs];             // row r's first visible key (0 without a window)
 
   int keys() const {  // keys any row sees
     int n = 0;
     for (int r = 0; r < rows; ++r) n = std::max(n, visible[r]);
     return n;
   }
+  int first_run() const {  // the start of the first run holding a key some row sees
+    int f = first[0];
+    for (int r = 1; r < rows; ++r) f = std::min(f, first[r]);
+    return f / kKeyTile * kKeyTile;
+  }
 };
 
 // The state both attention loops keep for an item's query vectors (rows x the query heads of
 // its KV heads): the queries pre-scaled, each vector's running max and sum, the keys it sees
-// (causal), its KV head's offset within a cache position, and its output accumulator.
+// (causal, from its window's first), its KV head's offset within a cache position, and its
+// output accumulator; and the soft cap of the scores (0: none).
 struct VecState {
   int nvec;
   int per_row;
   int D;
+  float cap;
   float* qs;   // [nvec, D], in a per-thread scratch buffer
   float* acc;  // [nvec, D]
   float m[kMaxVecs];
   float l[kMaxVecs];
   int visible[kMaxVecs];
+  int first[kMaxVecs];
   int koff[kMaxVecs];
 
-  VecState(const Item& it, int group, int d, float scale)
-      : nvec(it.rows * it.heads * group), per_row(it.heads * group), D(d) {
+  VecState(const Item& it, int group, int d, float scale, float softcap)
+      : nvec(it.rows * it.heads * group), per_row(it.heads * group), D(d), cap(softcap) {
     thread_local std::vector<float> scratch;
     if (scratch.size() < static_cast<size_t>(2 * kMaxVecs * kMaxDim))
       scratch.resize(2 * kMaxVecs * kMaxDim);
@@ -165,6 +204,7 @@ struct VecState {
         m[v] = kNegBig;
         l[v] = 0.0f;
         visible[v] = it.visible[r];
+        first[v] = it.first[r];
       }
     }
     std::memset(acc, 0, sizeof(float) * nvec * D);
@@ -190,6 +230,7 @@ struct RunSources {
   int sets = 0;
   int set_of[kMaxVecs];  // row -> its set, -1 when the row sees no key of the run
   int len[kMaxVecs];     // keys a set holds pointers for
+  int beg[kMaxVecs];     // a set's first key some row of it sees (> 0 inside a window only)
   const float** kp;      // [set * kKeyTile + key], at the item's first KV head
   const float** vp;
 
@@ -217,7 +258,7 @@ struct RunSources {
     int last = -1;  // the last row given a set
     for (int r = 0; r < it.rows; ++r) {
       const int n = std::min(kKeyTile, it.visible[r] - p0);
-      if (n <= 0) {
+      if (n <= 0 || it.first[r] >= p0 + kKeyTile) {  // before or after the row's window
         set_of[r] = -1;
         continue;
       }
@@ -237,6 +278,7 @@ struct RunSources {
             fill(it, s, r, len[s], n, p0, block_size, pos_stride);
             len[s] = n;
           }
+          beg[s] = std::min(beg[s], std::max(0, it.first[r] - p0));
           set_of[r] = s;
           last = r;
           continue;
@@ -245,6 +287,7 @@ struct RunSources {
       const int s = sets++;
       fill(it, s, r, 0, n, p0, block_size, pos_stride);
       len[s] = n;
+      beg[s] = std::max(0, it.first[r] - p0);
       set_of[r] = s;
       last = r;
     }
@@ -277,9 +320,17 @@ struct Prefetcher {
     lines_per_pos = (pos_bytes + 63) / 64;
     line = 0;
     total = 0;
-    for (int i = 0; i < n.sets; ++i) total += n.len[i];
+    for (int i = 0; i < n.sets; ++i) total += n.len[i] - n.beg[i];
     done = 0;
-    s = j = 0;
+    s = 0;
+    j = n.sets > 0 ? n.beg[0] : 0;
+  }
+  // On to the next (set, key) pair: a set's keys before its window are not read, so not fetched.
+  inline void advance() {
+    if (++j == next->len[s]) {
+      ++s;
+      j = s < next->sets ? next->beg[s] : 0;
+    }
   }
 
   // With AVX-512 the issue is paced by line: a unit is one 64-byte line of a position's keys and
@@ -297,10 +348,7 @@ struct Prefetcher {
     if (++line == lines_per_pos) {
       line = 0;
       ++done;
-      if (++j == next->len[s]) {
-        j = 0;
-        ++s;
-      }
+      advance();
     }
   }
   inline void tick() {
@@ -320,10 +368,7 @@ struct Prefetcher {
         __builtin_prefetch(kb + o, 0, 1);
         __builtin_prefetch(vb + o, 0, 1);
       }
-      if (++j == next->len[s]) {
-        j = 0;
-        ++s;
-      }
+      advance();
     }
   }
 };
@@ -337,29 +382,29 @@ struct Prefetcher {
 // (multiples of kKeyTile), each vector stopping at the keys it sees.
 template <int DT>
 void attend_generic(const Item& it, int group, int d_runtime, int block_size, int64_t pos_stride,
-                    float scale) {
+                    float scale, float softcap) {
   const int D = DT ? DT : d_runtime;
-  VecState st(it, group, D, scale);
+  VecState st(it, group, D, scale, softcap);
   RunSources cur(0);
   alignas(64) float s[kKeyTile];
   const int total = it.keys();
-  for (int p0 = 0; p0 < total; p0 += kKeyTile) {
+  for (int p0 = it.first_run(); p0 < total; p0 += kKeyTile) {
     cur.build(it, p0, block_size, pos_stride);
     for (int h = 0; h < it.heads; ++h) {
       for (int r = 0; r < it.rows; ++r) {
         const int set = cur.set_of[r];
         if (set < 0) continue;
-        const float* const* kp = cur.kp + set * kKeyTile;
-        const float* const* vp = cur.vp + set * kKeyTile;
+        const int skip = std::max(0, it.first[r] - p0);  // keys of the run before its window
+        const float* const* kp = cur.kp + set * kKeyTile + skip;
+        const float* const* vp = cur.vp + set * kKeyTile + skip;
         for (int g = 0; g < group; ++g) {
           const int v = r * st.per_row + h * group + g;
-          const int lim = std::min(kKeyTile, st.visible[v] - p0);  // keys of this run it sees
+          const int lim = std::min(kKeyTile, st.visible[v] - p0) - skip;  // keys of the run it sees
           const float* qv = st.qs + v * D;
+          for (int j = 0; j < lim; ++j) s[j] = dot_fixed(qv, kp[j] + st.koff[v], D);
+          soft_cap_run(s, lim, st.cap);
           float mb = st.m[v];
-          for (int j = 0; j < lim; ++j) {
-            s[j] = dot_fixed(qv, kp[j] + st.koff[v], D);
-            mb = std::max(mb, s[j]);
-          }
+          for (int j = 0; j < lim; ++j) mb = std::max(mb, s[j]);
           const float alpha = fast_exp(st.m[v] - mb);
           st.m[v] = mb;
           float sum = 0.0f;
@@ -512,7 +557,10 @@ inline void group_run_avx512(VecState& st, int v0, const float* const* kp,
     for (int g = 0; g < GN; ++g) _mm256_store_ps(s[g] + j0, reduce8(part[g]));
   }
   float alpha[GN];
-  for (int g = 0; g < GN; ++g) alpha[g] = run_softmax(st, v0 + g, s[g], lim);
+  for (int g = 0; g < GN; ++g) {
+    soft_cap_run(s[g], lim, st.cap);
+    alpha[g] = run_softmax(st, v0 + g, s[g], lim);
+  }
   // Value sums: acc = alpha * acc + sum_j p_j v_j, every vector's chunks in registers.
   __m512 acc[GN][C];
   for (int g = 0; g < GN; ++g) {
@@ -554,22 +602,24 @@ inline void heads_run_avx512(VecState& st, int v0, int n, const float* const* kp
 
 template <int DT>
 void attend_avx2(const Item& it, int group, int d_runtime, int block_size, int64_t pos_stride,
-                 float scale, const Item* after) {
+                 float scale, float softcap, const Item* after) {
   const int D = DT ? DT : d_runtime;
   const int C = D / 8;
-  VecState st(it, group, D, scale);
+  VecState st(it, group, D, scale, softcap);
   RunSources runs[2] = {RunSources(0), RunSources(1)};
   Prefetcher pf;
   alignas(64) float s[kKeyTile];
   const int total = it.keys();
-  runs[0].build(it, 0, block_size, pos_stride);
-  for (int p0 = 0, cur_i = 0; p0 < total; p0 += kKeyTile, cur_i ^= 1) {
+  const int start = it.first_run();
+  runs[0].build(it, start, block_size, pos_stride);
+  for (int p0 = start, cur_i = 0; p0 < total; p0 += kKeyTile, cur_i ^= 1) {
     const RunSources& cur = runs[cur_i];
     RunSources& next = runs[cur_i ^ 1];
     if (p0 + kKeyTile < total) {
       next.build(it, p0 + kKeyTile, block_size, pos_stride);
     } else if (after != nullptr) {
-      next.build(*after, 0, block_size, pos_stride);  // the thread's next item's first run
+      // the thread's next item's first run
+      next.build(*after, after->first_run(), block_size, pos_stride);
     } else {
       next.sets = 0;
     }
@@ -582,7 +632,7 @@ void attend_avx2(const Item& it, int group, int d_runtime, int block_size, int64
       for (int r = 0; r < it.rows; ++r)
         if (cur.set_of[r] >= 0)
           ticks += static_cast<int64_t>(it.heads) * ((group + kGroupMax<DT> - 1) / kGroupMax<DT>) *
-                   2 * std::min(kKeyTile, it.visible[r] - p0);
+                   2 * (std::min(kKeyTile, it.visible[r] - p0) - std::max(0, it.first[r] - p0));
       pf.pace(ticks);
     }
 #endif
@@ -591,19 +641,19 @@ void attend_avx2(const Item& it, int group, int d_runtime, int block_size, int64
       for (int r = 0; r < it.rows; ++r) {
         const int set = cur.set_of[r];
         if (set < 0) continue;
-        const float* const* kp = cur.kp + set * kKeyTile;
-        const float* const* vp = cur.vp + set * kKeyTile;
+        const int skip = std::max(0, it.first[r] - p0);  // keys of the run before its window
+        const float* const* kp = cur.kp + set * kKeyTile + skip;
+        const float* const* vp = cur.vp + set * kKeyTile + skip;
+        const int lim = std::min(kKeyTile, it.visible[r] - p0) - skip;  // keys of the run it sees
 #if defined(__AVX512F__)
         if constexpr (DT == 32 || DT == 64 || DT == 128) {
-          heads_run_avx512<DT>(st, r * st.per_row + h * group, group, kp, vp,
-                               std::min(kKeyTile, it.visible[r] - p0), pf);
+          heads_run_avx512<DT>(st, r * st.per_row + h * group, group, kp, vp, lim, pf);
           continue;
         }
 #endif
         for (int g = 0; g < group; ++g) {
           const int v = r * st.per_row + h * group + g;
           pf.issue(pf.total * ++visited / active);
-          const int lim = std::min(kKeyTile, st.visible[v] - p0);  // keys of this run it sees
           const float* qv = st.qs + v * D;
           for (int j0 = 0; j0 < lim; j0 += 8) {
             __m256 p[8];
@@ -623,6 +673,7 @@ void attend_avx2(const Item& it, int group, int d_runtime, int block_size, int64
             }
             _mm256_store_ps(s + j0, reduce8(p));
           }
+          soft_cap_run(s, lim, st.cap);
           const float alpha = run_softmax(st, v, s, lim);
           float* a = st.acc + v * D;
           const __m256 al = _mm256_set1_ps(alpha);
@@ -646,14 +697,14 @@ void attend_avx2(const Item& it, int group, int d_runtime, int block_size, int64
 
 template <int DT>
 void attend(const Item& it, int group, int d_runtime, int block_size, int64_t pos_stride,
-            float scale, const Item* after) {
+            float scale, float softcap, const Item* after) {
 #if defined(__AVX2__) && defined(__FMA__)
   if ((DT ? DT : d_runtime) % 8 == 0) {
-    attend_avx2<DT>(it, group, d_runtime, block_size, pos_stride, scale, after);
+    attend_avx2<DT>(it, group, d_runtime, block_size, pos_stride, scale, softcap, after);
     return;
   }
 #endif
-  attend_generic<DT>(it, group, d_runtime, block_size, pos_stride, scale);
+  attend_generic<DT>(it, group, d_runtime, block_size, pos_stride, scale, softcap);
 }
 
 // ----------------------------------------------------------------------------- linear layers
@@ -1767,27 +1818,31 @@ int ts_max_head_dim() { return kMaxDim; }
 // k_cache, v_cache: [num_blocks, block_size, hkv, D] contiguous. tables: [S, table_stride]
 // int32. seq_lens[s]: positions in the cache after this step; cu_q_lens: [S + 1] prefix sums of
 // query rows (sequence s owns rows cu_q_lens[s] .. cu_q_lens[s + 1] - 1, at positions
-// seq_lens[s] - q_len .. seq_lens[s] - 1). A work item is row_tile query rows of a sequence and
+// seq_lens[s] - q_len .. seq_lens[s] - 1). window > 0: the row at position p sees only keys
+// p - window + 1 .. p (0: every key up to p). softcap > 0: scores s (scaled) become
+// softcap * tanh(s / softcap) (0: unchanged). A work item is row_tile query rows of a sequence and
 // heads_per_item consecutive KV heads (a divisor of hkv). Returns 0, or a negative code without
 // touching out: -1 bad heads/sizes, -2 too many query vectors per item, -3 a query
 // length outside 1..seq_len, -4 a context longer than the block table, -5 a block id outside
-// 0..num_blocks - 1.
+// 0..num_blocks - 1, -6 a negative window or a softcap that is negative or not finite.
 int ts_paged_attention_f32(const float* q, int64_t q_row_stride, const float* k_cache,
                            const float* v_cache, const int32_t* tables, int64_t table_stride,
                            const int32_t* seq_lens, const int32_t* cu_q_lens, float* out,
                            int64_t out_row_stride, int num_seqs, int hq, int hkv, int head_dim,
-                           int block_size, int num_blocks, float scale, int row_tile,
-                           int heads_per_item, int num_threads) {
+                           int block_size, int num_blocks, float scale, int window, float softcap,
+                           int row_tile, int heads_per_item, int num_threads) {
   if (hkv <= 0 || hq % hkv || head_dim > kMaxDim || block_size <= 0 || row_tile <= 0 ||
       heads_per_item <= 0 || hkv % heads_per_item)
     return -1;
   const int group = hq / hkv;
   if (group * heads_per_item * row_tile > kMaxVecs) return -2;
+  if (window < 0 || !(softcap >= 0.0f) || softcap > 3.0e38f) return -6;
   int64_t products = 0;
   std::vector<int32_t> decodes;  // sequences with one query row
   for (int s = 0; s < num_seqs; ++s) {
     const int n = cu_q_lens[s + 1] - cu_q_lens[s];
-    products += static_cast<int64_t>(n) * seq_lens[s] * hq;
+    const int seen = window > 0 ? std::min(seq_lens[s], window) : seq_lens[s];  // keys per row
+    products += static_cast<int64_t>(n) * seen * hq;
     if (n <= 0 || n > seq_lens[s]) return -3;
     // Every block the sequence reads must be a block of the cache (never read out of bounds).
     const int64_t blocks = (static_cast<int64_t>(seq_lens[s]) + block_size - 1) / block_size;
@@ -1853,6 +1908,7 @@ int ts_paged_attention_f32(const float* q, int64_t q_row_stride, const float* k_
       it.out[r] = out + row * out_row_stride + static_cast<int64_t>(h) * group * head_dim;
       it.table[r] = tables + s * table_stride;
       it.visible[r] = seq_lens[s] - q_len + (row - cu_q_lens[s]) + 1;
+      it.first[r] = window > 0 ? std::max(0, it.visible[r] - window) : 0;
     }
   };
   // Each thread claims items from a shared counter (as a dynamic schedule would), one ahead of
@@ -1873,10 +1929,10 @@ int ts_paged_attention_f32(const float* q, int64_t q_row_stride, const float* k_
       }
       const Item& it = pair[cur];
       switch (head_dim) {
-        case 32: attend<32>(it, group, head_dim, block_size, pos_stride, scale, after); break;
-        case 64: attend<64>(it, group, head_dim, block_size, pos_stride, scale, after); break;
-        case 128: attend<128>(it, group, head_dim, block_size, pos_stride, scale, after); break;
-        default: attend<0>(it, group, head_dim, block_size, pos_stride, scale, after); break;
+        case 32: attend<32>(it, group, head_dim, block_size, pos_stride, scale, softcap, after); break;
+        case 64: attend<64>(it, group, head_dim, block_size, pos_stride, scale, softcap, after); break;
+        case 128: attend<128>(it, group, head_dim, block_size, pos_stride, scale, softcap, after); break;
+        default: attend<0>(it, group, head_dim, block_size, pos_stride, scale, softcap, after); break;
       }
       w = w2;
       cur ^= 1;

@@ -36,9 +36,11 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 # The architectures whose rotary embedding may cover only part of each head
 # (``partial_rotary_factor`` < 1): transformers' Llama-style attention rotates whole heads.
 _PARTIAL_ROTARY = ("Phi3ForCausalLM",)
-# ``layer_types`` entries: a layer attends to every earlier position, or to the last
-# ``sliding_window`` of them.
-LAYER_TYPES = ("full_attention", "sliding_attention")
+# Per-layer attention kinds, as ``layer_types`` in Hugging Face configs names them: a layer
+# attends to the last ``sliding_window`` positions, or to every earlier one.
+SLIDING_ATTENTION = "sliding_attention"
+FULL_ATTENTION = "full_attention"
+LAYER_TYPES = (SLIDING_ATTENTION, FULL_ATTENTION)
 # MLP activations: SwiGLU's SiLU (the Llama family), Gemma's tanh-approximated GELU.
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
@@ -153,8 +155,9 @@ class ModelConfig:
     Gemma (``GEMMA_ARCHITECTURES``; the fields below keep the Llama family's meaning at their
     defaults):
     ``hidden_act``: the MLP's gate activation, one of ``ACTIVATIONS``.
-    ``layer_types``: per layer, ``"full_attention"`` or ``"sliding_attention"`` (the window is
-    ``sliding_window``); None: every layer as ``sliding_window`` says (``layer_windows``).
+    ``layer_types``: per layer, ``"sliding_attention"`` (the window applies) or
+    ``"full_attention"``; None: the window, if any, applies to every layer (Mistral).
+    ``layer_windows()`` resolves the two into each layer's window.
     ``rope_local_theta``: the rotary base of the sliding layers, which then have their own
     unscaled table (Gemma 3: 10000, the global layers ``rope_theta`` 1e6 with ``rope_scaling``);
     None: every layer shares one table.
@@ -201,6 +204,10 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ModelLoadError(f"rotary embeddings need an even head_dim, got {self.head_dim}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ModelLoadError(
+                f"{self.architecture}: sliding_window must be at least 1, got {self.sliding_window}"
+            )
         if self.hidden_act not in ACTIVATIONS:
             raise ModelLoadError(
                 f"{self.architecture}: activation {self.hidden_act!r} is not supported; "
@@ -209,16 +216,16 @@ class ModelConfig:
         if self.layer_types is not None:
             if len(self.layer_types) != self.num_layers:
                 raise ModelLoadError(
-                    f"{self.architecture}: layer_types names {len(self.layer_types)} layers; the "
-                    f"model has {self.num_layers}"
+                    f"{self.architecture}: layer_types names {len(self.layer_types)} layers but "
+                    f"the model has {self.num_layers}"
                 )
             unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
             if unknown:
                 raise ModelLoadError(
-                    f"{self.architecture}: layer type(s) {', '.join(map(repr, unknown))} are not "
+                    f"{self.architecture}: layer type(s) {', '.join(map(repr, unknown))} not "
                     f"supported; supported: {', '.join(LAYER_TYPES)}"
                 )
-            if "sliding_attention" in self.layer_types and self.sliding_window is None:
+            if SLIDING_ATTENTION in self.layer_types and self.sliding_window is None:
                 raise ModelLoadError(
                     f"{self.architecture}: layer_types has sliding_attention layers but the "
                     "config names no sliding_window"
@@ -271,26 +278,27 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
     def layer_windows(self) -> tuple[int | None, ...]:
-        """Per layer, the attention window (``sliding_window``) or None (full attention): as
-        ``layer_types`` says, else ``sliding_window`` for every layer."""
+        """Each layer's attention window (None: full causal attention), for ``attention``'s
+        ``window``: ``sliding_window`` on the layers ``layer_types`` calls sliding (on every
+        layer without ``layer_types``), None elsewhere and everywhere without a window."""
+        if self.sliding_window is None:
+            return (None,) * self.num_layers
         if self.layer_types is None:
             return (self.sliding_window,) * self.num_layers
         return tuple(
-            self.sliding_window if t == "sliding_attention" else None for t in self.layer_types
+            self.sliding_window if t == SLIDING_ATTENTION else None for t in self.layer_types
         )
 
     def check_context(self, max_model_len: int) -> None:
-        """Raise ``ModelLoadError`` if serving ``max_model_len`` positions needs what we lack."""
+        """Raise ``ModelLoadError`` if serving ``max_model_len`` positions needs what we lack.
+
+        A sliding window shorter than ``max_model_len`` is served as such (the attention kernels
+        take the window per layer), so it is no reason to refuse.
+        """
         if max_model_len > self.max_position_embeddings:
             raise ModelLoadError(
                 f"max_model_len {max_model_len} exceeds the model's "
                 f"max_position_embeddings {self.max_position_embeddings}"
-            )
-        if self.sliding_window is not None and self.sliding_window < max_model_len:
-            raise ModelLoadError(
-                f"{self.architecture} uses sliding-window attention (window {self.sliding_window}) "
-                f"and sliding windows are not supported; set max_model_len <= "
-                f"{self.sliding_window} to serve it with full attention"
             )
 
     def to_json(self) -> dict[str, Any]:
@@ -339,6 +347,7 @@ class ModelConfig:
         qwen2 = arch == "Qwen2ForCausalLM"
         eos = getattr(hf, "eos_token_id", None)
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        window = _sliding_window(hf, arch)
         return cls(
             architecture=arch,
             vocab_size=int(hf.vocab_size),
@@ -359,7 +368,8 @@ class ModelConfig:
             bos_token_id=getattr(hf, "bos_token_id", None),
             eos_token_ids=tuple(int(e) for e in eos_ids),
             pad_token_id=getattr(hf, "pad_token_id", None),
-            sliding_window=_sliding_window(hf, arch),
+            sliding_window=window,
+            layer_types=_layer_types(hf, arch, window),
             rotary_dim=rotary_dim,
         )
 
@@ -603,3 +613,15 @@ def _gemma(hf: Any, arch: str) -> ModelConfig:
         attn_logit_softcapping=None if attn_cap is None else float(attn_cap),
         final_logit_softcapping=None if final_cap is None else float(final_cap),
     )
+def _layer_types(hf: Any, arch: str, window: int | None) -> tuple[str, ...] | None:
+    """Which layers the window applies to, for the architectures where that is per layer: the
+    config's ``layer_types``, or in older configs the layers from ``max_window_layers`` on (as
+    ``transformers`` derives it). None where every layer is alike (no window, or Mistral's)."""
+    if window is None or arch not in _LAYERED_WINDOW:
+        return None
+    layer_types = getattr(hf, "layer_types", None)
+    if layer_types is not None:
+        return tuple(str(t) for t in layer_types)
+    first = int(getattr(hf, "max_window_layers", 0) or 0)
+    layers = int(hf.num_hidden_layers)
+    return tuple(SLIDING_ATTENTION if i >= first else FULL_ATTENTION for i in range(layers))

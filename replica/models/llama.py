@@ -90,6 +90,9 @@ class LlamaAttention(nn.Module):
     ``k_norm``) between the projection and the rotary embedding: on the native CPU path as its
     own step before the fused rotary + KV store; on the fused Triton path inside that kernel,
     before it rotates and stores; else by torch ops before ``apply_rotary_``.
+
+    ``window``: this layer's attention window (``ModelConfig.layer_windows``), passed to every
+    attention call; None for full causal attention.
     """
 
     def __init__(
@@ -98,8 +101,10 @@ class LlamaAttention(nn.Module):
         opts: ModelOptions,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        window: int | None = None,
     ) -> None:
         super().__init__()
+        self.window = window
         self.num_heads = cfg.num_heads
         self.num_kv_heads = cfg.num_kv_heads
         self.head_dim = cfg.head_dim
@@ -170,6 +175,7 @@ class LlamaAttention(nn.Module):
             backend=self.backend,
             deterministic=self.deterministic,
             kv_stored=stored,
+            window=self.window,
         )
         return self.o_proj(out.reshape(t, hq * self.head_dim))
 
@@ -178,7 +184,7 @@ class LlamaDecoderLayer(nn.Module):
     """Pre-norm attention and MLP blocks that add into the residual stream in place.
 
     The MLP's output is returned, not added: the next layer (or the final norm) adds it as it
-    normalizes, one pass over the rows instead of two.
+    normalizes, one pass over the rows instead of two. ``window``: the layer's attention window.
     """
 
     def __init__(
@@ -187,13 +193,14 @@ class LlamaDecoderLayer(nn.Module):
         opts: ModelOptions,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        window: int | None = None,
     ) -> None:
         super().__init__()
         det = opts.deterministic
         self.input_layernorm = RMSNorm(
             cfg.hidden_size, cfg.rms_norm_eps, det, device, dtype, fused=opts.fused
         )
-        self.self_attn = LlamaAttention(cfg, opts, device, dtype)
+        self.self_attn = LlamaAttention(cfg, opts, device, dtype, window)
         self.post_attention_layernorm = RMSNorm(
             cfg.hidden_size, cfg.rms_norm_eps, det, device, dtype, fused=opts.fused
         )
@@ -229,7 +236,7 @@ class LlamaModel(nn.Module):
         cfg.check_context(max_len)
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, device, dtype)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, opts, device, dtype) for _ in range(cfg.num_layers)
+            LlamaDecoderLayer(cfg, opts, device, dtype, window) for window in cfg.layer_windows()
         )
         self.norm = RMSNorm(
             cfg.hidden_size, cfg.rms_norm_eps, opts.deterministic, device, dtype, fused=opts.fused

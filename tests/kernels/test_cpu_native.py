@@ -576,7 +576,7 @@ def test_attention_avx2_path_on_an_avx512_cpu(tmp_path: object, shape: Shape) ->
                 q, q.stride(0), kc, vc, meta.block_tables, meta.block_tables.stride(0),
                 meta.seq_lens, meta.cu_q_lens, out, out.stride(0), meta.num_seqs,
                 shape.q_heads, shape.kv_heads, shape.head_dim, kc.shape[1], kc.shape[0],
-                float(scale), tile, heads, 2,
+                float(scale), 0, 0.0, tile, heads, 2,
             )
             assert rc == 0, rc
             return out

@@ -74,6 +74,8 @@ def _run(
     dtype: torch.dtype,
     device: str,
     shape: Shape = SHAPE,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> list[list[torch.Tensor]]:
     """Run steps in order on one fresh cache (each part's prefix stored first); rows per part."""
     if backend == "torch" and device != "cpu":
@@ -88,7 +90,17 @@ def _run(
                 stored.add(id(seq))
         step = make_step(parts, block_size, device)
         out = attention(
-            step.q, step.k, step.v, k_cache, v_cache, step.meta, SCALE, backend, deterministic=True
+            step.q,
+            step.k,
+            step.v,
+            k_cache,
+            v_cache,
+            step.meta,
+            SCALE,
+            backend,
+            deterministic=True,
+            window=window,
+            softcap=softcap,
         )
         outs.append([out[rows] for rows in row_slices(parts)])
     return outs
@@ -192,7 +204,14 @@ def test_native_chunking_on_the_grouped_heads_path(block_size: int) -> None:
     _check_chunking("torch", block_size, "cpu", Shape(kv_heads=3, group=3, head_dim=64))
 
 
-def _check_chunking(backend: Backend, block_size: int, device: str, shape: Shape) -> None:
+def _check_chunking(
+    backend: Backend,
+    block_size: int,
+    device: str,
+    shape: Shape,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> None:
     dtype = torch.float32 if backend == "torch" else torch.bfloat16
     length = 45
     gen = torch.Generator().manual_seed(3)
@@ -203,7 +222,7 @@ def _check_chunking(backend: Backend, block_size: int, device: str, shape: Shape
 
     def rows(plan: str) -> torch.Tensor:
         steps = _chunked(seq, length, plan, companion)
-        outs = _run(backend, steps, block_size, dtype, device, shape)
+        outs = _run(backend, steps, block_size, dtype, device, shape, window, softcap)
         mine = [
             next(o for p, o in zip(s, out, strict=True) if p[0] is seq)
             for s, out in zip(steps, outs, strict=True)
@@ -218,7 +237,7 @@ def _check_chunking(backend: Backend, block_size: int, device: str, shape: Shape
     step = make_step([(seq, 0, length)], block_size, device)
     k_cache, v_cache = new_cache(NUM_BLOCKS, block_size, shape, dtype, device)
     store_prefix(seq, length, k_cache, v_cache)
-    want = reference.paged_attention(step.q, k_cache, v_cache, step.meta, SCALE)
+    want = reference.paged_attention(step.q, k_cache, v_cache, step.meta, SCALE, window, softcap)
     assert_close(whole, want, dtype, "whole prompt vs reference")
 
 
@@ -283,3 +302,76 @@ def test_deterministic_torch_backend_refuses_what_the_native_kernel_does_not_tak
     step = make_step([(seq, 0, 9)], 16, "cpu")
     with pytest.raises(cpu_native.DeterministicModeUnavailable, match="float32 on CPU"):
         attention(step.q, step.k, step.v, k_cache, v_cache, step.meta, SCALE, deterministic=True)
+
+
+# -- attention windows ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("window", "softcap"), [(5, None), (20, 4.0)], ids=["w5", "w20-softcap"]
+)
+@pytest.mark.parametrize(
+    ("backend", "shape"),
+    [
+        pytest.param("torch", SHAPE, marks=NATIVE_MARKS, id="native-d16"),
+        pytest.param("torch", Shape(3, 3, 64), marks=NATIVE_MARKS, id="native-gqa3-d64"),
+        pytest.param("triton", SHAPE, marks=TRITON_MARKS, id="triton-d16"),
+    ],
+)
+def test_windowed_rows_do_not_change_with_chunking(
+    backend: Backend, shape: Shape, window: int, softcap: float | None
+) -> None:
+    """With a window (inside a block, across blocks) a row's bits are the same whole, in chunks
+    of 1, 7 and 16 and as a chunk then decodes: the key runs or tiles a row reads, and its own
+    part of each, are fixed by its position and the window alone."""
+    device = TRITON_DEVICES[0] if backend == "triton" else "cpu"
+    _check_chunking(backend, 16, device, shape, window, softcap)
+
+
+@pytest.mark.parametrize(
+    ("backend", "dtype"),
+    [
+        pytest.param("torch", torch.float32, marks=NATIVE_MARKS, id="native-fp32"),
+        pytest.param("triton", torch.bfloat16, marks=TRITON_MARKS, id="triton-bf16"),
+    ],
+)
+def test_windowed_rows_alone_vs_in_a_batch(backend: Backend, dtype: torch.dtype) -> None:
+    """A decode and a chunk with a window of 12: the same bits alone and beside other requests
+    (decodes sharing a prefix with it, and chunks whose windows start elsewhere)."""
+    device = TRITON_DEVICES[0] if backend == "triton" else "cpu"
+    _runs_here(backend, device)
+    block_size, window = 16, 12
+    gen = torch.Generator().manual_seed(17)
+    taken: set[int] = set()
+
+    def seq(length: int) -> Seq:
+        return new_seq(length, SHAPE, block_size, NUM_BLOCKS, dtype, device, gen, taken)
+
+    dec, chunk = seq(71), seq(50)
+    sharers = [_sharing(dec, 3, seq(60 + 5 * i), block_size) for i in range(3)]
+    others = [seq(n) for n in (9, 64, 40)]
+
+    def run(parts: list[tuple[Seq, int, int]]) -> list[torch.Tensor]:
+        return _run(backend, [parts], block_size, dtype, device, window=window)[0]
+
+    alone_dec = run([(dec, 70, 1)])[0]
+    alone_chunk = run([(chunk, 21, 29)])[0]
+    batch = [
+        (sharers[0], 59, 1),
+        (dec, 70, 1),
+        (sharers[1], 64, 1),
+        (others[0], 8, 1),
+        (sharers[2], 69, 1),
+        (others[1], 0, 64),
+        (chunk, 21, 29),
+        (others[2], 33, 7),
+    ]
+    together = run(batch)
+    assert torch.equal(together[1], alone_dec), f"windowed decode changed with its batch ({CPU})"
+    assert torch.equal(together[6], alone_chunk), f"windowed chunk changed with its batch ({CPU})"
+    k_cache, v_cache = new_cache(NUM_BLOCKS, block_size, SHAPE, dtype, device)
+    for s, start, n in batch:
+        store_prefix(s, start + n, k_cache, v_cache)
+    step = make_step(batch, block_size, device)
+    want = reference.paged_attention(step.q, k_cache, v_cache, step.meta, SCALE, window)
+    assert_close(torch.cat(together), want, dtype, "windowed batch vs reference")

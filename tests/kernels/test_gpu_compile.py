@@ -1,8 +1,8 @@
 """Ahead-of-time compilation of every Triton kernel variant for sm_80 and sm_90, on CPU.
 
-No GPU needed: ``tierserve.kernels.aot`` compiles each variant the CI configurations can reach (head_dim 64
-and 128, 1 to 8 query heads per KV head, blocks of 16 and 32, bf16 and fp16, fast and
-deterministic) to a cubin with Triton's bundled ``ptxas``, in subprocesses without
+No GPU needed: ``tierserve.kernels.aot`` compiles each variant the CI configurations can reach (head_dim 64,
+128 and 256, 1 to 8 query heads per KV head, blocks of 16 and 32, bf16 and fp16, fast and
+deterministic, and with soft-capped scores at head_dim 128 and 256) to a cubin with Triton's bundled ``ptxas``, in subprocesses without
 ``TRITON_INTERPRET`` (this test process has it on). A variant fails on a compile error, on any
 register spill, or on more shared memory per block than the architecture allows.
 """
@@ -45,8 +45,16 @@ def test_matrix_covers_every_kernel_of_the_gpu_path() -> None:
     for arch in aot.CI_ARCHS:
         ci = aot.variants_for(aot.ci_configs(), arch)
         assert {v.kernel for v in ci} == attention
-        # Small: 5 binaries per (head_dim, block, dtype) plus a combine per (head_dim, dtype).
-        assert len(ci) == 2 * 2 * 2 * 5 + 2 * 2
+        # Small: 5 binaries per (head_dim, block, dtype) plus a combine per (head_dim, dtype);
+        # soft-capping adds its 4 attention binaries per (head_dim, block, dtype) where on.
+        dims, capped = len(aot.CI_HEAD_DIMS), len(aot.CI_SOFTCAP_HEAD_DIMS)
+        assert len(ci) == dims * 2 * 2 * 5 + dims * 2 + capped * 2 * 2 * 4
+        assert {dict(v.constexprs)["HEAD_DIM"] for v in ci if v.kernel == "paged_attn"} >= {
+            64,
+            128,
+            256,
+        }
+        assert any(dict(v.constexprs).get("SOFTCAP") for v in ci)
     assert {v.kernel for v, _ in aot.ci_work()} == set(aot.KERNELS)
     # The fused kernels: two norms per (hidden, dtype), a rope+store per (shape, block, dtype),
     # with the q/k norm (Qwen3) at the shapes that have one.
@@ -79,6 +87,21 @@ def test_one_configuration_compiles_cleanly_for_sm90() -> None:
     reports = aot.compile_all(aot.variants(config, 90), [90], jobs=JOBS)
     _assert_clean(reports)
     assert all(r.n_regs > 0 and r.seconds > 0 for r in reports)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("softcap", [False, True], ids=["plain", "softcap"])
+def test_head_dim_256_compiles_cleanly(softcap: bool) -> None:
+    """Gemma's head size, every attention path, on both architectures: no spill."""
+    config = aot.ServingConfig(256, 2, 16, torch.bfloat16, deterministic=False, softcap=softcap)
+    det = aot.ServingConfig(256, 2, 16, torch.bfloat16, deterministic=True, softcap=softcap)
+    work = [
+        (v, arch)
+        for arch in aot.CI_ARCHS
+        for v in [*aot.variants(config, arch), *aot.variants(det, arch)]
+        if v.kernel == "paged_attn"
+    ]
+    _assert_clean(aot.compile_pairs(work, jobs=JOBS))
 
 
 @pytest.fixture(scope="module")

@@ -232,6 +232,9 @@ VARIANT_CONFIGS = [
     aot.ServingConfig(128, 4, 32, torch.float16, deterministic=False),
     aot.ServingConfig(128, 1, 16, torch.bfloat16, deterministic=False),
     aot.ServingConfig(128, 8, 32, torch.bfloat16, deterministic=True),
+    # Gemma 2 (soft-capped, head_dim 256) and a deterministic soft-capped one.
+    aot.ServingConfig(256, 2, 16, torch.bfloat16, deterministic=False, softcap=True),
+    aot.ServingConfig(128, 2, 16, torch.bfloat16, deterministic=True, softcap=True),
 ]
 
 
@@ -255,13 +258,20 @@ def _sweep_batches(block_size: int) -> Iterator[tuple[list[tuple[int, int]], boo
 _STEP_PACKER = getattr(metadata, "StepPacker", None)
 
 
+# Windows the sweep cycles through (a runtime argument: none of them may add a binary).
+_SWEEP_WINDOWS = (None, 1, 7, 16, 300)
+
+
 def _sweep(config: aot.ServingConfig, device: str = "cpu") -> None:
-    """Run ``attention`` (store + attend) over ``_sweep_batches`` on zeros."""
+    """Run ``attention`` (store + attend) over ``_sweep_batches`` on zeros, with and without
+    windows, soft-capped where the config says."""
     d, bs, g, dt = config.head_dim, config.block_size, config.group, config.dtype
     hkv, blocks = 2, 128  # 128 blocks hold the longest sweep sequence (1300 positions)
     k_cache = torch.zeros((blocks, bs, hkv, d), dtype=dt, device=device)
     v_cache = torch.zeros_like(k_cache)
-    for parts, fused in _sweep_batches(bs):
+    cap = 30.0 if config.softcap else None
+    for i, (parts, fused) in enumerate(_sweep_batches(bs)):
+        window = _SWEEP_WINDOWS[i % len(_SWEEP_WINDOWS)]
         specs = [SeqSpec(s, n, list(range(blocks))) for s, n in parts]
         meta = build_metadata(specs, bs, device)
         if fused and _STEP_PACKER is not None:
@@ -287,16 +297,19 @@ def _sweep(config: aot.ServingConfig, device: str = "cpu") -> None:
             SCALE,
             backend="triton",
             deterministic=config.deterministic,
+            window=window,
+            softcap=cap,
         )
         if not config.deterministic and meta.num_decodes:
             for splits in (2, 8, triton_attention.MAX_KV_SPLITS):
                 triton_attention.paged_attention(
-                    q, k_cache, v_cache, meta, SCALE, num_kv_splits=splits
+                    q, k_cache, v_cache, meta, SCALE, num_kv_splits=splits, window=window,
+                    softcap=cap,
                 )
 
 
 def _config_id(c: aot.ServingConfig) -> str:
-    mode = "det" if c.deterministic else "fast"
+    mode = ("det" if c.deterministic else "fast") + ("-softcap" if c.softcap else "")
     return f"d{c.head_dim}-g{c.group}-b{c.block_size}-{str(c.dtype).removeprefix('torch.')}-{mode}"
 
 

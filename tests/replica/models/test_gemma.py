@@ -228,7 +228,7 @@ def test_unsupported_gemma3_configs_are_named(change: dict[str, Any], message: s
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"layer_types": ("full_attention",)}, r"layer_types names 1 layers; the model has 2"),
+        ({"layer_types": ("full_attention",)}, r"layer_types names 1 layers but the model has 2"),
         ({"layer_types": ("full_attention", "chunked_attention")}, r"'chunked_attention'"),
         ({"sliding_window": None}, r"sliding_attention layers but the config names no"),
         ({"hidden_act": "relu"}, r"activation 'relu' is not supported"),

@@ -156,13 +156,16 @@ def test_unsupported_rope_type_is_named(checkpoint: Path, tmp_path: Path) -> Non
         load_model(str(path))
 
 
-def test_sliding_window_shorter_than_the_context_is_refused(tmp_path: Path) -> None:
+def test_sliding_window_shorter_than_the_context_is_served(tmp_path: Path) -> None:
+    """The window is applied per layer (tests/replica/models/test_sliding_windows.py checks the
+    tokens); only a context beyond max_position_embeddings is refused."""
     hf = tiny_hf_model("mistral", sliding_window=128, max_position_embeddings=512)
     path = save_checkpoint(hf, tmp_path / "c")
-    with pytest.raises(ModelLoadError, match="sliding"):
-        load_model(str(path))
-    model, _, _ = load_model(str(path), options=ModelOptions(max_model_len=128))
-    assert model.max_model_len == 128
+    model, _, _ = load_model(str(path))
+    assert model.max_model_len == 512
+    assert [layer.self_attn.window for layer in model.model.layers] == [128, 128]
+    with pytest.raises(ModelLoadError, match="exceeds the model's max_position_embeddings 512"):
+        load_model(str(path), options=ModelOptions(max_model_len=1024))
 
 
 def test_not_a_directory_nor_a_hub_id(tmp_path: Path) -> None:
