@@ -78,8 +78,9 @@ def warm_kernels(cfg: EngineConfig, mcfg: Any, device: torch.device, backend: st
         return []
     from tierserve.kernels import aot  # Triton: the GPU path only
 
+    softcap = getattr(mcfg, "attn_logit_softcapping", None) is not None  # Gemma 2
     config = aot.ServingConfig(mcfg.head_dim, mcfg.num_heads // mcfg.num_kv_heads,
-                               cfg.block_size, dtype, cfg.deterministic)
+                               cfg.block_size, dtype, cfg.deterministic, softcap=softcap)
     t0 = time.perf_counter()
     done = aot.warmup(config, device)
     log.info("compiled %d Triton kernel variants in %.1f s", len(done), time.perf_counter() - t0)

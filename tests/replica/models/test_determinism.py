@@ -4,6 +4,7 @@ and cached K/V), and a sequence's logits in a mixed batch equal its logits alone
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 import torch
@@ -38,11 +39,19 @@ def qwen3_det(tmp_path_factory: pytest.TempPathFactory) -> LlamaForCausalLM:
     return load_model(str(path), options=DET)[0]
 
 
+@pytest.fixture(scope="module")
+def gemma3_det(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """Gemma 3: sliding (window 32) and global layers with their own rotary tables, (1 + w) norms
+    in fp32, q/k head norms, the native GELU-tanh MLP; prompts here run past the window."""
+    path = save_checkpoint(tiny_hf_model("gemma3", seed=5), tmp_path_factory.mktemp("gemma3"))
+    return load_model(str(path), options=DET)[0]
+
+
 def _tokens(n: int, vocab: int, seed: int) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-@pytest.mark.parametrize("model_name", ["embedded_det", "qwen2_det", "qwen3_det"])
+@pytest.mark.parametrize("model_name", ["embedded_det", "qwen2_det", "qwen3_det", "gemma3_det"])
 @pytest.mark.parametrize("chunk", [1, 7, 16])
 def test_chunked_prefill_equals_whole_prefill(
     model_name: str, chunk: int, request: pytest.FixtureRequest
@@ -121,7 +130,7 @@ def _run(model: LlamaForCausalLM, seqs: dict[int, _Seq]) -> list[tuple[int, int]
     return mix
 
 
-@pytest.mark.parametrize("model_name", ["embedded_det", "qwen3_det"])
+@pytest.mark.parametrize("model_name", ["embedded_det", "qwen3_det", "gemma3_det"])
 def test_batch_of_eight_equals_each_alone(model_name: str, request: pytest.FixtureRequest) -> None:
     model: LlamaForCausalLM = request.getfixturevalue(model_name)
     batched = dict(enumerate(_script()))

@@ -217,7 +217,7 @@ def test_a_phi4_mini_config() -> None:
 
 def test_a_phi3_mini_4k_config_slides_its_window_over_every_layer() -> None:
     """Phi-3-mini-4k: full rotary, no rope scaling, a window of 2047 on every layer (no
-    ``layer_types`` to consult); serving past the window needs the windowed attention."""
+    ``layer_types`` to consult), so a context past the window is served with it."""
     hf = transformers.Phi3Config(
         vocab_size=300, hidden_size=64, num_attention_heads=4, num_hidden_layers=2,
         intermediate_size=64, max_position_embeddings=4096, sliding_window=2047,
@@ -226,9 +226,8 @@ def test_a_phi3_mini_4k_config_slides_its_window_over_every_layer() -> None:
     cfg = ModelConfig.from_hf(hf)
     assert (cfg.rotary_dim, cfg.rope_scaling, cfg.sliding_window) == (None, None, 2047)
     assert cfg.num_kv_heads == 4 and cfg.rope_dim == cfg.head_dim == 16
-    cfg.check_context(2047)
-    with pytest.raises(ModelLoadError, match=r"sliding-window attention \(window 2047\)"):
-        cfg.check_context(4096)
+    assert cfg.layer_types is None and cfg.layer_windows() == (2047, 2047)
+    cfg.check_context(4096)
     fallback = transformers.Phi3Config(hidden_size=64, num_attention_heads=4, num_hidden_layers=1)
     assert fallback.architectures is None
     assert ModelConfig.from_hf(fallback).architecture == "Phi3ForCausalLM"
