@@ -13,7 +13,7 @@ index) and tokenizer files. Hugging Face tensor names map onto ours with q/k/v f
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container, Iterator
 from pathlib import Path
 
 import torch
@@ -21,6 +21,7 @@ from transformers import PreTrainedTokenizerBase
 
 from tierserve.replica.models import embedded, gguf_loader
 from tierserve.replica.models.config import ModelConfig, ModelLoadError
+from tierserve.replica.models.layers import SwiGLU
 from tierserve.replica.models.llama import LlamaDecoderLayer, LlamaForCausalLM, ModelOptions
 from tierserve.replica.models.meta import (
     _tokenizer_from,
@@ -30,6 +31,7 @@ from tierserve.replica.models.meta import (
     read_config,
     resolve_checkpoint,
 )
+from tierserve.replica.models.moe import MoEMLP
 
 # The weight-free half (config, tokenizer) lives in tierserve.replica.models.meta; re-exported here.
 __all__ = [
@@ -122,12 +124,12 @@ def load_weights(model: LlamaForCausalLM, path: Path) -> None:
     or when the model's layers are already packed for the CPU kernel (load before packing).
     """
     _check_unpacked(model)
-    targets = _targets(model)
+    wanted = set(_targets(model)) | set(_aliases(model))
     files = weight_files(path)
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for file in files:
-            yield from _read_tensors(file, targets)
+            yield from _read_tensors(file, wanted)
 
     fill_weights(model, tensors(), f"checkpoint {path}")
 
@@ -150,9 +152,16 @@ def fill_weights(
     moved to its device); names the model does not have are skipped. Raises ``ModelLoadError``
     for a misshapen tensor, for tensors the model needs that never came, and for a model whose
     layers are already packed. ``file_name`` gives a tensor's name in the source where it differs
-    (a GGUF file's ``blk.1.ffn_up.weight``): errors name both."""
+    (a GGUF file's ``blk.1.ffn_up.weight``): errors name both.
+
+    A mixture-of-experts layer's experts come either one tensor per expert and matrix
+    (``experts.3.w1.weight``, ``experts.3.gate_proj.weight``) or stacked as ``transformers`` 5
+    holds them (``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``); Mixtral's may sit
+    under ``block_sparse_moe`` or ``mlp`` (``_aliases``)."""
     _check_unpacked(model)
     targets = _targets(model)
+    aliases = _aliases(model)
+    covers = _covers(model)
     filled: set[str] = set()
 
     def named(name: str) -> str:
@@ -161,6 +170,7 @@ def fill_weights(
 
     with torch.no_grad():
         for name, tensor in tensors:
+            name = aliases.get(name, name)
             target = targets.get(name)
             if target is None:
                 continue
@@ -171,6 +181,11 @@ def fill_weights(
                 )
             target.copy_(tensor)
             filled.add(name)
+    for whole, parts in covers.items():  # stacked experts: filled whole, or part by part
+        if whole in filled:
+            filled.update(parts)
+        elif all(p in filled for p in parts):
+            filled.add(whole)
     missing = [n for n in targets if n not in filled]
     if missing:
         shown = ", ".join(named(n) for n in missing[:8]) + (
@@ -206,16 +221,93 @@ def _targets(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
             out[f"{p}self_attn.k_norm.weight"] = attn.k_norm.weight.data
         if attn.o_proj.bias is not None:
             out[f"{p}self_attn.o_proj.bias"] = attn.o_proj.bias.data
-        out[f"{p}mlp.gate_proj.weight"] = mlp.gate_up_proj.weight.data[:inter]
-        out[f"{p}mlp.up_proj.weight"] = mlp.gate_up_proj.weight.data[inter:]
-        out[f"{p}mlp.down_proj.weight"] = mlp.down_proj.weight.data
+        if isinstance(mlp, SwiGLU):
+            out[f"{p}mlp.gate_proj.weight"] = mlp.gate_up_proj.weight.data[:inter]
+            out[f"{p}mlp.up_proj.weight"] = mlp.gate_up_proj.weight.data[inter:]
+            out[f"{p}mlp.down_proj.weight"] = mlp.down_proj.weight.data
+        else:
+            out.update(_moe_targets(mlp, p, cfg.architecture))
         out[f"{p}input_layernorm.weight"] = layer.input_layernorm.weight.data
         out[f"{p}post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight.data
     return out
 
 
+# Per-expert tensor names: (gate, up, down) under each architecture's expert module.
+_EXPERT_NAMES = {
+    "MixtralForCausalLM": ("block_sparse_moe", "w1", "w3", "w2"),
+    "Qwen2MoeForCausalLM": ("mlp", "gate_proj", "up_proj", "down_proj"),
+    "Qwen3MoeForCausalLM": ("mlp", "gate_proj", "up_proj", "down_proj"),
+}
+
+
+def expert_names(arch: str, prefix: str, expert: int) -> tuple[str, str, str]:
+    """The Hugging Face names of expert ``expert``'s gate, up and down weights in the layer of
+    ``prefix`` (``model.layers.{i}.``), as the architecture's checkpoints name them."""
+    module, gate, up, down = _EXPERT_NAMES[arch]
+    stem = f"{prefix}{module}.experts.{expert}."
+    return f"{stem}{gate}.weight", f"{stem}{up}.weight", f"{stem}{down}.weight"
+
+
+def _moe_targets(mlp: torch.nn.Module, p: str, arch: str) -> dict[str, torch.Tensor]:
+    """A mixture-of-experts layer's targets: the router, the stacked experts (as
+    ``transformers`` 5 names them) and each expert's views of them, the shared expert."""
+    assert isinstance(mlp, MoEMLP)
+    module = _EXPERT_NAMES[arch][0]
+    gate_up, down = mlp.experts.gate_up_proj.data, mlp.experts.down_proj.data
+    inter = mlp.experts.intermediate_size
+    out = {
+        f"{p}{module}.gate.weight": mlp.gate.weight.data,
+        f"{p}mlp.experts.gate_up_proj": gate_up,
+        f"{p}mlp.experts.down_proj": down,
+    }
+    for e in range(mlp.experts.num_experts):
+        g, u, d = expert_names(arch, p, e)
+        out[g], out[u], out[d] = gate_up[e, :inter], gate_up[e, inter:], down[e]
+    if mlp.shared_expert is not None and mlp.shared_expert_gate is not None:
+        shared, sinter = mlp.shared_expert, mlp.shared_expert.down_proj.in_features
+        out[f"{p}mlp.shared_expert.gate_proj.weight"] = shared.gate_up_proj.weight.data[:sinter]
+        out[f"{p}mlp.shared_expert.up_proj.weight"] = shared.gate_up_proj.weight.data[sinter:]
+        out[f"{p}mlp.shared_expert.down_proj.weight"] = shared.down_proj.weight.data
+        out[f"{p}mlp.shared_expert_gate.weight"] = mlp.shared_expert_gate.weight.data
+    return out
+
+
+def _moe_layers(model: LlamaForCausalLM) -> Iterator[tuple[str, MoEMLP]]:
+    for i, layer in enumerate(model.model.layers):
+        assert isinstance(layer, LlamaDecoderLayer)
+        if isinstance(layer.mlp, MoEMLP):
+            yield f"model.layers.{i}.", layer.mlp
+
+
+def _aliases(model: LlamaForCausalLM) -> dict[str, str]:
+    """Other names of our targets: a Mixtral layer's experts and router under ``mlp`` (how
+    ``transformers`` 5 holds them) and its stacked experts under ``block_sparse_moe``."""
+    out: dict[str, str] = {}
+    if model.config.architecture != "MixtralForCausalLM":
+        return out
+    for p, mlp in _moe_layers(model):
+        out[f"{p}mlp.gate.weight"] = f"{p}block_sparse_moe.gate.weight"
+        for stacked in ("gate_up_proj", "down_proj"):
+            out[f"{p}block_sparse_moe.experts.{stacked}"] = f"{p}mlp.experts.{stacked}"
+        for e in range(mlp.experts.num_experts):
+            for name in expert_names("MixtralForCausalLM", p, e):
+                out[name.replace(".block_sparse_moe.", ".mlp.", 1)] = name
+    return out
+
+
+def _covers(model: LlamaForCausalLM) -> dict[str, tuple[str, ...]]:
+    """Each stacked expert tensor -> the per-expert targets it holds (either fills both)."""
+    arch = model.config.architecture
+    out: dict[str, tuple[str, ...]] = {}
+    for p, mlp in _moe_layers(model):
+        names = [expert_names(arch, p, e) for e in range(mlp.experts.num_experts)]
+        out[f"{p}mlp.experts.gate_up_proj"] = tuple(n for g, u, _ in names for n in (g, u))
+        out[f"{p}mlp.experts.down_proj"] = tuple(d for _, _, d in names)
+    return out
+
+
 def _read_tensors(
-    file: Path, wanted: dict[str, torch.Tensor]
+    file: Path, wanted: Container[str]
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The tensors of ``file`` named in ``wanted``, one at a time (on CPU)."""
     if file.suffix == ".safetensors":
