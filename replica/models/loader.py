@@ -181,11 +181,12 @@ def fill_weights(
                 )
             target.copy_(tensor)
             filled.add(name)
-    for whole, parts in covers.items():  # stacked experts: filled whole, or part by part
-        if whole in filled:
-            filled.update(parts)
-        elif all(p in filled for p in parts):
-            filled.add(whole)
+    for _ in range(2):  # stacked experts: filled whole, in halves, or expert by expert
+        for whole, parts in covers.items():
+            if whole in filled:
+                filled.update(parts)
+            elif all(p in filled for p in parts):
+                filled.add(whole)
     missing = [n for n in targets if n not in filled]
     if missing:
         shown = ", ".join(named(n) for n in missing[:8]) + (
@@ -259,6 +260,10 @@ def _moe_targets(mlp: torch.nn.Module, p: str, arch: str) -> dict[str, torch.Ten
         f"{p}{module}.gate.weight": mlp.gate.weight.data,
         f"{p}mlp.experts.gate_up_proj": gate_up,
         f"{p}mlp.experts.down_proj": down,
+        # The experts' gate and up weights stacked apart, ``[E, I, hidden]`` each (GGUF's
+        # ffn_gate_exps and ffn_up_exps).
+        f"{p}mlp.experts.gate_proj": gate_up[:, :inter],
+        f"{p}mlp.experts.up_proj": gate_up[:, inter:],
     }
     for e in range(mlp.experts.num_experts):
         g, u, d = expert_names(arch, p, e)
@@ -301,6 +306,8 @@ def _covers(model: LlamaForCausalLM) -> dict[str, tuple[str, ...]]:
     out: dict[str, tuple[str, ...]] = {}
     for p, mlp in _moe_layers(model):
         names = [expert_names(arch, p, e) for e in range(mlp.experts.num_experts)]
+        out[f"{p}mlp.experts.gate_proj"] = tuple(g for g, _, _ in names)
+        out[f"{p}mlp.experts.up_proj"] = tuple(u for _, u, _ in names)
         out[f"{p}mlp.experts.gate_up_proj"] = tuple(n for g, u, _ in names for n in (g, u))
         out[f"{p}mlp.experts.down_proj"] = tuple(d for _, _, d in names)
     return out

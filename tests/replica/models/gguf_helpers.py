@@ -35,7 +35,8 @@ from tierserve.replica.models.embedded import (
 )
 
 ARCH = {
-    "LlamaConfig": "llama", "MistralConfig": "llama", "Qwen2Config": "qwen2", "Qwen3Config": "qwen3"
+    "LlamaConfig": "llama", "MistralConfig": "llama", "Qwen2Config": "qwen2", "Qwen3Config": "qwen3",
+    "MixtralConfig": "llama", "Qwen3MoeConfig": "qwen3moe", "Qwen2MoeConfig": "qwen2moe",
 }
 PERMUTED_ARCHS = ("llama",)  # the architectures whose Q/K rows llama.cpp's converter permutes
 QUANTIZABLE = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
@@ -139,9 +140,18 @@ def write_gguf(
     w.add_rope_dimension_count(head_dim)
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
-    w.add_rope_freq_base(float(getattr(cfg, "rope_theta", None) or 10000.0))
+    rope = getattr(cfg, "rope_parameters", None) or {}  # transformers 5 keeps theta there
+    w.add_rope_freq_base(float(rope.get("rope_theta") or getattr(cfg, "rope_theta", None) or 1e4))
     w.add_layer_norm_rms_eps(float(cfg.rms_norm_eps))
     w.add_vocab_size(cfg.vocab_size)
+    experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", 0)
+    if experts:  # as llama.cpp's converter writes a mixture of experts
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        if arch != "llama":  # Qwen: the experts' own size; Mixtral's is feed_forward_length
+            w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        if getattr(cfg, "shared_expert_intermediate_size", 0):
+            w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     if tokenizer == "gpt2":
         tokens = tokenizer_vocab()[: cfg.vocab_size]
         tokens += [f"<|unused{i}|>" for i in range(cfg.vocab_size - len(tokens))]
@@ -196,13 +206,31 @@ def write_gguf(
         "mlp.down_proj": "ffn_down",
         "input_layernorm": "attn_norm",
         "post_attention_layernorm": "ffn_norm",
+        "mlp.gate": "ffn_gate_inp",
+        "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+        "mlp.shared_expert.up_proj": "ffn_up_shexp",
+        "mlp.shared_expert.down_proj": "ffn_down_shexp",
+        "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
     }
-    state = model.state_dict()
+    state = dict(model.state_dict())
+    for name in [n for n in state if n.endswith(".mlp.experts.gate_up_proj")]:
+        # transformers 5 holds the experts stacked [E, 2I, hidden]; llama.cpp writes gate and up
+        # apart ([E, I, hidden] each), and the shared expert's gate as a vector.
+        stem = name.removesuffix(".mlp.experts.gate_up_proj")
+        gate, up = state.pop(name).chunk(2, dim=1)
+        state[f"{stem}.mlp.experts.gate_exps.weight"] = gate.contiguous()
+        state[f"{stem}.mlp.experts.up_exps.weight"] = up.contiguous()
+        state[f"{stem}.mlp.experts.down_exps.weight"] = state.pop(f"{stem}.mlp.experts.down_proj")
     seed = 0
     for name, t in state.items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
-        if name in names:
+        if name.endswith(".mlp.shared_expert_gate.weight"):
+            t = t.reshape(-1)
+        if ".mlp.experts." in name:  # model.layers.{i}.mlp.experts.{gate,up,down}_exps.weight
+            parts = name.split(".")
+            gname = f"blk.{parts[2]}.ffn_{parts[5]}.weight"
+        elif name in names:
             gname = names[name]
         else:
             parts = name.split(".")  # model.layers.{i}.{module...}.{weight|bias}

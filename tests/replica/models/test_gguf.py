@@ -465,8 +465,9 @@ def test_unsupported_architecture_is_refused(tmp_path: Path) -> None:
     path = write_gguf(tiny_hf_model("llama"), tmp_path / "gpt2.gguf", arch="gpt2")
     _refused(
         path,
-        r"unsupported GGUF architecture 'gpt2'; supported: llama, mistral, qwen2, qwen3 "
-        r"\(Llama, Mistral, Qwen2 and Qwen3 models\)$",
+        r"unsupported GGUF architecture 'gpt2'; supported: llama, mistral, qwen2, qwen3, "
+        r"qwen2moe, qwen3moe \(Llama, Mistral, Mixtral, Qwen2, Qwen3, Qwen2-MoE and Qwen3-MoE "
+        r"models\)$",
     )
 
 
