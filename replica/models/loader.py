@@ -187,7 +187,8 @@ def fill_weights(
                 filled.update(parts)
             elif all(p in filled for p in parts):
                 filled.add(whole)
-    missing = [n for n in targets if n not in filled]
+    # A stacked tensor is missing only where an expert's is: name those.
+    missing = [n for n in targets if n not in filled and n not in covers]
     if missing:
         shown = ", ".join(named(n) for n in missing[:8]) + (
             f" and {len(missing) - 8} more" if len(missing) > 8 else ""

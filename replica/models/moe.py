@@ -159,7 +159,7 @@ class MoEExperts(nn.Module):
         xs = x.index_select(0, routing.sorted_rows)
         ys = torch.empty((xs.shape[0], hidden), dtype=torch.float32)
         start = 0
-        for e, n in enumerate(routing.counts.numpy().tolist()):
+        for e, n in enumerate(routing.counts.tolist()):
             if n == 0:
                 continue
             end = start + n
