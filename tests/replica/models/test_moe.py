@@ -342,3 +342,26 @@ def test_gguf_moe_variants_are_refused_by_name(
 
     no_router = write_gguf(hf, tmp_path / "norouter.gguf", skip=("blk.0.ffn_gate_inp.weight",))
     _gguf_refused(no_router, r"no layer has a router", monkeypatch)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
+def test_qwen3_moe_greedy_through_the_engine_in_chunks(deterministic: bool, tmp_path: Path) -> None:
+    """The whole engine (``LLM``: the runner packs the experts for the native kernels) on a tiny
+    Qwen3-MoE, prompts prefilled in chunks of 7 tokens, a KV pool too small for all of them
+    (preemption and recompute): greedy tokens equal to ``transformers``' ``generate``."""
+    from tierserve.replica.llm import LLM
+    from tierserve.replica.sampler import SamplingParams
+
+    hf = tiny_hf_model("qwen3-moe", seed=12)
+    path = save_checkpoint(hf, tmp_path / "ckpt")
+    prompts = _prompts(hf.config.vocab_size, seed=13)
+    want = _hf_greedy(hf, prompts)
+    llm = LLM(str(path), device="cpu", dtype="float32", deterministic=deterministic,
+              num_kv_blocks=6, block_size=16, max_num_seqs=6, max_model_len=64,
+              prefill_chunk_tokens=7)
+    assert llm.engine.model_config.is_moe
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    got = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    assert llm.stats().preemptions > 0
