@@ -11,6 +11,8 @@ not; an attention window is a runtime argument and adds none):
   ``fused_variants(hidden, q_heads, kv_heads, head_dim, block, dtype, qk_norm)``: the fused
   kernels' (``tierserve.kernels.fused``: two RMSNorms and a rotary + KV store, with the q/k
   norm where the model has one, per model shape).
+- ``moe_variants(dtype)``: the mixture-of-experts grouped GEMMs' (``tierserve.kernels.moe``:
+  gate/up with SiLU and down with the routing weight, in a decode and a prefill tiling).
 - ``launch_key(kernel, args, kwargs)``: the key Triton's launcher computes for one launch, in the
   same form as ``Variant.key()``, so a test can check that real launches stay inside the set.
 - ``warmup(config, device)``: at start-up on a GPU, compiles the whole set into Triton's in-memory
@@ -51,6 +53,7 @@ import torch
 import triton
 
 from tierserve.kernels import fused
+from tierserve.kernels import moe as tmoe
 from tierserve.kernels import triton_attention as ta
 from tierserve.kernels import triton_kv as tkv
 from tierserve.kernels.metadata import SeqSpec, build_metadata
@@ -63,6 +66,8 @@ KERNELS: dict[str, Any] = {
     "store_kv": tkv._store_kv_kernel,
     "rms_norm": fused._rms_norm_kernel,
     "rope_store": fused._rope_store_kernel,
+    "moe_gate_up": tmoe._moe_gate_up_kernel,
+    "moe_down": tmoe._moe_down_kernel,
 }
 _ARG_TYPES: dict[str, dict[str, str]] = {
     "paged_attn": {
@@ -109,6 +114,21 @@ _ARG_TYPES: dict[str, dict[str, str]] = {
         "q_norm_ptr": "*model",
         "k_norm_ptr": "*model",
         "eps": "fp32",
+    },
+    "moe_gate_up": {
+        "x_ptr": "*model",
+        "w_ptr": "*model",
+        "act_ptr": "*model",
+        "sorted_ptr": "*i32",
+        "block_expert_ptr": "*i32",
+    },
+    "moe_down": {
+        "act_ptr": "*model",
+        "w_ptr": "*model",
+        "weight_ptr": "*fp32",
+        "out_ptr": "*model",
+        "sorted_ptr": "*i32",
+        "block_expert_ptr": "*i32",
     },
 }
 # The fused kernels' shapes: (hidden size, query heads, KV heads, head_dim, q/k norm) of models
@@ -330,6 +350,25 @@ def fused_variants(hidden: int, q_heads: int, kv_heads: int, head_dim: int, bloc
     return [*norms, rope]
 
 
+def moe_variants(dtype: torch.dtype) -> list[Variant]:
+    """The mixture-of-experts kernels' variants (``tierserve.kernels.moe``) in ``dtype``: the
+    gate/up and the down kernel in each tile configuration. Their tiles do not follow the model's
+    sizes (those are runtime arguments), so a dtype fixes the set."""
+    if dtype not in _DTYPE_NAMES:
+        raise ValueError(f"unsupported dtype {dtype}")
+    return [
+        _variant(kernel, f"{role} {'decode' if cfg == tmoe.DECODE_CONFIG else 'prefill'}", dtype,
+                 tmoe.kernel_constexprs(cfg, dtype), cfg.num_warps, cfg.num_stages)
+        for cfg in tmoe.CONFIGS
+        for kernel, role in (("moe_gate_up", "gate/up+silu"), ("moe_down", "down*weight"))
+    ]
+
+
+def ci_moe_variants() -> list[Variant]:
+    """The mixture-of-experts kernels' variants of the CI dtypes."""
+    return [v for dtype in CI_DTYPES for v in moe_variants(dtype)]
+
+
 def variants_for(
     configs: Iterable[ServingConfig], arch: int | None = None, interpreter: bool = False
 ) -> list[Variant]:
@@ -364,10 +403,11 @@ def ci_fused_variants() -> list[Variant]:
 
 
 def ci_work() -> list[tuple[Variant, int]]:
-    """Every (variant, arch) the CPU CI compiles: the CI configurations' variants per arch, and
-    the fused kernels' of the CI model shapes."""
+    """Every (variant, arch) the CPU CI compiles: the CI configurations' variants per arch, the
+    fused kernels' of the CI model shapes, and the mixture-of-experts kernels' per dtype."""
     return [(v, arch) for arch in CI_ARCHS
-            for v in [*variants_for(ci_configs(), arch), *ci_fused_variants()]]
+            for v in [*variants_for(ci_configs(), arch), *ci_fused_variants(),
+                      *ci_moe_variants()]]
 
 
 # -- launch keys ------------------------------------------------------------------------------

@@ -69,6 +69,12 @@ PROTOTYPES: tuple[str, ...] = (
     "i32 ts_unpack_linear_q(const u8* packed, i64 n, i64 k, i32 bits, f32* out, i32 num_threads)",
     "i32 ts_linear_q(strided const f32* x, i64 x_stride, i64 m, i64 k, const u8* packed, "
     "i32 bits, i64 n, const f32*? bias, strided f32* y, i64 y_stride, i32 num_threads)",
+    "i32 ts_moe_route_f32(strided const f32* logits, i64 logits_stride, i64 rows, i32 experts, "
+    "i32 top_k, i32 renorm, f32* weights, i64* ids, i64* sorted_rows, i64* pair_pos, "
+    "i64* counts, i32 num_threads)",
+    "i32 ts_moe_combine_f32(const f32* ys, const i64* pair_pos, const f32* weights, i64 rows, "
+    "i32 top_k, i32 hidden, strided const f32*? shared, i64 shared_stride, "
+    "const f32*? shared_gate, f32* out, i32 num_threads)",
 )
 
 # kind -> (the ctypes type of the argument, the dtype of the tensor a pointer kind takes)
@@ -80,6 +86,7 @@ _KINDS: dict[str, tuple[type, torch.dtype | None]] = {
     "const f32*": (ctypes.c_void_p, torch.float32),
     "const i32*": (ctypes.c_void_p, torch.int32),
     "const i64*": (ctypes.c_void_p, torch.int64),
+    "i64*": (ctypes.c_void_p, torch.int64),
     "u8*": (ctypes.c_void_p, torch.uint8),
     "const u8*": (ctypes.c_void_p, torch.uint8),
 }

@@ -16,6 +16,9 @@
   ``silu_and_mul``, ``gelu_tanh_and_mul`` (Gemma's), ``qk_norm`` (RMSNorm of each q and k head, in place: Qwen3's) and
   ``rope_store`` (rotary embedding of q and k, then k and v into the cache): one pass over the
   rows each, where torch runs several ops with temporaries.
+- ``moe_route`` and ``moe_combine``: a mixture-of-experts layer's router choice (softmax, top k,
+  the pairs grouped by expert) and the weighted sum of the chosen experts' outputs, per row in a
+  fixed order (``tierserve.replica.models.moe`` runs the experts between them on ``linear``).
 
 Each checks its tensors' shapes here; the library's checked functions (``tierserve.kernels.cpu_abi``)
 check their dtypes, device and layout before passing addresses.
@@ -395,3 +398,85 @@ def linear_quantized(
         raise NativeKernelError(f"linear refused its arguments (code {rc})")
     return y
 
+
+
+# ----------------------------------------------------------------------------- mixture of experts
+
+
+@dataclass(frozen=True, slots=True)
+class MoeRouting:
+    """The router's choice for ``rows`` rows, ``top_k`` experts each (``moe_route``).
+
+    ``weights`` ``[rows, top_k]`` fp32 and ``ids`` ``[rows, top_k]`` int64, in rank order.
+    The pairs (row r, rank j), pair id ``r * top_k + j``, sorted by expert then pair id:
+    ``sorted_rows`` ``[rows * top_k]`` the row of each sorted pair, ``pair_pos``
+    ``[rows * top_k]`` where each pair id landed, ``counts`` ``[experts]`` pairs per expert
+    (expert e's pairs are the sorted positions ``sum(counts[:e]) ..``)."""
+
+    weights: torch.Tensor
+    ids: torch.Tensor
+    sorted_rows: torch.Tensor
+    pair_pos: torch.Tensor
+    counts: torch.Tensor
+
+
+def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool) -> MoeRouting:
+    """Per row of ``logits`` ``[rows, experts]`` (fp32, CPU): the softmax over the experts, its
+    ``top_k`` largest in rank order (ties: the lower expert), divided by their sum when
+    ``renormalize``; and the pairs grouped by expert. Each row's result depends on that row
+    alone."""
+    lib = cpu_native.lib_or_raise()
+    rows, experts = logits.shape
+    _check_rows("logits", logits, rows, experts)
+    if not 0 < top_k <= experts:
+        raise NativeKernelError(f"top_k must be within 1 .. {experts} experts, got {top_k}")
+    weights = torch.empty((rows, top_k), dtype=torch.float32)
+    ids = torch.empty((rows, top_k), dtype=torch.int64)
+    sorted_rows = torch.empty(rows * top_k, dtype=torch.int64)
+    pair_pos = torch.empty(rows * top_k, dtype=torch.int64)
+    counts = torch.empty(experts, dtype=torch.int64)
+    rc = lib.ts_moe_route_f32(
+        logits, logits.stride(0), rows, experts, top_k, int(renormalize), weights, ids,
+        sorted_rows, pair_pos, counts, torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise NativeKernelError(f"moe_route refused its arguments (code {rc})")
+    return MoeRouting(weights, ids, sorted_rows, pair_pos, counts)
+
+
+def moe_combine(
+    ys: torch.Tensor,
+    routing: MoeRouting,
+    shared: torch.Tensor | None = None,
+    shared_gate: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``out[r] = sum_j weights[r, j] * ys[pair_pos[r * k + j]]`` over the ranks in order, for
+    ``ys`` ``[rows * k, hidden]`` the experts' outputs in sorted-pair order (``routing``'s); with
+    ``shared`` ``[rows, hidden]`` and ``shared_gate`` ``[rows, 1]``, plus
+    ``sigmoid(shared_gate[r]) * shared[r]``. A new ``[rows, hidden]`` tensor."""
+    lib = cpu_native.lib_or_raise()
+    rows, top_k = routing.weights.shape
+    pairs = rows * top_k
+    if ys.dim() != 2 or ys.shape[0] != pairs or not ys.is_contiguous():
+        raise NativeKernelError(
+            f"ys must be a contiguous [{pairs}, hidden] tensor, got {tuple(ys.shape)}"
+        )
+    hidden = ys.shape[1]
+    if (shared is None) != (shared_gate is None):
+        raise NativeKernelError("the shared expert's output and its gate come together")
+    if shared is not None and shared_gate is not None:
+        _check_rows("shared", shared, rows, hidden)
+        if shared_gate.shape != (rows, 1) or not shared_gate.is_contiguous():
+            raise NativeKernelError(
+                f"shared_gate must be contiguous [{rows}, 1], got {tuple(shared_gate.shape)}"
+            )
+    out = torch.empty((rows, hidden), dtype=torch.float32)
+    rc = lib.ts_moe_combine_f32(
+        ys, routing.pair_pos, routing.weights, rows, top_k, hidden, shared,
+        0 if shared is None else shared.stride(0), shared_gate, out, torch.get_num_threads(),
+    )
+    if rc == -5:
+        raise NativeKernelError("a pair position is outside ys")
+    if rc != 0:
+        raise NativeKernelError(f"moe_combine refused its arguments (code {rc})")
+    return out

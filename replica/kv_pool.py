@@ -269,6 +269,10 @@ def estimate_activation_bytes(model: ModelConfig, step: StepBound, dtype: torch.
         + model.q_size  # attention output
         + 3 * model.intermediate_size  # gate/up, then the activation
     )
+    if model.is_moe:  # per (token, expert) pair: its input row, gate/up, activation, output
+        per_token += model.num_experts_per_tok * (
+            2 * model.hidden_size + 3 * model.moe_intermediate_size
+        ) + model.num_experts + 3 * model.shared_expert_intermediate_size
     layer = t * per_token * item
     attention = step.chunk * step.max_len * model.num_heads * 4
     return int(logits + layer + attention)

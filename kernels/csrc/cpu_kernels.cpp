@@ -34,6 +34,8 @@
 // a weight that ts_pack_linear_f32 laid out in panels of 16 output features (see below);
 // ts_linear_q does the same on a weight that ts_pack_linear_q found to be an exact Q4_1/Q8_0
 // dequantization and keeps in that form (see "quantized weights"), with the same bits.
+// ts_moe_route_f32 and ts_moe_combine_f32 are a mixture-of-experts layer's router choice (softmax,
+// top k) and weighted sum of its experts' outputs, per row in a fixed order.
 // ts_signatures describes every export's argument kinds from its C++ type, for the loader to
 // check its own declarations against (see "the boundary", at the end).
 //
@@ -2190,6 +2192,133 @@ int ts_linear_q(const float* x, int64_t x_stride, int64_t m, int64_t k, const ui
   return 0;
 }
 
+// ----------------------------------------------------------------------------- mixture of experts
+//
+// The router's choice and the weighted sum of the chosen experts' outputs (the experts
+// themselves run on ts_linear_f32 / ts_silu_mul_f32, one call per expert on the rows routed to
+// it). Both are per row and fixed-order: a row's weights, experts and sum depend on that row
+// alone, whichever rows share the call (the deterministic mode's promise; docs/determinism.md).
+
+// logits: [rows, experts] with row stride logits_stride. Per row: p = softmax(logits) (the max
+// subtracted, exp, the sum in expert order, each divided by it), then the top_k experts by p in
+// rank order (ties: the lower index first); with renorm, their p divided by the sum of the k
+// (in rank order). Writes weights [rows, top_k] and ids [rows, top_k] (int64). Then, on the
+// calling thread, a counting sort of the pairs (row r, rank j), pair id r * top_k + j, by
+// expert and then pair id: sorted_rows [rows * top_k] (each sorted pair's row), pair_pos
+// [rows * top_k] (where pair id p landed) and counts [experts] (pairs per expert).
+int ts_moe_route_f32(const float* logits, int64_t logits_stride, int64_t rows, int experts,
+                     int top_k, int renorm, float* weights, int64_t* ids, int64_t* sorted_rows,
+                     int64_t* pair_pos, int64_t* counts, int num_threads) {
+  if (rows < 0 || experts <= 0 || top_k <= 0 || top_k > experts ||
+      (rows > 1 && logits_stride < experts))
+    return -1;
+#pragma omp parallel num_threads(num_threads) if (rows > 1 && rows * experts >= kParallelElems)
+  {
+    std::vector<float> prob(static_cast<size_t>(experts));
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* l = logits + r * logits_stride;
+      float mx = l[0];
+      for (int e = 1; e < experts; ++e) mx = l[e] > mx ? l[e] : mx;
+      float sum = 0.0f;
+      for (int e = 0; e < experts; ++e) {
+        prob[e] = fast_exp(l[e] - mx);
+        sum += prob[e];
+      }
+      for (int e = 0; e < experts; ++e) prob[e] = prob[e] / sum;
+      float* w = weights + r * top_k;
+      int64_t* id = ids + r * top_k;
+      // Rank j: the best (p descending, index ascending) of those after rank j - 1's.
+      float prev_p = 0.0f;
+      int prev_e = -1;
+      for (int j = 0; j < top_k; ++j) {
+        int best = -1;
+        for (int e = 0; e < experts; ++e) {
+          const bool after = prev_e < 0 || prob[e] < prev_p || (prob[e] == prev_p && e > prev_e);
+          if (after && (best < 0 || prob[e] > prob[best])) best = e;
+        }
+        if (best < 0) best = 0;  // only for NaN probabilities: keep the output defined
+        w[j] = prob[best];
+        id[j] = best;
+        prev_p = prob[best];
+        prev_e = best;
+      }
+      if (renorm) {
+        float total = 0.0f;
+        for (int j = 0; j < top_k; ++j) total += w[j];
+        for (int j = 0; j < top_k; ++j) w[j] = w[j] / total;
+      }
+    }
+  }
+  const int64_t pairs = rows * top_k;
+  for (int e = 0; e < experts; ++e) counts[e] = 0;
+  for (int64_t p = 0; p < pairs; ++p) ++counts[ids[p]];
+  std::vector<int64_t> next(static_cast<size_t>(experts));
+  int64_t start = 0;
+  for (int e = 0; e < experts; ++e) {
+    next[e] = start;
+    start += counts[e];
+  }
+  for (int64_t p = 0; p < pairs; ++p) {
+    const int64_t at = next[ids[p]]++;
+    sorted_rows[at] = p / top_k;
+    pair_pos[p] = at;
+  }
+  return 0;
+}
+
+// ys: [rows * top_k, hidden] contiguous, the experts' outputs in sorted-pair order; pair_pos
+// and weights as ts_moe_route_f32 wrote them. out[r] = sum over ranks j in order of
+// weights[r, j] * ys[pair_pos[r * top_k + j]] (each product rounded, then added). With shared
+// (row stride shared_stride) and shared_gate [rows], then out[r] += sigmoid(shared_gate[r]) *
+// shared[r] (Qwen2-MoE's gated shared expert).
+int ts_moe_combine_f32(const float* ys, const int64_t* pair_pos, const float* weights,
+                       int64_t rows, int top_k, int hidden, const float* shared,
+                       int64_t shared_stride, const float* shared_gate, float* out,
+                       int num_threads) {
+  if (rows < 0 || top_k <= 0 || hidden <= 0 || (shared != nullptr) != (shared_gate != nullptr) ||
+      (shared != nullptr && rows > 1 && shared_stride < hidden))
+    return -1;
+  const int64_t pairs = rows * top_k;
+  for (int64_t p = 0; p < pairs; ++p)
+    if (pair_pos[p] < 0 || pair_pos[p] >= pairs) return -5;
+#pragma omp parallel for schedule(static) num_threads(num_threads) \
+    if (rows > 1 && rows * top_k * hidden >= kParallelElems)
+  for (int64_t r = 0; r < rows; ++r) {
+    float* o = out + r * hidden;
+    const float* w = weights + r * top_k;
+    const float* y0 = ys + pair_pos[r * top_k] * hidden;
+#pragma omp simd
+    for (int i = 0; i < hidden; ++i) o[i] = w[0] * y0[i];
+    for (int j = 1; j < top_k; ++j) {
+      const float* y = ys + pair_pos[r * top_k + j] * hidden;
+      const float wj = w[j];
+#pragma omp simd
+      for (int i = 0; i < hidden; ++i) {
+        const float term = wj * y[i];
+        o[i] = o[i] + term;
+      }
+    }
+    if (shared != nullptr) {
+      const float g = shared_gate[r];
+      float gate;
+      if (g >= 0.0f) {
+        gate = 1.0f / (1.0f + fast_exp(-g));
+      } else {
+        const float e = fast_exp(g);
+        gate = e / (1.0f + e);
+      }
+      const float* s = shared + r * shared_stride;
+#pragma omp simd
+      for (int i = 0; i < hidden; ++i) {
+        const float term = gate * s[i];
+        o[i] = o[i] + term;
+      }
+    }
+  }
+  return 0;
+}
+
 }  // extern "C"
 
 // ----------------------------------------------------------------------------- the boundary
@@ -2213,6 +2342,7 @@ template <> struct Kind<float*> { static constexpr const char* name = "f32*"; };
 template <> struct Kind<const float*> { static constexpr const char* name = "const f32*"; };
 template <> struct Kind<const int32_t*> { static constexpr const char* name = "const i32*"; };
 template <> struct Kind<const int64_t*> { static constexpr const char* name = "const i64*"; };
+template <> struct Kind<int64_t*> { static constexpr const char* name = "i64*"; };
 template <> struct Kind<uint8_t*> { static constexpr const char* name = "u8*"; };
 template <> struct Kind<const uint8_t*> { static constexpr const char* name = "const u8*"; };
 
@@ -2247,7 +2377,9 @@ void describe(std::string& out, const char* name, R (*)(A...)) {
   X(ts_linear_f32)             \
   X(ts_pack_linear_q)          \
   X(ts_unpack_linear_q)        \
-  X(ts_linear_q)
+  X(ts_linear_q)                \
+  X(ts_moe_route_f32)          \
+  X(ts_moe_combine_f32)
 
 extern "C" const char* ts_signatures() {
   static const std::string table = [] {

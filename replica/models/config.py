@@ -16,6 +16,9 @@ SUPPORTED_ARCHITECTURES = (
     "Phi3ForCausalLM",
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
 )
 # The Gemma decoders (``tierserve.replica.models.gemma``): (1 + weight) norms, four per layer,
 # GELU-tanh MLP, scaled embeddings, per-layer sliding or global attention.
@@ -28,10 +31,21 @@ _ARCH_BY_MODEL_TYPE = {
     "phi3": "Phi3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 # The architectures whose sliding window applies only where ``layer_types`` (or, in older
 # configs, ``use_sliding_window``) says so: their configs name a window they may not use.
-_LAYERED_WINDOW = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", *GEMMA_ARCHITECTURES)
+_LAYERED_WINDOW = (
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
+    *GEMMA_ARCHITECTURES,
+)
+# The mixture-of-experts architectures (``_moe_fields`` reads their expert fields).
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 # The architectures whose rotary embedding may cover only part of each head
 # (``partial_rotary_factor`` < 1): transformers' Llama-style attention rotates whole heads.
@@ -165,6 +179,15 @@ class ModelConfig:
     ``head_dim ** -0.5``).
     ``attn_logit_softcapping`` / ``final_logit_softcapping``: scores / logits ``s`` become
     ``c * tanh(s / c)`` (Gemma 2: 50 and 30); None: uncapped.
+
+    Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE; the defaults mean a dense model):
+    ``num_experts`` routed experts, of which a router picks ``num_experts_per_tok`` per token
+    (softmax over all experts in fp32, then the top k); ``norm_topk_prob``: the k weights are
+    divided by their sum (Mixtral always; Qwen by its config). Each expert is a SwiGLU MLP of
+    ``moe_intermediate_size``. ``moe_layers``: the layers whose MLP is the experts (the others
+    keep the dense MLP of ``intermediate_size``). ``shared_expert_intermediate_size`` > 0
+    (Qwen2-MoE): every token also runs a shared SwiGLU expert of that size, scaled by the
+    sigmoid of its own one-output gate, added to the routed experts' sum.
     """
 
     architecture: str
@@ -195,8 +218,15 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_layers: tuple[int, ...] = ()
+    shared_expert_intermediate_size: int = 0
 
     def __post_init__(self) -> None:
+        self._check_moe()
         if self.num_heads % self.num_kv_heads:
             raise ModelLoadError(
                 f"{self.num_heads} attention heads is not a multiple of {self.num_kv_heads} "
@@ -269,6 +299,38 @@ class ModelConfig:
         """The dims of each q/k head the rotary embedding turns (``rotary_dim`` or ``head_dim``)."""
         return self.head_dim if self.rotary_dim is None else self.rotary_dim
 
+    def _check_moe(self) -> None:
+        if not self.moe_layers and not self.num_experts:
+            return
+        what = f"{self.architecture}: mixture of experts"
+        if not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ModelLoadError(
+                f"{what} with {self.num_experts} experts and {self.num_experts_per_tok} per "
+                "token: it needs 1 <= experts per token <= experts"
+            )
+        if self.moe_intermediate_size <= 0:
+            raise ModelLoadError(
+                f"{what} needs a positive expert intermediate size, got "
+                f"{self.moe_intermediate_size}"
+            )
+        bad = [i for i in self.moe_layers if not 0 <= i < self.num_layers]
+        if bad or list(self.moe_layers) != sorted(set(self.moe_layers)):
+            raise ModelLoadError(
+                f"{what}: sparse layers {list(self.moe_layers)} are not distinct increasing "
+                f"layer indices below {self.num_layers}"
+            )
+        if self.shared_expert_intermediate_size < 0:
+            raise ModelLoadError(f"{what}: negative shared expert intermediate size")
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether any layer's MLP is a mixture of experts."""
+        return bool(self.moe_layers)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer ``layer``'s MLP is the experts (else the dense SwiGLU)."""
+        return layer in self.moe_layers
+
     @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim
@@ -323,6 +385,7 @@ class ModelConfig:
         fields["eos_token_ids"] = tuple(fields.get("eos_token_ids", ()))
         if fields.get("layer_types") is not None:
             fields["layer_types"] = tuple(fields["layer_types"])
+        fields["moe_layers"] = tuple(fields.get("moe_layers", ()))
         return cls(**fields)
 
     @classmethod
@@ -345,6 +408,8 @@ class ModelConfig:
         rotary_dim = _rotary_dim(hf, arch, int(head_dim))
         attention_bias = bool(getattr(hf, "attention_bias", False))
         qwen2 = arch == "Qwen2ForCausalLM"
+        if arch == "Qwen2MoeForCausalLM":  # its q/k/v bias has its own switch, o_proj none
+            qwen2, attention_bias = bool(getattr(hf, "qkv_bias", True)), False
         eos = getattr(hf, "eos_token_id", None)
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
         window = _sliding_window(hf, arch)
@@ -364,13 +429,14 @@ class ModelConfig:
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             qkv_bias=qwen2 or attention_bias,
             o_bias=attention_bias and not qwen2,
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             bos_token_id=getattr(hf, "bos_token_id", None),
             eos_token_ids=tuple(int(e) for e in eos_ids),
             pad_token_id=getattr(hf, "pad_token_id", None),
             sliding_window=window,
             layer_types=_layer_types(hf, arch, window),
             rotary_dim=rotary_dim,
+            **_moe_fields(hf, arch),
         )
 
 
@@ -613,6 +679,8 @@ def _gemma(hf: Any, arch: str) -> ModelConfig:
         attn_logit_softcapping=None if attn_cap is None else float(attn_cap),
         final_logit_softcapping=None if final_cap is None else float(final_cap),
     )
+
+
 def _layer_types(hf: Any, arch: str, window: int | None) -> tuple[str, ...] | None:
     """Which layers the window applies to, for the architectures where that is per layer: the
     config's ``layer_types``, or in older configs the layers from ``max_window_layers`` on (as
@@ -625,3 +693,48 @@ def _layer_types(hf: Any, arch: str, window: int | None) -> tuple[str, ...] | No
     first = int(getattr(hf, "max_window_layers", 0) or 0)
     layers = int(hf.num_hidden_layers)
     return tuple(SLIDING_ATTENTION if i >= first else FULL_ATTENTION for i in range(layers))
+
+
+def _moe_fields(hf: Any, arch: str) -> dict[str, Any]:
+    """The mixture-of-experts fields of ``ModelConfig`` from a ``transformers`` config (none for
+    a dense architecture), with which layers are sparse as ``transformers`` decides it: Mixtral
+    all; Qwen2/3-MoE those not in ``mlp_only_layers`` whose ``(index + 1)`` is a multiple of
+    ``decoder_sparse_step``. Unsupported variants -> ModelLoadError."""
+    if arch not in MOE_ARCHITECTURES:
+        return {}
+    layers = int(hf.num_hidden_layers)
+    experts = getattr(hf, "num_local_experts", None)
+    if experts is None:
+        experts = getattr(hf, "num_experts", 0)
+    experts = int(experts or 0)
+    top_k = int(getattr(hf, "num_experts_per_tok", 0) or 0)
+    if arch == "MixtralForCausalLM":
+        sparse = tuple(range(layers)) if experts > 0 else ()
+        return dict(
+            num_experts=experts,
+            num_experts_per_tok=top_k,
+            moe_intermediate_size=int(hf.intermediate_size),
+            norm_topk_prob=True,
+            moe_layers=sparse,
+        )
+    step = int(getattr(hf, "decoder_sparse_step", 1) or 1)
+    dense_only = {int(i) for i in (getattr(hf, "mlp_only_layers", None) or ())}
+    sparse = tuple(
+        i for i in range(layers) if i not in dense_only and experts > 0 and (i + 1) % step == 0
+    )
+    shared = 0
+    if arch == "Qwen2MoeForCausalLM":
+        shared = int(getattr(hf, "shared_expert_intermediate_size", 0) or 0)
+        if shared <= 0:
+            raise ModelLoadError(
+                f"{arch}: shared_expert_intermediate_size {shared}: a Qwen2-MoE without its "
+                "shared expert is not supported"
+            )
+    return dict(
+        num_experts=experts if sparse else 0,
+        num_experts_per_tok=top_k if sparse else 0,
+        moe_intermediate_size=int(getattr(hf, "moe_intermediate_size", 0) or 0) if sparse else 0,
+        norm_topk_prob=bool(getattr(hf, "norm_topk_prob", False)),
+        moe_layers=sparse,
+        shared_expert_intermediate_size=shared if sparse else 0,
+    )

@@ -3,8 +3,9 @@ model.
 
 ``engine.model`` may name a ``.gguf`` file, a folder holding exactly one, or a packaged model
 (``tierserve.replica.models.catalog``). Supported: ``general.architecture`` ``llama`` (which is also how
-llama.cpp writes Mistral models), ``mistral`` (see below), ``qwen2``, ``qwen3`` and ``phi3`` (see
-below); tensors in every type
+llama.cpp writes Mistral models, and Mixtral: ``llama`` with experts), ``mistral`` (see below),
+``qwen2``, ``qwen3``, ``qwen2moe``, ``qwen3moe``, ``phi3`` (see below), ``gemma2`` and ``gemma3``
+(``tierserve.replica.models.gemma``); tensors in every type
 the ``gguf`` package can dequantize (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, the K-quants
 Q2_K to Q6_K, the IQ types, ...), dequantized once at load into the engine's dtype.
 
@@ -45,6 +46,15 @@ Q2_K to Q6_K, the IQ types, ...), dequantized once at load into the engine's dty
   ``phi3.rope.scaling.attn_factor`` (``config.LongRopeScaling``). ``phi3.attention.sliding_window``
   0 (what the converter writes when the model has none: Phi-4-mini) means no window; another
   value (Phi-3-mini-4k's 2047) is kept, as ``transformers`` applies it (llama.cpp ignores it).
+- Mixture of experts: ``{arch}.expert_count`` experts, ``{arch}.expert_used_count`` per token,
+  the experts' size ``{arch}.expert_feed_forward_length`` (a ``llama`` file's is its
+  ``feed_forward_length``), renormalized top-k weights as llama.cpp computes them
+  (``{arch}.expert_weights_norm`` where the file says; else Mixtral and Qwen3-MoE yes, Qwen2-MoE
+  no); the router ``blk.N.ffn_gate_inp`` and the experts stacked ``[E, ...]``
+  (``blk.N.ffn_gate_exps``, ``ffn_up_exps``, ``ffn_down_exps``), Qwen2-MoE's shared expert
+  ``blk.N.ffn_{gate,up,down}_shexp`` and its gate ``ffn_gate_inp_shexp``. Other gating
+  functions, weight scales, shared experts elsewhere, and the older one-tensor-per-expert
+  layout raise ``ModelLoadError``.
 - Tokenizer and chat template: ``transformers`` builds a fast tokenizer from the file's metadata
   (a few seconds for a 49k vocabulary); it is saved under the cache directory
   (``$TIERSERVE_CACHE_DIR``, else ``~/.cache/tierserve``) keyed by the file's SHA-256, so later
@@ -103,7 +113,11 @@ ARCHITECTURES = {
     "phi3": "Phi3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
 }
+# A ``llama`` file with experts (``llama.expert_count`` > 0) is llama.cpp's Mixtral.
+MIXTRAL = "MixtralForCausalLM"
 _GEMMA = ("gemma2", "gemma3")
 ARCHITECTURES_GEMMA = tuple(ARCHITECTURES[a] for a in _GEMMA)
 # llama.cpp's sliding-window period of a Gemma file that does not name one.
@@ -116,12 +130,17 @@ _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 # loads), so such a file's Q/K are taken as stored.
 _PERMUTED = ("llama",)
 # The architectures whose layers normalize each q and k head (attn_q_norm, attn_k_norm).
-_QK_NORM = ("qwen3", "gemma3")
+_QK_NORM = ("qwen3", "qwen3moe", "gemma3")
 # The architectures whose ``ffn_up`` holds gate and up together (rows [gate | up], no ffn_gate),
 # whose ``rope.dimension_count`` is the rotated part of a head (not a head_dim), and whose
 # LongRoPE factors are the rope_factors_short / rope_factors_long tensors: phi3.
 _PHI3_LAYOUT = ("phi3",)
 _ROPE_FACTORS = ("rope_factors_short.weight", "rope_factors_long.weight")
+# Mixture of experts: the architectures that may have experts, whether llama.cpp renormalizes
+# the top-k weights when the file does not say (``{arch}.expert_weights_norm``): Mixtral (as
+# ``llama``) and Qwen3-MoE do, Qwen2-MoE does not; and which have a shared expert.
+_MOE_RENORM = {"llama": True, "qwen3moe": True, "qwen2moe": False}
+_MOE_SHARED = ("qwen2moe",)
 _GLOBAL = {
     "token_embd.weight": "embed",
     "output_norm.weight": "norm",
@@ -146,6 +165,14 @@ _PER_LAYER = {
     "ffn_down.weight": "down",
     "post_attention_norm.weight": "attn_post_norm",  # Gemma's sandwich norms
     "post_ffw_norm.weight": "ffn_post_norm",
+    "ffn_gate_inp.weight": "router",
+    "ffn_gate_exps.weight": "gate_exps",
+    "ffn_up_exps.weight": "up_exps",
+    "ffn_down_exps.weight": "down_exps",
+    "ffn_gate_shexp.weight": "shared_gate",
+    "ffn_up_shexp.weight": "shared_up",
+    "ffn_down_shexp.weight": "shared_down",
+    "ffn_gate_inp_shexp.weight": "shared_expert_gate",
 }
 _tokenizer_lock = threading.Lock()
 _digest_lock = threading.Lock()
@@ -226,8 +253,8 @@ def gguf_architecture(reader: Any, path: Path) -> str:
     if arch not in ARCHITECTURES:
         raise ModelLoadError(
             f"{path}: unsupported GGUF architecture {arch!r}; supported: "
-            f"{', '.join(ARCHITECTURES)} (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and "
-            "Gemma 3 models)"
+            f"{', '.join(ARCHITECTURES)} (Llama, Mistral, Mixtral, Qwen2, Qwen3, Qwen2-MoE, "
+            "Qwen3-MoE, Phi-3, Gemma 2 and Gemma 3 models)"
         )
     return str(arch)
 
@@ -242,8 +269,7 @@ def gguf_config(reader: Any, path: Path) -> ModelConfig:
             raise ModelLoadError(f"{path}: the GGUF metadata lacks {arch}.{key}")
         return value
 
-    if (_field(reader, f"{arch}.expert_count") or 0) > 0:
-        raise ModelLoadError(f"{path}: mixture-of-experts models are not supported")
+    moe = _gguf_moe(reader, path, arch)
     scaling = _field(reader, f"{arch}.rope.scaling.type")
     rope_scaling = None
     if scaling == "linear":
@@ -298,7 +324,7 @@ def gguf_config(reader: Any, path: Path) -> ModelConfig:
         if tokens and "<end_of_turn>" in tokens:  # its chat turns end with it
             eos.append(tokens.index("<end_of_turn>"))
     return ModelConfig(
-        architecture=ARCHITECTURES[arch],
+        architecture=MIXTRAL if arch == "llama" and moe else ARCHITECTURES[arch],
         vocab_size=int(vocab),
         hidden_size=hidden,
         num_layers=layers,
@@ -320,6 +346,72 @@ def gguf_config(reader: Any, path: Path) -> ModelConfig:
         sliding_window=None if not window else int(window),  # phi3 writes 0 for none
         rotary_dim=rotary_dim,
         **gemma,
+        **moe,
+    )
+
+
+def _gguf_moe(reader: Any, path: Path, arch: str) -> dict[str, Any]:
+    """The mixture-of-experts fields of ``ModelConfig`` from a GGUF file (none without experts):
+    llama.cpp's Mixtral (``llama``), Qwen2-MoE (``qwen2moe``) and Qwen3-MoE (``qwen3moe``), whose
+    experts are stacked per layer (``blk.N.ffn_gate_exps`` ...) beside the router
+    (``blk.N.ffn_gate_inp``). The sparse layers are those with a router. Anything else with
+    experts raises ``ModelLoadError`` naming what is unsupported."""
+    experts = int(_field(reader, f"{arch}.expert_count") or 0)
+    if experts <= 0:
+        if arch in _MOE_RENORM and arch != "llama":
+            raise ModelLoadError(f"{path}: a {arch} file without {arch}.expert_count")
+        return {}
+    if arch not in _MOE_RENORM:
+        raise ModelLoadError(
+            f"{path}: mixture-of-experts {arch} files are not supported (experts are supported "
+            f"in {', '.join(_MOE_RENORM)} files: Mixtral, Qwen3-MoE and Qwen2-MoE)"
+        )
+    names = {str(t.name) for t in reader.tensors}
+    if any(n.startswith("blk.") and n.split(".")[2] in ("ffn_gate", "ffn_up", "ffn_down")
+           and n.split(".")[3].isdigit() for n in names):
+        raise ModelLoadError(
+            f"{path}: its experts are stored one tensor each (blk.N.ffn_gate.E.weight, an older "
+            "llama.cpp layout), which is not supported; convert the model again with a current "
+            "llama.cpp (stacked blk.N.ffn_gate_exps)"
+        )
+    gating = _field(reader, f"{arch}.expert_gating_func")
+    if gating not in (None, 1):  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+        raise ModelLoadError(
+            f"{path}: expert gating function {gating} ({arch}.expert_gating_func) is not "
+            "supported; only softmax (1)"
+        )
+    scale = _field(reader, f"{arch}.expert_weights_scale")
+    if scale not in (None, 0.0, 1.0):
+        raise ModelLoadError(f"{path}: expert weights scale {scale} is not supported (only 1)")
+    shared_count = int(_field(reader, f"{arch}.expert_shared_count") or 0)
+    shared = int(_field(reader, f"{arch}.expert_shared_feed_forward_length") or 0)
+    if arch in _MOE_SHARED:
+        if shared <= 0:
+            raise ModelLoadError(f"{path}: lacks {arch}.expert_shared_feed_forward_length")
+    elif shared_count > 0 or shared > 0:
+        raise ModelLoadError(f"{path}: shared experts in a {arch} file are not supported")
+    inter = _field(reader, f"{arch}.expert_feed_forward_length")
+    if inter is None:
+        if arch != "llama":
+            raise ModelLoadError(f"{path}: the GGUF metadata lacks {arch}.expert_feed_forward_length")
+        inter = _field(reader, f"{arch}.feed_forward_length")
+    norm = _field(reader, f"{arch}.expert_weights_norm")
+    layers = tuple(
+        sorted(int(n.split(".")[1]) for n in names
+               if n.startswith("blk.") and n.endswith(".ffn_gate_inp.weight"))
+    )
+    if not layers:
+        raise ModelLoadError(
+            f"{path}: {arch}.expert_count is {experts} but no layer has a router "
+            "(blk.N.ffn_gate_inp.weight)"
+        )
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=int(_field(reader, f"{arch}.expert_used_count") or 0),
+        moe_intermediate_size=int(inter),
+        norm_topk_prob=_MOE_RENORM[arch] if norm is None else bool(norm),
+        moe_layers=layers,
+        shared_expert_intermediate_size=shared if arch in _MOE_SHARED else 0,
     )
 
 
@@ -445,6 +537,16 @@ _HF_LAYER = {
     "gate": "mlp.gate_proj.weight",
     "up": "mlp.up_proj.weight",
     "down": "mlp.down_proj.weight",
+    # Mixture of experts. The experts' gate and up weights are stacked per layer in the file
+    # (``[E, I, hidden]`` each); the loader takes them as halves of ``mlp.experts.gate_up_proj``.
+    "router": "mlp.gate.weight",
+    "gate_exps": "mlp.experts.gate_proj",
+    "up_exps": "mlp.experts.up_proj",
+    "down_exps": "mlp.experts.down_proj",
+    "shared_gate": "mlp.shared_expert.gate_proj.weight",
+    "shared_up": "mlp.shared_expert.up_proj.weight",
+    "shared_down": "mlp.shared_expert.down_proj.weight",
+    "shared_expert_gate": "mlp.shared_expert_gate.weight",
 }
 
 
@@ -474,6 +576,7 @@ def gguf_tensor_name(hf_name: str) -> str | None:
     role = _FROM_HF_GLOBAL.get(hf_name)
     if role is not None:
         return _GGUF_GLOBAL[role]
+    hf_name = hf_name.replace(".block_sparse_moe.", ".mlp.", 1)  # Mixtral's router
     parts = hf_name.split(".", 3)  # model, layers, {i}, rest
     if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[2].isdigit():
         role = _FROM_HF_LAYER.get(parts[3])
@@ -784,6 +887,8 @@ def iter_gguf_weights(
             arr = _unpermute(arr, config.num_heads)
         elif permute and role in ("k", "k_bias"):
             arr = _unpermute(arr, config.num_kv_heads)
+        elif role == "shared_expert_gate" and arr.ndim == 1:  # llama.cpp keeps it a vector
+            arr = arr.reshape(1, -1)
         yield role, layer, arr
 
 

@@ -1,4 +1,5 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over one flat batch of paged sequences.
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, and their mixture-of-experts kin
+Mixtral, Qwen2-MoE and Qwen3-MoE) over one flat batch of paged sequences.
 
 A step's batch is flat: ``T`` tokens from many sequences (decodes first, then prefill chunks, as
 ``tierserve.kernels.metadata`` lays them out). Every op except attention is row-wise; attention reads and
@@ -26,6 +27,7 @@ from tierserve.replica.models.layers import (
     apply_rotary_,
     qk_norm_,
 )
+from tierserve.replica.models.moe import MoEExperts, MoEMLP
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin of this step's positions
@@ -185,6 +187,8 @@ class LlamaDecoderLayer(nn.Module):
 
     The MLP's output is returned, not added: the next layer (or the final norm) adds it as it
     normalizes, one pass over the rows instead of two. ``window``: the layer's attention window.
+    The MLP is the dense SwiGLU, or the mixture of experts (``moe.MoEMLP``) in the layers
+    ``cfg.moe_layers`` names (``layer`` is this layer's index).
     """
 
     def __init__(
@@ -194,6 +198,7 @@ class LlamaDecoderLayer(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         window: int | None = None,
+        layer: int = 0,
     ) -> None:
         super().__init__()
         det = opts.deterministic
@@ -204,7 +209,13 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(
             cfg.hidden_size, cfg.rms_norm_eps, det, device, dtype, fused=opts.fused
         )
-        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, opts.deterministic, device, dtype)
+        self.mlp: SwiGLU | MoEMLP
+        if cfg.is_moe_layer(layer):
+            self.mlp = MoEMLP(cfg, opts.deterministic, opts.fused, device, dtype)
+        else:
+            self.mlp = SwiGLU(
+                cfg.hidden_size, cfg.intermediate_size, opts.deterministic, device, dtype
+            )
 
     def forward(
         self,
@@ -236,7 +247,8 @@ class LlamaModel(nn.Module):
         cfg.check_context(max_len)
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, device, dtype)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, opts, device, dtype, window) for window in cfg.layer_windows()
+            LlamaDecoderLayer(cfg, opts, device, dtype, window, layer=i)
+            for i, window in enumerate(cfg.layer_windows())
         )
         self.norm = RMSNorm(
             cfg.hidden_size, cfg.rms_norm_eps, opts.deterministic, device, dtype, fused=opts.fused
@@ -292,13 +304,16 @@ class LlamaForCausalLM(nn.Module):
 
     def pack_for_cpu(self) -> int:
         """Repack every linear layer for the native CPU kernel where it applies (see
-        ``Linear.pack_for_cpu``); returns how many were packed. Call after loading weights (the
-        loaders do for a deterministic model, which needs it). With tied embeddings the LM head
+        ``Linear.pack_for_cpu``; a layer's stacked experts, ``MoEExperts.pack_for_cpu``); returns
+        how many were packed. Call after loading weights (the loaders do for a deterministic
+        model, which needs it). With tied embeddings the LM head
         gets its own packed copy (the embedding keeps its rows): ``vocab x hidden`` floats more.
         A deterministic model that cannot run here raises ``DeterministicModeUnavailable``."""
         p = self.model.embed_tokens.weight
         check_deterministic(self.options, self.config, p.device, p.dtype)
-        return sum(m.pack_for_cpu() for m in self.modules() if isinstance(m, Linear))
+        return sum(
+            m.pack_for_cpu() for m in self.modules() if isinstance(m, (Linear, MoEExperts))
+        )
 
     @property
     def max_model_len(self) -> int:

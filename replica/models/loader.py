@@ -16,7 +16,7 @@ one) get their one added (``gemma.fold_norm_offsets``). Every failure is a ``Mod
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Container, Iterator
 from pathlib import Path
 
 import torch
@@ -24,7 +24,12 @@ from transformers import PreTrainedTokenizerBase
 
 from tierserve.replica.models import embedded, gemma, gguf_loader
 from tierserve.replica.models.config import GEMMA_ARCHITECTURES, ModelConfig, ModelLoadError
-from tierserve.replica.models.layers import Linear, permute_rotary_rows_, rotary_permutation
+from tierserve.replica.models.layers import (
+    Linear,
+    SwiGLU,
+    permute_rotary_rows_,
+    rotary_permutation,
+)
 from tierserve.replica.models.llama import LlamaDecoderLayer, LlamaForCausalLM, ModelOptions
 from tierserve.replica.models.meta import (
     _tokenizer_from,
@@ -34,6 +39,7 @@ from tierserve.replica.models.meta import (
     read_config,
     resolve_checkpoint,
 )
+from tierserve.replica.models.moe import MoEMLP
 
 # The weight-free half (config, tokenizer) lives in tierserve.replica.models.meta; re-exported here.
 __all__ = [
@@ -148,7 +154,7 @@ def load_weights(model: CausalLM, path: Path) -> None:
     or when the model's layers are already packed for the CPU kernel (load before packing).
     """
     _check_unpacked(model)
-    wanted = set(_targets(model)) | set(_fused_targets(model))
+    wanted = set(_targets(model)) | set(_fused_targets(model)) | set(_aliases(model))
     files = weight_files(path)
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
@@ -183,10 +189,16 @@ def fill_weights(
 
     A fused tensor (``self_attn.qkv_proj.weight``, ``mlp.gate_up_proj.weight``, in our row order)
     stands for the split ones it holds. With partial rotary (``config.rotary_dim``) the q/k rows
-    of every head are permuted once all came (``_permute_rotary``)."""
+    of every head are permuted once all came (``_permute_rotary``). A mixture-of-experts layer's
+    experts come either one tensor per expert and matrix (``experts.3.w1.weight``,
+    ``experts.3.gate_proj.weight``) or stacked as ``transformers`` 5 holds them
+    (``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``); Mixtral's may sit under
+    ``block_sparse_moe`` or ``mlp`` (``_aliases``)."""
     _check_unpacked(model)
     targets = _targets(model)
     fused = _fused_targets(model)
+    aliases = _aliases(model)
+    covers = _covers(model)
     filled: set[str] = set()
 
     def named(name: str) -> str:
@@ -195,6 +207,7 @@ def fill_weights(
 
     with torch.no_grad():
         for name, tensor in tensors:
+            name = aliases.get(name, name)
             target = targets.get(name)
             parts: tuple[str, ...] = (name,)
             if target is None and name in fused:
@@ -208,7 +221,14 @@ def fill_weights(
                 )
             target.copy_(tensor)
             filled.update(parts)
-    missing = [n for n in targets if n not in filled]
+    for _ in range(2):  # stacked experts: filled whole, in halves, or expert by expert
+        for whole, held in covers.items():
+            if whole in filled:
+                filled.update(held)
+            elif all(p in filled for p in held):
+                filled.add(whole)
+    # A stacked tensor is missing only where an expert's is: name those.
+    missing = [n for n in targets if n not in filled and n not in covers]
     if missing:
         if model.config.architecture in _FUSED_LAYOUT:
             missing = _fused_names(missing, fused)
@@ -292,9 +312,12 @@ def _targets(model: CausalLM) -> dict[str, torch.Tensor]:
             out[f"{p}self_attn.k_norm.weight"] = attn.k_norm.weight.data
         if attn.o_proj.bias is not None:
             out[f"{p}self_attn.o_proj.bias"] = attn.o_proj.bias.data
-        out[f"{p}mlp.gate_proj.weight"] = mlp.gate_up_proj.weight.data[:inter]
-        out[f"{p}mlp.up_proj.weight"] = mlp.gate_up_proj.weight.data[inter:]
-        out[f"{p}mlp.down_proj.weight"] = mlp.down_proj.weight.data
+        if isinstance(mlp, SwiGLU):
+            out[f"{p}mlp.gate_proj.weight"] = mlp.gate_up_proj.weight.data[:inter]
+            out[f"{p}mlp.up_proj.weight"] = mlp.gate_up_proj.weight.data[inter:]
+            out[f"{p}mlp.down_proj.weight"] = mlp.down_proj.weight.data
+        else:
+            out.update(_moe_targets(mlp, p, cfg.architecture))
         out[f"{p}input_layernorm.weight"] = layer.input_layernorm.weight.data
         out[f"{p}post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight.data
     return out
@@ -326,7 +349,91 @@ def _fused_targets(model: CausalLM) -> dict[str, tuple[torch.Tensor, tuple[str, 
     return out
 
 
-def _read_tensors(file: Path, wanted: Collection[str]) -> Iterator[tuple[str, torch.Tensor]]:
+# Per-expert tensor names: (gate, up, down) under each architecture's expert module.
+_EXPERT_NAMES = {
+    "MixtralForCausalLM": ("block_sparse_moe", "w1", "w3", "w2"),
+    "Qwen2MoeForCausalLM": ("mlp", "gate_proj", "up_proj", "down_proj"),
+    "Qwen3MoeForCausalLM": ("mlp", "gate_proj", "up_proj", "down_proj"),
+}
+
+
+def expert_names(arch: str, prefix: str, expert: int) -> tuple[str, str, str]:
+    """The Hugging Face names of expert ``expert``'s gate, up and down weights in the layer of
+    ``prefix`` (``model.layers.{i}.``), as the architecture's checkpoints name them."""
+    module, gate, up, down = _EXPERT_NAMES[arch]
+    stem = f"{prefix}{module}.experts.{expert}."
+    return f"{stem}{gate}.weight", f"{stem}{up}.weight", f"{stem}{down}.weight"
+
+
+def _moe_targets(mlp: torch.nn.Module, p: str, arch: str) -> dict[str, torch.Tensor]:
+    """A mixture-of-experts layer's targets: the router, the stacked experts (as
+    ``transformers`` 5 names them) and each expert's views of them, the shared expert."""
+    assert isinstance(mlp, MoEMLP)
+    module = _EXPERT_NAMES[arch][0]
+    gate_up, down = mlp.experts.gate_up_proj.data, mlp.experts.down_proj.data
+    inter = mlp.experts.intermediate_size
+    out = {
+        f"{p}{module}.gate.weight": mlp.gate.weight.data,
+        f"{p}mlp.experts.gate_up_proj": gate_up,
+        f"{p}mlp.experts.down_proj": down,
+        # The experts' gate and up weights stacked apart, ``[E, I, hidden]`` each (GGUF's
+        # ffn_gate_exps and ffn_up_exps).
+        f"{p}mlp.experts.gate_proj": gate_up[:, :inter],
+        f"{p}mlp.experts.up_proj": gate_up[:, inter:],
+    }
+    for e in range(mlp.experts.num_experts):
+        g, u, d = expert_names(arch, p, e)
+        out[g], out[u], out[d] = gate_up[e, :inter], gate_up[e, inter:], down[e]
+    if mlp.shared_expert is not None and mlp.shared_expert_gate is not None:
+        shared, sinter = mlp.shared_expert, mlp.shared_expert.down_proj.in_features
+        out[f"{p}mlp.shared_expert.gate_proj.weight"] = shared.gate_up_proj.weight.data[:sinter]
+        out[f"{p}mlp.shared_expert.up_proj.weight"] = shared.gate_up_proj.weight.data[sinter:]
+        out[f"{p}mlp.shared_expert.down_proj.weight"] = shared.down_proj.weight.data
+        out[f"{p}mlp.shared_expert_gate.weight"] = mlp.shared_expert_gate.weight.data
+    return out
+
+
+def _moe_layers(model: CausalLM) -> Iterator[tuple[str, MoEMLP]]:
+    if isinstance(model, gemma.GemmaForCausalLM):  # Gemma has no experts
+        return
+    for i, layer in enumerate(model.model.layers):
+        assert isinstance(layer, LlamaDecoderLayer)
+        if isinstance(layer.mlp, MoEMLP):
+            yield f"model.layers.{i}.", layer.mlp
+
+
+def _aliases(model: CausalLM) -> dict[str, str]:
+    """Other names of our targets: a Mixtral layer's experts and router under ``mlp`` (how
+    ``transformers`` 5 holds them) and its stacked experts under ``block_sparse_moe``."""
+    out: dict[str, str] = {}
+    if model.config.architecture != "MixtralForCausalLM":
+        return out
+    for p, mlp in _moe_layers(model):
+        out[f"{p}mlp.gate.weight"] = f"{p}block_sparse_moe.gate.weight"
+        for stacked in ("gate_up_proj", "down_proj"):
+            out[f"{p}block_sparse_moe.experts.{stacked}"] = f"{p}mlp.experts.{stacked}"
+        for e in range(mlp.experts.num_experts):
+            for name in expert_names("MixtralForCausalLM", p, e):
+                out[name.replace(".block_sparse_moe.", ".mlp.", 1)] = name
+    return out
+
+
+def _covers(model: CausalLM) -> dict[str, tuple[str, ...]]:
+    """Each stacked expert tensor -> the per-expert targets it holds (either fills both)."""
+    arch = model.config.architecture
+    out: dict[str, tuple[str, ...]] = {}
+    for p, mlp in _moe_layers(model):
+        names = [expert_names(arch, p, e) for e in range(mlp.experts.num_experts)]
+        out[f"{p}mlp.experts.gate_proj"] = tuple(g for g, _, _ in names)
+        out[f"{p}mlp.experts.up_proj"] = tuple(u for _, u, _ in names)
+        out[f"{p}mlp.experts.gate_up_proj"] = tuple(n for g, u, _ in names for n in (g, u))
+        out[f"{p}mlp.experts.down_proj"] = tuple(d for _, _, d in names)
+    return out
+
+
+def _read_tensors(
+    file: Path, wanted: Container[str]
+) -> Iterator[tuple[str, torch.Tensor]]:
     """The tensors of ``file`` named in ``wanted``, one at a time (on CPU)."""
     if file.suffix == ".safetensors":
         from safetensors import safe_open

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tierserve.kernels import aot, fused, triton_attention, triton_kv
+from tierserve.kernels import moe as tmoe
 
 CAN_COMPILE, WHY_NOT = aot.can_compile()
 pytestmark = [
@@ -35,7 +36,7 @@ def test_matrix_covers_every_kernel_of_the_gpu_path() -> None:
     ``aot.KERNELS`` and in the CI work (a new kernel cannot skip the compile check)."""
     defined = {
         obj
-        for module in (triton_attention, triton_kv, fused)
+        for module in (triton_attention, triton_kv, fused, tmoe)
         for _, obj in inspect.getmembers(module)
         if type(obj).__name__ in ("JITFunction", "InterpretedFunction")
     }
@@ -64,6 +65,15 @@ def test_matrix_covers_every_kernel_of_the_gpu_path() -> None:
     assert len(fused_ci) == 2 * len(hiddens) * 2 + len(shapes) * 2 * 2
     normed = [v for v in fused_ci if v.kernel == "rope_store" and dict(v.constexprs)["QK_NORM"]]
     assert len(normed) == sum(s[4] for s in shapes) * 2 * 2 > 0
+    # The mixture-of-experts kernels: gate/up and down, in two tilings, per dtype.
+    assert len(aot.ci_moe_variants()) == 2 * 2 * len(aot.CI_DTYPES)
+
+
+def test_the_moe_kernels_compile_cleanly_for_sm90_and_sm80() -> None:
+    """Both mixture-of-experts kernels in both tilings, bf16, on both CI architectures."""
+    reports = aot.compile_all(aot.moe_variants(torch.bfloat16), list(aot.CI_ARCHS), jobs=JOBS)
+    print("\n" + aot.summarize(reports))
+    _assert_clean(reports)
 
 
 def test_reports_flag_spills_and_shared_memory_over_the_limit() -> None:
@@ -116,6 +126,6 @@ def test_every_variant_compiles_without_spills_within_shared_memory(
 ) -> None:
     reports = [r for r in matrix if r.arch == arch]
     assert len(reports) == len(aot.variants_for(aot.ci_configs(), arch)) + len(
-        aot.ci_fused_variants())
+        aot.ci_fused_variants()) + len(aot.ci_moe_variants())
     print("\n" + aot.summarize(reports))
     _assert_clean(reports)

@@ -49,6 +49,7 @@ from tierserve.replica.models.embedded import (
 ARCH = {
     "LlamaConfig": "llama", "MistralConfig": "llama", "Qwen2Config": "qwen2", "Qwen3Config": "qwen3",
     "Phi3Config": "phi3",
+    "MixtralConfig": "llama", "Qwen3MoeConfig": "qwen3moe", "Qwen2MoeConfig": "qwen2moe",
     "Gemma2Config": "gemma2", "Gemma3TextConfig": "gemma3",
 }
 GEMMA_ARCHS = ("gemma2", "gemma3")
@@ -187,6 +188,14 @@ def write_gguf(
             w.add_final_logit_softcapping(cfg.final_logit_softcapping)
     for key, value in (metadata or {}).items():
         getattr(w, f"add_{key}")(value)
+    experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", 0)
+    if experts:  # as llama.cpp's converter writes a mixture of experts
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        if arch != "llama":  # Qwen: the experts' own size; Mixtral's is feed_forward_length
+            w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        if getattr(cfg, "shared_expert_intermediate_size", 0):
+            w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     if tokenizer == "gpt2":
         tokens = tokenizer_vocab()[: cfg.vocab_size]
         tokens += [f"<|unused{i}|>" for i in range(cfg.vocab_size - len(tokens))]
@@ -243,10 +252,23 @@ def write_gguf(
         "mlp.down_proj": "ffn_down",
         "input_layernorm": "attn_norm",
         "post_attention_layernorm": "ffn_norm",
+        "mlp.gate": "ffn_gate_inp",
+        "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+        "mlp.shared_expert.up_proj": "ffn_up_shexp",
+        "mlp.shared_expert.down_proj": "ffn_down_shexp",
+        "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
     }
     if gemma:
         per_layer.update(GEMMA_NORMS)
-    state = model.state_dict()
+    state = dict(model.state_dict())
+    for name in [n for n in state if n.endswith(".mlp.experts.gate_up_proj")]:
+        # transformers 5 holds the experts stacked [E, 2I, hidden]; llama.cpp writes gate and up
+        # apart ([E, I, hidden] each), and the shared expert's gate as a vector.
+        stem = name.removesuffix(".mlp.experts.gate_up_proj")
+        gate, up = state.pop(name).chunk(2, dim=1)
+        state[f"{stem}.mlp.experts.gate_exps.weight"] = gate.contiguous()
+        state[f"{stem}.mlp.experts.up_exps.weight"] = up.contiguous()
+        state[f"{stem}.mlp.experts.down_exps.weight"] = state.pop(f"{stem}.mlp.experts.down_proj")
     if rope.get("rope_type") == "longrope":  # the converter's extra F32 tensors
         for name in ("long_factor", "short_factor"):
             gname = f"rope_factors_{name.split('_')[0]}.weight"
@@ -256,7 +278,12 @@ def write_gguf(
     for name, t in state.items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
-        if name in names:
+        if name.endswith(".mlp.shared_expert_gate.weight"):
+            t = t.reshape(-1)
+        if ".mlp.experts." in name:  # model.layers.{i}.mlp.experts.{gate,up,down}_exps.weight
+            parts = name.split(".")
+            gname = f"blk.{parts[2]}.ffn_{parts[5]}.weight"
+        elif name in names:
             gname = names[name]
         else:
             parts = name.split(".")  # model.layers.{i}.{module...}.{weight|bias}

@@ -177,6 +177,19 @@ def tiny_hf_model(kind: str, seed: int = 0, **overrides: Any) -> Any:
             raise ValueError(kind)
     elif kind in GEMMA_KINDS:
         cls = _gemma_config(kind, base)
+    elif kind == "mixtral":  # 4 experts, 2 per token; the experts' size is intermediate_size
+        cls = transformers.MixtralConfig
+        base.update(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                    intermediate_size=48, sliding_window=None)
+    elif kind == "qwen3-moe":  # q/k norms, head_dim 32; layer 1 dense (mlp_only_layers)
+        cls = transformers.Qwen3MoeConfig
+        base.update(num_key_value_heads=2, head_dim=32, num_experts=4, num_experts_per_tok=2,
+                    moe_intermediate_size=40, norm_topk_prob=True, mlp_only_layers=[1])
+    elif kind == "qwen2-moe":  # q/k/v biases, a shared expert with its sigmoid gate
+        cls = transformers.Qwen2MoeConfig
+        base.update(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                    moe_intermediate_size=40, shared_expert_intermediate_size=56,
+                    norm_topk_prob=False)
     elif kind != "llama":
         raise ValueError(kind)
     base.update(overrides)
@@ -189,6 +202,9 @@ def tiny_hf_model(kind: str, seed: int = 0, **overrides: Any) -> Any:
         "MistralConfig": transformers.MistralForCausalLM,
         "Qwen3Config": transformers.Qwen3ForCausalLM,
         "Phi3Config": transformers.Phi3ForCausalLM,
+        "MixtralConfig": transformers.MixtralForCausalLM,
+        "Qwen3MoeConfig": transformers.Qwen3MoeForCausalLM,
+        "Qwen2MoeConfig": transformers.Qwen2MoeForCausalLM,
     }[cls.__name__]
     torch.manual_seed(seed)
     model = model_cls(config).eval()
@@ -244,6 +260,7 @@ PHI3_LONG_FACTOR = (1.2, 2.0, 4.0, 8.0, 16.0, 24.0)
 # The engine length each kind is served at where it matters (LongRoPE: within the original
 # context, so that the short factors, and transformers' tokens, apply).
 TINY_MAX_MODEL_LEN = {"phi3-longrope": PHI3_LONGROPE_ORIGINAL}
+MOE_KINDS = ("mixtral", "qwen3-moe", "qwen2-moe")
 
 
 def save_checkpoint(model: Any, path: Path, **save_kwargs: Any) -> Path:

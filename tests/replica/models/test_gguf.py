@@ -573,7 +573,8 @@ def test_unsupported_architecture_is_refused(tmp_path: Path) -> None:
     _refused(
         path,
         r"unsupported GGUF architecture 'gpt2'; supported: llama, mistral, qwen2, qwen3, phi3, "
-        r"gemma2, gemma3 \(Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and Gemma 3 models\)$",
+        r"gemma2, gemma3, qwen2moe, qwen3moe \(Llama, Mistral, Mixtral, Qwen2, Qwen3, Qwen2-MoE, "
+        r"Qwen3-MoE, Phi-3, Gemma 2 and Gemma 3 models\)$",
     )
 
 

@@ -43,7 +43,8 @@ def test_model_load_error_is_a_value_error() -> None:
 
 SUPPORTED = (
     "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM, "
-    "Gemma2ForCausalLM, Gemma3ForCausalLM"
+    "Gemma2ForCausalLM, Gemma3ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM, "
+    "Qwen3MoeForCausalLM"
 )
 
 
@@ -57,12 +58,14 @@ def test_unsupported_architecture_is_named(tmp_path: Path) -> None:
 
 
 def test_a_qwen3_relative_without_its_layers_is_refused_by_name(tmp_path: Path) -> None:
-    """Qwen3's mixture-of-experts sibling shares its config fields but not its layers."""
+    """Qwen3's mixture-of-experts sibling shares its config fields but not its layers: a dense
+    Qwen3 checkpoint labelled Qwen3-MoE lacks the router and experts, and says so."""
     path = save_checkpoint(tiny_hf_model("qwen3"), tmp_path / "c")
     _edit_config(path, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe")
     with pytest.raises(
         ModelLoadError,
-        match=rf"unsupported architecture 'Qwen3MoeForCausalLM'; supported: {SUPPORTED}$",
+        match=r"lacks \d+ tensor\(s\): model\.layers\.0\.mlp\.gate\.weight, "
+        r"model\.layers\.0\.mlp\.experts\.0\.gate_proj\.weight",
     ):
         load_model(str(path))
 
