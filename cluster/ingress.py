@@ -396,6 +396,11 @@ class Ingress:
         caller = self._caller(request)
         body = await self._body(request, ChatCompletionRequest)
         assert isinstance(body, ChatCompletionRequest)
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise BadRequest(
+                f"model {self.cfg.model_name!r} has no chat template (a base model, which continues "
+                "text): send a prompt to /v1/completions instead",
+                "no_chat_template", "messages")
         try:
             mode = await self.schemas.tool_mode(body)
             messages, tools = render_messages(body.messages, body.tools, body.tool_choice,

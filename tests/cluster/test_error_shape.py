@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Sequence
-from types import SimpleNamespace
+from types import MethodType, SimpleNamespace
 from typing import Any
 
 import pytest
@@ -227,3 +227,33 @@ def test_the_replicas_report_times_a_request_by_the_engines_one_clock(
     else:
         assert report.met.get("interactive", 0) == (1 if met else 0)
         assert report.missed.get("interactive", 0) == (0 if met else 1)
+
+
+def test_chat_with_a_base_model_says_to_use_completions() -> None:
+    """A model without a chat template (a base model: gemma-3-270m) answers a chat request with
+    a 400 that names the model and the endpoint to use, before anything is rendered."""
+    from starlette.requests import Request
+
+    from tierserve.cluster.app import load_config
+    from tierserve.cluster.tiers import TierResolver
+    from tierserve.records import BadRequest
+
+    cls: Any = ingress.Ingress.func_or_class
+    cfg = load_config({"engine": {"model": "gemma-3-270m"}})
+    # The ingress's own methods over only what they read (no deployment is built).
+    inst = SimpleNamespace(cfg=cfg, tiers=TierResolver(cfg), tokenizer=SimpleNamespace(chat_template=None))
+    inst._caller = MethodType(cls._caller, inst)
+    inst._body = MethodType(cls._body, inst)
+    body = json.dumps({"model": "gemma-3-270m", "messages": [{"role": "user", "content": "hi"}]})
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": body.encode(), "more_body": False}
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions",
+             "headers": [(b"content-length", str(len(body)).encode())]}
+    with pytest.raises(BadRequest) as caught:
+        asyncio.run(cls.chat(inst, Request(scope, receive)))
+    assert caught.value.code == "no_chat_template" and caught.value.param == "messages"
+    assert caught.value.message == (
+        "model 'gemma-3-270m' has no chat template (a base model, which continues text): send "
+        "a prompt to /v1/completions instead")
