@@ -26,13 +26,11 @@ Built from the Llama family's layers (``tierserve.replica.models.layers``) and r
   takes its own.
 
 Windows and score capping are arguments of ``tierserve.kernels.attention.attention``
-(``window``, ``softcap``). A build whose ``attention`` lacks them refuses score capping (a
-Gemma 2 config) and, through ``ModelConfig.check_context``, a context longer than the window.
+(``window``, ``softcap``).
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -62,10 +60,6 @@ __all__ = [
     "hf_targets",
 ]
 
-# Whether this build's attention takes per-call windows and score capping.
-_ATTENTION_ARGS = frozenset(inspect.signature(attention).parameters)
-WINDOWS_SUPPORTED = "window" in _ATTENTION_ARGS
-SOFTCAP_SUPPORTED = "softcap" in _ATTENTION_ARGS
 
 
 class GemmaRMSNorm(RMSNorm):
@@ -184,13 +178,7 @@ class GemmaAttention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps, det, device)
             self.k_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps, det, device)
-        # Passed only when set: a build whose attention lacks them refuses what needs them
-        # (GemmaForCausalLM's checks), and runs the rest as full, uncapped attention.
-        self.attention_args: dict[str, Any] = {}
-        if self.window is not None and WINDOWS_SUPPORTED:
-            self.attention_args["window"] = self.window
-        if self.softcap is not None:
-            self.attention_args["softcap"] = self.softcap
+        self.attention_args: dict[str, Any] = {"window": self.window, "softcap": self.softcap}
 
     def forward(
         self, x: torch.Tensor, rope: Rope, kv_cache: KVCache, meta: AttentionMetadata
@@ -337,9 +325,8 @@ class GemmaForCausalLM(nn.Module):
     and gate/up into ``mlp.gate_up_proj``; norm weights hold ``1 + w`` (see the module). The head
     is tied to the embedding unless the config says otherwise.
 
-    Raises ``ModelLoadError`` for a config the kernels of this build cannot run (score capping
-    without ``attention``'s ``softcap``), ``DeterministicModeUnavailable`` where the
-    deterministic mode cannot run (as ``LlamaForCausalLM``; and with a final logit soft-cap).
+    Raises ``DeterministicModeUnavailable`` where the deterministic mode cannot run (as
+    ``LlamaForCausalLM``; and with a final logit soft-cap).
     """
 
     def __init__(
@@ -364,12 +351,6 @@ class GemmaForCausalLM(nn.Module):
                 "the mode does not hold to"
             )
         check_deterministic(self.options, config, device or "cpu", dtype or torch.get_default_dtype())
-        if config.attn_logit_softcapping is not None and not SOFTCAP_SUPPORTED:
-            raise ModelLoadError(
-                f"{config.architecture}: attention logit soft-capping "
-                f"({config.attn_logit_softcapping}) needs attention kernels that take softcap; "
-                "this build's tierserve.kernels.attention.attention does not"
-            )
         self.model = GemmaModel(config, self.options, device, dtype)
         self.lm_head = Linear(
             config.hidden_size, config.vocab_size, False, self.options.deterministic, device, dtype

@@ -30,14 +30,6 @@ from tierserve.replica.models.layers import rope_inv_freq
 from tierserve.replica.models.llama import ModelOptions
 from tierserve.replica.models.loader import load_model
 
-needs_windows = pytest.mark.skipif(
-    not gemma.WINDOWS_SUPPORTED,
-    reason="tierserve.kernels.attention.attention takes no window yet (branch win)",
-)
-needs_softcap = pytest.mark.skipif(
-    not gemma.SOFTCAP_SUPPORTED,
-    reason="tierserve.kernels.attention.attention takes no softcap yet (branch win)",
-)
 WINDOW = 32  # the tiny models' sliding window (tests.replica.models.helpers)
 
 
@@ -45,12 +37,6 @@ WINDOW = 32  # the tiny models' sliding window (tests.replica.models.helpers)
 def _cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
     """GGUF tokenizers and prepared weights go to a scratch cache, not the user's."""
     monkeypatch.setenv("TIERSERVE_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
-
-
-def _options(positions: int) -> ModelOptions | None:
-    """A context of ``positions`` where this build has no attention windows (within the
-    window, which ``ModelConfig.check_context`` then requires); the model's own otherwise."""
-    return None if gemma.WINDOWS_SUPPORTED else ModelOptions(max_model_len=positions)
 
 
 def _prompts(vocab: int, lengths: tuple[int, ...], seed: int = 0) -> list[list[int]]:
@@ -276,21 +262,11 @@ def test_the_deterministic_mode_refuses_a_final_logit_softcap() -> None:
         gemma.GemmaForCausalLM(capped, det)
 
 
-def test_a_context_past_the_window_needs_windowed_attention() -> None:
-    cfg = _tiny_config()
-    if gemma.WINDOWS_SUPPORTED:
-        model = gemma.GemmaForCausalLM(cfg, ModelOptions(max_model_len=128))
-        assert model.max_model_len == 128
-    else:
-        with pytest.raises(ModelLoadError, match="sliding"):
-            gemma.GemmaForCausalLM(cfg, ModelOptions(max_model_len=128))
-
-
-@pytest.mark.skipif(gemma.SOFTCAP_SUPPORTED, reason="attention takes softcap in this build")
-def test_score_capping_without_the_kernels_is_refused() -> None:
-    cfg = ModelConfig.from_hf(tiny_hf_model("gemma2").config)
-    with pytest.raises(ModelLoadError, match="soft-capping"):
-        gemma.GemmaForCausalLM(cfg, ModelOptions(max_model_len=32))
+def test_a_context_past_the_window_is_served() -> None:
+    model = gemma.GemmaForCausalLM(_tiny_config(), ModelOptions(max_model_len=128))
+    assert model.max_model_len == 128
+    assert [layer.self_attn.attention_args["window"] for layer in model.model.layers] == [
+        WINDOW, None, WINDOW]
 
 
 # -- the whole model against transformers --------------------------------------------------------
@@ -312,16 +288,15 @@ def test_within_the_window_matches_transformers(
 ) -> None:
     """Prompts of 1..20 tokens and 12 greedy tokens: every position within the window."""
     hf, path = checkpoints[kind]
-    ours, _, cfg = load_model(str(path), options=_options(WINDOW))
+    ours, _, cfg = load_model(str(path))
     assert cfg.architecture == type(hf).__name__
     prompts = _prompts(cfg.vocab_size, (1, 2, 7, 13, 20), seed=3)
     _same_as_transformers(ours, hf, prompts, 12, WINDOW)
 
 
 @pytest.mark.slow
-@needs_windows
 @pytest.mark.parametrize(
-    "kind", ["gemma3", pytest.param("gemma2", marks=needs_softcap), "gemma2-nocap"]
+    "kind", ["gemma3", "gemma2", "gemma2-nocap"]
 )
 def test_past_the_window_matches_transformers(kind: str, tmp_path: Path) -> None:
     """A window of 8 on the sliding layers, prompts up to 40 tokens and 16 greedy tokens: the
@@ -334,12 +309,11 @@ def test_past_the_window_matches_transformers(kind: str, tmp_path: Path) -> None
 
 
 @pytest.mark.slow
-@needs_softcap
 def test_gemma2_with_score_capping_within_the_window(
     checkpoints: dict[str, tuple[Any, Path]],
 ) -> None:
     hf, path = checkpoints["gemma2"]
-    ours, _, cfg = load_model(str(path), options=_options(WINDOW))
+    ours, _, cfg = load_model(str(path))
     assert cfg.attn_logit_softcapping == 50.0
     _same_as_transformers(ours, hf, _prompts(cfg.vocab_size, (3, 20), seed=6), 12, WINDOW)
 
@@ -370,8 +344,8 @@ def _hf_from_gguf(path: Path) -> Any:
         ("gemma3", "F32"),
         ("gemma3", "Q8_0"),
         ("gemma3", "Q4_K"),
-        pytest.param("gemma2", "F32", marks=needs_softcap),
-        pytest.param("gemma2", "Q6_K", marks=needs_softcap),
+        ("gemma2", "F32"),
+        ("gemma2", "Q6_K"),
     ],
 )
 def test_a_gemma_gguf_matches_transformers_on_the_same_file(
@@ -387,7 +361,7 @@ def test_a_gemma_gguf_matches_transformers_on_the_same_file(
     path = write_gguf(src, tmp_path / f"{kind}-{qtype}.gguf", qtype)
     names = {t.name for t in gguf.GGUFReader(str(path)).tensors}
     assert {"blk.0.post_attention_norm.weight", "blk.0.post_ffw_norm.weight"} <= names
-    ours, _, cfg = load_model(str(path), options=_options(WINDOW))
+    ours, _, cfg = load_model(str(path))
     assert cfg.architecture == type(src).__name__ and cfg.tie_word_embeddings
     assert cfg.layer_windows() == (
         (WINDOW,) * 5 + (None,) if kind == "gemma3" else (WINDOW, None) * 3
@@ -427,7 +401,7 @@ def test_gguf_metadata_beyond_llama_cpps_defaults(tmp_path: Path) -> None:
             rope_scaling_factor=8.0,
         ),
     )
-    ours, _, cfg = load_model(str(path), options=_options(WINDOW))
+    ours, _, cfg = load_model(str(path))
     assert cfg.layer_windows() == (None, WINDOW, WINDOW)
     assert cfg.rope_scaling == LinearScaling(8.0) and cfg.rope_local_theta == 20000.0
     assert cfg.query_pre_attn_scalar == 32
@@ -506,7 +480,7 @@ def test_a_gemma_gguf_missing_a_sandwich_norm_names_it(tmp_path: Path) -> None:
         match=r"model\.layers\.1\.post_feedforward_layernorm\.weight "
         r"\(blk\.1\.post_ffw_norm\.weight in the file\)",
     ):
-        load_model(str(path), options=_options(WINDOW))
+        load_model(str(path))
 
 
 def test_gemma_sqrt_hidden_is_what_transformers_multiplies_by() -> None:
