@@ -2,8 +2,9 @@
 vLLM's CPU build, one mix.
 
 Run: ``python -m benchmarks.throughput`` (both models; about 20 to 30 minutes on 2 quiet cores);
-``--quick`` (a smoke run of about 3 minutes); ``--model tiny|smollm2|smollm2-135m-instruct`` one
-model (repeatable; the default runs tiny and smollm2);
+``--quick`` (a smoke run of about 3 minutes); ``--model
+tiny|smollm2|smollm2-135m-instruct|gemma-3-270m`` one model (repeatable; the default runs tiny and
+smollm2);
 ``--rounds N`` / ``--requests N`` for every model; ``--systems tierserve,vllm`` a subset;
 ``--mix random,shared`` which mixes (below; default random); ``--concurrency 8,64`` caps on
 running requests, one case each (``max_num_seqs`` for every system; default none);
@@ -62,6 +63,9 @@ One run, one machine, one set of weights, one mix of requests per case for every
      and a worker process; the GGUF exported once to fp32 safetensors), ``LLM.generate`` with
      token-id prompts, greedy, EOS ignored, fp32, with its own default caps and with tierserve's
      (``matched``); its start-up (most of it ``torch.compile``) is printed apart.
+  5. ``llama.cpp``: its ``llama-server`` (``benchmarks.llamacpp_peer``; ``$TIERSERVE_LLAMA_SERVER``)
+     on the GGUF file itself (GGUF checkpoints only), token-id prompts, greedy, EOS ignored, with
+     tierserve's cap on running requests as its parallel slots; its own quantized kernels.
   ``hf-static`` batch sizes, ``hf-cb`` (requests, tokens) per step and vLLM's two settings are
   swept in the first round (in order, stopping once one is clearly past the best); later rounds
   run the best.
@@ -1035,7 +1039,8 @@ def plot(summary: dict[str, Any], path: str, machine_info: dict[str, Any], plan:
 
     models = list(summary)
     cases = {c.label: c for c in plan.cases()}
-    fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 4.5), squeeze=False)
+    fig, axes = plt.subplots(1, len(models), figsize=(max(5.5 * len(models), 10), 4.5),
+                             squeeze=False)
     colors = {"tierserve": "#2a7ab9", "hf-static": "#e08a2c", "hf-cb": "#7a9a3a", "vllm": "#8a4fb0",
               "llama.cpp": "#b04f4f"}
     for ax, name in zip(axes[0], models, strict=True):
@@ -1057,12 +1062,14 @@ def plot(summary: dict[str, Any], path: str, machine_info: dict[str, Any], plan:
             title += f"\ntierserve / best transformers = {ratio:.2f}x"
         if summary[name].get("ratio_vs_vllm"):
             title += f"\ntierserve / vLLM-CPU = {summary[name]['ratio_vs_vllm']:.2f}x"
+        if summary[name].get("ratio_vs_llama.cpp"):
+            title += f", / llama.cpp = {summary[name]['ratio_vs_llama.cpp']:.2f}x"
         ax.set_title(title, fontsize=10)
         ax.set_ylabel("requested tokens / s")
         ax.margins(y=0.2)
     fig.suptitle(
         "random: prompts 16-512 tokens; shared: one of "
-        f"{SHARED_PREFIXES} prefixes of {SHARED_PREFIX_TOKENS} + 16-128 tokens; outputs 16-256, "
+        f"{SHARED_PREFIXES} prefixes of {SHARED_PREFIX_TOKENS} + 16-128 tokens;\noutputs 16-256, "
         "greedy, ignore EOS; fp32; cN: N running requests at most\n"
         f"{machine_info['cpu']} x{machine_info['cores']}, {machine_info['torch_threads']} threads",
         fontsize=9,
