@@ -30,13 +30,12 @@ memory: a windowed layer keeps its whole context's K/V although it reads only th
 
 from __future__ import annotations
 
-import math
 from typing import Literal
 
 import torch
 
 from tierserve.kernels import cpu_native, cpu_ops, reference, torch_attention
-from tierserve.kernels.metadata import AttentionMetadata
+from tierserve.kernels.metadata import AttentionMetadata, validate_window
 
 Backend = Literal["torch", "triton"]
 BACKENDS: tuple[str, ...] = ("torch", "triton")
@@ -99,27 +98,6 @@ def attention(
         )
         return out
     return torch_attention.paged_attention_fast(q, k_cache, v_cache, meta, scale, window, softcap)
-
-
-def validate_window(window: int | None, softcap: float | None) -> None:
-    """Raise ``ValueError`` unless ``window`` is None or a positive int and ``softcap`` None or
-    a positive finite number."""
-    if window is not None and (
-        isinstance(window, bool) or not isinstance(window, int) or window < 1
-    ):
-        raise ValueError(
-            f"window must be None (full causal attention) or an int >= 1 (the positions a "
-            f"query sees, itself included), got {window!r}"
-        )
-    if softcap is not None and (
-        isinstance(softcap, bool)
-        or not isinstance(softcap, (int, float))
-        or not math.isfinite(softcap)
-        or softcap <= 0
-    ):
-        raise ValueError(
-            f"softcap must be None (no capping) or a finite number > 0, got {softcap!r}"
-        )
 
 
 def validate(

@@ -13,6 +13,7 @@ buffer that reaches the device in one copy from pinned memory (the runner's path
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -268,3 +269,24 @@ class StepPacker:
             q_lens_host=q_lens,
         )
         return PackedStep(dev[0:t], dev[o_rows : o_rows + r], meta)
+
+
+def validate_window(window: int | None, softcap: float | None) -> None:
+    """Raise ``ValueError`` unless ``window`` is None or a positive int and ``softcap`` None or
+    a positive finite number."""
+    if window is not None and (
+        isinstance(window, bool) or not isinstance(window, int) or window < 1
+    ):
+        raise ValueError(
+            f"window must be None (full causal attention) or an int >= 1 (the positions a "
+            f"query sees, itself included), got {window!r}"
+        )
+    if softcap is not None and (
+        isinstance(softcap, bool)
+        or not isinstance(softcap, (int, float))
+        or not math.isfinite(softcap)
+        or softcap <= 0
+    ):
+        raise ValueError(
+            f"softcap must be None (no capping) or a finite number > 0, got {softcap!r}"
+        )

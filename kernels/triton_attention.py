@@ -51,7 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tierserve.kernels.metadata import AttentionMetadata
+from tierserve.kernels.metadata import AttentionMetadata, validate_window
 
 _LOG2E = 1.4426950408889634
 
@@ -459,10 +459,8 @@ def paged_attention(
     runs every row through one fixed configuration (see the module docstring). ``window``: each
     row sees its last ``window`` positions (None: all up to its own); ``softcap``: scores ``s``
     become ``softcap * tanh(s / softcap)`` (None: unchanged); both checked as
-    ``tierserve.kernels.attention.validate_window`` does (``ValueError``).
+    ``tierserve.kernels.metadata.validate_window`` does (``ValueError``).
     """
-    from tierserve.kernels.attention import validate_window
-
     validate_window(window, softcap)
     t, hq, d = q.shape
     hkv = k_cache.shape[2]

@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from tierserve.replica.models.cache_dir import cache_root
 from tierserve.replica.models.config import ModelLoadError
 
 
@@ -102,8 +103,6 @@ def packaged_file(name: str) -> Path | None:
 
 def assembled_path(model: PackagedModel) -> Path:
     """Where ``model``'s assembled file lives: ``models/`` under the cache directory."""
-    from tierserve.replica.models.gguf_loader import cache_root
-
     return cache_root() / "models" / model.file
 
 

@@ -91,6 +91,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from tierserve.replica.models.cache_dir import cache_root
 from tierserve.replica.models.config import (
     LinearScaling,
     LongRopeScaling,
@@ -909,12 +910,6 @@ def file_digest(path: Path) -> str:
     with _digest_lock:
         _digests[key] = digest
     return digest
-
-
-def cache_root() -> Path:
-    """tierserve's cache: ``$TIERSERVE_CACHE_DIR``, else ``~/.cache/tierserve``."""
-    env = os.environ.get("TIERSERVE_CACHE_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "tierserve"
 
 
 def _tokenizer_dir(path: Path) -> Path:
