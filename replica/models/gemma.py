@@ -46,20 +46,34 @@ from tierserve.replica.models.layers import (
     Linear,
     RMSNorm,
     RotaryEmbedding,
+    SwiGLU,
     VocabEmbedding,
     apply_rotary_,
 )
-from tierserve.replica.models.llama import KVCache, ModelOptions, Rope, check_deterministic
+from tierserve.replica.models.llama import (
+    KVCache,
+    ModelOptions,
+    Rope,
+    check_deterministic,
+    check_step,
+)
 
 __all__ = [
     "GEMMA_ARCHITECTURES",
+    "LAYER_NORMS",
     "GemmaForCausalLM",
     "GemmaRMSNorm",
     "fold_norm_offsets",
     "gelu_tanh_and_mul",
-    "hf_targets",
 ]
 
+# A layer's four norms, by their Hugging Face names ("sandwich": around attention and the MLP).
+LAYER_NORMS = (
+    "input_layernorm",
+    "post_attention_layernorm",
+    "pre_feedforward_layernorm",
+    "post_feedforward_layernorm",
+)
 
 
 class GemmaRMSNorm(RMSNorm):
@@ -119,24 +133,9 @@ def gelu_tanh_and_mul(gate_up: torch.Tensor, deterministic: bool = False) -> tor
     return F.gelu(gate_up[..., :inter], approximate="tanh").mul_(gate_up[..., inter:])
 
 
-class GeluMLP(nn.Module):
-    """Gemma's MLP: ``down(gelu_tanh(gate(x)) * up(x))`` with gate and up fused in one weight
-    (``gate_up_proj``, rows ``[gate | up]``, as ``SwiGLU``'s)."""
-
-    def __init__(
-        self,
-        hidden_size: int,
-        intermediate_size: int,
-        deterministic: bool = False,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        super().__init__()
-        self.deterministic = deterministic
-        self.gate_up_proj = Linear(
-            hidden_size, 2 * intermediate_size, False, deterministic, device, dtype
-        )
-        self.down_proj = Linear(intermediate_size, hidden_size, False, deterministic, device, dtype)
+class GeluMLP(SwiGLU):
+    """Gemma's MLP: ``down(gelu_tanh(gate(x)) * up(x))``, ``SwiGLU``'s layers (gate and up fused
+    in ``gate_up_proj``, rows ``[gate | up]``) with another activation."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(gelu_tanh_and_mul(self.gate_up_proj(x), self.deterministic))
@@ -380,15 +379,7 @@ class GemmaForCausalLM(nn.Module):
         the rows ``logits_indices`` of the flat batch, soft-capped by
         ``final_logit_softcapping`` when the config has it. Arguments as
         ``LlamaForCausalLM.forward``'s."""
-        if len(kv_caches) != len(self.model.layers):
-            raise ValueError(
-                f"got {len(kv_caches)} KV caches for a model of {len(self.model.layers)} layers"
-            )
-        if input_ids.shape[0] != meta.num_tokens or positions.shape[0] != meta.num_tokens:
-            raise ValueError(
-                f"batch has {input_ids.shape[0]} ids and {positions.shape[0]} positions; "
-                f"metadata describes {meta.num_tokens} tokens"
-            )
+        check_step(len(self.model.layers), input_ids, positions, kv_caches, meta)
         residual, delta = self.model(input_ids, positions, kv_caches, meta)
         rows = residual.index_select(0, logits_indices)
         last = None if delta is None else delta.index_select(0, logits_indices)
@@ -397,46 +388,6 @@ class GemmaForCausalLM(nn.Module):
         if cap is not None:
             logits = torch.tanh(logits / cap).mul_(cap)
         return logits
-
-
-def hf_targets(model: GemmaForCausalLM) -> dict[str, torch.Tensor]:
-    """Hugging Face tensor name -> the view of our parameter it fills (``loader.fill_weights``)."""
-    cfg = model.config
-    q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
-    out: dict[str, torch.Tensor] = {
-        "model.embed_tokens.weight": model.model.embed_tokens.weight.data,
-        "model.norm.weight": model.model.norm.weight.data,
-    }
-    if not cfg.tie_word_embeddings:
-        out["lm_head.weight"] = model.lm_head.weight.data
-    for i, layer in enumerate(model.model.layers):
-        assert isinstance(layer, GemmaDecoderLayer)
-        p = f"model.layers.{i}."
-        attn, mlp = layer.self_attn, layer.mlp
-        params = [("weight", attn.qkv_proj.weight)]
-        if attn.qkv_proj.bias is not None:
-            params.append(("bias", attn.qkv_proj.bias))
-        for kind, param in params:
-            out[f"{p}self_attn.q_proj.{kind}"] = param.data[:q]
-            out[f"{p}self_attn.k_proj.{kind}"] = param.data[q : q + kv]
-            out[f"{p}self_attn.v_proj.{kind}"] = param.data[q + kv :]
-        out[f"{p}self_attn.o_proj.weight"] = attn.o_proj.weight.data
-        if attn.o_proj.bias is not None:
-            out[f"{p}self_attn.o_proj.bias"] = attn.o_proj.bias.data
-        if attn.q_norm is not None and attn.k_norm is not None:
-            out[f"{p}self_attn.q_norm.weight"] = attn.q_norm.weight.data
-            out[f"{p}self_attn.k_norm.weight"] = attn.k_norm.weight.data
-        out[f"{p}mlp.gate_proj.weight"] = mlp.gate_up_proj.weight.data[:inter]
-        out[f"{p}mlp.up_proj.weight"] = mlp.gate_up_proj.weight.data[inter:]
-        out[f"{p}mlp.down_proj.weight"] = mlp.down_proj.weight.data
-        for norm in (
-            "input_layernorm",
-            "post_attention_layernorm",
-            "pre_feedforward_layernorm",
-            "post_feedforward_layernorm",
-        ):
-            out[f"{p}{norm}.weight"] = getattr(layer, norm).weight.data
-    return out
 
 
 def fold_norm_offsets(

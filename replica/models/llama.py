@@ -85,6 +85,24 @@ def check_deterministic(
         )
 
 
+def check_step(
+    layers: int,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    kv_caches: Sequence[KVCache],
+    meta: AttentionMetadata,
+) -> None:
+    """``ValueError`` where a step's caches are not one per layer, or its ids and positions not
+    the tokens ``meta`` describes."""
+    if len(kv_caches) != layers:
+        raise ValueError(f"got {len(kv_caches)} KV caches for a model of {layers} layers")
+    if input_ids.shape[0] != meta.num_tokens or positions.shape[0] != meta.num_tokens:
+        raise ValueError(
+            f"batch has {input_ids.shape[0]} ids and {positions.shape[0]} positions; "
+            f"metadata describes {meta.num_tokens} tokens"
+        )
+
+
 class LlamaAttention(nn.Module):
     """Fused qkv projection, rotary embeddings, paged GQA attention, output projection.
 
@@ -334,15 +352,7 @@ class LlamaForCausalLM(nn.Module):
         ``input_ids``/``positions``: ``[T]`` int64, laid out as ``meta`` says. ``kv_caches``: one
         ``(k_cache, v_cache)`` per layer, each ``[num_blocks, block_size, kv_heads, head_dim]``.
         """
-        if len(kv_caches) != len(self.model.layers):
-            raise ValueError(
-                f"got {len(kv_caches)} KV caches for a model of {len(self.model.layers)} layers"
-            )
-        if input_ids.shape[0] != meta.num_tokens or positions.shape[0] != meta.num_tokens:
-            raise ValueError(
-                f"batch has {input_ids.shape[0]} ids and {positions.shape[0]} positions; "
-                f"metadata describes {meta.num_tokens} tokens"
-            )
+        check_step(len(self.model.layers), input_ids, positions, kv_caches, meta)
         residual, delta = self.model(input_ids, positions, kv_caches, meta)
         rows = residual.index_select(0, logits_indices)
         last = None if delta is None else delta.index_select(0, logits_indices)
