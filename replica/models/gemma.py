@@ -51,11 +51,11 @@ from tierserve.replica.models.layers import (
     apply_rotary_,
 )
 from tierserve.replica.models.llama import (
+    Decoder,
     KVCache,
+    LlamaForCausalLM,
     ModelOptions,
     Rope,
-    check_deterministic,
-    check_step,
 )
 
 __all__ = [
@@ -314,80 +314,41 @@ class GemmaModel(nn.Module):
         return residual, delta
 
 
-class GemmaForCausalLM(nn.Module):
-    """Gemma 2 / Gemma 3 (text) causal LM over one flat paged batch, with the interface of
-    ``LlamaForCausalLM`` (``forward``, ``pack_for_cpu``, ``max_model_len``, ``config``,
-    ``options``).
+class GemmaForCausalLM(LlamaForCausalLM):
+    """Gemma 2 / Gemma 3 (text) causal LM over one flat paged batch: ``LlamaForCausalLM`` with
+    Gemma's decoder (``GemmaModel``) and, where the config has it, the final logit soft-cap.
 
     Parameters are allocated uninitialised (norm weights: ones, i.e. a zero offset); the loaders
     fill them. Names follow the Hugging Face layout with q/k/v fused into ``self_attn.qkv_proj``
     and gate/up into ``mlp.gate_up_proj``; norm weights hold ``1 + w`` (see the module). The head
     is tied to the embedding unless the config says otherwise.
 
-    Raises ``DeterministicModeUnavailable`` where the deterministic mode cannot run (as
-    ``LlamaForCausalLM``; and with a final logit soft-cap).
+    Raises ``ModelLoadError`` for another architecture, ``DeterministicModeUnavailable`` where
+    the deterministic mode cannot run (as ``LlamaForCausalLM``; and with a final logit soft-cap).
     """
 
-    def __init__(
-        self,
-        config: ModelConfig,
-        options: ModelOptions | None = None,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        super().__init__()
+    def _check(self, device: torch.device | str | None, dtype: torch.dtype | None) -> None:
+        config = self.config
         if config.architecture not in GEMMA_ARCHITECTURES:
             raise ModelLoadError(
                 f"GemmaForCausalLM builds {', '.join(GEMMA_ARCHITECTURES)}, not "
                 f"{config.architecture}"
             )
-        self.config = config
-        self.options = options or ModelOptions()
         if self.options.deterministic and config.final_logit_softcapping is not None:
             raise cpu_native.DeterministicModeUnavailable(
                 f"the deterministic mode cannot run {config.architecture} with a final logit "
                 f"soft-cap ({config.final_logit_softcapping}): it runs on torch ops, whose bits "
                 "the mode does not hold to"
             )
-        check_deterministic(self.options, config, device or "cpu", dtype or torch.get_default_dtype())
-        self.model = GemmaModel(config, self.options, device, dtype)
-        self.lm_head = Linear(
-            config.hidden_size, config.vocab_size, False, self.options.deterministic, device, dtype
-        )
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        super()._check(device, dtype)
 
-    def pack_for_cpu(self) -> int:
-        """Repack every linear layer for the native CPU kernel where it applies (as
-        ``LlamaForCausalLM.pack_for_cpu``); returns how many were packed."""
-        return sum(m.pack_for_cpu() for m in self.modules() if isinstance(m, Linear))
+    def _decoder(self, device: torch.device | str | None, dtype: torch.dtype | None) -> Decoder:
+        return GemmaModel(self.config, self.options, device, dtype)
 
-    @property
-    def max_model_len(self) -> int:
-        return self.model.rotary.max_positions
-
-    @torch.inference_mode()
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: Sequence[KVCache],
-        meta: AttentionMetadata,
-        logits_indices: torch.Tensor,
-    ) -> torch.Tensor:
-        """Run one step: store every token's K/V, return logits ``[R, vocab]`` (model dtype) of
-        the rows ``logits_indices`` of the flat batch, soft-capped by
-        ``final_logit_softcapping`` when the config has it. Arguments as
-        ``LlamaForCausalLM.forward``'s."""
-        check_step(len(self.model.layers), input_ids, positions, kv_caches, meta)
-        residual, delta = self.model(input_ids, positions, kv_caches, meta)
-        rows = residual.index_select(0, logits_indices)
-        last = None if delta is None else delta.index_select(0, logits_indices)
-        logits = self.lm_head(self.model.norm.add_and_norm(rows, last))
+    def _final(self, logits: torch.Tensor) -> torch.Tensor:
+        """Soft-capped by ``final_logit_softcapping`` (Gemma 2) when the config has it."""
         cap = self.config.final_logit_softcapping
-        if cap is not None:
-            logits = torch.tanh(logits / cap).mul_(cap)
-        return logits
+        return logits if cap is None else torch.tanh(logits / cap).mul_(cap)
 
 
 def fold_norm_offsets(
