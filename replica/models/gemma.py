@@ -46,20 +46,34 @@ from tierserve.replica.models.layers import (
     Linear,
     RMSNorm,
     RotaryEmbedding,
+    SwiGLU,
     VocabEmbedding,
     apply_rotary_,
 )
-from tierserve.replica.models.llama import KVCache, ModelOptions, Rope, check_deterministic
+from tierserve.replica.models.llama import (
+    Decoder,
+    KVCache,
+    LlamaForCausalLM,
+    ModelOptions,
+    Rope,
+)
 
 __all__ = [
     "GEMMA_ARCHITECTURES",
+    "LAYER_NORMS",
     "GemmaForCausalLM",
     "GemmaRMSNorm",
     "fold_norm_offsets",
     "gelu_tanh_and_mul",
-    "hf_targets",
 ]
 
+# A layer's four norms, by their Hugging Face names ("sandwich": around attention and the MLP).
+LAYER_NORMS = (
+    "input_layernorm",
+    "post_attention_layernorm",
+    "pre_feedforward_layernorm",
+    "post_feedforward_layernorm",
+)
 
 
 class GemmaRMSNorm(RMSNorm):
@@ -119,24 +133,9 @@ def gelu_tanh_and_mul(gate_up: torch.Tensor, deterministic: bool = False) -> tor
     return F.gelu(gate_up[..., :inter], approximate="tanh").mul_(gate_up[..., inter:])
 
 
-class GeluMLP(nn.Module):
-    """Gemma's MLP: ``down(gelu_tanh(gate(x)) * up(x))`` with gate and up fused in one weight
-    (``gate_up_proj``, rows ``[gate | up]``, as ``SwiGLU``'s)."""
-
-    def __init__(
-        self,
-        hidden_size: int,
-        intermediate_size: int,
-        deterministic: bool = False,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        super().__init__()
-        self.deterministic = deterministic
-        self.gate_up_proj = Linear(
-            hidden_size, 2 * intermediate_size, False, deterministic, device, dtype
-        )
-        self.down_proj = Linear(intermediate_size, hidden_size, False, deterministic, device, dtype)
+class GeluMLP(SwiGLU):
+    """Gemma's MLP: ``down(gelu_tanh(gate(x)) * up(x))``, ``SwiGLU``'s layers (gate and up fused
+    in ``gate_up_proj``, rows ``[gate | up]``) with another activation."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(gelu_tanh_and_mul(self.gate_up_proj(x), self.deterministic))
@@ -315,128 +314,41 @@ class GemmaModel(nn.Module):
         return residual, delta
 
 
-class GemmaForCausalLM(nn.Module):
-    """Gemma 2 / Gemma 3 (text) causal LM over one flat paged batch, with the interface of
-    ``LlamaForCausalLM`` (``forward``, ``pack_for_cpu``, ``max_model_len``, ``config``,
-    ``options``).
+class GemmaForCausalLM(LlamaForCausalLM):
+    """Gemma 2 / Gemma 3 (text) causal LM over one flat paged batch: ``LlamaForCausalLM`` with
+    Gemma's decoder (``GemmaModel``) and, where the config has it, the final logit soft-cap.
 
     Parameters are allocated uninitialised (norm weights: ones, i.e. a zero offset); the loaders
     fill them. Names follow the Hugging Face layout with q/k/v fused into ``self_attn.qkv_proj``
     and gate/up into ``mlp.gate_up_proj``; norm weights hold ``1 + w`` (see the module). The head
     is tied to the embedding unless the config says otherwise.
 
-    Raises ``DeterministicModeUnavailable`` where the deterministic mode cannot run (as
-    ``LlamaForCausalLM``; and with a final logit soft-cap).
+    Raises ``ModelLoadError`` for another architecture, ``DeterministicModeUnavailable`` where
+    the deterministic mode cannot run (as ``LlamaForCausalLM``; and with a final logit soft-cap).
     """
 
-    def __init__(
-        self,
-        config: ModelConfig,
-        options: ModelOptions | None = None,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        super().__init__()
+    def _check(self, device: torch.device | str | None, dtype: torch.dtype | None) -> None:
+        config = self.config
         if config.architecture not in GEMMA_ARCHITECTURES:
             raise ModelLoadError(
                 f"GemmaForCausalLM builds {', '.join(GEMMA_ARCHITECTURES)}, not "
                 f"{config.architecture}"
             )
-        self.config = config
-        self.options = options or ModelOptions()
         if self.options.deterministic and config.final_logit_softcapping is not None:
             raise cpu_native.DeterministicModeUnavailable(
                 f"the deterministic mode cannot run {config.architecture} with a final logit "
                 f"soft-cap ({config.final_logit_softcapping}): it runs on torch ops, whose bits "
                 "the mode does not hold to"
             )
-        check_deterministic(self.options, config, device or "cpu", dtype or torch.get_default_dtype())
-        self.model = GemmaModel(config, self.options, device, dtype)
-        self.lm_head = Linear(
-            config.hidden_size, config.vocab_size, False, self.options.deterministic, device, dtype
-        )
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        super()._check(device, dtype)
 
-    def pack_for_cpu(self) -> int:
-        """Repack every linear layer for the native CPU kernel where it applies (as
-        ``LlamaForCausalLM.pack_for_cpu``); returns how many were packed."""
-        return sum(m.pack_for_cpu() for m in self.modules() if isinstance(m, Linear))
+    def _decoder(self, device: torch.device | str | None, dtype: torch.dtype | None) -> Decoder:
+        return GemmaModel(self.config, self.options, device, dtype)
 
-    @property
-    def max_model_len(self) -> int:
-        return self.model.rotary.max_positions
-
-    @torch.inference_mode()
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: Sequence[KVCache],
-        meta: AttentionMetadata,
-        logits_indices: torch.Tensor,
-    ) -> torch.Tensor:
-        """Run one step: store every token's K/V, return logits ``[R, vocab]`` (model dtype) of
-        the rows ``logits_indices`` of the flat batch, soft-capped by
-        ``final_logit_softcapping`` when the config has it. Arguments as
-        ``LlamaForCausalLM.forward``'s."""
-        if len(kv_caches) != len(self.model.layers):
-            raise ValueError(
-                f"got {len(kv_caches)} KV caches for a model of {len(self.model.layers)} layers"
-            )
-        if input_ids.shape[0] != meta.num_tokens or positions.shape[0] != meta.num_tokens:
-            raise ValueError(
-                f"batch has {input_ids.shape[0]} ids and {positions.shape[0]} positions; "
-                f"metadata describes {meta.num_tokens} tokens"
-            )
-        residual, delta = self.model(input_ids, positions, kv_caches, meta)
-        rows = residual.index_select(0, logits_indices)
-        last = None if delta is None else delta.index_select(0, logits_indices)
-        logits = self.lm_head(self.model.norm.add_and_norm(rows, last))
+    def _final(self, logits: torch.Tensor) -> torch.Tensor:
+        """Soft-capped by ``final_logit_softcapping`` (Gemma 2) when the config has it."""
         cap = self.config.final_logit_softcapping
-        if cap is not None:
-            logits = torch.tanh(logits / cap).mul_(cap)
-        return logits
-
-
-def hf_targets(model: GemmaForCausalLM) -> dict[str, torch.Tensor]:
-    """Hugging Face tensor name -> the view of our parameter it fills (``loader.fill_weights``)."""
-    cfg = model.config
-    q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
-    out: dict[str, torch.Tensor] = {
-        "model.embed_tokens.weight": model.model.embed_tokens.weight.data,
-        "model.norm.weight": model.model.norm.weight.data,
-    }
-    if not cfg.tie_word_embeddings:
-        out["lm_head.weight"] = model.lm_head.weight.data
-    for i, layer in enumerate(model.model.layers):
-        assert isinstance(layer, GemmaDecoderLayer)
-        p = f"model.layers.{i}."
-        attn, mlp = layer.self_attn, layer.mlp
-        params = [("weight", attn.qkv_proj.weight)]
-        if attn.qkv_proj.bias is not None:
-            params.append(("bias", attn.qkv_proj.bias))
-        for kind, param in params:
-            out[f"{p}self_attn.q_proj.{kind}"] = param.data[:q]
-            out[f"{p}self_attn.k_proj.{kind}"] = param.data[q : q + kv]
-            out[f"{p}self_attn.v_proj.{kind}"] = param.data[q + kv :]
-        out[f"{p}self_attn.o_proj.weight"] = attn.o_proj.weight.data
-        if attn.o_proj.bias is not None:
-            out[f"{p}self_attn.o_proj.bias"] = attn.o_proj.bias.data
-        if attn.q_norm is not None and attn.k_norm is not None:
-            out[f"{p}self_attn.q_norm.weight"] = attn.q_norm.weight.data
-            out[f"{p}self_attn.k_norm.weight"] = attn.k_norm.weight.data
-        out[f"{p}mlp.gate_proj.weight"] = mlp.gate_up_proj.weight.data[:inter]
-        out[f"{p}mlp.up_proj.weight"] = mlp.gate_up_proj.weight.data[inter:]
-        out[f"{p}mlp.down_proj.weight"] = mlp.down_proj.weight.data
-        for norm in (
-            "input_layernorm",
-            "post_attention_layernorm",
-            "pre_feedforward_layernorm",
-            "post_feedforward_layernorm",
-        ):
-            out[f"{p}{norm}.weight"] = getattr(layer, norm).weight.data
-    return out
+        return logits if cap is None else torch.tanh(logits / cap).mul_(cap)
 
 
 def fold_norm_offsets(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -82,6 +83,24 @@ def check_deterministic(
     if reason is not None:
         raise cpu_native.DeterministicModeUnavailable(
             f"the deterministic mode cannot run here: {reason}"
+        )
+
+
+def check_step(
+    layers: int,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    kv_caches: Sequence[KVCache],
+    meta: AttentionMetadata,
+) -> None:
+    """``ValueError`` where a step's caches are not one per layer, or its ids and positions not
+    the tokens ``meta`` describes."""
+    if len(kv_caches) != layers:
+        raise ValueError(f"got {len(kv_caches)} KV caches for a model of {layers} layers")
+    if input_ids.shape[0] != meta.num_tokens or positions.shape[0] != meta.num_tokens:
+        raise ValueError(
+            f"batch has {input_ids.shape[0]} ids and {positions.shape[0]} positions; "
+            f"metadata describes {meta.num_tokens} tokens"
         )
 
 
@@ -231,6 +250,29 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(self.post_attention_layernorm.add_and_norm(residual, h))
 
 
+class Decoder(Protocol):
+    """What a causal LM needs of its decoder (``LlamaModel``, ``gemma.GemmaModel``): the
+    embedding (tied to the head where the config says), the layers, the final norm, the rotary
+    table, and a forward that returns the residual stream and the last output still to add."""
+
+    @property
+    def embed_tokens(self) -> VocabEmbedding: ...
+    @property
+    def layers(self) -> nn.ModuleList: ...
+    @property
+    def norm(self) -> RMSNorm: ...
+    @property
+    def rotary(self) -> RotaryEmbedding: ...
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: Sequence[KVCache],
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+
 class LlamaModel(nn.Module):
     """Embedding and decoder layers; ``forward`` returns the residual stream before the final
     norm, as the stream and the last layer's MLP output still to be added to it."""
@@ -294,13 +336,28 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.options = options or ModelOptions()
-        check_deterministic(self.options, config, device or "cpu", dtype or torch.get_default_dtype())
-        self.model = LlamaModel(config, self.options, device, dtype)
+        self._check(device, dtype)
+        self.model: Decoder = self._decoder(device, dtype)
         self.lm_head = Linear(
             config.hidden_size, config.vocab_size, False, self.options.deterministic, device, dtype
         )
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def _check(self, device: torch.device | str | None, dtype: torch.dtype | None) -> None:
+        """Raise where this model cannot be built as ``config`` and ``options`` ask (a
+        subclass adds its own reasons)."""
+        check_deterministic(
+            self.options, self.config, device or "cpu", dtype or torch.get_default_dtype()
+        )
+
+    def _decoder(self, device: torch.device | str | None, dtype: torch.dtype | None) -> Decoder:
+        """The embedding and decoder layers (a subclass builds its family's)."""
+        return LlamaModel(self.config, self.options, device, dtype)
+
+    def _final(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits as the model returns them (a subclass may cap them)."""
+        return logits
 
     def pack_for_cpu(self) -> int:
         """Repack every linear layer for the native CPU kernel where it applies (see
@@ -334,16 +391,8 @@ class LlamaForCausalLM(nn.Module):
         ``input_ids``/``positions``: ``[T]`` int64, laid out as ``meta`` says. ``kv_caches``: one
         ``(k_cache, v_cache)`` per layer, each ``[num_blocks, block_size, kv_heads, head_dim]``.
         """
-        if len(kv_caches) != len(self.model.layers):
-            raise ValueError(
-                f"got {len(kv_caches)} KV caches for a model of {len(self.model.layers)} layers"
-            )
-        if input_ids.shape[0] != meta.num_tokens or positions.shape[0] != meta.num_tokens:
-            raise ValueError(
-                f"batch has {input_ids.shape[0]} ids and {positions.shape[0]} positions; "
-                f"metadata describes {meta.num_tokens} tokens"
-            )
+        check_step(len(self.model.layers), input_ids, positions, kv_caches, meta)
         residual, delta = self.model(input_ids, positions, kv_caches, meta)
         rows = residual.index_select(0, logits_indices)
         last = None if delta is None else delta.index_select(0, logits_indices)
-        return self.lm_head(self.model.norm.add_and_norm(rows, last))
+        return self._final(self.lm_head(self.model.norm.add_and_norm(rows, last)))

@@ -284,9 +284,9 @@ def _permute_rotary(model: CausalLM) -> None:
 
 
 def _targets(model: CausalLM) -> dict[str, torch.Tensor]:
-    """HF tensor name -> the view of our parameter it fills."""
-    if isinstance(model, gemma.GemmaForCausalLM):
-        return gemma.hf_targets(model)
+    """HF tensor name -> the view of our parameter it fills: the embedding, the final norm, the
+    head unless tied, and per layer its attention, its MLP (dense or experts) and its norms (two,
+    or Gemma's four)."""
     cfg = model.config
     q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
     out: dict[str, torch.Tensor] = {
@@ -296,7 +296,7 @@ def _targets(model: CausalLM) -> dict[str, torch.Tensor]:
     if not cfg.tie_word_embeddings:
         out["lm_head.weight"] = model.lm_head.weight.data
     for i, layer in enumerate(model.model.layers):
-        assert isinstance(layer, LlamaDecoderLayer)
+        assert isinstance(layer, (LlamaDecoderLayer, gemma.GemmaDecoderLayer))
         p = f"model.layers.{i}."
         attn, mlp = layer.self_attn, layer.mlp
         qkv_params = [("weight", attn.qkv_proj.weight)]
@@ -312,14 +312,16 @@ def _targets(model: CausalLM) -> dict[str, torch.Tensor]:
             out[f"{p}self_attn.k_norm.weight"] = attn.k_norm.weight.data
         if attn.o_proj.bias is not None:
             out[f"{p}self_attn.o_proj.bias"] = attn.o_proj.bias.data
-        if isinstance(mlp, SwiGLU):
+        if isinstance(mlp, SwiGLU):  # Gemma's GeluMLP is one too
             out[f"{p}mlp.gate_proj.weight"] = mlp.gate_up_proj.weight.data[:inter]
             out[f"{p}mlp.up_proj.weight"] = mlp.gate_up_proj.weight.data[inter:]
             out[f"{p}mlp.down_proj.weight"] = mlp.down_proj.weight.data
         else:
             out.update(_moe_targets(mlp, p, cfg.architecture))
-        out[f"{p}input_layernorm.weight"] = layer.input_layernorm.weight.data
-        out[f"{p}post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight.data
+        norms = gemma.LAYER_NORMS if isinstance(layer, gemma.GemmaDecoderLayer) else (
+            "input_layernorm", "post_attention_layernorm")
+        for norm in norms:
+            out[f"{p}{norm}.weight"] = getattr(layer, norm).weight.data
     return out
 
 
