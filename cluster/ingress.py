@@ -36,7 +36,14 @@ from tierserve.cluster.edge import (
     read_json,
 )
 from tierserve.cluster.gate import FlowGate, Shed, Ticket
-from tierserve.cluster.logprobs import TokenText, chat_logprobs, completion_logprobs
+from tierserve.cluster.logprobs import (
+    TokenIdNames,
+    TokenNames,
+    TokenText,
+    chat_logprobs,
+    completion_logprobs,
+    prompt_logprobs,
+)
 from tierserve.cluster.metrics import IngressMetrics
 from tierserve.cluster.openapi import openapi_schema
 from tierserve.cluster.protocol import (
@@ -67,7 +74,7 @@ from tierserve.cluster.structured import (
     Structured,
     StructuredError,
 )
-from tierserve.cluster.tiers import Caller, TierResolver, cache_partition
+from tierserve.cluster.tiers import Caller, PriorityError, TierResolver, cache_partition
 from tierserve.cluster.tool_calls import (
     ToolCallParser,
     ToolMessageError,
@@ -183,6 +190,11 @@ class _Call:
     tool_mode: str = "none"
     tools: frozenset[str] | None = None
     cache_partition: str | None = None  # its prompt's prefix-cache partition (``cache_partition``)
+    # vLLM's fields: the prompt's log-probabilities in the answer; tokens named by id in
+    # log-probabilities (``return_tokens_as_token_ids``).
+    prompt_logprobs: bool = False
+    token_ids: bool = False
+    request_id: str = ""  # the client's (body ``request_id``), in the answer's ``id``
 
     def parser(self) -> ToolCallParser | None:
         """A fresh parser of one answer's tool calls (None: no tools)."""
@@ -367,17 +379,24 @@ class Ingress:
         caller = self._caller(request)
         body = await self._body(request, CompletionRequest)
         assert isinstance(body, CompletionRequest)
+        caller = self._asked_priority(request, caller, body)
         # An empty prompt and ids outside the vocabulary are the replica's to refuse (its
         # scheduler and engine own those limits); a prompt of special tokens only is ours (it
         # takes the tokenizer to know), and so is one that cannot fit the context (known before
         # it is tokenized: it is refused before any work).
+        keep = body.truncate_prompt_tokens
         if isinstance(body.prompt, str):
             text = body.prompt
-            self._fits(caller, len(text.encode("utf-8")), None, "prompt")
+            if keep is None:  # a prompt cut to its last tokens may be longer than the context
+                self._fits(caller, len(text.encode("utf-8")), None, "prompt")
+            special = body.add_special_tokens
             ids = (await self.tokenizing.run(len(text), lambda: list(
-                self.tokenizer.encode(text, add_special_tokens=True)))) if text else []
+                self.tokenizer.encode(text, add_special_tokens=special)))) if text else []
         else:
             ids = list(body.prompt)
+        truncated = keep is not None and len(ids) > keep
+        if keep is not None:
+            ids = ids[-keep:]
         self._fits(caller, None, len(ids), "prompt")
         if ids and all(t in self.special_ids for t in ids):
             raise BadRequest("the prompt has only special tokens "
@@ -385,10 +404,14 @@ class Ingress:
                              "only_special_tokens", "prompt")
         echo = None
         if body.echo:
-            echo = body.prompt if isinstance(body.prompt, str) else self.tokenizer.decode(ids)
+            echo = (body.prompt if isinstance(body.prompt, str) and not truncated
+                    else self.tokenizer.decode(ids))
         call = _Call(chat=False, n=body.n, ids=ids, echo=echo,
                      logprobs=body.logprobs is not None,
-                     include_usage=body.include_usage, continuous_usage=body.continuous_usage)
+                     include_usage=body.include_usage, continuous_usage=body.continuous_usage,
+                     prompt_logprobs=body.prompt_logprobs is not None,
+                     token_ids=bool(body.return_tokens_as_token_ids),
+                     request_id=body.request_id or "")
         return await self._serve(request, body, call, caller)
 
     @app.post("/v1/chat/completions", response_model=None)
@@ -401,6 +424,7 @@ class Ingress:
                 f"model {self.cfg.model_name!r} has no chat template (a base model, which continues "
                 "text): send a prompt to /v1/completions instead",
                 "no_chat_template", "messages")
+        caller = self._asked_priority(request, caller, body)
         try:
             mode = await self.schemas.tool_mode(body)
             messages, tools = render_messages(body.messages, body.tools, body.tool_choice,
@@ -412,12 +436,17 @@ class Ingress:
             raise
         texts = message_texts(messages)
         size = sum(len(t) for t in texts)
-        self._fits(caller, sum(len(t.encode("utf-8")) for t in texts), None, "messages")
+        if body.truncate_prompt_tokens is None:
+            self._fits(caller, sum(len(t.encode("utf-8")) for t in texts), None, "messages")
+        extra = self._template_kwargs(body)
 
         def render() -> Any:
+            if body.add_special_tokens:  # the template's text, then the tokenizer's own tokens
+                text = self.tokenizer.apply_chat_template(
+                    messages, tools=tools, tokenize=False, **extra)
+                return list(self.tokenizer.encode(text, add_special_tokens=True))
             return self.tokenizer.apply_chat_template(
-                messages, tools=tools, add_generation_prompt=True, tokenize=True,
-                return_dict=False)
+                messages, tools=tools, tokenize=True, return_dict=False, **extra)
 
         try:
             ids = await self.tokenizing.run(size, render)
@@ -426,6 +455,8 @@ class Ingress:
                              "bad_messages", "messages") from e
         if isinstance(ids, dict):
             ids = ids["input_ids"]
+        if body.truncate_prompt_tokens is not None:
+            ids = list(ids)[-body.truncate_prompt_tokens:]
         self._fits(caller, None, len(ids), "messages")
         if body.max_completion_tokens is not None:
             body.max_tokens = body.max_completion_tokens
@@ -433,7 +464,10 @@ class Ingress:
                  if mode != "none" else None)
         call = _Call(chat=True, n=body.n, ids=list(ids), logprobs=body.logprobs,
                      include_usage=body.include_usage, continuous_usage=body.continuous_usage,
-                     tool_mode=mode, tools=names)
+                     tool_mode=mode, tools=names,
+                     prompt_logprobs=body.prompt_logprobs is not None,
+                     token_ids=bool(body.return_tokens_as_token_ids),
+                     request_id=body.request_id or "")
         return await self._serve(request, body, call, caller)
 
     # ------------------------------------------------------------------ helpers
@@ -451,6 +485,54 @@ class Ingress:
                 raise
             msg, param = validation_error(e.errors())
             raise BadRequest(msg, "invalid_request", param) from None
+
+    def _template_kwargs(self, body: ChatCompletionRequest) -> dict[str, Any]:
+        """What the chat template is rendered with besides the messages and tools: the
+        generation prompt or the open last message, documents, and ``chat_template_kwargs``
+        (variables the template reads; a name ``apply_chat_template`` takes itself is a 400,
+        so a variable cannot turn into one of its arguments)."""
+        out: dict[str, Any] = {"add_generation_prompt": body.add_generation_prompt}
+        if body.continue_final_message:
+            out["continue_final_message"] = True
+        if body.documents is not None:
+            out["documents"] = body.documents
+        taken = self._template_arguments()
+        for key, value in (body.chat_template_kwargs or {}).items():
+            if key in taken or key in ("messages", "tools", "documents"):
+                raise BadRequest(f"chat_template_kwargs.{key}: {key!r} is an argument of the "
+                                 "template's renderer, not a template variable; use the "
+                                 "request's own field where there is one", "invalid_request",
+                                 f"chat_template_kwargs.{key}")
+            out[key] = value
+        return out
+
+    def _template_arguments(self) -> frozenset[str]:
+        """The parameter names of the tokenizer's ``apply_chat_template``."""
+        import inspect
+
+        try:
+            params = inspect.signature(self.tokenizer.apply_chat_template).parameters
+        except (TypeError, ValueError):
+            return frozenset()
+        return frozenset(name for name, p in params.items()
+                         if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL))
+
+    def _asked_priority(self, request: Request, caller: Caller,
+                        body: CompletionRequest | ChatCompletionRequest) -> Caller:
+        """The caller with the body's ``priority`` (vLLM's field, on this server's scale:
+        ``X-TL-Priority``'s), within its tier's range; sent with a header that says otherwise,
+        a 400."""
+        if body.priority is None:
+            return caller
+        header = (request.headers.get("x-tl-priority") or "").strip(" \t")
+        if header and header != str(body.priority):
+            raise PriorityError(f"priority {body.priority} and X-TL-Priority {header[:32]!r} "
+                                "disagree: send one of them", param="priority")
+        return self.tiers.with_priority(caller, body.priority, "priority")
+
+    def _names(self, call: _Call) -> TokenNames:
+        """How ``call``'s log-probabilities name tokens."""
+        return TokenIdNames() if call.token_ids else self.token_text
 
     def _caller(self, request: Request) -> Caller:
         header = self.cfg.flow.tenant_header
@@ -502,14 +584,19 @@ class Ingress:
         if isinstance(body, CompletionRequest):
             logprobs = body.logprobs
             prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
-            if structured is not None and (prompt_logprobs is not None or max_tokens == 0):
-                raise BadRequest(f"{structured.output.param}: a request that scores its "
-                                 "prompt (echo with logprobs, or max_tokens 0) generates "
-                                 "nothing to constrain: leave the structured output out",
-                                 "invalid_request", structured.output.param)
         else:
             logprobs = (body.top_logprobs or 0) if body.logprobs else None
             prompt_logprobs = None
+        if body.prompt_logprobs is not None:  # vLLM's field; with echo's, the more alternatives
+            if body.stream:
+                raise BadRequest("prompt_logprobs is not supported with stream yet: send the "
+                                 "request without stream", "invalid_request", "prompt_logprobs")
+            prompt_logprobs = max(prompt_logprobs or 0, body.prompt_logprobs)
+        if structured is not None and (prompt_logprobs is not None or max_tokens == 0):
+            raise BadRequest(f"{structured.output.param}: a request that scores its "
+                             "prompt (echo with logprobs, prompt_logprobs, or max_tokens 0) "
+                             "generates nothing to constrain: leave the structured output out",
+                             "invalid_request", structured.output.param)
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
@@ -531,6 +618,8 @@ class Ingress:
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
                 structured=structured.output if structured is not None else None,
+                skip_special_tokens=body.skip_special_tokens,
+                include_stop_str_in_output=body.include_stop_str_in_output,
             )
         except ServingError:  # the record checks how the fields go together
             raise
@@ -662,6 +751,8 @@ class Ingress:
         finally:
             self._release(route)
         rid = new_id("chatcmpl" if call.chat else "cmpl")
+        if call.request_id:
+            rid = f"{'chatcmpl' if call.chat else 'cmpl'}-{call.request_id}"
         if stream_out:
             gen = self._sse(self._items(call, route, stream, first), rid, call, route)
             return StreamingResponse(gen, media_type="text/event-stream",
@@ -683,19 +774,27 @@ class Ingress:
         if call.chat:
             out = ChatCompletionResponse(
                 id=rid, created=now(), model=self.cfg.model_name, usage=u,
-                choices=[self._chat_choice(call, i, c) for i, c in enumerate(choices)])
+                choices=[self._chat_choice(call, i, c) for i, c in enumerate(choices)],
+                prompt_logprobs=self._prompt_logprobs(call, choices[0]))
         else:
             out = CompletionResponse(
                 id=rid, created=now(), model=self.cfg.model_name, usage=u,
                 choices=[CompletionChoice(index=i, text=(call.echo or "") + c.text,
                                           finish_reason=c.finish_reason,
-                                          logprobs=self._completion_logprobs(call, c, 0, True))
+                                          logprobs=self._completion_logprobs(call, c, 0, True),
+                                          prompt_logprobs=self._prompt_logprobs(call, c))
                          for i, c in enumerate(choices)])
         return JSONResponse(dump(out))
 
+    def _prompt_logprobs(self, call: _Call, c: _Choice) -> Any:
+        """vLLM's ``prompt_logprobs`` of ``c``'s prompt, where the request asked for them."""
+        if not call.prompt_logprobs:
+            return None
+        return prompt_logprobs(c.prompt_logprobs or [None] * len(call.ids), self._names(call))
+
     def _chat_choice(self, call: _Call, index: int, c: _Choice) -> ChatChoice:
         """One answer of a chat request, its tool calls parsed out when it had tools."""
-        logprobs = chat_logprobs(c.logprobs, self.token_text) if call.logprobs else None
+        logprobs = chat_logprobs(c.logprobs, self._names(call)) if call.logprobs else None
         if call.tools is None:
             return ChatChoice(index=index, message=ChatMessageOut(content=c.text),
                               finish_reason=c.finish_reason, logprobs=logprobs)
@@ -720,7 +819,8 @@ class Ingress:
         entries: list[Any] = list(c.logprobs)
         if call.echo is not None and first:
             entries = list(c.prompt_logprobs or [None] * len(call.ids)) + entries
-        return completion_logprobs(entries, self.token_text, offset, call.ids if first else ())
+        return completion_logprobs(entries, self._names(call), offset,
+                                   call.ids if first else ())
 
     async def _start(self, call: _Call, route: _Route) -> tuple[Any, RequestOutput]:
         """Send the request and wait for its first delta. A replica that fails before it (its
@@ -905,7 +1005,7 @@ class Ingress:
                                 index=index, delta=ChatDelta(content=text or None,
                                                              tool_calls=calls or None),
                                 finish_reason=reason,
-                                logprobs=(chat_logprobs(lps, self.token_text)
+                                logprobs=(chat_logprobs(lps, self._names(call))
                                           if call.logprobs else None))])
                     else:
                         part = _Choice(logprobs=lps, prompt_logprobs=c.prompt_logprobs)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     AfterValidator,
@@ -162,6 +162,37 @@ class StructuredOutputs(_Body):
         return self
 
 
+def _no_beam_search(value: bool) -> bool:
+    if value:
+        raise ValueError("beam search is not supported yet: leave use_beam_search false")
+    return value
+
+
+def _no_store(value: bool | None) -> bool | None:
+    if value:
+        raise ValueError("stored completions are not supported yet: this server keeps nothing "
+                         "it answers (send store false, or leave it out)")
+    return value
+
+
+def _metadata_caps(value: dict[str, str]) -> dict[str, str]:
+    """OpenAI's bounds on ``metadata``: 16 pairs, keys of 64 characters, values of 512."""
+    if len(value) > 16:
+        raise ValueError(f"metadata has {len(value)} pairs; at most 16 are allowed")
+    for k, v in value.items():
+        if len(k) > 64 or len(v) > 512:
+            raise ValueError(f"metadata key {k[:64]!r}: keys have at most 64 characters, "
+                             "values at most 512")
+    return value
+
+
+Metadata = Annotated[dict[StrictStr, StrictStr], AfterValidator(_metadata_caps)]
+# A client's request id: 1 to 128 visible ASCII characters (it goes into headers and logs).
+REQUEST_ID_PATTERN = r"^[!-~]{1,128}$"
+RequestIdText = Annotated[StrictStr, Field(pattern=REQUEST_ID_PATTERN)]
+TopLogprobs = Annotated[Int, Field(ge=0, le=20)]
+
+
 class _SamplingFields(_Body):
     model: StrictStr
     max_tokens: Annotated[Int, Field(ge=1)] | None = None
@@ -202,6 +233,35 @@ class _SamplingFields(_Body):
     guided_regex: StrictStr | None = None
     guided_choice: Annotated[list[StrictStr], Field(min_length=1, max_length=1024)] | None = None
     guided_grammar: StrictStr | None = None
+    # vLLM's server's fields (docs/api.md says what each does here). Honoured:
+    skip_special_tokens: StrictBool = True
+    include_stop_str_in_output: StrictBool = False
+    truncate_prompt_tokens: Annotated[Int, Field(ge=1)] | None = None
+    prompt_logprobs: TopLogprobs | None = None
+    return_tokens_as_token_ids: StrictBool | None = None
+    # The request's id (``X-Request-Id`` wins where both are sent): in the answer's ``id``.
+    request_id: RequestIdText | None = None
+    # This server's priority scale (higher first, as ``X-TL-Priority``), within the caller's tier.
+    priority: Annotated[Int, Field(ge=-(10**9) + 1, le=10**9 - 1)] | None = None
+    # Accepted, with no effect here: fast tokenizers put no spaces between special tokens;
+    # without beam search there is no length penalty; the server picks its grammar backend.
+    spaces_between_special_tokens: StrictBool = True
+    use_beam_search: Annotated[StrictBool, AfterValidator(_no_beam_search)] = False
+    length_penalty: Number = 1.0
+    guided_decoding_backend: StrictStr | None = None
+    # Refused unless null: what cannot be honoured yet and would be wrong to ignore.
+    guided_whitespace_pattern: Unsupported = None
+    structural_tag: Unsupported = None
+    logits_processors: Unsupported = None
+    kv_transfer_params: Unsupported = None
+    vllm_xargs: Unsupported = None
+    # OpenAI's fields. ``metadata`` is checked as OpenAI bounds it and kept nowhere (nothing
+    # is stored); ``store: true`` is refused (no stored completions yet); ``user``,
+    # ``safety_identifier`` and ``prompt_cache_key`` are accepted and not used.
+    metadata: Metadata | None = None
+    store: Annotated[StrictBool, AfterValidator(_no_store)] | None = None
+    safety_identifier: Annotated[StrictStr, Field(max_length=256)] | None = None
+    prompt_cache_key: Annotated[StrictStr, Field(max_length=256)] | None = None
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -215,9 +275,6 @@ class _SamplingFields(_Body):
     @property
     def continuous_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.continuous_usage_stats)
-
-
-TopLogprobs = Annotated[Int, Field(ge=0, le=20)]
 
 
 class CompletionRequest(_SamplingFields):
@@ -234,6 +291,9 @@ class CompletionRequest(_SamplingFields):
     logprobs: TopLogprobs | None = None
     best_of: Annotated[Int, Field(ge=1, le=1, description="only 1 is supported")] | None = None
     suffix: Unsupported = None
+    # vLLM's: the tokenizer's special tokens (BOS) around a text prompt.
+    add_special_tokens: StrictBool = True
+    prompt_embeds: Unsupported = None
 
 
 class TextPart(BaseModel):
@@ -372,6 +432,12 @@ class ToolMessage(ChatMessage):
     tool_calls: None = None
 
 
+def _no_chat_echo(value: bool) -> bool:
+    if value:
+        raise ValueError("echo in a chat request is not supported yet: leave it false")
+    return value
+
+
 Message = Annotated[SystemMessage | UserMessage | AssistantMessage | ToolMessage,
                     Field(discriminator="role")]
 
@@ -393,11 +459,31 @@ class ChatCompletionRequest(_SamplingFields):
     prediction: Unsupported = None
     reasoning_effort: Unsupported = None
     web_search_options: Unsupported = None
+    # OpenAI's, for reasoning models: accepted, no effect here.
+    verbosity: Literal["low", "medium", "high"] | None = None
+    # vLLM's chat rendering: the template's generation prompt (or, instead, the last message
+    # left open for the model to continue), the tokenizer's special tokens on top of what the
+    # template adds, extra variables and documents for the template.
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    add_special_tokens: StrictBool = False
+    chat_template_kwargs: dict[StrictStr, Any] | None = None
+    documents: list[dict[StrictStr, StrictStr]] | None = None
+    # Accepted, no effect: this server parses no reasoning out of an answer.
+    include_reasoning: StrictBool = True
+    # Refused unless null (or false): not supported yet.
+    chat_template: Unsupported = None
+    mm_processor_kwargs: Unsupported = None
+    echo: Annotated[StrictBool, AfterValidator(_no_chat_echo)] = False
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be "
+                             "true: send add_generation_prompt false to continue the last "
+                             "message")
         return self
 
 
@@ -421,11 +507,40 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
-class CompletionChoice(BaseModel):
+class _NoneOmitted(BaseModel):
+    """Written without the fields of ``OMIT_NONE`` while they are None: extensions a request
+    asks for (vLLM's ``prompt_logprobs``), absent from every answer that did not ask."""
+
+    OMIT_NONE: ClassVar[frozenset[str]] = frozenset()
+
+    @model_serializer(mode="wrap")
+    def _without_unasked(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        out: dict[str, Any] = handler(self)
+        return {k: v for k, v in out.items() if v is not None or k not in self.OMIT_NONE}
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's log-probability of one prompt position's token or alternative: ``rank`` is its
+    place among the alternatives sent (1: the likeliest), null when it is not among them;
+    ``decoded_token`` its text."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str
+
+
+# vLLM's ``prompt_logprobs``: per prompt token (null for the first), token id -> its entry.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
+class CompletionChoice(_NoneOmitted):
+    OMIT_NONE: ClassVar[frozenset[str]] = frozenset({"prompt_logprobs"})
+
     index: int = 0
     text: str
     finish_reason: str | None
     logprobs: CompletionLogprobs | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -499,13 +614,16 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
 
 
-class ChatCompletionResponse(BaseModel):
+class ChatCompletionResponse(_NoneOmitted):
+    OMIT_NONE: ClassVar[frozenset[str]] = frozenset({"prompt_logprobs"})
+
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class ChatDelta(BaseModel):

@@ -107,6 +107,15 @@ class TierResolver:
         return Caller(tier, priority, priority >= self.latency_floor, tenant,
                       tier.weight_of(tenant))
 
+    def with_priority(self, caller: Caller, value: int, param: str = "priority") -> Caller:
+        """``caller`` at priority ``value``, which its tier must allow (as ``X-TL-Priority``'s
+        value must); else ``PriorityError`` naming ``param``."""
+        tier = caller.tier
+        if not tier.base_priority <= value <= tier.max_priority:
+            raise PriorityError(f"{param} {value} is outside what tier {tier.name!r} allows "
+                                f"({tier.base_priority} to {tier.max_priority})", param=param)
+        return Caller(tier, value, value >= self.latency_floor, caller.tenant, caller.weight)
+
     def _tenant(self, header: str | None) -> str:
         if header is None or not header.strip():
             return DEFAULT_TENANT
