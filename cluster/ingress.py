@@ -195,6 +195,7 @@ class _Call:
     prompt_logprobs: bool = False
     token_ids: bool = False
     request_id: str = ""  # the client's (body ``request_id``), in the answer's ``id``
+    service_tier: str | None = None  # the one it runs in, where the request named one
 
     def parser(self) -> ToolCallParser | None:
         """A fresh parser of one answer's tool calls (None: no tools)."""
@@ -379,7 +380,7 @@ class Ingress:
         caller = self._caller(request)
         body = await self._body(request, CompletionRequest)
         assert isinstance(body, CompletionRequest)
-        caller = self._asked_priority(request, caller, body)
+        caller, tier_named = self._asked(request, caller, body)
         # An empty prompt and ids outside the vocabulary are the replica's to refuse (its
         # scheduler and engine own those limits); a prompt of special tokens only is ours (it
         # takes the tokenizer to know), and so is one that cannot fit the context (known before
@@ -411,7 +412,7 @@ class Ingress:
                      include_usage=body.include_usage, continuous_usage=body.continuous_usage,
                      prompt_logprobs=body.prompt_logprobs is not None,
                      token_ids=bool(body.return_tokens_as_token_ids),
-                     request_id=body.request_id or "")
+                     request_id=body.request_id or "", service_tier=tier_named)
         return await self._serve(request, body, call, caller)
 
     @app.post("/v1/chat/completions", response_model=None)
@@ -424,7 +425,7 @@ class Ingress:
                 f"model {self.cfg.model_name!r} has no chat template (a base model, which continues "
                 "text): send a prompt to /v1/completions instead",
                 "no_chat_template", "messages")
-        caller = self._asked_priority(request, caller, body)
+        caller, tier_named = self._asked(request, caller, body)
         try:
             mode = await self.schemas.tool_mode(body)
             messages, tools = render_messages(body.messages, body.tools, body.tool_choice,
@@ -467,7 +468,7 @@ class Ingress:
                      tool_mode=mode, tools=names,
                      prompt_logprobs=body.prompt_logprobs is not None,
                      token_ids=bool(body.return_tokens_as_token_ids),
-                     request_id=body.request_id or "")
+                     request_id=body.request_id or "", service_tier=tier_named)
         return await self._serve(request, body, call, caller)
 
     # ------------------------------------------------------------------ helpers
@@ -517,18 +518,23 @@ class Ingress:
         return frozenset(name for name, p in params.items()
                          if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL))
 
-    def _asked_priority(self, request: Request, caller: Caller,
-                        body: CompletionRequest | ChatCompletionRequest) -> Caller:
-        """The caller with the body's ``priority`` (vLLM's field, on this server's scale:
-        ``X-TL-Priority``'s), within its tier's range; sent with a header that says otherwise,
-        a 400."""
-        if body.priority is None:
-            return caller
+    def _asked(self, request: Request, caller: Caller,
+               body: CompletionRequest | ChatCompletionRequest) -> tuple[Caller, str | None]:
+        """The caller as the body asks to run: at its ``priority`` (vLLM's field, on this
+        server's scale: ``X-TL-Priority``'s) within its tier's range (sent with a header that
+        says otherwise, a 400), in the tier its ``service_tier`` picks (``TierResolver.
+        for_service_tier``); and the ``service_tier`` its answer names (None: not asked)."""
         header = (request.headers.get("x-tl-priority") or "").strip(" \t")
-        if header and header != str(body.priority):
-            raise PriorityError(f"priority {body.priority} and X-TL-Priority {header[:32]!r} "
-                                "disagree: send one of them", param="priority")
-        return self.tiers.with_priority(caller, body.priority, "priority")
+        if body.priority is not None:
+            if header and header != str(body.priority):
+                raise PriorityError(f"priority {body.priority} and X-TL-Priority "
+                                    f"{header[:32]!r} disagree: send one of them",
+                                    param="priority")
+            caller = self.tiers.with_priority(caller, body.priority, "priority")
+        if body.service_tier is None:
+            return caller, None
+        return self.tiers.for_service_tier(caller, body.service_tier,
+                                           bool(header) or body.priority is not None)
 
     def _names(self, call: _Call) -> TokenNames:
         """How ``call``'s log-probabilities name tokens."""
@@ -775,7 +781,8 @@ class Ingress:
             out = ChatCompletionResponse(
                 id=rid, created=now(), model=self.cfg.model_name, usage=u,
                 choices=[self._chat_choice(call, i, c) for i, c in enumerate(choices)],
-                prompt_logprobs=self._prompt_logprobs(call, choices[0]))
+                prompt_logprobs=self._prompt_logprobs(call, choices[0]),
+                service_tier=call.service_tier)
         else:
             out = CompletionResponse(
                 id=rid, created=now(), model=self.cfg.model_name, usage=u,
@@ -783,7 +790,8 @@ class Ingress:
                                           finish_reason=c.finish_reason,
                                           logprobs=self._completion_logprobs(call, c, 0, True),
                                           prompt_logprobs=self._prompt_logprobs(call, c))
-                         for i, c in enumerate(choices)])
+                         for i, c in enumerate(choices)],
+                service_tier=call.service_tier)
         return JSONResponse(dump(out))
 
     def _prompt_logprobs(self, call: _Call, c: _Choice) -> Any:
@@ -963,7 +971,7 @@ class Ingress:
             if call.chat:
                 for i in range(call.n):
                     head = ChatCompletionChunk(
-                        id=rid, created=created, model=model,
+                        id=rid, created=created, model=model, service_tier=call.service_tier,
                         choices=[ChatChunkChoice(index=i,
                                                  delta=ChatDelta(role="assistant", content=""))],
                         usage=self._usage(call, choices) if call.continuous_usage else None)
@@ -1001,6 +1009,7 @@ class Ingress:
                     if call.chat:
                         chunk = ChatCompletionChunk(
                             id=rid, created=created, model=model, usage=u,
+                            service_tier=call.service_tier,
                             choices=[ChatChunkChoice(
                                 index=index, delta=ChatDelta(content=text or None,
                                                              tool_calls=calls or None),
@@ -1011,6 +1020,7 @@ class Ingress:
                         part = _Choice(logprobs=lps, prompt_logprobs=c.prompt_logprobs)
                         chunk = CompletionResponse(
                             id=rid, created=created, model=model, usage=u,
+                            service_tier=call.service_tier,
                             choices=[CompletionChoice(
                                 index=index, text=echo + item.text, finish_reason=reason,
                                 logprobs=self._completion_logprobs(
@@ -1021,7 +1031,7 @@ class Ingress:
                     if call.include_usage:
                         tail: Any = (ChatCompletionChunk if call.chat else CompletionResponse)(
                             id=rid, created=created, model=model, choices=[],
-                            usage=self._usage(call, choices))
+                            usage=self._usage(call, choices), service_tier=call.service_tier)
                         yield sse_event(tail.model_dump_json())
                     break
             yield "data: [DONE]\n\n"

@@ -259,6 +259,9 @@ class _SamplingFields(_Body):
     # is stored); ``store: true`` is refused (no stored completions yet); ``user``,
     # ``safety_identifier`` and ``prompt_cache_key`` are accepted and not used.
     metadata: Metadata | None = None
+    # Which tier runs it (docs/api.md): "flex" the lowest, "priority" the caller's own at its
+    # highest priority, the others the caller's own.
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
     store: Annotated[StrictBool, AfterValidator(_no_store)] | None = None
     safety_identifier: Annotated[StrictStr, Field(max_length=256)] | None = None
     prompt_cache_key: Annotated[StrictStr, Field(max_length=256)] | None = None
@@ -543,13 +546,16 @@ class CompletionChoice(_NoneOmitted):
     prompt_logprobs: PromptLogprobs | None = None
 
 
-class CompletionResponse(BaseModel):
+class CompletionResponse(_NoneOmitted):
+    OMIT_NONE: ClassVar[frozenset[str]] = frozenset({"service_tier"})
+
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    service_tier: str | None = None  # where the request asked for one: the one it ran in
 
 
 class FunctionCallOut(BaseModel):
@@ -615,7 +621,7 @@ class ChatChoice(BaseModel):
 
 
 class ChatCompletionResponse(_NoneOmitted):
-    OMIT_NONE: ClassVar[frozenset[str]] = frozenset({"prompt_logprobs"})
+    OMIT_NONE: ClassVar[frozenset[str]] = frozenset({"prompt_logprobs", "service_tier"})
 
     id: str
     object: Literal["chat.completion"] = "chat.completion"
@@ -624,6 +630,7 @@ class ChatCompletionResponse(_NoneOmitted):
     choices: list[ChatChoice]
     usage: Usage
     prompt_logprobs: PromptLogprobs | None = None
+    service_tier: str | None = None
 
 
 class ChatDelta(BaseModel):
@@ -639,13 +646,16 @@ class ChatChunkChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(_NoneOmitted):
+    OMIT_NONE: ClassVar[frozenset[str]] = frozenset({"service_tier"})
+
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    service_tier: str | None = None
 
 
 class ModelCard(BaseModel):

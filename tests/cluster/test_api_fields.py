@@ -216,3 +216,74 @@ def test_bad_values_are_a_400_naming_the_field(stub: StubIngress, route: str,
     error = refused(stub, route, body)
     assert error["param"] == param and says in error["message"], error
 
+
+
+# ------------------------------------------------------------------ service_tier
+
+KEYED = {"tiers": [
+    {"name": "interactive", "base_priority": 10, "max_priority": 15, "api_keys": ["k-int"]},
+    {"name": "standard", "base_priority": 5, "max_priority": 9, "api_keys": ["k-std"]},
+    {"name": "batch", "base_priority": 0, "max_priority": 4, "queue_share": 0.5,
+     "api_keys": ["k-batch"]},
+], "anonymous_tier": None}
+
+
+@pytest.fixture(scope="module")
+def keyed() -> StubIngress:
+    return StubIngress(KEYED)
+
+
+@pytest.mark.parametrize(("key", "asked", "tier", "priority", "named"), [
+    ("k-int", "flex", "batch", 0, "flex"),
+    ("k-std", "flex", "batch", 0, "flex"),
+    ("k-batch", "flex", "batch", 0, "flex"),
+    ("k-int", "priority", "interactive", 15, "priority"),
+    ("k-std", "priority", "standard", 9, "priority"),  # never above the key's tier
+    ("k-batch", "priority", "batch", 4, "priority"),
+    ("k-std", "auto", "standard", 5, "default"),
+    ("k-std", "default", "standard", 5, "default"),
+    ("k-batch", "scale", "batch", 0, "default"),
+])
+def test_service_tier_maps_onto_the_tiers(keyed: StubIngress, key: str, asked: str, tier: str,
+                                          priority: int, named: str) -> None:
+    for route, make in ((COMP, comp), (CHAT, chat)):
+        answer = keyed.post(route, make(keyed, service_tier=asked),
+                            {"Authorization": f"Bearer {key}"})
+        assert answer.status == 200, answer.body
+        assert answer.body["service_tier"] == named
+        request = keyed.sent[-1]
+        assert (request.tier, request.priority) == (tier, priority)
+        assert request.queue_share == {"batch": 0.5}.get(tier, 1.0)
+
+
+def test_service_tier_in_every_chunk_of_a_stream(keyed: StubIngress) -> None:
+    for route, make in ((COMP, comp), (CHAT, chat)):
+        body = make(keyed, service_tier="flex", stream=True,
+                    stream_options={"include_usage": True})
+        answer = keyed.post(route, body, {"Authorization": "Bearer k-int"})
+        assert answer.status == 200 and len(answer.body) >= 2
+        assert all(event["service_tier"] == "flex" for event in answer.body)
+    # Not asked: not named.
+    plain = keyed.post(CHAT, chat(keyed, stream=True), {"Authorization": "Bearer k-int"})
+    assert all("service_tier" not in event for event in plain.body)
+    assert "service_tier" not in keyed.post(COMP, comp(keyed),
+                                            {"Authorization": "Bearer k-int"}).body
+
+
+@pytest.mark.parametrize(("extra", "headers"), [
+    ({"service_tier": "flex", "priority": 10}, {}),
+    ({"service_tier": "priority"}, {"X-TL-Priority": "12"}),
+])
+def test_service_tier_that_sets_the_priority_takes_no_other(
+        keyed: StubIngress, extra: dict[str, Any], headers: dict[str, str]) -> None:
+    answer = keyed.post(COMP, comp(keyed, **extra), {"Authorization": "Bearer k-int", **headers})
+    assert answer.status == 400
+    assert answer.body["error"]["param"] == "service_tier"
+    assert "sets the priority itself" in answer.body["error"]["message"]
+
+
+def test_an_unknown_service_tier_is_a_400(keyed: StubIngress) -> None:
+    answer = keyed.post(CHAT, chat(keyed, service_tier="turbo"), {"Authorization": "Bearer k-int"})
+    assert answer.status == 400 and answer.body["error"]["param"] == "service_tier"
+    # Still behind the key: no key, no request.
+    assert keyed.post(CHAT, chat(keyed, service_tier="priority")).status == 401
