@@ -272,6 +272,79 @@ def _engine_failed(choice: _Choice) -> ServingError:
     return Unavailable(choice.failure or "the replica failed", "replica_failed")
 
 
+def _summed_usage(usages: Sequence[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """The usage of a request of several prompts: each count summed (cached positions where
+    every prompt's are known)."""
+    known = [u for u in usages if u is not None]
+    if not known:
+        return None
+    prompt = sum(u["prompt_tokens"] for u in known)
+    completion = sum(u["completion_tokens"] for u in known)
+    cached: int | None = 0
+    for u in known:
+        part = (u.get("prompt_tokens_details") or {}).get("cached_tokens")
+        cached = None if cached is None or part is None else cached + int(part)
+    return dump(usage(prompt, completion, cached))
+
+
+async def _close(body: AsyncIterable[Any]) -> None:
+    aclose = getattr(body, "aclose", None)
+    if aclose is not None:
+        await aclose()
+
+
+async def _joined_stream(streams: list[AsyncIterable[Any]], n: int, include_usage: bool
+                         ) -> AsyncIterator[str]:
+    """The SSE events of several prompts' streams as one stream: every chunk under the first
+    chunk's ``id``, prompt ``j``'s choice ``i`` at ``j * n + i``; each stream's usage chunk held
+    and sent once, summed, after every choice ended; one ``[DONE]``. An error event ends it."""
+    queue: asyncio.Queue[tuple[int, str | None]] = asyncio.Queue()
+
+    async def pump(j: int, body: AsyncIterable[Any]) -> None:
+        try:
+            async for chunk in body:
+                queue.put_nowait((j, chunk if isinstance(chunk, str) else bytes(chunk).decode()))
+        finally:
+            queue.put_nowait((j, None))
+
+    tasks = [asyncio.ensure_future(pump(j, b)) for j, b in enumerate(streams)]
+    rid: str | None = None
+    usages: list[dict[str, Any] | None] = [None] * len(streams)
+    open_streams = len(streams)
+    try:
+        while open_streams:
+            j, chunk = await queue.get()
+            if chunk is None:
+                open_streams -= 1
+                continue
+            for line in chunk.split("\n\n"):
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[len("data: "):])
+                if "error" in event:
+                    yield sse_event(json.dumps(event))
+                    yield "data: [DONE]\n\n"
+                    return
+                rid = rid or event.get("id")
+                event["id"] = rid
+                if not event.get("choices") and event.get("usage") is not None:
+                    usages[j] = event["usage"]  # a usage chunk: summed at the end
+                    continue
+                for ch in event.get("choices", []):
+                    ch["index"] = j * n + ch["index"]
+                yield sse_event(json.dumps(event))
+        if include_usage and rid is not None:
+            tail = {"id": rid, "object": "text_completion", "created": now(), "choices": [],
+                    "usage": _summed_usage(usages)}
+            yield sse_event(json.dumps(tail))
+        yield "data: [DONE]\n\n"
+    finally:
+        for t in tasks:
+            t.cancel()
+        for b in streams:
+            await _close(b)
+
+
 # FastAPI's own /openapi.json (and the docs pages built on it) is replaced by the Ingress's route
 # below: Serve pickles this app into the replica, so a schema cached on the module's app object
 # would not be the one served.
@@ -381,39 +454,82 @@ class Ingress:
         body = await self._body(request, CompletionRequest)
         assert isinstance(body, CompletionRequest)
         caller, tier_named = self._asked(request, caller, body)
+        prompts = body.prompts()
+        calls = [await self._prompt_call(caller, body, prompt, tier_named,
+                                          "prompt" if len(prompts) == 1 else f"prompt.{j}")
+                 for j, prompt in enumerate(prompts)]
+        if len(calls) == 1:
+            return await self._serve(request, body, calls[0], caller)
+        return await self._serve_batch(request, body, calls, caller)
+
+    async def _prompt_call(self, caller: Caller, body: CompletionRequest, prompt: str | list[int],
+                           tier_named: str | None, param: str) -> _Call:
+        """One prompt of a completions request, tokenized and checked (``param``: where it is
+        in the request)."""
         # An empty prompt and ids outside the vocabulary are the replica's to refuse (its
         # scheduler and engine own those limits); a prompt of special tokens only is ours (it
         # takes the tokenizer to know), and so is one that cannot fit the context (known before
         # it is tokenized: it is refused before any work).
         keep = body.truncate_prompt_tokens
-        if isinstance(body.prompt, str):
-            text = body.prompt
+        if isinstance(prompt, str):
+            text = prompt
             if keep is None:  # a prompt cut to its last tokens may be longer than the context
-                self._fits(caller, len(text.encode("utf-8")), None, "prompt")
+                self._fits(caller, len(text.encode("utf-8")), None, param)
             special = body.add_special_tokens
             ids = (await self.tokenizing.run(len(text), lambda: list(
                 self.tokenizer.encode(text, add_special_tokens=special)))) if text else []
         else:
-            ids = list(body.prompt)
+            ids = list(prompt)
         truncated = keep is not None and len(ids) > keep
         if keep is not None:
             ids = ids[-keep:]
-        self._fits(caller, None, len(ids), "prompt")
+        self._fits(caller, None, len(ids), param)
         if ids and all(t in self.special_ids for t in ids):
             raise BadRequest("the prompt has only special tokens "
                              f"({self.tokenizer.decode(ids[:8])!r}...): nothing to complete",
-                             "only_special_tokens", "prompt")
+                             "only_special_tokens", param)
         echo = None
         if body.echo:
-            echo = (body.prompt if isinstance(body.prompt, str) and not truncated
+            echo = (prompt if isinstance(prompt, str) and not truncated
                     else self.tokenizer.decode(ids))
-        call = _Call(chat=False, n=body.n, ids=ids, echo=echo,
+        return _Call(chat=False, n=body.n, ids=ids, echo=echo,
                      logprobs=body.logprobs is not None,
                      include_usage=body.include_usage, continuous_usage=body.continuous_usage,
                      prompt_logprobs=body.prompt_logprobs is not None,
                      token_ids=bool(body.return_tokens_as_token_ids),
                      request_id=body.request_id or "", service_tier=tier_named)
-        return await self._serve(request, body, call, caller)
+
+    async def _serve_batch(self, request: Request, body: CompletionRequest,
+                           calls: list[_Call], caller: Caller) -> Response:
+        """A completions request of several prompts: each served as its own request (admitted,
+        gated and routed alone), their answers joined as OpenAI joins them: one ``id``, prompt
+        ``j``'s sample ``i`` at ``index`` ``j * n + i``, the usage summed. A stream interleaves
+        the prompts' chunks as they come, with one usage chunk at its end when asked; a prompt
+        that fails fails the whole request (its error ends the stream)."""
+        n = body.n
+        tasks = [asyncio.ensure_future(self._serve(request, body, c, caller)) for c in calls]
+        try:
+            responses = await asyncio.gather(*tasks)
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            for t in tasks:  # a stream already made is closed (its slot released)
+                if t.done() and not t.cancelled() and t.exception() is None:
+                    r = t.result()
+                    if isinstance(r, StreamingResponse):
+                        await _close(r.body_iterator)
+            raise
+        if body.stream:
+            iters = [r.body_iterator for r in responses if isinstance(r, StreamingResponse)]
+            return StreamingResponse(_joined_stream(iters, n, body.include_usage),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        answers = [json.loads(bytes(r.body)) for r in responses]
+        out = answers[0]
+        out["choices"] = [dict(ch, index=j * n + ch["index"])
+                          for j, a in enumerate(answers) for ch in a["choices"]]
+        out["usage"] = _summed_usage([a["usage"] for a in answers])
+        return JSONResponse(out)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(self, request: Request) -> Response:

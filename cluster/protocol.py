@@ -18,6 +18,7 @@ from pydantic import (
     StrictInt,
     StrictStr,
     WithJsonSchema,
+    field_validator,
     model_serializer,
     model_validator,
 )
@@ -280,20 +281,48 @@ class _SamplingFields(_Body):
         return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
+# The prompts one completions request may carry (each is a request of its own at the ingress).
+MAX_PROMPTS = 64
+
+
 class CompletionRequest(_SamplingFields):
-    """``POST /v1/completions``: ``prompt`` is a string or a list of token ids (one prompt).
+    """``POST /v1/completions``: ``prompt`` is a string or a list of token ids (one prompt), or
+    a list of strings or of token-id lists (up to ``MAX_PROMPTS`` prompts).
 
     ``echo``: the prompt's text is returned before the completion (with ``logprobs``, its
     tokens' log-probabilities too: with ``max_tokens`` 0, that is how a prompt is scored).
     ``logprobs``: per token, its log-probability and the ``logprobs`` most likely alternatives.
     """
 
-    prompt: StrictStr | list[Annotated[Int, Field(ge=0)]]
+    prompt: (StrictStr | list[Annotated[Int, Field(ge=0)]]
+             | Annotated[list[StrictStr], Field(min_length=1, max_length=MAX_PROMPTS)]
+             | Annotated[list[list[Annotated[Int, Field(ge=0)]]],
+                         Field(min_length=1, max_length=MAX_PROMPTS)])
     max_tokens: Annotated[Int, Field(ge=0)] | None = 16
     echo: StrictBool = False
     logprobs: TopLogprobs | None = None
     best_of: Annotated[Int, Field(ge=1, le=1, description="only 1 is supported")] | None = None
     suffix: Unsupported = None
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_list(cls, value: Any) -> Any:
+        """A list of prompts, said plainly where its union's members would each complain."""
+        if isinstance(value, list) and value and not isinstance(value[0], int | float):
+            if len(value) > MAX_PROMPTS:
+                raise ValueError(f"a request has at most {MAX_PROMPTS} prompts, got "
+                                 f"{len(value)}")
+            kinds = {type(p) for p in value}
+            if kinds not in ({str}, {list}):
+                raise ValueError("a list of prompts is all strings or all lists of token ids")
+        return value
+
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: one, or each of a list of strings or of token-id lists."""
+        p: Any = self.prompt
+        if isinstance(p, str) or not p or isinstance(p[0], int):
+            return [p]
+        return list(p)
+
     # vLLM's: the tokenizer's special tokens (BOS) around a text prompt.
     add_special_tokens: StrictBool = True
     prompt_embeds: Unsupported = None

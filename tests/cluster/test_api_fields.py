@@ -287,3 +287,73 @@ def test_an_unknown_service_tier_is_a_400(keyed: StubIngress) -> None:
     assert answer.status == 400 and answer.body["error"]["param"] == "service_tier"
     # Still behind the key: no key, no request.
     assert keyed.post(CHAT, chat(keyed, service_tier="priority")).status == 401
+
+
+# ------------------------------------------------------------------ batched prompts
+
+@pytest.mark.parametrize("prompts", [["Hello there", "One two three"], [[5, 6, 7], [8, 9]]])
+def test_a_list_of_prompts_answers_each_with_openai_s_indexes(stub: StubIngress,
+                                                              prompts: list[Any]) -> None:
+    before = len(stub.sent)
+    answer = stub.post(COMP, comp(stub, prompt=prompts, n=2, echo=True))
+    assert answer.status == 200, answer.body
+    requests = stub.sent[before:]
+    assert len(requests) == 2 and all(r.n == 2 for r in requests)
+    choices = answer.body["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2, 3]
+    for c in choices:  # prompt j's samples at j * n + i, each after its own prompt's echo
+        prompt = prompts[c["index"] // 2]
+        text = prompt if isinstance(prompt, str) else stub.inst.tokenizer.decode(prompt)
+        assert c["text"] == text + ANSWER
+    u = answer.body["usage"]
+    assert u["prompt_tokens"] == sum(len(r.prompt_ids) for r in requests)
+    assert u["completion_tokens"] == 4 * len(stub.inst.tokenizer.encode(ANSWER))
+    assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+
+
+def test_a_list_of_prompts_streams_as_one_stream(stub: StubIngress) -> None:
+    before = len(stub.sent)
+    answer = stub.post(COMP, comp(stub, prompt=["a b", "c d e"], n=2, stream=True,
+                                  stream_options={"include_usage": True}))
+    assert answer.status == 200, answer.body
+    requests = stub.sent[before:]
+    events = answer.body
+    assert len({e["id"] for e in events}) == 1
+    texts: dict[int, str] = {}
+    for e in events[:-1]:
+        for c in e["choices"]:
+            texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+    assert sorted(texts) == [0, 1, 2, 3] and set(texts.values()) == {ANSWER}
+    tail = events[-1]  # one usage chunk, the sum, last
+    assert tail["choices"] == [] and tail["usage"]["prompt_tokens"] == sum(
+        len(r.prompt_ids) for r in requests)
+    assert sum(1 for e in events if e.get("usage")) == 1
+
+
+@pytest.mark.parametrize(("prompt", "param", "says"), [
+    (["a"] * 65, "prompt", "at most 64 prompts, got 65"),
+    ([], "prompt", None),  # one empty prompt: the replica's "empty" (not checked here)
+    (["a", 3], "prompt", "all strings or all lists of token ids"),
+    ([[1, 2], "a"], "prompt", "all strings or all lists of token ids"),
+    ([[1, "a"]], "prompt", None),
+    ([[5, 6], []], None, None),
+])
+def test_bad_prompt_lists(stub: StubIngress, prompt: list[Any], param: str | None,
+                          says: str | None) -> None:
+    answer = stub.post(COMP, comp(stub, prompt=prompt))
+    if prompt in ([], [[5, 6], []]):
+        # An empty prompt is the replica's to refuse; the stand-in engine answers it.
+        assert answer.status == 200
+        return
+    assert answer.status == 400, answer.body
+    assert answer.body["error"]["param"] == param
+    if says:
+        assert says in answer.body["error"]["message"]
+
+
+def test_a_bad_prompt_in_a_list_is_named_by_its_place(stub: StubIngress) -> None:
+    special = sorted(stub.inst.special_ids)[0]
+    answer = stub.post(COMP, comp(stub, prompt=[[5, 6], [special]]))
+    assert answer.status == 400
+    assert answer.body["error"]["code"] == "only_special_tokens"
+    assert answer.body["error"]["param"] == "prompt.1"
