@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
@@ -539,16 +539,10 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
-class _NoneOmitted(BaseModel):
-    """Written without the fields of ``OMIT_NONE`` while they are None: extensions a request
-    asks for (vLLM's ``prompt_logprobs``), absent from every answer that did not ask."""
-
-    OMIT_NONE: ClassVar[frozenset[str]] = frozenset()
-
-    @model_serializer(mode="wrap")
-    def _without_unasked(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        out: dict[str, Any] = handler(self)
-        return {k: v for k, v in out.items() if v is not None or k not in self.OMIT_NONE}
+def _unasked() -> Any:
+    """A field of an answer written only where the request asked for it (vLLM's
+    ``prompt_logprobs``, OpenAI's ``service_tier``): absent, not null, when it is None."""
+    return Field(default=None, exclude_if=lambda v: v is None)
 
 
 class PromptLogprob(BaseModel):
@@ -565,26 +559,22 @@ class PromptLogprob(BaseModel):
 PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 
-class CompletionChoice(_NoneOmitted):
-    OMIT_NONE: ClassVar[frozenset[str]] = frozenset({"prompt_logprobs"})
-
+class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: str | None
     logprobs: CompletionLogprobs | None = None
-    prompt_logprobs: PromptLogprobs | None = None
+    prompt_logprobs: PromptLogprobs | None = _unasked()
 
 
-class CompletionResponse(_NoneOmitted):
-    OMIT_NONE: ClassVar[frozenset[str]] = frozenset({"service_tier"})
-
+class CompletionResponse(BaseModel):
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
-    service_tier: str | None = None  # where the request asked for one: the one it ran in
+    service_tier: str | None = _unasked()  # where the request asked for one: where it ran
 
 
 class FunctionCallOut(BaseModel):
@@ -649,17 +639,15 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
 
 
-class ChatCompletionResponse(_NoneOmitted):
-    OMIT_NONE: ClassVar[frozenset[str]] = frozenset({"prompt_logprobs", "service_tier"})
-
+class ChatCompletionResponse(BaseModel):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int
     model: str
     choices: list[ChatChoice]
     usage: Usage
-    prompt_logprobs: PromptLogprobs | None = None
-    service_tier: str | None = None
+    prompt_logprobs: PromptLogprobs | None = _unasked()
+    service_tier: str | None = _unasked()
 
 
 class ChatDelta(BaseModel):
@@ -675,16 +663,14 @@ class ChatChunkChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
 
 
-class ChatCompletionChunk(_NoneOmitted):
-    OMIT_NONE: ClassVar[frozenset[str]] = frozenset({"service_tier"})
-
+class ChatCompletionChunk(BaseModel):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
-    service_tier: str | None = None
+    service_tier: str | None = _unasked()
 
 
 class ModelCard(BaseModel):
