@@ -36,7 +36,14 @@ from tierserve.cluster.edge import (
     read_json,
 )
 from tierserve.cluster.gate import FlowGate, Shed, Ticket
-from tierserve.cluster.logprobs import TokenText, chat_logprobs, completion_logprobs
+from tierserve.cluster.logprobs import (
+    TokenIdNames,
+    TokenNames,
+    TokenText,
+    chat_logprobs,
+    completion_logprobs,
+    prompt_logprobs,
+)
 from tierserve.cluster.metrics import IngressMetrics
 from tierserve.cluster.openapi import openapi_schema
 from tierserve.cluster.protocol import (
@@ -67,7 +74,7 @@ from tierserve.cluster.structured import (
     Structured,
     StructuredError,
 )
-from tierserve.cluster.tiers import Caller, TierResolver, cache_partition
+from tierserve.cluster.tiers import Caller, PriorityError, TierResolver, cache_partition
 from tierserve.cluster.tool_calls import (
     ToolCallParser,
     ToolMessageError,
@@ -183,6 +190,12 @@ class _Call:
     tool_mode: str = "none"
     tools: frozenset[str] | None = None
     cache_partition: str | None = None  # its prompt's prefix-cache partition (``cache_partition``)
+    # vLLM's fields: the prompt's log-probabilities in the answer; tokens named by id in
+    # log-probabilities (``return_tokens_as_token_ids``).
+    prompt_logprobs: bool = False
+    token_ids: bool = False
+    request_id: str = ""  # the client's (body ``request_id``), in the answer's ``id``
+    service_tier: str | None = None  # the one it runs in, where the request named one
 
     def parser(self) -> ToolCallParser | None:
         """A fresh parser of one answer's tool calls (None: no tools)."""
@@ -257,6 +270,79 @@ def _engine_failed(choice: _Choice) -> ServingError:
         return ServerFault(choice.failure or "the structured output's grammar rejected a token",
                            GRAMMAR_REJECTED_TOKEN)
     return Unavailable(choice.failure or "the replica failed", "replica_failed")
+
+
+def _summed_usage(usages: Sequence[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """The usage of a request of several prompts: each count summed (cached positions where
+    every prompt's are known)."""
+    known = [u for u in usages if u is not None]
+    if not known:
+        return None
+    prompt = sum(u["prompt_tokens"] for u in known)
+    completion = sum(u["completion_tokens"] for u in known)
+    cached: int | None = 0
+    for u in known:
+        part = (u.get("prompt_tokens_details") or {}).get("cached_tokens")
+        cached = None if cached is None or part is None else cached + int(part)
+    return dump(usage(prompt, completion, cached))
+
+
+async def _close(body: AsyncIterable[Any]) -> None:
+    aclose = getattr(body, "aclose", None)
+    if aclose is not None:
+        await aclose()
+
+
+async def _joined_stream(streams: list[AsyncIterable[Any]], n: int, include_usage: bool
+                         ) -> AsyncIterator[str]:
+    """The SSE events of several prompts' streams as one stream: every chunk under the first
+    chunk's ``id``, prompt ``j``'s choice ``i`` at ``j * n + i``; each stream's usage chunk held
+    and sent once, summed, after every choice ended; one ``[DONE]``. An error event ends it."""
+    queue: asyncio.Queue[tuple[int, str | None]] = asyncio.Queue()
+
+    async def pump(j: int, body: AsyncIterable[Any]) -> None:
+        try:
+            async for chunk in body:
+                queue.put_nowait((j, chunk if isinstance(chunk, str) else bytes(chunk).decode()))
+        finally:
+            queue.put_nowait((j, None))
+
+    tasks = [asyncio.ensure_future(pump(j, b)) for j, b in enumerate(streams)]
+    rid: str | None = None
+    usages: list[dict[str, Any] | None] = [None] * len(streams)
+    open_streams = len(streams)
+    try:
+        while open_streams:
+            j, chunk = await queue.get()
+            if chunk is None:
+                open_streams -= 1
+                continue
+            for line in chunk.split("\n\n"):
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[len("data: "):])
+                if "error" in event:
+                    yield sse_event(json.dumps(event))
+                    yield "data: [DONE]\n\n"
+                    return
+                rid = rid or event.get("id")
+                event["id"] = rid
+                if not event.get("choices") and event.get("usage") is not None:
+                    usages[j] = event["usage"]  # a usage chunk: summed at the end
+                    continue
+                for ch in event.get("choices", []):
+                    ch["index"] = j * n + ch["index"]
+                yield sse_event(json.dumps(event))
+        if include_usage and rid is not None:
+            tail = {"id": rid, "object": "text_completion", "created": now(), "choices": [],
+                    "usage": _summed_usage(usages)}
+            yield sse_event(json.dumps(tail))
+        yield "data: [DONE]\n\n"
+    finally:
+        for t in tasks:
+            t.cancel()
+        for b in streams:
+            await _close(b)
 
 
 # FastAPI's own /openapi.json (and the docs pages built on it) is replaced by the Ingress's route
@@ -367,29 +453,83 @@ class Ingress:
         caller = self._caller(request)
         body = await self._body(request, CompletionRequest)
         assert isinstance(body, CompletionRequest)
+        caller, tier_named = self._asked(request, caller, body)
+        prompts = body.prompts()
+        calls = [await self._prompt_call(caller, body, prompt, tier_named,
+                                          "prompt" if len(prompts) == 1 else f"prompt.{j}")
+                 for j, prompt in enumerate(prompts)]
+        if len(calls) == 1:
+            return await self._serve(request, body, calls[0], caller)
+        return await self._serve_batch(request, body, calls, caller)
+
+    async def _prompt_call(self, caller: Caller, body: CompletionRequest, prompt: str | list[int],
+                           tier_named: str | None, param: str) -> _Call:
+        """One prompt of a completions request, tokenized and checked (``param``: where it is
+        in the request)."""
         # An empty prompt and ids outside the vocabulary are the replica's to refuse (its
         # scheduler and engine own those limits); a prompt of special tokens only is ours (it
         # takes the tokenizer to know), and so is one that cannot fit the context (known before
         # it is tokenized: it is refused before any work).
-        if isinstance(body.prompt, str):
-            text = body.prompt
-            self._fits(caller, len(text.encode("utf-8")), None, "prompt")
+        keep = body.truncate_prompt_tokens
+        if isinstance(prompt, str):
+            text = prompt
+            if keep is None:  # a prompt cut to its last tokens may be longer than the context
+                self._fits(caller, len(text.encode("utf-8")), None, param)
+            special = body.add_special_tokens
             ids = (await self.tokenizing.run(len(text), lambda: list(
-                self.tokenizer.encode(text, add_special_tokens=True)))) if text else []
+                self.tokenizer.encode(text, add_special_tokens=special)))) if text else []
         else:
-            ids = list(body.prompt)
-        self._fits(caller, None, len(ids), "prompt")
+            ids = list(prompt)
+        truncated = keep is not None and len(ids) > keep
+        if keep is not None:
+            ids = ids[-keep:]
+        self._fits(caller, None, len(ids), param)
         if ids and all(t in self.special_ids for t in ids):
             raise BadRequest("the prompt has only special tokens "
                              f"({self.tokenizer.decode(ids[:8])!r}...): nothing to complete",
-                             "only_special_tokens", "prompt")
+                             "only_special_tokens", param)
         echo = None
         if body.echo:
-            echo = body.prompt if isinstance(body.prompt, str) else self.tokenizer.decode(ids)
-        call = _Call(chat=False, n=body.n, ids=ids, echo=echo,
+            echo = (prompt if isinstance(prompt, str) and not truncated
+                    else self.tokenizer.decode(ids))
+        return _Call(chat=False, n=body.n, ids=ids, echo=echo,
                      logprobs=body.logprobs is not None,
-                     include_usage=body.include_usage, continuous_usage=body.continuous_usage)
-        return await self._serve(request, body, call, caller)
+                     include_usage=body.include_usage, continuous_usage=body.continuous_usage,
+                     prompt_logprobs=body.prompt_logprobs is not None,
+                     token_ids=bool(body.return_tokens_as_token_ids),
+                     request_id=body.request_id or "", service_tier=tier_named)
+
+    async def _serve_batch(self, request: Request, body: CompletionRequest,
+                           calls: list[_Call], caller: Caller) -> Response:
+        """A completions request of several prompts: each served as its own request (admitted,
+        gated and routed alone), their answers joined as OpenAI joins them: one ``id``, prompt
+        ``j``'s sample ``i`` at ``index`` ``j * n + i``, the usage summed. A stream interleaves
+        the prompts' chunks as they come, with one usage chunk at its end when asked; a prompt
+        that fails fails the whole request (its error ends the stream)."""
+        n = body.n
+        tasks = [asyncio.ensure_future(self._serve(request, body, c, caller)) for c in calls]
+        try:
+            responses = await asyncio.gather(*tasks)
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            for t in tasks:  # a stream already made is closed (its slot released)
+                if t.done() and not t.cancelled() and t.exception() is None:
+                    r = t.result()
+                    if isinstance(r, StreamingResponse):
+                        await _close(r.body_iterator)
+            raise
+        if body.stream:
+            iters = [r.body_iterator for r in responses if isinstance(r, StreamingResponse)]
+            return StreamingResponse(_joined_stream(iters, n, body.include_usage),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        answers = [json.loads(bytes(r.body)) for r in responses]
+        out = answers[0]
+        out["choices"] = [dict(ch, index=j * n + ch["index"])
+                          for j, a in enumerate(answers) for ch in a["choices"]]
+        out["usage"] = _summed_usage([a["usage"] for a in answers])
+        return JSONResponse(out)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(self, request: Request) -> Response:
@@ -401,6 +541,7 @@ class Ingress:
                 f"model {self.cfg.model_name!r} has no chat template (a base model, which continues "
                 "text): send a prompt to /v1/completions instead",
                 "no_chat_template", "messages")
+        caller, tier_named = self._asked(request, caller, body)
         try:
             mode = await self.schemas.tool_mode(body)
             messages, tools = render_messages(body.messages, body.tools, body.tool_choice,
@@ -412,12 +553,17 @@ class Ingress:
             raise
         texts = message_texts(messages)
         size = sum(len(t) for t in texts)
-        self._fits(caller, sum(len(t.encode("utf-8")) for t in texts), None, "messages")
+        if body.truncate_prompt_tokens is None:
+            self._fits(caller, sum(len(t.encode("utf-8")) for t in texts), None, "messages")
+        extra = self._template_kwargs(body)
 
         def render() -> Any:
+            if body.add_special_tokens:  # the template's text, then the tokenizer's own tokens
+                text = self.tokenizer.apply_chat_template(
+                    messages, tools=tools, tokenize=False, **extra)
+                return list(self.tokenizer.encode(text, add_special_tokens=True))
             return self.tokenizer.apply_chat_template(
-                messages, tools=tools, add_generation_prompt=True, tokenize=True,
-                return_dict=False)
+                messages, tools=tools, tokenize=True, return_dict=False, **extra)
 
         try:
             ids = await self.tokenizing.run(size, render)
@@ -426,6 +572,8 @@ class Ingress:
                              "bad_messages", "messages") from e
         if isinstance(ids, dict):
             ids = ids["input_ids"]
+        if body.truncate_prompt_tokens is not None:
+            ids = list(ids)[-body.truncate_prompt_tokens:]
         self._fits(caller, None, len(ids), "messages")
         if body.max_completion_tokens is not None:
             body.max_tokens = body.max_completion_tokens
@@ -433,7 +581,10 @@ class Ingress:
                  if mode != "none" else None)
         call = _Call(chat=True, n=body.n, ids=list(ids), logprobs=body.logprobs,
                      include_usage=body.include_usage, continuous_usage=body.continuous_usage,
-                     tool_mode=mode, tools=names)
+                     tool_mode=mode, tools=names,
+                     prompt_logprobs=body.prompt_logprobs is not None,
+                     token_ids=bool(body.return_tokens_as_token_ids),
+                     request_id=body.request_id or "", service_tier=tier_named)
         return await self._serve(request, body, call, caller)
 
     # ------------------------------------------------------------------ helpers
@@ -451,6 +602,59 @@ class Ingress:
                 raise
             msg, param = validation_error(e.errors())
             raise BadRequest(msg, "invalid_request", param) from None
+
+    def _template_kwargs(self, body: ChatCompletionRequest) -> dict[str, Any]:
+        """What the chat template is rendered with besides the messages and tools: the
+        generation prompt or the open last message, documents, and ``chat_template_kwargs``
+        (variables the template reads; a name ``apply_chat_template`` takes itself is a 400,
+        so a variable cannot turn into one of its arguments)."""
+        out: dict[str, Any] = {"add_generation_prompt": body.add_generation_prompt}
+        if body.continue_final_message:
+            out["continue_final_message"] = True
+        if body.documents is not None:
+            out["documents"] = body.documents
+        taken = self._template_arguments()
+        for key, value in (body.chat_template_kwargs or {}).items():
+            if key in taken or key in ("messages", "tools", "documents"):
+                raise BadRequest(f"chat_template_kwargs.{key}: {key!r} is an argument of the "
+                                 "template's renderer, not a template variable; use the "
+                                 "request's own field where there is one", "invalid_request",
+                                 f"chat_template_kwargs.{key}")
+            out[key] = value
+        return out
+
+    def _template_arguments(self) -> frozenset[str]:
+        """The parameter names of the tokenizer's ``apply_chat_template``."""
+        import inspect
+
+        try:
+            params = inspect.signature(self.tokenizer.apply_chat_template).parameters
+        except (TypeError, ValueError):
+            return frozenset()
+        return frozenset(name for name, p in params.items()
+                         if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL))
+
+    def _asked(self, request: Request, caller: Caller,
+               body: CompletionRequest | ChatCompletionRequest) -> tuple[Caller, str | None]:
+        """The caller as the body asks to run: at its ``priority`` (vLLM's field, on this
+        server's scale: ``X-TL-Priority``'s) within its tier's range (sent with a header that
+        says otherwise, a 400), in the tier its ``service_tier`` picks (``TierResolver.
+        for_service_tier``); and the ``service_tier`` its answer names (None: not asked)."""
+        header = (request.headers.get("x-tl-priority") or "").strip(" \t")
+        if body.priority is not None:
+            if header and header != str(body.priority):
+                raise PriorityError(f"priority {body.priority} and X-TL-Priority "
+                                    f"{header[:32]!r} disagree: send one of them",
+                                    param="priority")
+            caller = self.tiers.with_priority(caller, body.priority, "priority")
+        if body.service_tier is None:
+            return caller, None
+        return self.tiers.for_service_tier(caller, body.service_tier,
+                                           bool(header) or body.priority is not None)
+
+    def _names(self, call: _Call) -> TokenNames:
+        """How ``call``'s log-probabilities name tokens."""
+        return TokenIdNames() if call.token_ids else self.token_text
 
     def _caller(self, request: Request) -> Caller:
         header = self.cfg.flow.tenant_header
@@ -502,14 +706,19 @@ class Ingress:
         if isinstance(body, CompletionRequest):
             logprobs = body.logprobs
             prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
-            if structured is not None and (prompt_logprobs is not None or max_tokens == 0):
-                raise BadRequest(f"{structured.output.param}: a request that scores its "
-                                 "prompt (echo with logprobs, or max_tokens 0) generates "
-                                 "nothing to constrain: leave the structured output out",
-                                 "invalid_request", structured.output.param)
         else:
             logprobs = (body.top_logprobs or 0) if body.logprobs else None
             prompt_logprobs = None
+        if body.prompt_logprobs is not None:  # vLLM's field; with echo's, the more alternatives
+            if body.stream:
+                raise BadRequest("prompt_logprobs is not supported with stream yet: send the "
+                                 "request without stream", "invalid_request", "prompt_logprobs")
+            prompt_logprobs = max(prompt_logprobs or 0, body.prompt_logprobs)
+        if structured is not None and (prompt_logprobs is not None or max_tokens == 0):
+            raise BadRequest(f"{structured.output.param}: a request that scores its "
+                             "prompt (echo with logprobs, prompt_logprobs, or max_tokens 0) "
+                             "generates nothing to constrain: leave the structured output out",
+                             "invalid_request", structured.output.param)
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
@@ -531,6 +740,8 @@ class Ingress:
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
                 structured=structured.output if structured is not None else None,
+                skip_special_tokens=body.skip_special_tokens,
+                include_stop_str_in_output=body.include_stop_str_in_output,
             )
         except ServingError:  # the record checks how the fields go together
             raise
@@ -662,6 +873,8 @@ class Ingress:
         finally:
             self._release(route)
         rid = new_id("chatcmpl" if call.chat else "cmpl")
+        if call.request_id:
+            rid = f"{'chatcmpl' if call.chat else 'cmpl'}-{call.request_id}"
         if stream_out:
             gen = self._sse(self._items(call, route, stream, first), rid, call, route)
             return StreamingResponse(gen, media_type="text/event-stream",
@@ -683,19 +896,29 @@ class Ingress:
         if call.chat:
             out = ChatCompletionResponse(
                 id=rid, created=now(), model=self.cfg.model_name, usage=u,
-                choices=[self._chat_choice(call, i, c) for i, c in enumerate(choices)])
+                choices=[self._chat_choice(call, i, c) for i, c in enumerate(choices)],
+                prompt_logprobs=self._prompt_logprobs(call, choices[0]),
+                service_tier=call.service_tier)
         else:
             out = CompletionResponse(
                 id=rid, created=now(), model=self.cfg.model_name, usage=u,
                 choices=[CompletionChoice(index=i, text=(call.echo or "") + c.text,
                                           finish_reason=c.finish_reason,
-                                          logprobs=self._completion_logprobs(call, c, 0, True))
-                         for i, c in enumerate(choices)])
+                                          logprobs=self._completion_logprobs(call, c, 0, True),
+                                          prompt_logprobs=self._prompt_logprobs(call, c))
+                         for i, c in enumerate(choices)],
+                service_tier=call.service_tier)
         return JSONResponse(dump(out))
+
+    def _prompt_logprobs(self, call: _Call, c: _Choice) -> Any:
+        """vLLM's ``prompt_logprobs`` of ``c``'s prompt, where the request asked for them."""
+        if not call.prompt_logprobs:
+            return None
+        return prompt_logprobs(c.prompt_logprobs or [None] * len(call.ids), self._names(call))
 
     def _chat_choice(self, call: _Call, index: int, c: _Choice) -> ChatChoice:
         """One answer of a chat request, its tool calls parsed out when it had tools."""
-        logprobs = chat_logprobs(c.logprobs, self.token_text) if call.logprobs else None
+        logprobs = chat_logprobs(c.logprobs, self._names(call)) if call.logprobs else None
         if call.tools is None:
             return ChatChoice(index=index, message=ChatMessageOut(content=c.text),
                               finish_reason=c.finish_reason, logprobs=logprobs)
@@ -720,7 +943,8 @@ class Ingress:
         entries: list[Any] = list(c.logprobs)
         if call.echo is not None and first:
             entries = list(c.prompt_logprobs or [None] * len(call.ids)) + entries
-        return completion_logprobs(entries, self.token_text, offset, call.ids if first else ())
+        return completion_logprobs(entries, self._names(call), offset,
+                                   call.ids if first else ())
 
     async def _start(self, call: _Call, route: _Route) -> tuple[Any, RequestOutput]:
         """Send the request and wait for its first delta. A replica that fails before it (its
@@ -863,7 +1087,7 @@ class Ingress:
             if call.chat:
                 for i in range(call.n):
                     head = ChatCompletionChunk(
-                        id=rid, created=created, model=model,
+                        id=rid, created=created, model=model, service_tier=call.service_tier,
                         choices=[ChatChunkChoice(index=i,
                                                  delta=ChatDelta(role="assistant", content=""))],
                         usage=self._usage(call, choices) if call.continuous_usage else None)
@@ -901,16 +1125,18 @@ class Ingress:
                     if call.chat:
                         chunk = ChatCompletionChunk(
                             id=rid, created=created, model=model, usage=u,
+                            service_tier=call.service_tier,
                             choices=[ChatChunkChoice(
                                 index=index, delta=ChatDelta(content=text or None,
                                                              tool_calls=calls or None),
                                 finish_reason=reason,
-                                logprobs=(chat_logprobs(lps, self.token_text)
+                                logprobs=(chat_logprobs(lps, self._names(call))
                                           if call.logprobs else None))])
                     else:
                         part = _Choice(logprobs=lps, prompt_logprobs=c.prompt_logprobs)
                         chunk = CompletionResponse(
                             id=rid, created=created, model=model, usage=u,
+                            service_tier=call.service_tier,
                             choices=[CompletionChoice(
                                 index=index, text=echo + item.text, finish_reason=reason,
                                 logprobs=self._completion_logprobs(
@@ -921,7 +1147,7 @@ class Ingress:
                     if call.include_usage:
                         tail: Any = (ChatCompletionChunk if call.chat else CompletionResponse)(
                             id=rid, created=created, model=model, choices=[],
-                            usage=self._usage(call, choices))
+                            usage=self._usage(call, choices), service_tier=call.service_tier)
                         yield sse_event(tail.model_dump_json())
                     break
             yield "data: [DONE]\n\n"

@@ -18,12 +18,13 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from tierserve.cluster.protocol import (
     ChatLogprobs,
     ChatTokenLogprob,
     CompletionLogprobs,
+    PromptLogprob,
     TopLogprob,
 )
 from tierserve.records import TokenLogprob
@@ -33,6 +34,25 @@ _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 _BYTE_DECODER = char_bytes()
+
+
+class TokenNames(Protocol):
+    """How a log-probability entry names a token: its text and its bytes."""
+
+    def text(self, token_id: int) -> str: ...
+
+    def bytes(self, token_id: int) -> bytes: ...
+
+
+class TokenIdNames:
+    """vLLM's ``return_tokens_as_token_ids``: every token named ``token_id:<id>`` (its bytes
+    those of that name), so a token that is no whole character is still told apart."""
+
+    def text(self, token_id: int) -> str:
+        return f"token_id:{int(token_id)}"
+
+    def bytes(self, token_id: int) -> bytes:
+        return self.text(token_id).encode()
 
 
 class TokenText:
@@ -64,7 +84,7 @@ class TokenText:
             return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
 
-def chat_logprobs(entries: Sequence[TokenLogprob], text: TokenText) -> ChatLogprobs:
+def chat_logprobs(entries: Sequence[TokenLogprob], text: TokenNames) -> ChatLogprobs:
     content = []
     for e in entries:
         tok, lp, top = e.token, e.logprob, e.top
@@ -84,7 +104,7 @@ def chat_logprobs(entries: Sequence[TokenLogprob], text: TokenText) -> ChatLogpr
 
 def completion_logprobs(
     entries: Sequence[TokenLogprob | None],
-    text: TokenText,
+    text: TokenNames,
     offset: int = 0,
     prompt_ids: Sequence[int] = (),
 ) -> CompletionLogprobs:
@@ -108,4 +128,23 @@ def completion_logprobs(
             out.top_logprobs.append(alts)
         out.text_offset.append(offset)
         offset += len(tok_text)
+    return out
+
+
+def prompt_logprobs(entries: Sequence[TokenLogprob | None], text: TokenNames
+                    ) -> list[dict[str, PromptLogprob] | None]:
+    """vLLM's ``prompt_logprobs`` shape of a replica's prompt entries: per position, the
+    prompt's token and the alternatives sent, by id (the first position has none: null)."""
+    out: list[dict[str, PromptLogprob] | None] = []
+    for e in entries:
+        if e is None:
+            out.append(None)
+            continue
+        ranks = {tok: j + 1 for j, (tok, _) in enumerate(e.top)}
+        entry = {str(e.token): PromptLogprob(logprob=e.logprob, rank=ranks.get(e.token),
+                                             decoded_token=text.text(e.token))}
+        for tok, lp in e.top:
+            entry.setdefault(str(tok), PromptLogprob(logprob=lp, rank=ranks[tok],
+                                                     decoded_token=text.text(tok)))
+        out.append(entry)
     return out

@@ -109,10 +109,16 @@ def _limit(schemas: dict[str, Any], limits: dict[str, Any]) -> None:
             if vocab is not None and ids in props:
                 _set_in_any_of(props[ids], "array", {"items": {
                     "type": "integer", "minimum": 0, "maximum": vocab - 1}})
-    if vocab is not None:
-        prompt = schemas["CompletionRequest"]["properties"]["prompt"]
-        _set_in_any_of(prompt, "array", {"items": {
-            "type": "integer", "minimum": 0, "maximum": vocab - 1}})
+    if vocab is not None:  # token ids, of one prompt or of each of a list of prompts
+        token = {"type": "integer", "minimum": 0, "maximum": vocab - 1}
+        for option in schemas["CompletionRequest"]["properties"]["prompt"].get("anyOf", []):
+            items = option.get("items") or {}
+            if items.get("type") == "integer":
+                option["items"] = dict(token)
+            elif items.get("type") == "array":
+                items.update({"items": dict(token), "minItems": 1})
+            elif items.get("type") == "string":
+                items["minLength"] = 1
 
 
 _KEYWORDS = {"ge": "minimum", "le": "maximum", "gt": "exclusiveMinimum", "lt": "exclusiveMaximum"}

@@ -18,6 +18,7 @@ from pydantic import (
     StrictInt,
     StrictStr,
     WithJsonSchema,
+    field_validator,
     model_serializer,
     model_validator,
 )
@@ -162,6 +163,37 @@ class StructuredOutputs(_Body):
         return self
 
 
+def _no_beam_search(value: bool) -> bool:
+    if value:
+        raise ValueError("beam search is not supported yet: leave use_beam_search false")
+    return value
+
+
+def _no_store(value: bool | None) -> bool | None:
+    if value:
+        raise ValueError("stored completions are not supported yet: this server keeps nothing "
+                         "it answers (send store false, or leave it out)")
+    return value
+
+
+def _metadata_caps(value: dict[str, str]) -> dict[str, str]:
+    """OpenAI's bounds on ``metadata``: 16 pairs, keys of 64 characters, values of 512."""
+    if len(value) > 16:
+        raise ValueError(f"metadata has {len(value)} pairs; at most 16 are allowed")
+    for k, v in value.items():
+        if len(k) > 64 or len(v) > 512:
+            raise ValueError(f"metadata key {k[:64]!r}: keys have at most 64 characters, "
+                             "values at most 512")
+    return value
+
+
+Metadata = Annotated[dict[StrictStr, StrictStr], AfterValidator(_metadata_caps)]
+# A client's request id: 1 to 128 visible ASCII characters (it goes into headers and logs).
+REQUEST_ID_PATTERN = r"^[!-~]{1,128}$"
+RequestIdText = Annotated[StrictStr, Field(pattern=REQUEST_ID_PATTERN)]
+TopLogprobs = Annotated[Int, Field(ge=0, le=20)]
+
+
 class _SamplingFields(_Body):
     model: StrictStr
     max_tokens: Annotated[Int, Field(ge=1)] | None = None
@@ -202,6 +234,38 @@ class _SamplingFields(_Body):
     guided_regex: StrictStr | None = None
     guided_choice: Annotated[list[StrictStr], Field(min_length=1, max_length=1024)] | None = None
     guided_grammar: StrictStr | None = None
+    # vLLM's server's fields (docs/api.md says what each does here). Honoured:
+    skip_special_tokens: StrictBool = True
+    include_stop_str_in_output: StrictBool = False
+    truncate_prompt_tokens: Annotated[Int, Field(ge=1)] | None = None
+    prompt_logprobs: TopLogprobs | None = None
+    return_tokens_as_token_ids: StrictBool | None = None
+    # The request's id (``X-Request-Id`` wins where both are sent): in the answer's ``id``.
+    request_id: RequestIdText | None = None
+    # This server's priority scale (higher first, as ``X-TL-Priority``), within the caller's tier.
+    priority: Annotated[Int, Field(ge=-(10**9) + 1, le=10**9 - 1)] | None = None
+    # Accepted, with no effect here: fast tokenizers put no spaces between special tokens;
+    # without beam search there is no length penalty; the server picks its grammar backend.
+    spaces_between_special_tokens: StrictBool = True
+    use_beam_search: Annotated[StrictBool, AfterValidator(_no_beam_search)] = False
+    length_penalty: Number = 1.0
+    guided_decoding_backend: StrictStr | None = None
+    # Refused unless null: what cannot be honoured yet and would be wrong to ignore.
+    guided_whitespace_pattern: Unsupported = None
+    structural_tag: Unsupported = None
+    logits_processors: Unsupported = None
+    kv_transfer_params: Unsupported = None
+    vllm_xargs: Unsupported = None
+    # OpenAI's fields. ``metadata`` is checked as OpenAI bounds it and kept nowhere (nothing
+    # is stored); ``store: true`` is refused (no stored completions yet); ``user``,
+    # ``safety_identifier`` and ``prompt_cache_key`` are accepted and not used.
+    metadata: Metadata | None = None
+    # Which tier runs it (docs/api.md): "flex" the lowest, "priority" the caller's own at its
+    # highest priority, the others the caller's own.
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    store: Annotated[StrictBool, AfterValidator(_no_store)] | None = None
+    safety_identifier: Annotated[StrictStr, Field(max_length=256)] | None = None
+    prompt_cache_key: Annotated[StrictStr, Field(max_length=256)] | None = None
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -217,23 +281,51 @@ class _SamplingFields(_Body):
         return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
-TopLogprobs = Annotated[Int, Field(ge=0, le=20)]
+# The prompts one completions request may carry (each is a request of its own at the ingress).
+MAX_PROMPTS = 64
 
 
 class CompletionRequest(_SamplingFields):
-    """``POST /v1/completions``: ``prompt`` is a string or a list of token ids (one prompt).
+    """``POST /v1/completions``: ``prompt`` is a string or a list of token ids (one prompt), or
+    a list of strings or of token-id lists (up to ``MAX_PROMPTS`` prompts).
 
     ``echo``: the prompt's text is returned before the completion (with ``logprobs``, its
     tokens' log-probabilities too: with ``max_tokens`` 0, that is how a prompt is scored).
     ``logprobs``: per token, its log-probability and the ``logprobs`` most likely alternatives.
     """
 
-    prompt: StrictStr | list[Annotated[Int, Field(ge=0)]]
+    prompt: (StrictStr | list[Annotated[Int, Field(ge=0)]]
+             | Annotated[list[StrictStr], Field(min_length=1, max_length=MAX_PROMPTS)]
+             | Annotated[list[list[Annotated[Int, Field(ge=0)]]],
+                         Field(min_length=1, max_length=MAX_PROMPTS)])
     max_tokens: Annotated[Int, Field(ge=0)] | None = 16
     echo: StrictBool = False
     logprobs: TopLogprobs | None = None
     best_of: Annotated[Int, Field(ge=1, le=1, description="only 1 is supported")] | None = None
     suffix: Unsupported = None
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_list(cls, value: Any) -> Any:
+        """A list of prompts, said plainly where its union's members would each complain."""
+        if isinstance(value, list) and value and not isinstance(value[0], int | float):
+            if len(value) > MAX_PROMPTS:
+                raise ValueError(f"a request has at most {MAX_PROMPTS} prompts, got "
+                                 f"{len(value)}")
+            kinds = {type(p) for p in value}
+            if kinds not in ({str}, {list}):
+                raise ValueError("a list of prompts is all strings or all lists of token ids")
+        return value
+
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: one, or each of a list of strings or of token-id lists."""
+        p: Any = self.prompt
+        if isinstance(p, str) or not p or isinstance(p[0], int):
+            return [p]
+        return list(p)
+
+    # vLLM's: the tokenizer's special tokens (BOS) around a text prompt.
+    add_special_tokens: StrictBool = True
+    prompt_embeds: Unsupported = None
 
 
 class TextPart(BaseModel):
@@ -372,6 +464,12 @@ class ToolMessage(ChatMessage):
     tool_calls: None = None
 
 
+def _no_chat_echo(value: bool) -> bool:
+    if value:
+        raise ValueError("echo in a chat request is not supported yet: leave it false")
+    return value
+
+
 Message = Annotated[SystemMessage | UserMessage | AssistantMessage | ToolMessage,
                     Field(discriminator="role")]
 
@@ -393,11 +491,31 @@ class ChatCompletionRequest(_SamplingFields):
     prediction: Unsupported = None
     reasoning_effort: Unsupported = None
     web_search_options: Unsupported = None
+    # OpenAI's, for reasoning models: accepted, no effect here.
+    verbosity: Literal["low", "medium", "high"] | None = None
+    # vLLM's chat rendering: the template's generation prompt (or, instead, the last message
+    # left open for the model to continue), the tokenizer's special tokens on top of what the
+    # template adds, extra variables and documents for the template.
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    add_special_tokens: StrictBool = False
+    chat_template_kwargs: dict[StrictStr, Any] | None = None
+    documents: list[dict[StrictStr, StrictStr]] | None = None
+    # Accepted, no effect: this server parses no reasoning out of an answer.
+    include_reasoning: StrictBool = True
+    # Refused unless null (or false): not supported yet.
+    chat_template: Unsupported = None
+    mm_processor_kwargs: Unsupported = None
+    echo: Annotated[StrictBool, AfterValidator(_no_chat_echo)] = False
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be "
+                             "true: send add_generation_prompt false to continue the last "
+                             "message")
         return self
 
 
@@ -421,11 +539,32 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
+def _unasked() -> Any:
+    """A field of an answer written only where the request asked for it (vLLM's
+    ``prompt_logprobs``, OpenAI's ``service_tier``): absent, not null, when it is None."""
+    return Field(default=None, exclude_if=lambda v: v is None)
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's log-probability of one prompt position's token or alternative: ``rank`` is its
+    place among the alternatives sent (1: the likeliest), null when it is not among them;
+    ``decoded_token`` its text."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str
+
+
+# vLLM's ``prompt_logprobs``: per prompt token (null for the first), token id -> its entry.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: str | None
     logprobs: CompletionLogprobs | None = None
+    prompt_logprobs: PromptLogprobs | None = _unasked()
 
 
 class CompletionResponse(BaseModel):
@@ -435,6 +574,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    service_tier: str | None = _unasked()  # where the request asked for one: where it ran
 
 
 class FunctionCallOut(BaseModel):
@@ -506,6 +646,8 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = _unasked()
+    service_tier: str | None = _unasked()
 
 
 class ChatDelta(BaseModel):
@@ -528,6 +670,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    service_tier: str | None = _unasked()
 
 
 class ModelCard(BaseModel):

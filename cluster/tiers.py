@@ -107,6 +107,38 @@ class TierResolver:
         return Caller(tier, priority, priority >= self.latency_floor, tenant,
                       tier.weight_of(tenant))
 
+    def with_priority(self, caller: Caller, value: int, param: str = "priority") -> Caller:
+        """``caller`` at priority ``value``, which its tier must allow (as ``X-TL-Priority``'s
+        value must); else ``PriorityError`` naming ``param``."""
+        tier = caller.tier
+        if not tier.base_priority <= value <= tier.max_priority:
+            raise PriorityError(f"{param} {value} is outside what tier {tier.name!r} allows "
+                                f"({tier.base_priority} to {tier.max_priority})", param=param)
+        return Caller(tier, value, value >= self.latency_floor, caller.tenant, caller.weight)
+
+    def for_service_tier(self, caller: Caller, asked: str, priority_given: bool
+                         ) -> tuple[Caller, str]:
+        """OpenAI's ``service_tier`` on the tiers, never above what ``caller``'s key allows:
+        ``flex`` runs in the lowest tier (at its base priority), ``priority`` in the caller's
+        own tier at its highest priority, ``auto``, ``default`` and ``scale`` as the caller is.
+        Returns the caller it runs as and the ``service_tier`` the answer names. A priority
+        asked for besides (``priority_given``) goes only with the last three (else a 400)."""
+        if asked in ("flex", "priority") and priority_given:
+            raise PriorityError(f"service_tier {asked!r} sets the priority itself: send it "
+                                "without priority or X-TL-Priority", param="service_tier")
+        if asked == "flex":
+            low = min(self._tiers.values(), key=lambda t: (t.base_priority, t.max_priority))
+            if (low.base_priority, low.max_priority) >= (caller.tier.base_priority,
+                                                         caller.tier.max_priority):
+                low = caller.tier  # the caller's tier is the lowest already
+            return Caller(low, low.base_priority, low.base_priority >= self.latency_floor,
+                          caller.tenant, low.weight_of(caller.tenant)), "flex"
+        if asked == "priority":
+            top = caller.tier.max_priority
+            return Caller(caller.tier, top, top >= self.latency_floor, caller.tenant,
+                          caller.weight), "priority"
+        return caller, "default"
+
     def _tenant(self, header: str | None) -> str:
         if header is None or not header.strip():
             return DEFAULT_TENANT

@@ -5,7 +5,8 @@ shows U+FFFD) is held until the character completes, or until ``MAX_HOLD`` token
 will. Only a short window of tokens is decoded per step (the previous emission's tokens give the
 context that word-piece and SentencePiece decoders need for leading spaces), so a step costs O(1)
 in the length of the output. With stop strings, the last ``len(longest stop) - 1`` characters are
-held back until they can no longer begin a stop string; a matched stop string is not returned.
+held back until they can no longer begin a stop string; a matched stop string is not returned
+(unless ``include_stop``: then the text ends with it).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class IncrementalDetokenizer:
 
     __slots__ = (
         "_hold",
+        "_include_stop",
         "_max_stop",
         "_prefix",
         "_read",
@@ -44,6 +46,7 @@ class IncrementalDetokenizer:
         prompt_ids: Sequence[int],
         stop: Sequence[str] | None = None,
         skip_special_tokens: bool = True,
+        include_stop: bool = False,
     ) -> None:
         self._tok = tokenizer
         ctx = list(prompt_ids[-PROMPT_CONTEXT:])
@@ -53,6 +56,7 @@ class IncrementalDetokenizer:
         self._skip = skip_special_tokens
         self._stops = [s for s in (stop or []) if s]
         self._max_stop = max((len(s) for s in self._stops), default=0)
+        self._include_stop = include_stop  # a matched stop string ends the text, not cut
         self._text = ""  # decoded text of the generated tokens, up to ``_read``
         self._sent = 0  # characters of ``_text`` already returned
         self._hold = 0
@@ -97,8 +101,9 @@ class IncrementalDetokenizer:
             if hits:
                 idx, s = min(hits)
                 self.stopped = s
-                self._text = self._text[:idx]
-                return self._emit(idx)
+                end = idx + len(s) if self._include_stop else idx
+                self._text = self._text[:end]
+                return self._emit(end)
             if not final:
                 return self._emit(len(self._text) - (self._max_stop - 1))
         return self._emit(len(self._text))

@@ -302,7 +302,9 @@ class Engine:
                 params=params,
                 sampler=SamplerState(params, prompt=ids, stop_ids=stop_ids,
                                      constraint=constraint),
-                detok=IncrementalDetokenizer(self.tokenizer, ids, params.stop),
+                detok=IncrementalDetokenizer(
+                    self.tokenizer, ids, params.stop, params.skip_special_tokens,
+                    params.include_stop_str_in_output),
                 stop_ids=stop_ids,
                 sink=sink,
                 tier=request.tier,

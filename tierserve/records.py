@@ -247,6 +247,10 @@ class SamplingParams:
     structured: StructuredOutput | None = None
     allowed_token_ids: list[int] | None = None
     bad_words_ids: list[list[int]] | None = None
+    # The text: special tokens left out of it (as the tokenizer's decode skips them); a matched
+    # stop string kept at its end.
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         self.validate()

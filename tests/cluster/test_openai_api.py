@@ -274,3 +274,58 @@ def test_shared_prefixes_go_where_they_are_cached_and_usage_says_so(http: httpx.
         "stream_options": {"include_usage": True}})
     final = events[-1]["usage"]
     assert final["prompt_tokens"] - 48 <= final["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_vllm_and_openai_fields_through_the_sdk(main_app: ServeApp) -> None:
+    """vLLM's fields in ``extra_body`` and OpenAI's own, as the SDK sends them: accepted, and
+    honoured where they mean something (a stop string kept, the tier a flex request ran in)."""
+    client = main_app.client(KEY)
+    chat = client.chat.completions.create(
+        model=MODEL, messages=USER, max_tokens=8, temperature=0, service_tier="flex",
+        metadata={"run": "1"}, store=False,
+        extra_body={"skip_special_tokens": True, "add_generation_prompt": True,
+                    "chat_template_kwargs": {}, "truncate_prompt_tokens": 64,
+                    "request_id": "sdk-1", "cache_salt": "salt-1"})
+    assert chat.id == "chatcmpl-sdk-1" and chat.service_tier == "flex"
+    ranked = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=2,
+                                            extra_body={"priority": 9})
+    assert ranked.choices[0].message.content is not None
+    with pytest.raises(openai.BadRequestError) as above:  # the standard tier's top is 9
+        client.chat.completions.create(model=MODEL, messages=USER, max_tokens=2,
+                                       extra_body={"priority": 10})
+    assert "outside what tier 'standard' allows" in str(above.value)
+    plain = client.completions.create(model=MODEL, prompt="The lighthouse", max_tokens=6,
+                                      temperature=0)
+    text = plain.choices[0].text
+    stop = text.strip().split()[0] if text.strip() else text
+    kept = client.completions.create(model=MODEL, prompt="The lighthouse", max_tokens=6,
+                                     temperature=0, stop=[stop],
+                                     extra_body={"include_stop_str_in_output": True})
+    assert kept.choices[0].text.endswith(stop)
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2,
+                                  extra_body={"no_such_field": 1})
+    assert "unknown field 'no_such_field'" in str(caught.value)
+
+
+def test_a_list_of_prompts_through_the_sdk(main_app: ServeApp) -> None:
+    client = main_app.client(KEY)
+    prompts = ["The lighthouse", "A ship"]
+    alone = [client.completions.create(model=MODEL, prompt=p, max_tokens=5, temperature=0)
+             for p in prompts]
+    both = client.completions.create(model=MODEL, prompt=prompts, max_tokens=5, temperature=0,
+                                     n=2)
+    assert [c.index for c in both.choices] == [0, 1, 2, 3]
+    for c in both.choices:
+        assert c.text == alone[c.index // 2].choices[0].text
+    assert both.usage is not None
+    assert both.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone if a.usage)
+    chunks = list(client.completions.create(model=MODEL, prompt=prompts, max_tokens=5,
+                                            temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    texts: dict[int, str] = {}
+    for chunk in chunks:
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    assert texts == {0: alone[0].choices[0].text, 1: alone[1].choices[0].text}
+    assert chunks[-1].usage is not None and chunks[-1].choices == []

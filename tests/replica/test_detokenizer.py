@@ -81,3 +81,26 @@ def test_each_step_decodes_a_bounded_window() -> None:
 def test_empty_stop_list_entries_are_ignored(stop: list[str] | None) -> None:
     _, text, det = run(b"abc", stop=stop)
     assert text == "abc" and det.stopped is None
+
+
+def test_include_stop_keeps_the_matched_stop_string() -> None:
+    det = IncrementalDetokenizer(ByteTok(), [ord("x")], ["END"], include_stop=True)
+    pieces = [det.add(b) for b in b"hello END world"]
+    pieces.append(det.finish())
+    assert "".join(pieces) == "hello END" and det.text == "hello END"
+    assert det.stopped == "END"
+
+
+class SpecialTok(ByteTok):
+    """``ByteTok`` whose special token 256 reads ``<s>`` when it is not skipped."""
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return "".join("<s>" if i == 256 else chr(i) for i in ids
+                       if i < 256 or not skip_special_tokens)
+
+
+@pytest.mark.parametrize(("skip", "want"), [(True, "ab"), (False, "a<s>b")])
+def test_special_tokens_are_kept_when_not_skipped(skip: bool, want: str) -> None:
+    det = IncrementalDetokenizer(SpecialTok(), [ord("x")], skip_special_tokens=skip)
+    text = "".join(det.add(t) for t in (ord("a"), 256, ord("b"))) + det.finish()
+    assert text == want

@@ -1,0 +1,150 @@
+"""The ingress without Ray: the real ``Ingress`` class over a stand-in engine handle.
+
+``StubIngress(config)`` builds the deployment's own class (not Serve's wrapper) with the tiny
+model's tokenizer and a handle whose ``generate`` answers every sample at once with a fixed
+text, so the ingress's parsing, rendering, sampling parameters and answer shapes are tested in
+a second, without replicas. ``post`` calls a route's method as FastAPI would and returns the
+status, the JSON body (or the SSE events' JSON) and the headers; every ``GenerateRequest`` the
+ingress sent is in ``sent``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+from fastapi.responses import StreamingResponse
+from starlette.requests import Request
+
+from tierserve.cluster import ingress
+from tierserve.cluster.app import load_config
+from tierserve.records import GenerateRequest, RequestOutput, ServingError, TokenLogprob
+
+ANSWER = " ok"  # every sample's text
+
+
+class _Stream:
+    """One request's deltas: every sample's whole answer in one finished delta."""
+
+    def __init__(self, outputs: list[RequestOutput]) -> None:
+        self._outputs = list(outputs)
+
+    async def __anext__(self) -> RequestOutput:
+        if not self._outputs:
+            raise StopAsyncIteration
+        return self._outputs.pop(0)
+
+    def cancel(self) -> None:
+        self._outputs = []
+
+
+@dataclass
+class _Handle:
+    """The engine deployment's handle, as far as the ingress uses it."""
+
+    tokenizer: Any
+    sent: list[GenerateRequest] = field(default_factory=list)
+    app_name: str = "stub"
+    deployment_name: str = "LLMServer"
+
+    def options(self, **_: Any) -> _Handle:
+        return self
+
+    @property
+    def generate(self) -> _Handle:
+        return self
+
+    def remote(self, request: GenerateRequest) -> _Stream:
+        self.sent.append(request)
+        ids = list(self.tokenizer.encode(ANSWER, add_special_tokens=False))
+        p = request.sampling
+        outs = []
+        for i in range(request.n):
+            lps = ([TokenLogprob(t, -0.5, ((t, -0.5),) * min(p.logprobs, 1)) for t in ids]
+                   if p.logprobs is not None else None)
+            prompt_lps: list[TokenLogprob | None] | None = None
+            if p.prompt_logprobs is not None:
+                prompt_lps = [None] + [TokenLogprob(t, -1.0, ((t, -1.0),) * min(
+                    p.prompt_logprobs, 1)) for t in request.prompt_ids[1:]]
+            outs.append(RequestOutput(
+                request_id=i, text=ANSWER, token_ids=ids, finished=True, finish_reason="stop",
+                prompt_tokens=len(request.prompt_ids), completion_tokens=len(ids), index=i,
+                logprobs=lps, prompt_logprobs=prompt_lps, cached_tokens=0))
+        return _Stream(outs)
+
+
+def _ingress_class() -> type:
+    """The ``Ingress`` class as written (Serve's ASGI wrapper subclasses it)."""
+    wrapper: Any = cast(Any, ingress.Ingress).func_or_class
+    return [c for c in wrapper.__mro__ if c.__name__ == "Ingress"][-1]
+
+
+@dataclass
+class Answer:
+    status: int
+    body: Any  # the JSON body; for a stream, the list of its events' JSON (without [DONE])
+    headers: dict[str, str]
+
+
+class StubIngress:
+    def __init__(self, config: dict[str, Any] | None = None) -> None:
+        args = {"flow": {"enabled": False}, **(config or {})}
+        cfg = load_config(args)
+        from tierserve.replica.models.meta import load_tokenizer
+
+        self.handle = _Handle(load_tokenizer(cfg.engine.model, cfg.engine.trust_remote_code))
+        cls = _ingress_class()
+        self.cls = cls
+        self.inst = cls(self.handle, cfg.model_dump())
+        self.model = cfg.model_name
+
+    @property
+    def sent(self) -> list[GenerateRequest]:
+        return self.handle.sent
+
+    def post(self, route: str, body: dict[str, Any] | str,
+             headers: dict[str, str] | None = None) -> Answer:
+        """Call the method of ``route`` with ``body``; a ``ServingError`` comes back as the
+        answer the app's handler makes of it."""
+        method = {"/v1/completions": "completions",
+                  "/v1/chat/completions": "chat"}[route]
+        data = (body if isinstance(body, str) else json.dumps(body)).encode()
+        return asyncio.run(self._call(method, route, data, headers or {}))
+
+    async def _call(self, method: str, path: str, data: bytes,
+                    headers: dict[str, str]) -> Answer:
+        sent = False
+
+        async def receive() -> dict[str, Any]:
+            nonlocal sent
+            if sent:
+                return {"type": "http.disconnect"}
+            sent = True
+            return {"type": "http.request", "body": data, "more_body": False}
+
+        raw = [(b"content-length", str(len(data)).encode())]
+        raw += [(k.lower().encode(), v.encode()) for k, v in headers.items()]
+        scope = {"type": "http", "method": "POST", "path": path, "headers": raw,
+                 "query_string": b"", "app": ingress.app}
+        request = Request(scope, receive)
+        try:
+            response = await getattr(self.cls, method)(self.inst, request)
+        except ServingError as e:
+            response = await ingress._api_error(request, e)
+        hdrs = dict(response.headers)
+        if isinstance(response, StreamingResponse):
+            events: list[Any] = []
+            async for chunk in _chunks(response):
+                for line in chunk.split("\n"):
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        events.append(json.loads(line[len("data: "):]))
+            return Answer(response.status_code, events, hdrs)
+        return Answer(response.status_code, json.loads(bytes(response.body)), hdrs)
+
+
+async def _chunks(response: StreamingResponse) -> AsyncIterator[str]:
+    async for chunk in response.body_iterator:
+        yield chunk if isinstance(chunk, str) else bytes(chunk).decode()
