@@ -19,14 +19,16 @@ import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tierserve import __version__
 from tierserve.cluster.config import ClusterConfig
 from tierserve.cluster.edge import (
     PromptBound,
@@ -57,10 +59,16 @@ from tierserve.cluster.protocol import (
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ModelCard,
     ModelList,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
     ToolCallDelta,
     Usage,
+    VersionResponse,
     dump,
     error_body,
     new_id,
@@ -87,6 +95,7 @@ from tierserve.records import (
     BadRequest,
     ErrorRecord,
     GenerateRequest,
+    NotFound,
     RequestOutput,
     SamplingParams,
     ServerFault,
@@ -105,6 +114,8 @@ from tierserve.replica.prefix_cache import block_hashes, partition_root
 from tierserve.router import registry
 
 log = logging.getLogger("tierserve.ingress")
+
+_M = TypeVar("_M", bound=BaseModel)
 
 
 # Characters JSON leaves raw inside strings but common line splitters (Python's str.splitlines,
@@ -394,6 +405,8 @@ class Ingress:
         self.special_ids = frozenset(self.tokenizer.all_special_ids)
         mcfg = load_model_config(self.cfg.engine.model, self.cfg.engine.trust_remote_code)
         self.vocab_size = mcfg.vocab_size
+        # The ids the tokenizer can name (its vocabulary and added tokens): what /detokenize takes.
+        self.tokenizer_size = len(self.tokenizer)
         self.prompt_bound = PromptBound(
             context_length(self.cfg.engine, mcfg.max_position_embeddings),
             longest_token_bytes(self.tokenizer))
@@ -416,7 +429,8 @@ class Ingress:
         self.openapi_doc = openapi_schema(app, {
             "model": self.cfg.model_name, "max_tokens": self.cfg.max_tokens_limit,
             "vocab_size": self.vocab_size, "max_stop_strings": self.cfg.max_stop_strings,
-            "max_request_bytes": self.cfg.max_request_bytes, "max_n": self.cfg.max_n})
+            "max_request_bytes": self.cfg.max_request_bytes, "max_n": self.cfg.max_n,
+            "tokenizer_size": self.tokenizer_size})
         app.state.retry_after = self.cfg.retry_after_s
         self._limits: dict[str, Any] | None = None
         # The replicas' prefix-cache names for the router's prefix affinity (None: cache off).
@@ -446,7 +460,73 @@ class Ingress:
 
     @app.get("/v1/models")
     async def models(self) -> dict[str, Any]:
-        return dump(ModelList(data=[ModelCard(id=self.cfg.model_name, created=self.created)]))
+        return dump(ModelList(data=[self._model_card()]))
+
+    @app.get("/v1/models/{model_id:path}", response_model=None)
+    async def model(self, model_id: str) -> JSONResponse:
+        """The served model's object; any other id a 404 ``model_not_found`` (OpenAI's)."""
+        if model_id != self.cfg.model_name:
+            raise NotFound(f"model {model_id[:256]!r} does not exist; this server serves "
+                           f"{self.cfg.model_name!r}", "model_not_found", "model")
+        return JSONResponse(dump(self._model_card()))
+
+    def _model_card(self) -> ModelCard:
+        return ModelCard(id=self.cfg.model_name, created=self.created)
+
+    @app.get("/version")
+    async def version(self) -> dict[str, Any]:
+        """The server's version (tierserve's package version)."""
+        return dump(VersionResponse(version=__version__))
+
+    @app.post("/tokenize", response_model=None)
+    async def tokenize(self, request: Request) -> JSONResponse:
+        """vLLM's ``/tokenize``: a ``prompt``'s ids, or (with ``messages``) the ids the chat
+        template renders, exactly as the generation routes make them; behind the same key check
+        and body limits, a large input tokenized on the pool (``Tokenizing``). Not bounded by
+        the context (counting a long text's tokens is what it is for): ``max_model_len`` says
+        what fits."""
+        self._caller(request)
+        data = await read_json(request.stream(), request.headers.get("content-length"),
+                               self.cfg.max_request_bytes, self.cfg.body_timeout_s)
+        kind: type[TokenizeChatRequest] | type[TokenizeCompletionRequest] = (
+            TokenizeChatRequest if "messages" in data else TokenizeCompletionRequest)
+        body = self._validated(kind, data)
+        self._known_model(body.model)
+        if isinstance(body, TokenizeChatRequest):
+            ids = await self._render_chat(body, None, None)
+        else:
+            text, special = body.prompt, body.add_special_tokens
+            ids = (await self.tokenizing.run(len(text), lambda: list(
+                self.tokenizer.encode(text, add_special_tokens=special)))) if text else []
+        strs = None
+        if body.return_token_strs:
+            strs = list(self.tokenizer.convert_ids_to_tokens(ids))
+        return JSONResponse(dump(TokenizeResponse(
+            count=len(ids), max_model_len=self.prompt_bound.context, tokens=ids,
+            token_strs=strs)))
+
+    @app.post("/detokenize", response_model=None)
+    async def detokenize(self, request: Request) -> JSONResponse:
+        """vLLM's ``/detokenize``: the text of ``tokens`` (special tokens kept); an id the
+        tokenizer cannot name is a 400 ``invalid_token`` naming its place."""
+        self._caller(request)
+        data = await read_json(request.stream(), request.headers.get("content-length"),
+                               self.cfg.max_request_bytes, self.cfg.body_timeout_s)
+        body = self._validated(DetokenizeRequest, data)
+        self._known_model(body.model)
+        for i, t in enumerate(body.tokens):
+            if t >= self.tokenizer_size:
+                raise BadRequest(f"tokens.{i}: token id {t} is outside the vocabulary (ids "
+                                 f"0 to {self.tokenizer_size - 1})", "invalid_token",
+                                 f"tokens.{i}")
+        ids = body.tokens
+        text = await self.tokenizing.run(len(ids), lambda: str(self.tokenizer.decode(ids)))
+        return JSONResponse(dump(DetokenizeResponse(prompt=text)))
+
+    def _known_model(self, model: str) -> None:
+        if model != self.cfg.model_name:
+            raise BadRequest(f"unknown model {model!r}; this server serves "
+                             f"{self.cfg.model_name!r}", "model_not_found", "model")
 
     @app.post("/v1/completions", response_model=None)
     async def completions(self, request: Request) -> Response:
@@ -552,26 +632,9 @@ class Ingress:
             self.metrics.rejected("busy", caller.tier.name)
             raise
         texts = message_texts(messages)
-        size = sum(len(t) for t in texts)
         if body.truncate_prompt_tokens is None:
             self._fits(caller, sum(len(t.encode("utf-8")) for t in texts), None, "messages")
-        extra = self._template_kwargs(body)
-
-        def render() -> Any:
-            if body.add_special_tokens:  # the template's text, then the tokenizer's own tokens
-                text = self.tokenizer.apply_chat_template(
-                    messages, tools=tools, tokenize=False, **extra)
-                return list(self.tokenizer.encode(text, add_special_tokens=True))
-            return self.tokenizer.apply_chat_template(
-                messages, tools=tools, tokenize=True, return_dict=False, **extra)
-
-        try:
-            ids = await self.tokenizing.run(size, render)
-        except Exception as e:
-            raise BadRequest(f"the chat template could not render these messages: {e}",
-                             "bad_messages", "messages") from e
-        if isinstance(ids, dict):
-            ids = ids["input_ids"]
+        ids = await self._render_chat(body, messages, tools)
         if body.truncate_prompt_tokens is not None:
             ids = list(ids)[-body.truncate_prompt_tokens:]
         self._fits(caller, None, len(ids), "messages")
@@ -589,10 +652,51 @@ class Ingress:
 
     # ------------------------------------------------------------------ helpers
 
+    async def _render_chat(self, body: ChatCompletionRequest | TokenizeChatRequest,
+                           messages: list[dict[str, Any]] | None, tools: Any) -> list[int]:
+        """The ids ``body``'s chat template renders (``messages``, ``tools``: as
+        ``render_messages`` made them; None: ``body``'s messages, no tools), on the pool when
+        the messages are large; a template that fails on them is a 400 ``bad_messages``."""
+        if messages is None:
+            try:
+                messages, tools = render_messages(body.messages, None, None,
+                                                  self.template_takes_tools)
+            except StructuredError as e:
+                raise ToolMessageError(str(e), e.param) from None
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise BadRequest(
+                f"model {self.cfg.model_name!r} has no chat template (a base model, which "
+                "continues text): send a prompt instead", "no_chat_template", "messages")
+        rendered = messages
+        size = sum(len(t) for t in message_texts(rendered))
+        extra = self._template_kwargs(body)
+
+        def render() -> Any:
+            if body.add_special_tokens:  # the template's text, then the tokenizer's own tokens
+                text = self.tokenizer.apply_chat_template(
+                    rendered, tools=tools, tokenize=False, **extra)
+                return list(self.tokenizer.encode(text, add_special_tokens=True))
+            return self.tokenizer.apply_chat_template(
+                rendered, tools=tools, tokenize=True, return_dict=False, **extra)
+
+        try:
+            ids = await self.tokenizing.run(size, render)
+        except Exception as e:
+            raise BadRequest(f"the chat template could not render these messages: {e}",
+                             "bad_messages", "messages") from e
+        if isinstance(ids, dict):
+            ids = ids["input_ids"]
+        return list(ids)
+
     async def _body(self, request: Request, model: type[CompletionRequest] | type[ChatCompletionRequest]
                     ) -> CompletionRequest | ChatCompletionRequest:
         data = await read_json(request.stream(), request.headers.get("content-length"),
                                self.cfg.max_request_bytes, self.cfg.body_timeout_s)
+        return self._validated(model, data)
+
+    @staticmethod
+    def _validated(model: type[_M], data: dict[str, Any]) -> _M:
+        """``data`` as ``model``; a validation failure a 400 naming the field."""
         try:
             return model.model_validate(data)
         except Exception as e:
@@ -603,7 +707,8 @@ class Ingress:
             msg, param = validation_error(e.errors())
             raise BadRequest(msg, "invalid_request", param) from None
 
-    def _template_kwargs(self, body: ChatCompletionRequest) -> dict[str, Any]:
+    def _template_kwargs(self, body: ChatCompletionRequest | TokenizeChatRequest
+                         ) -> dict[str, Any]:
         """What the chat template is rendered with besides the messages and tools: the
         generation prompt or the open last message, documents, and ``chat_template_kwargs``
         (variables the template reads; a name ``apply_chat_template`` takes itself is a 400,

@@ -124,6 +124,13 @@ class Unauthorized(ServingError):
     code = "invalid_api_key"
 
 
+class NotFound(ServingError):
+    """404: the thing the request names does not exist (a model id)."""
+
+    status = 404
+    code = "not_found"
+
+
 class RequestTimeout(ServingError):
     """408: the request's body did not arrive in time."""
 
