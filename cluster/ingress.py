@@ -185,6 +185,19 @@ def error_param(loc: Sequence[int | str], extra: bool = False) -> str | None:
     return ".".join(parts) or None
 
 
+def validated(model: type[_M], data: dict[str, Any]) -> _M:
+    """``data`` as ``model``; a validation failure a 400 naming the field."""
+    try:
+        return model.model_validate(data)
+    except Exception as e:
+        from pydantic import ValidationError
+
+        if not isinstance(e, ValidationError):
+            raise
+        msg, param = validation_error(e.errors())
+        raise BadRequest(msg, "invalid_request", param) from None
+
+
 @dataclass(slots=True)
 class _Call:
     """What the ingress needs to answer one request: its shape, not its sampling."""
@@ -490,7 +503,7 @@ class Ingress:
                                self.cfg.max_request_bytes, self.cfg.body_timeout_s)
         kind: type[TokenizeChatRequest] | type[TokenizeCompletionRequest] = (
             TokenizeChatRequest if "messages" in data else TokenizeCompletionRequest)
-        body = self._validated(kind, data)
+        body = validated(kind, data)
         self._known_model(body.model)
         if isinstance(body, TokenizeChatRequest):
             ids = await self._render_chat(body, None, None)
@@ -512,7 +525,7 @@ class Ingress:
         self._caller(request)
         data = await read_json(request.stream(), request.headers.get("content-length"),
                                self.cfg.max_request_bytes, self.cfg.body_timeout_s)
-        body = self._validated(DetokenizeRequest, data)
+        body = validated(DetokenizeRequest, data)
         self._known_model(body.model)
         for i, t in enumerate(body.tokens):
             if t >= self.tokenizer_size:
@@ -692,20 +705,7 @@ class Ingress:
                     ) -> CompletionRequest | ChatCompletionRequest:
         data = await read_json(request.stream(), request.headers.get("content-length"),
                                self.cfg.max_request_bytes, self.cfg.body_timeout_s)
-        return self._validated(model, data)
-
-    @staticmethod
-    def _validated(model: type[_M], data: dict[str, Any]) -> _M:
-        """``data`` as ``model``; a validation failure a 400 naming the field."""
-        try:
-            return model.model_validate(data)
-        except Exception as e:
-            from pydantic import ValidationError
-
-            if not isinstance(e, ValidationError):
-                raise
-            msg, param = validation_error(e.errors())
-            raise BadRequest(msg, "invalid_request", param) from None
+        return validated(model, data)
 
     def _template_kwargs(self, body: ChatCompletionRequest | TokenizeChatRequest
                          ) -> dict[str, Any]:
