@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import time
 from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -26,7 +27,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from ray import serve
 from ray.serve.handle import DeploymentHandle
+from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tierserve import __version__
 from tierserve.cluster.config import ClusterConfig
@@ -49,6 +52,7 @@ from tierserve.cluster.logprobs import (
 from tierserve.cluster.metrics import IngressMetrics
 from tierserve.cluster.openapi import openapi_schema
 from tierserve.cluster.protocol import (
+    REQUEST_ID_PATTERN,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -131,18 +135,86 @@ def sse_event(payload: str) -> str:
 
 def error_response(
     status: int, message: str, code: str | None = None, param: str | None = None,
-    retry_after: int | None = None,
+    retry_after: int | None = None, request_id: str | None = None,
 ) -> JSONResponse:
-    """An HTTP error (with ``Retry-After`` when given)."""
-    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
-    return JSONResponse(error_body(status, message, code, param), status_code=status,
-                        headers=headers)
+    """An HTTP error (with ``Retry-After`` when given); ``request_id``: the request's
+    ``X-Request-Id``, in the body's ``error.request_id`` and the header."""
+    headers = {"Retry-After": str(retry_after)} if retry_after is not None else {}
+    body = error_body(status, message, code, param)
+    if request_id is not None:
+        body["error"]["request_id"] = request_id
+        headers[REQUEST_ID_HEADER] = request_id
+    return JSONResponse(body, status_code=status, headers=headers or None)
 
 
-def error_event(error: ServingError) -> str:
-    """The SSE event that ends a stream in ``error``: the body its HTTP error would have had."""
-    return sse_event(json.dumps(error_body(error.status, error.message, error.code,
-                                           error.param)))
+# The header a request's id comes in and goes back out in (every response, errors included).
+REQUEST_ID_HEADER = "X-Request-Id"
+_REQUEST_ID = re.compile(REQUEST_ID_PATTERN)
+
+
+def request_id_of(request: Request) -> str | None:
+    """The request's id, as ``RequestIds`` set it (None outside the app's middleware)."""
+    scope = getattr(request, "scope", None) or {}
+    value = (scope.get("state") or {}).get("request_id")
+    return value if isinstance(value, str) else None
+
+
+class RequestIds:
+    """ASGI middleware: every request gets an id, the client's ``X-Request-Id`` (1 to 128
+    visible ASCII characters, as the body's ``request_id``) or a new one; it is in the scope's
+    state for the routes (``request_id_of``: to the replica, into the error bodies) and in
+    every response's ``X-Request-Id``. A malformed header is a 400 ``invalid_request_id``
+    (under a new id). It also answers an exception no handler took (a 500 naming its type) while
+    the response has not started, so that answer carries the id too."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        sent = [v for k, v in scope.get("headers", ()) if k.lower() == b"x-request-id"]
+        given = sent[0].decode("latin-1") if sent else None
+        ok = given is not None and _REQUEST_ID.match(given) is not None
+        rid = given if ok and given is not None else new_id("req")
+        scope.setdefault("state", {})["request_id"] = rid
+        started = False
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                headers = MutableHeaders(scope=message)
+                headers[REQUEST_ID_HEADER] = rid
+            await send(message)
+
+        if given is not None and not ok:
+            await error_response(
+                400, f"the {REQUEST_ID_HEADER} header must be 1 to 128 visible ASCII "
+                f"characters (got {len(given)} characters: {given[:32]!r})",
+                "invalid_request_id", REQUEST_ID_HEADER, request_id=rid,
+            )(scope, receive, send_with_id)
+            return
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception as exc:
+            if started:
+                raise
+            log.error("request %s %s %s failed: %r", rid, scope.get("method"),
+                      scope.get("path"), exc)
+            e = internal_error(exc)
+            await error_response(e.status, e.message, e.code, request_id=rid)(
+                scope, receive, send_with_id)
+
+
+def error_event(error: ServingError, request_id: str | None = None) -> str:
+    """The SSE event that ends a stream in ``error``: the body its HTTP error would have had
+    (``request_id``: the request's ``X-Request-Id``, in ``error.request_id``)."""
+    body = error_body(error.status, error.message, error.code, error.param)
+    if request_id:
+        body["error"]["request_id"] = request_id
+    return sse_event(json.dumps(body))
 
 
 # Pydantic puts the member type of a union in an error's location ("temperature.float",
@@ -220,6 +292,7 @@ class _Call:
     token_ids: bool = False
     request_id: str = ""  # the client's (body ``request_id``), in the answer's ``id``
     service_tier: str | None = None  # the one it runs in, where the request named one
+    header_id: str = ""  # the HTTP request's id (``X-Request-Id``, sent or made): to the replica
 
     def parser(self) -> ToolCallParser | None:
         """A fresh parser of one answer's tool calls (None: no tools)."""
@@ -376,9 +449,13 @@ app = FastAPI(title="tierserve", version="0.1.0", openapi_url=None, docs_url=Non
               redoc_url=None, description="OpenAI-compatible LLM serving with priority tiers.")
 
 
+app.add_middleware(RequestIds)
+
+
 @app.exception_handler(StarletteHTTPException)
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    response = error_response(exc.status_code, str(exc.detail), code="http_error")
+    response = error_response(exc.status_code, str(exc.detail), code="http_error",
+                              request_id=request_id_of(request))
     response.headers.update(exc.headers or {})  # e.g. the Allow header of a 405
     return response
 
@@ -392,9 +469,10 @@ def internal_error(e: BaseException) -> ServingError:
 
 @app.exception_handler(Exception)
 async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
-    log.error("request %s %s failed: %r", request.method, request.url.path, exc)
+    log.error("request %s %s %s failed: %r", request_id_of(request), request.method,
+              request.url.path, exc)
     e = internal_error(exc)
-    return error_response(e.status, e.message, e.code)
+    return error_response(e.status, e.message, e.code, request_id=request_id_of(request))
 
 
 @app.exception_handler(ServingError)
@@ -404,7 +482,8 @@ async def _api_error(request: Request, exc: ServingError) -> JSONResponse:
     retry = exc.retry_after
     if retry is None and (exc.status == 429 or exc.code == "shed"):
         retry = request.app.state.retry_after
-    return error_response(exc.status, exc.message, exc.code, exc.param, retry)
+    return error_response(exc.status, exc.message, exc.code, exc.param, retry,
+                          request_id_of(request))
 
 
 @serve.deployment(name="Ingress", max_ongoing_requests=1024)
@@ -871,6 +950,9 @@ class Ingress:
 
     async def _serve(self, request: Request, body: CompletionRequest | ChatCompletionRequest,
                      call: _Call, caller: Caller) -> Response:
+        call.header_id = request_id_of(request) or ""
+        if call.header_id and request.headers.get(REQUEST_ID_HEADER):
+            call.request_id = call.header_id  # the client's header wins over the body's field
         try:
             structured = await self.schemas.structured_output(
                 body, call.tool_mode if call.chat else None)
@@ -1070,7 +1152,7 @@ class Ingress:
                 avoid_replicas=tuple(route.avoid), ttft_target_s=caller.tier.ttft_target_s,
                 tpot_target_s=caller.tier.tpot_target_s,
                 waited_s=time.monotonic() - route.arrival, tenant=caller.tenant,
-                cache_partition=call.cache_partition))
+                cache_partition=call.cache_partition, request_id=call.header_id))
             try:
                 first = await self._next(stream)
                 if first is None:
@@ -1211,7 +1293,7 @@ class Ingress:
                 reason = c.finish_reason
                 if reason == "error":
                     route.committed = True
-                    yield error_event(_engine_failed(c))
+                    yield error_event(_engine_failed(c), call.header_id)
                     break
                 lps = c.logprobs[new_logprobs:]
                 echo = (call.echo or "") if first_of_choice and not call.chat else ""
@@ -1257,11 +1339,11 @@ class Ingress:
                     break
             yield "data: [DONE]\n\n"
         except ServingError as e:
-            yield error_event(e)
+            yield error_event(e, call.header_id)
             yield "data: [DONE]\n\n"
         except Exception as e:  # a fault of ours: the client still gets an end it can read
             log.exception("a stream failed after its first byte")
-            yield error_event(internal_error(e))
+            yield error_event(internal_error(e), call.header_id)
             yield "data: [DONE]\n\n"
         finally:
             await items.aclose()

@@ -19,6 +19,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from tierserve.cluster.protocol import (
+    REQUEST_ID_PATTERN,
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -43,7 +44,7 @@ REF = "#/components/schemas/{model}"
 _ERRORS: dict[int, str] = {
     400: "Bad input: not JSON, unknown field, wrong type, out-of-range value, unknown model, "
     "empty or too long prompt, a request that can never fit a replica's KV pool, a bad "
-    "X-TL-Priority header.",
+    "X-TL-Priority or X-Request-Id header.",
     401: "A missing (when keys are configured and no anonymous tier) or unknown API key.",
     408: "The body did not all arrive within body_timeout_s of the headers.",
     413: "The body is larger than max_request_bytes.",
@@ -223,6 +224,7 @@ def openapi_schema(app: FastAPI, limits: dict[str, Any] | None = None) -> dict[s
         "content": {"application/json": {"schema": {"$ref": REF.format(model="ModelList")}}},
     }}
     _small_routes(doc, limits)
+    _request_ids(doc)
     health = doc["paths"]["/health"]["get"]
     health["responses"] = {"200": {
         "description": "The ingress is up.",
@@ -296,3 +298,29 @@ def _small_routes(doc: dict[str, Any], limits: dict[str, Any]) -> None:
                 "content": {"application/json": {"schema": {
                     "$ref": REF.format(model="ErrorResponse")}}}},
     }
+
+
+_REQUEST_ID_PARAM = {
+    "name": "X-Request-Id", "in": "header", "required": False,
+    "description": "the request's id (1 to 128 visible ASCII characters; one is made when "
+                   "none is sent): sent back in this header on every response and in an "
+                   "error's error.request_id",
+    "schema": {"type": "string", "pattern": REQUEST_ID_PATTERN},
+}
+
+
+def _request_ids(doc: dict[str, Any]) -> None:
+    """Every operation takes ``X-Request-Id`` and answers with it; an error body carries it."""
+    header = {"description": "the request's id (the one sent, or one made)",
+              "schema": {"type": "string"}}
+    for path in doc["paths"].values():
+        for op in path.values():
+            op.setdefault("parameters", []).append(dict(_REQUEST_ID_PARAM))
+            for response in op.get("responses", {}).values():
+                response.setdefault("headers", {})["X-Request-Id"] = dict(header)
+    detail = doc["components"]["schemas"].get("ErrorDetail")
+    if detail is not None:
+        detail["properties"]["request_id"] = {
+            "type": "string", "title": "Request Id",
+            "description": "the request's X-Request-Id (on HTTP errors and a stream's error "
+                           "event)"}

@@ -151,8 +151,10 @@ class StubIngress:
 
         raw = [(b"content-length", str(len(data)).encode())]
         raw += [(k.lower().encode(), v.encode()) for k, v in headers.items()]
+        # The request's id as the app's middleware (``ingress.RequestIds``) sets it.
+        rid = {k.lower(): v for k, v in headers.items()}.get("x-request-id", "req-stub")
         scope = {"type": "http", "method": "POST", "path": path, "headers": raw,
-                 "query_string": b"", "app": ingress.app}
+                 "query_string": b"", "app": ingress.app, "state": {"request_id": rid}}
         request = Request(scope, receive)
         try:
             response = await getattr(self.cls, method)(self.inst, request)
