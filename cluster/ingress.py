@@ -159,12 +159,35 @@ def request_id_of(request: Request) -> str | None:
     return value if isinstance(value, str) else None
 
 
+@dataclass(slots=True)
+class _Proxy:
+    """Whether a Serve HTTP proxy stands in front of this process's app. Serve's proxy gives
+    every request an ``X-Request-Id`` header (the client's, or one it makes) before the app sees
+    it, and adds the same id to every response's headers itself: then ``RequestIds`` leaves the
+    response header to it (one header, the same id), and uses the id it finds."""
+
+    echoes_request_id: bool = False
+
+
+_proxy = _Proxy()
+
+
+def _under_serve() -> bool:
+    """Whether this process runs a Serve replica (so Serve's proxy fronts the app)."""
+    try:
+        serve.get_replica_context()
+    except Exception:
+        return False
+    return True
+
+
 class RequestIds:
     """ASGI middleware: every request gets an id, the client's ``X-Request-Id`` (1 to 128
     visible ASCII characters, as the body's ``request_id``) or a new one; it is in the scope's
     state for the routes (``request_id_of``: to the replica, into the error bodies) and in
-    every response's ``X-Request-Id``. A malformed header is a 400 ``invalid_request_id``
-    (under a new id). It also answers an exception no handler took (a 500 naming its type) while
+    every response's ``X-Request-Id`` (under Serve, its proxy's: ``_Proxy``). A malformed
+    header is a 400 ``invalid_request_id`` (under a new id; under Serve, the proxy still echoes
+    the header as sent). It also answers an exception no handler took (a 500 naming its type) while
     the response has not started, so that answer carries the id too."""
 
     def __init__(self, app: ASGIApp) -> None:
@@ -186,7 +209,10 @@ class RequestIds:
             if message["type"] == "http.response.start":
                 started = True
                 headers = MutableHeaders(scope=message)
-                headers[REQUEST_ID_HEADER] = rid
+                if _proxy.echoes_request_id:  # the proxy adds it: one header, not two
+                    del headers[REQUEST_ID_HEADER]
+                else:
+                    headers[REQUEST_ID_HEADER] = rid
             await send(message)
 
         if given is not None and not ok:
@@ -524,6 +550,7 @@ class Ingress:
             "max_request_bytes": self.cfg.max_request_bytes, "max_n": self.cfg.max_n,
             "tokenizer_size": self.tokenizer_size})
         app.state.retry_after = self.cfg.retry_after_s
+        _proxy.echoes_request_id = _under_serve()
         self._limits: dict[str, Any] | None = None
         # The replicas' prefix-cache names for the router's prefix affinity (None: cache off).
         engine = self.cfg.engine

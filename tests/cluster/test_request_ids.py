@@ -115,3 +115,18 @@ def test_a_stream_error_event_carries_the_id() -> None:
     event = ingress.error_event(Unavailable("gone", "replica_failed"), "trace-s")
     assert '"request_id": "trace-s"' in event
     assert "request_id" not in ingress.error_event(Unavailable("gone", "replica_failed"))
+
+
+def test_under_serve_the_proxy_s_header_is_the_only_one(client: TestClient,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Serve's proxy sets ``X-Request-Id`` on the request and adds it to every response: the
+    app then adds none of its own (no second header), and uses the id the proxy passed."""
+    monkeypatch.setattr(ingress._proxy, "echoes_request_id", True)
+    r = client.get("/ok", headers={"X-Request-Id": "from-proxy"})
+    assert r.text == "from-proxy" and "x-request-id" not in r.headers
+    r = client.get("/boom", headers={"X-Request-Id": "from-proxy"})
+    assert r.status_code == 500 and "x-request-id" not in r.headers
+    assert r.json()["error"]["request_id"] == "from-proxy"
+    r = TestClient(ingress.app).get("/nope", headers={"X-Request-Id": "from-proxy"})
+    assert r.status_code == 404 and "x-request-id" not in r.headers
+    assert r.json()["error"]["request_id"] == "from-proxy"
