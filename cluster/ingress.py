@@ -166,7 +166,13 @@ class _Proxy:
     it, and adds the same id to every response's headers itself: then ``RequestIds`` leaves the
     response header to it (one header, the same id), and uses the id it finds."""
 
-    echoes_request_id: bool = False
+    checked: bool | None = None  # None: not known yet (asked on the first request)
+
+    @property
+    def echoes_request_id(self) -> bool:
+        if self.checked is None:
+            self.checked = _under_serve()
+        return self.checked
 
 
 _proxy = _Proxy()
@@ -550,7 +556,6 @@ class Ingress:
             "max_request_bytes": self.cfg.max_request_bytes, "max_n": self.cfg.max_n,
             "tokenizer_size": self.tokenizer_size})
         app.state.retry_after = self.cfg.retry_after_s
-        _proxy.echoes_request_id = _under_serve()
         self._limits: dict[str, Any] | None = None
         # The replicas' prefix-cache names for the router's prefix affinity (None: cache off).
         engine = self.cfg.engine

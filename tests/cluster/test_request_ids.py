@@ -121,7 +121,7 @@ def test_under_serve_the_proxy_s_header_is_the_only_one(client: TestClient,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """Serve's proxy sets ``X-Request-Id`` on the request and adds it to every response: the
     app then adds none of its own (no second header), and uses the id the proxy passed."""
-    monkeypatch.setattr(ingress._proxy, "echoes_request_id", True)
+    monkeypatch.setattr(ingress._proxy, "checked", True)
     r = client.get("/ok", headers={"X-Request-Id": "from-proxy"})
     assert r.text == "from-proxy" and "x-request-id" not in r.headers
     r = client.get("/boom", headers={"X-Request-Id": "from-proxy"})
