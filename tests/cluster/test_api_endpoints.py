@@ -59,12 +59,27 @@ def test_tokenize_messages_as_the_chat_route_renders_them(stub: StubIngress) -> 
     assert bare.status == 200 and bare.body["count"] < answer.body["count"]
 
 
-def test_a_large_prompt_is_tokenized(stub: StubIngress) -> None:
-    """Past the size the pool takes (``OFF_LOOP_CHARS``), the same ids come back."""
+def test_a_large_prompt_is_tokenized_through_the_pool(stub: StubIngress,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The work goes through ``Tokenizing.run`` with the input's size (past ``OFF_LOOP_CHARS``
+    it runs on the pool), and the same ids come back."""
+    sizes: list[int] = []
+    run = stub.inst.tokenizing.run
+
+    async def counted(size: int, fn: Any) -> Any:
+        sizes.append(size)
+        return await run(size, fn)
+
+    monkeypatch.setattr(stub.inst.tokenizing, "run", counted)
     text = "word " * 1000
     answer = stub.post("/tokenize", {"model": stub.model, "prompt": text})
     assert answer.status == 200, answer.body
     assert answer.body["tokens"] == list(stub.inst.tokenizer.encode(text))
+    assert sizes == [len(text)]
+    answer = stub.post("/detokenize", {"model": stub.model, "tokens": answer.body["tokens"]})
+    assert answer.status == 200 and sizes[-1] == len(stub.inst.tokenizer.encode(text))
+    stub.post("/tokenize", {"model": stub.model, "messages": [{"role": "user", "content": text}]})
+    assert sizes[-1] == len(text)
 
 
 @pytest.mark.parametrize(("body", "param"), [
