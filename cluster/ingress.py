@@ -983,8 +983,10 @@ class Ingress:
     async def _serve(self, request: Request, body: CompletionRequest | ChatCompletionRequest,
                      call: _Call, caller: Caller) -> Response:
         call.header_id = request_id_of(request) or ""
-        if call.header_id and request.headers.get(REQUEST_ID_HEADER):
-            call.request_id = call.header_id  # the client's header wins over the body's field
+        if call.header_id and not call.request_id and request.headers.get(REQUEST_ID_HEADER):
+            # The body's request_id names the answer; else the header's id (under Serve the
+            # proxy always sets one, so the header alone cannot say the client chose it).
+            call.request_id = call.header_id
         try:
             structured = await self.schemas.structured_output(
                 body, call.tool_mode if call.chat else None)

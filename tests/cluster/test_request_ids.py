@@ -84,10 +84,11 @@ def test_the_id_reaches_the_replica_and_names_the_answer(stub: StubIngress, rout
     assert answer.status == 200, answer.body
     assert stub.sent[-1].request_id == "trace-7"
     assert answer.body["id"].endswith("-trace-7")
-    # The header wins over the body's request_id; without the header, the body's names it.
+    # The body's request_id names the answer even beside a header (which still goes to the
+    # replica); without the header, the body's names it too.
     answer = stub.post(route, {"model": stub.model, "request_id": "body-1", **body},
                        {"X-Request-Id": "trace-8"})
-    assert answer.body["id"].endswith("-trace-8")
+    assert answer.body["id"].endswith("-body-1") and stub.sent[-1].request_id == "trace-8"
     answer = stub.post(route, {"model": stub.model, "request_id": "body-1", **body})
     assert answer.body["id"].endswith("-body-1")
     assert stub.sent[-1].request_id == "req-stub"  # the id the middleware made
