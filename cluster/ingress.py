@@ -16,17 +16,22 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import time
 from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
 from ray import serve
 from ray.serve.handle import DeploymentHandle
+from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from tierserve import __version__
 from tierserve.cluster.config import ClusterConfig
 from tierserve.cluster.edge import (
     PromptBound,
@@ -47,6 +52,7 @@ from tierserve.cluster.logprobs import (
 from tierserve.cluster.metrics import IngressMetrics
 from tierserve.cluster.openapi import openapi_schema
 from tierserve.cluster.protocol import (
+    REQUEST_ID_PATTERN,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -57,10 +63,16 @@ from tierserve.cluster.protocol import (
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ModelCard,
     ModelList,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
     ToolCallDelta,
     Usage,
+    VersionResponse,
     dump,
     error_body,
     new_id,
@@ -87,6 +99,7 @@ from tierserve.records import (
     BadRequest,
     ErrorRecord,
     GenerateRequest,
+    NotFound,
     RequestOutput,
     SamplingParams,
     ServerFault,
@@ -106,6 +119,8 @@ from tierserve.router import registry
 
 log = logging.getLogger("tierserve.ingress")
 
+_M = TypeVar("_M", bound=BaseModel)
+
 
 # Characters JSON leaves raw inside strings but common line splitters (Python's str.splitlines,
 # hence httpx's aiter_lines) treat as line ends: an SSE event carrying one would reach such a
@@ -120,18 +135,118 @@ def sse_event(payload: str) -> str:
 
 def error_response(
     status: int, message: str, code: str | None = None, param: str | None = None,
-    retry_after: int | None = None,
+    retry_after: int | None = None, request_id: str | None = None,
 ) -> JSONResponse:
-    """An HTTP error (with ``Retry-After`` when given)."""
-    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
-    return JSONResponse(error_body(status, message, code, param), status_code=status,
-                        headers=headers)
+    """An HTTP error (with ``Retry-After`` when given); ``request_id``: the request's
+    ``X-Request-Id``, in the body's ``error.request_id`` and the header."""
+    headers = {"Retry-After": str(retry_after)} if retry_after is not None else {}
+    body = error_body(status, message, code, param)
+    if request_id is not None:
+        body["error"]["request_id"] = request_id
+        headers[REQUEST_ID_HEADER] = request_id
+    return JSONResponse(body, status_code=status, headers=headers or None)
 
 
-def error_event(error: ServingError) -> str:
-    """The SSE event that ends a stream in ``error``: the body its HTTP error would have had."""
-    return sse_event(json.dumps(error_body(error.status, error.message, error.code,
-                                           error.param)))
+# The header a request's id comes in and goes back out in (every response, errors included).
+REQUEST_ID_HEADER = "X-Request-Id"
+_REQUEST_ID = re.compile(REQUEST_ID_PATTERN)
+
+
+def request_id_of(request: Request) -> str | None:
+    """The request's id, as ``RequestIds`` set it (None outside the app's middleware)."""
+    scope = getattr(request, "scope", None) or {}
+    value = (scope.get("state") or {}).get("request_id")
+    return value if isinstance(value, str) else None
+
+
+@dataclass(slots=True)
+class _Proxy:
+    """Whether a Serve HTTP proxy stands in front of this process's app. Serve's proxy gives
+    every request an ``X-Request-Id`` header (the client's, or one it makes) before the app sees
+    it, and adds the same id to every response's headers itself: then ``RequestIds`` leaves the
+    response header to it (one header, the same id), and uses the id it finds."""
+
+    checked: bool | None = None  # None: not known yet (asked on the first request)
+
+    @property
+    def echoes_request_id(self) -> bool:
+        if self.checked is None:
+            self.checked = _under_serve()
+        return self.checked
+
+
+_proxy = _Proxy()
+
+
+def _under_serve() -> bool:
+    """Whether this process runs a Serve replica (so Serve's proxy fronts the app)."""
+    try:
+        serve.get_replica_context()
+    except Exception:
+        return False
+    return True
+
+
+class RequestIds:
+    """ASGI middleware: every request gets an id, the client's ``X-Request-Id`` (1 to 128
+    visible ASCII characters, as the body's ``request_id``) or a new one; it is in the scope's
+    state for the routes (``request_id_of``: to the replica, into the error bodies) and in
+    every response's ``X-Request-Id`` (under Serve, its proxy's: ``_Proxy``). A malformed
+    header is a 400 ``invalid_request_id`` (under a new id; under Serve, the proxy still echoes
+    the header as sent). It also answers an exception no handler took (a 500 naming its type) while
+    the response has not started, so that answer carries the id too."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        sent = [v for k, v in scope.get("headers", ()) if k.lower() == b"x-request-id"]
+        given = sent[0].decode("latin-1") if sent else None
+        ok = given is not None and _REQUEST_ID.match(given) is not None
+        rid = given if ok and given is not None else new_id("req")
+        scope.setdefault("state", {})["request_id"] = rid
+        started = False
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                headers = MutableHeaders(scope=message)
+                if _proxy.echoes_request_id:  # the proxy adds it: one header, not two
+                    del headers[REQUEST_ID_HEADER]
+                else:
+                    headers[REQUEST_ID_HEADER] = rid
+            await send(message)
+
+        if given is not None and not ok:
+            await error_response(
+                400, f"the {REQUEST_ID_HEADER} header must be 1 to 128 visible ASCII "
+                f"characters (got {len(given)} characters: {given[:32]!r})",
+                "invalid_request_id", REQUEST_ID_HEADER, request_id=rid,
+            )(scope, receive, send_with_id)
+            return
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception as exc:
+            if started:
+                raise
+            log.error("request %s %s %s failed: %r", rid, scope.get("method"),
+                      scope.get("path"), exc)
+            e = internal_error(exc)
+            await error_response(e.status, e.message, e.code, request_id=rid)(
+                scope, receive, send_with_id)
+
+
+def error_event(error: ServingError, request_id: str | None = None) -> str:
+    """The SSE event that ends a stream in ``error``: the body its HTTP error would have had
+    (``request_id``: the request's ``X-Request-Id``, in ``error.request_id``)."""
+    body = error_body(error.status, error.message, error.code, error.param)
+    if request_id:
+        body["error"]["request_id"] = request_id
+    return sse_event(json.dumps(body))
 
 
 # Pydantic puts the member type of a union in an error's location ("temperature.float",
@@ -174,6 +289,19 @@ def error_param(loc: Sequence[int | str], extra: bool = False) -> str | None:
     return ".".join(parts) or None
 
 
+def validated(model: type[_M], data: dict[str, Any]) -> _M:
+    """``data`` as ``model``; a validation failure a 400 naming the field."""
+    try:
+        return model.model_validate(data)
+    except Exception as e:
+        from pydantic import ValidationError
+
+        if not isinstance(e, ValidationError):
+            raise
+        msg, param = validation_error(e.errors())
+        raise BadRequest(msg, "invalid_request", param) from None
+
+
 @dataclass(slots=True)
 class _Call:
     """What the ingress needs to answer one request: its shape, not its sampling."""
@@ -196,6 +324,7 @@ class _Call:
     token_ids: bool = False
     request_id: str = ""  # the client's (body ``request_id``), in the answer's ``id``
     service_tier: str | None = None  # the one it runs in, where the request named one
+    header_id: str = ""  # the HTTP request's id (``X-Request-Id``, sent or made): to the replica
 
     def parser(self) -> ToolCallParser | None:
         """A fresh parser of one answer's tool calls (None: no tools)."""
@@ -352,9 +481,13 @@ app = FastAPI(title="tierserve", version="0.1.0", openapi_url=None, docs_url=Non
               redoc_url=None, description="OpenAI-compatible LLM serving with priority tiers.")
 
 
+app.add_middleware(RequestIds)
+
+
 @app.exception_handler(StarletteHTTPException)
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    response = error_response(exc.status_code, str(exc.detail), code="http_error")
+    response = error_response(exc.status_code, str(exc.detail), code="http_error",
+                              request_id=request_id_of(request))
     response.headers.update(exc.headers or {})  # e.g. the Allow header of a 405
     return response
 
@@ -368,9 +501,10 @@ def internal_error(e: BaseException) -> ServingError:
 
 @app.exception_handler(Exception)
 async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
-    log.error("request %s %s failed: %r", request.method, request.url.path, exc)
+    log.error("request %s %s %s failed: %r", request_id_of(request), request.method,
+              request.url.path, exc)
     e = internal_error(exc)
-    return error_response(e.status, e.message, e.code)
+    return error_response(e.status, e.message, e.code, request_id=request_id_of(request))
 
 
 @app.exception_handler(ServingError)
@@ -380,7 +514,8 @@ async def _api_error(request: Request, exc: ServingError) -> JSONResponse:
     retry = exc.retry_after
     if retry is None and (exc.status == 429 or exc.code == "shed"):
         retry = request.app.state.retry_after
-    return error_response(exc.status, exc.message, exc.code, exc.param, retry)
+    return error_response(exc.status, exc.message, exc.code, exc.param, retry,
+                          request_id_of(request))
 
 
 @serve.deployment(name="Ingress", max_ongoing_requests=1024)
@@ -394,6 +529,8 @@ class Ingress:
         self.special_ids = frozenset(self.tokenizer.all_special_ids)
         mcfg = load_model_config(self.cfg.engine.model, self.cfg.engine.trust_remote_code)
         self.vocab_size = mcfg.vocab_size
+        # The ids the tokenizer can name (its vocabulary and added tokens): what /detokenize takes.
+        self.tokenizer_size = len(self.tokenizer)
         self.prompt_bound = PromptBound(
             context_length(self.cfg.engine, mcfg.max_position_embeddings),
             longest_token_bytes(self.tokenizer))
@@ -416,7 +553,8 @@ class Ingress:
         self.openapi_doc = openapi_schema(app, {
             "model": self.cfg.model_name, "max_tokens": self.cfg.max_tokens_limit,
             "vocab_size": self.vocab_size, "max_stop_strings": self.cfg.max_stop_strings,
-            "max_request_bytes": self.cfg.max_request_bytes, "max_n": self.cfg.max_n})
+            "max_request_bytes": self.cfg.max_request_bytes, "max_n": self.cfg.max_n,
+            "tokenizer_size": self.tokenizer_size})
         app.state.retry_after = self.cfg.retry_after_s
         self._limits: dict[str, Any] | None = None
         # The replicas' prefix-cache names for the router's prefix affinity (None: cache off).
@@ -446,7 +584,73 @@ class Ingress:
 
     @app.get("/v1/models")
     async def models(self) -> dict[str, Any]:
-        return dump(ModelList(data=[ModelCard(id=self.cfg.model_name, created=self.created)]))
+        return dump(ModelList(data=[self._model_card()]))
+
+    @app.get("/v1/models/{model_id:path}", response_model=None)
+    async def model(self, model_id: str) -> JSONResponse:
+        """The served model's object; any other id a 404 ``model_not_found`` (OpenAI's)."""
+        if model_id != self.cfg.model_name:
+            raise NotFound(f"model {model_id[:256]!r} does not exist; this server serves "
+                           f"{self.cfg.model_name!r}", "model_not_found", "model")
+        return JSONResponse(dump(self._model_card()))
+
+    def _model_card(self) -> ModelCard:
+        return ModelCard(id=self.cfg.model_name, created=self.created)
+
+    @app.get("/version")
+    async def version(self) -> dict[str, Any]:
+        """The server's version (tierserve's package version)."""
+        return dump(VersionResponse(version=__version__))
+
+    @app.post("/tokenize", response_model=None)
+    async def tokenize(self, request: Request) -> JSONResponse:
+        """vLLM's ``/tokenize``: a ``prompt``'s ids, or (with ``messages``) the ids the chat
+        template renders, exactly as the generation routes make them; behind the same key check
+        and body limits, a large input tokenized on the pool (``Tokenizing``). Not bounded by
+        the context (counting a long text's tokens is what it is for): ``max_model_len`` says
+        what fits."""
+        self._caller(request)
+        data = await read_json(request.stream(), request.headers.get("content-length"),
+                               self.cfg.max_request_bytes, self.cfg.body_timeout_s)
+        kind: type[TokenizeChatRequest] | type[TokenizeCompletionRequest] = (
+            TokenizeChatRequest if "messages" in data else TokenizeCompletionRequest)
+        body = validated(kind, data)
+        self._known_model(body.model)
+        if isinstance(body, TokenizeChatRequest):
+            ids = await self._render_chat(body, None, None)
+        else:
+            text, special = body.prompt, body.add_special_tokens
+            ids = (await self.tokenizing.run(len(text), lambda: list(
+                self.tokenizer.encode(text, add_special_tokens=special)))) if text else []
+        strs = None
+        if body.return_token_strs:
+            strs = list(self.tokenizer.convert_ids_to_tokens(ids))
+        return JSONResponse(dump(TokenizeResponse(
+            count=len(ids), max_model_len=self.prompt_bound.context, tokens=ids,
+            token_strs=strs)))
+
+    @app.post("/detokenize", response_model=None)
+    async def detokenize(self, request: Request) -> JSONResponse:
+        """vLLM's ``/detokenize``: the text of ``tokens`` (special tokens kept); an id the
+        tokenizer cannot name is a 400 ``invalid_token`` naming its place."""
+        self._caller(request)
+        data = await read_json(request.stream(), request.headers.get("content-length"),
+                               self.cfg.max_request_bytes, self.cfg.body_timeout_s)
+        body = validated(DetokenizeRequest, data)
+        self._known_model(body.model)
+        for i, t in enumerate(body.tokens):
+            if t >= self.tokenizer_size:
+                raise BadRequest(f"tokens.{i}: token id {t} is outside the vocabulary (ids "
+                                 f"0 to {self.tokenizer_size - 1})", "invalid_token",
+                                 f"tokens.{i}")
+        ids = body.tokens
+        text = await self.tokenizing.run(len(ids), lambda: str(self.tokenizer.decode(ids)))
+        return JSONResponse(dump(DetokenizeResponse(prompt=text)))
+
+    def _known_model(self, model: str) -> None:
+        if model != self.cfg.model_name:
+            raise BadRequest(f"unknown model {model!r}; this server serves "
+                             f"{self.cfg.model_name!r}", "model_not_found", "model")
 
     @app.post("/v1/completions", response_model=None)
     async def completions(self, request: Request) -> Response:
@@ -552,26 +756,9 @@ class Ingress:
             self.metrics.rejected("busy", caller.tier.name)
             raise
         texts = message_texts(messages)
-        size = sum(len(t) for t in texts)
         if body.truncate_prompt_tokens is None:
             self._fits(caller, sum(len(t.encode("utf-8")) for t in texts), None, "messages")
-        extra = self._template_kwargs(body)
-
-        def render() -> Any:
-            if body.add_special_tokens:  # the template's text, then the tokenizer's own tokens
-                text = self.tokenizer.apply_chat_template(
-                    messages, tools=tools, tokenize=False, **extra)
-                return list(self.tokenizer.encode(text, add_special_tokens=True))
-            return self.tokenizer.apply_chat_template(
-                messages, tools=tools, tokenize=True, return_dict=False, **extra)
-
-        try:
-            ids = await self.tokenizing.run(size, render)
-        except Exception as e:
-            raise BadRequest(f"the chat template could not render these messages: {e}",
-                             "bad_messages", "messages") from e
-        if isinstance(ids, dict):
-            ids = ids["input_ids"]
+        ids = await self._render_chat(body, messages, tools)
         if body.truncate_prompt_tokens is not None:
             ids = list(ids)[-body.truncate_prompt_tokens:]
         self._fits(caller, None, len(ids), "messages")
@@ -589,21 +776,50 @@ class Ingress:
 
     # ------------------------------------------------------------------ helpers
 
+    async def _render_chat(self, body: ChatCompletionRequest | TokenizeChatRequest,
+                           messages: list[dict[str, Any]] | None, tools: Any) -> list[int]:
+        """The ids ``body``'s chat template renders (``messages``, ``tools``: as
+        ``render_messages`` made them; None: ``body``'s messages, no tools), on the pool when
+        the messages are large; a template that fails on them is a 400 ``bad_messages``."""
+        if messages is None:
+            try:
+                messages, tools = render_messages(body.messages, None, None,
+                                                  self.template_takes_tools)
+            except StructuredError as e:
+                raise ToolMessageError(str(e), e.param) from None
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise BadRequest(
+                f"model {self.cfg.model_name!r} has no chat template (a base model, which "
+                "continues text): send a prompt instead", "no_chat_template", "messages")
+        rendered = messages
+        size = sum(len(t) for t in message_texts(rendered))
+        extra = self._template_kwargs(body)
+
+        def render() -> Any:
+            if body.add_special_tokens:  # the template's text, then the tokenizer's own tokens
+                text = self.tokenizer.apply_chat_template(
+                    rendered, tools=tools, tokenize=False, **extra)
+                return list(self.tokenizer.encode(text, add_special_tokens=True))
+            return self.tokenizer.apply_chat_template(
+                rendered, tools=tools, tokenize=True, return_dict=False, **extra)
+
+        try:
+            ids = await self.tokenizing.run(size, render)
+        except Exception as e:
+            raise BadRequest(f"the chat template could not render these messages: {e}",
+                             "bad_messages", "messages") from e
+        if isinstance(ids, dict):
+            ids = ids["input_ids"]
+        return list(ids)
+
     async def _body(self, request: Request, model: type[CompletionRequest] | type[ChatCompletionRequest]
                     ) -> CompletionRequest | ChatCompletionRequest:
         data = await read_json(request.stream(), request.headers.get("content-length"),
                                self.cfg.max_request_bytes, self.cfg.body_timeout_s)
-        try:
-            return model.model_validate(data)
-        except Exception as e:
-            from pydantic import ValidationError
+        return validated(model, data)
 
-            if not isinstance(e, ValidationError):
-                raise
-            msg, param = validation_error(e.errors())
-            raise BadRequest(msg, "invalid_request", param) from None
-
-    def _template_kwargs(self, body: ChatCompletionRequest) -> dict[str, Any]:
+    def _template_kwargs(self, body: ChatCompletionRequest | TokenizeChatRequest
+                         ) -> dict[str, Any]:
         """What the chat template is rendered with besides the messages and tools: the
         generation prompt or the open last message, documents, and ``chat_template_kwargs``
         (variables the template reads; a name ``apply_chat_template`` takes itself is a 400,
@@ -766,6 +982,11 @@ class Ingress:
 
     async def _serve(self, request: Request, body: CompletionRequest | ChatCompletionRequest,
                      call: _Call, caller: Caller) -> Response:
+        call.header_id = request_id_of(request) or ""
+        if call.header_id and not call.request_id and request.headers.get(REQUEST_ID_HEADER):
+            # The body's request_id names the answer; else the header's id (under Serve the
+            # proxy always sets one, so the header alone cannot say the client chose it).
+            call.request_id = call.header_id
         try:
             structured = await self.schemas.structured_output(
                 body, call.tool_mode if call.chat else None)
@@ -965,7 +1186,7 @@ class Ingress:
                 avoid_replicas=tuple(route.avoid), ttft_target_s=caller.tier.ttft_target_s,
                 tpot_target_s=caller.tier.tpot_target_s,
                 waited_s=time.monotonic() - route.arrival, tenant=caller.tenant,
-                cache_partition=call.cache_partition))
+                cache_partition=call.cache_partition, request_id=call.header_id))
             try:
                 first = await self._next(stream)
                 if first is None:
@@ -1106,7 +1327,7 @@ class Ingress:
                 reason = c.finish_reason
                 if reason == "error":
                     route.committed = True
-                    yield error_event(_engine_failed(c))
+                    yield error_event(_engine_failed(c), call.header_id)
                     break
                 lps = c.logprobs[new_logprobs:]
                 echo = (call.echo or "") if first_of_choice and not call.chat else ""
@@ -1152,11 +1373,11 @@ class Ingress:
                     break
             yield "data: [DONE]\n\n"
         except ServingError as e:
-            yield error_event(e)
+            yield error_event(e, call.header_id)
             yield "data: [DONE]\n\n"
         except Exception as e:  # a fault of ours: the client still gets an end it can read
             log.exception("a stream failed after its first byte")
-            yield error_event(internal_error(e))
+            yield error_event(internal_error(e), call.header_id)
             yield "data: [DONE]\n\n"
         finally:
             await items.aclose()

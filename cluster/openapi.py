@@ -19,13 +19,21 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from tierserve.cluster.protocol import (
+    REQUEST_ID_PATTERN,
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorResponse,
+    ModelCard,
     ModelList,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+    VersionResponse,
 )
 from tierserve.cluster.tiers import PRIORITY_PATTERN
 from tierserve.records import MAX_STOP_STRING_CHARS
@@ -36,7 +44,7 @@ REF = "#/components/schemas/{model}"
 _ERRORS: dict[int, str] = {
     400: "Bad input: not JSON, unknown field, wrong type, out-of-range value, unknown model, "
     "empty or too long prompt, a request that can never fit a replica's KV pool, a bad "
-    "X-TL-Priority header.",
+    "X-TL-Priority or X-Request-Id header.",
     401: "A missing (when keys are configured and no anonymous tier) or unknown API key.",
     408: "The body did not all arrive within body_timeout_s of the headers.",
     413: "The body is larger than max_request_bytes.",
@@ -72,6 +80,13 @@ def _components() -> dict[str, Any]:
         (ChatCompletionChunk, "serialization"),
         (ModelList, "serialization"),
         (ErrorResponse, "serialization"),
+        (TokenizeCompletionRequest, "validation"),
+        (TokenizeChatRequest, "validation"),
+        (TokenizeResponse, "serialization"),
+        (DetokenizeRequest, "validation"),
+        (DetokenizeResponse, "serialization"),
+        (ModelCard, "serialization"),
+        (VersionResponse, "serialization"),
     ]
     _, schema = models_json_schema(models, ref_template=REF)
     defs: dict[str, Any] = _json_schema_keywords(schema.get("$defs", {}))
@@ -151,7 +166,8 @@ def openapi_schema(app: FastAPI, limits: dict[str, Any] | None = None) -> dict[s
     """The complete document for ``app`` (the ingress's FastAPI app) under ``limits``.
 
     limits: ``model`` (the served name), ``max_tokens``, ``vocab_size``, ``max_stop_strings``,
-    ``max_request_bytes``, ``max_n``; any may be missing.
+    ``max_request_bytes``, ``max_n``, ``tokenizer_size`` (the ids ``/detokenize`` takes); any
+    may be missing.
     """
     limits = limits or {}
     # get_openapi builds a fresh document on every call: editing it in place is safe.
@@ -207,6 +223,8 @@ def openapi_schema(app: FastAPI, limits: dict[str, Any] | None = None) -> dict[s
         "description": "The served model.",
         "content": {"application/json": {"schema": {"$ref": REF.format(model="ModelList")}}},
     }}
+    _small_routes(doc, limits)
+    _request_ids(doc)
     health = doc["paths"]["/health"]["get"]
     health["responses"] = {"200": {
         "description": "The ingress is up.",
@@ -230,3 +248,79 @@ def openapi_schema(app: FastAPI, limits: dict[str, Any] | None = None) -> dict[s
     doc["components"]["schemas"].pop("HTTPValidationError", None)
     doc["components"]["schemas"].pop("ValidationError", None)
     return doc
+
+
+def _json(model: str, description: str) -> dict[str, Any]:
+    return {"description": description,
+            "content": {"application/json": {"schema": {"$ref": REF.format(model=model)}}}}
+
+
+def _small_routes(doc: dict[str, Any], limits: dict[str, Any]) -> None:
+    """``/tokenize``, ``/detokenize`` (bodies read by the route itself, as the generation
+    routes' are), ``/version`` and ``/v1/models/{model_id}``."""
+    size = limits.get("max_request_bytes")
+    body_note = f" At most {size} bytes." if size else ""
+    errors = {str(status): _error(status) for status in (400, 401, 408, 413, 500)}
+    tokenize = doc["paths"]["/tokenize"]["post"]
+    tokenize["requestBody"] = {
+        "required": True,
+        "description": "vLLM's shape: a prompt, or chat messages (rendered with the chat "
+                       "template)." + body_note,
+        "content": {"application/json": {"schema": {"anyOf": [
+            {"$ref": REF.format(model="TokenizeCompletionRequest")},
+            {"$ref": REF.format(model="TokenizeChatRequest")}]}}},
+    }
+    tokenize["security"] = [{"bearer": []}, {}]
+    tokenize["responses"] = {"200": _json("TokenizeResponse", "The prompt's token ids."),
+                             **errors}
+    detokenize = doc["paths"]["/detokenize"]["post"]
+    detokenize["requestBody"] = {
+        "required": True, "description": "vLLM's shape: token ids." + body_note,
+        "content": {"application/json": {"schema": {
+            "$ref": REF.format(model="DetokenizeRequest")}}},
+    }
+    detokenize["security"] = [{"bearer": []}, {}]
+    detokenize["responses"] = {"200": _json("DetokenizeResponse", "The ids' text."), **errors}
+    vocab = limits.get("tokenizer_size")
+    schemas = doc["components"]["schemas"]
+    if vocab is not None:
+        schemas["DetokenizeRequest"]["properties"]["tokens"]["items"]["maximum"] = vocab - 1
+    if limits.get("model") is not None:
+        for name in ("TokenizeCompletionRequest", "TokenizeChatRequest", "DetokenizeRequest"):
+            schemas[name]["properties"]["model"] = {"type": "string", "enum": [limits["model"]],
+                                                    "title": "Model"}
+    doc["paths"]["/version"]["get"]["responses"] = {
+        "200": _json("VersionResponse", "tierserve's version.")}
+    one = doc["paths"]["/v1/models/{model_id}"]["get"]
+    one["responses"] = {
+        "200": _json("ModelCard", "The served model."),
+        "404": {"description": "No model of that id is served (code model_not_found).",
+                "content": {"application/json": {"schema": {
+                    "$ref": REF.format(model="ErrorResponse")}}}},
+    }
+
+
+_REQUEST_ID_PARAM = {
+    "name": "X-Request-Id", "in": "header", "required": False,
+    "description": "the request's id (1 to 128 visible ASCII characters; one is made when "
+                   "none is sent): sent back in this header on every response and in an "
+                   "error's error.request_id",
+    "schema": {"type": "string", "pattern": REQUEST_ID_PATTERN},
+}
+
+
+def _request_ids(doc: dict[str, Any]) -> None:
+    """Every operation takes ``X-Request-Id`` and answers with it; an error body carries it."""
+    header = {"description": "the request's id (the one sent, or one made)",
+              "schema": {"type": "string"}}
+    for path in doc["paths"].values():
+        for op in path.values():
+            op.setdefault("parameters", []).append(dict(_REQUEST_ID_PARAM))
+            for response in op.get("responses", {}).values():
+                response.setdefault("headers", {})["X-Request-Id"] = dict(header)
+    detail = doc["components"]["schemas"].get("ErrorDetail")
+    if detail is not None:
+        detail["properties"]["request_id"] = {
+            "type": "string", "title": "Request Id",
+            "description": "the request's X-Request-Id (on HTTP errors and a stream's error "
+                           "event)"}

@@ -685,6 +685,64 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+class TokenizeCompletionRequest(_Body):
+    """``POST /tokenize`` of a prompt (vLLM's shape): its ids, with the tokenizer's special
+    tokens unless ``add_special_tokens`` is false; ``return_token_strs``: each id's token too."""
+
+    model: StrictStr
+    prompt: StrictStr
+    add_special_tokens: StrictBool = True
+    return_token_strs: StrictBool = False
+
+
+class TokenizeChatRequest(_Body):
+    """``POST /tokenize`` of chat messages (vLLM's shape): the ids the chat template renders
+    them to, as ``/v1/chat/completions`` would send them (no tools)."""
+
+    model: StrictStr
+    messages: list[Message] = Field(min_length=1)
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    add_special_tokens: StrictBool = False
+    return_token_strs: StrictBool = False
+    chat_template_kwargs: dict[StrictStr, Any] | None = None
+    documents: list[dict[StrictStr, StrictStr]] | None = None
+    # Refused unless null: not supported yet.
+    tools: Unsupported = None
+    chat_template: Unsupported = None
+    mm_processor_kwargs: Unsupported = None
+
+    @model_validator(mode="after")
+    def _one_ending(self) -> TokenizeChatRequest:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be "
+                             "true: send add_generation_prompt false to continue the last "
+                             "message")
+        return self
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int  # the context: a prompt may have at most this many tokens less one
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Body):
+    """``POST /detokenize`` (vLLM's shape): the text of ``tokens``."""
+
+    model: StrictStr
+    tokens: list[Annotated[Int, Field(ge=0)]]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str
+
+
 class ErrorDetail(BaseModel):
     message: str
     type: str

@@ -96,9 +96,14 @@ class LLMServer:
                 400, "invalid_request", f"expected a GenerateRequest, got {type(request).__name__}"
             )
             return
+        rid = request.request_id or "-"
+        log.debug("request %s: %d prompt tokens, n %d, tier %r", rid, len(request.prompt_ids),
+                  request.n, request.tier)
         tier_queue_limit = share_of(self.config.max_waiting, request.queue_share)
         if request.queue_share < 1.0 and self.engine.num_waiting() >= tier_queue_limit:
             self.engine.count_rejection("shed", request.tier)
+            log.info("request %s: shed (tier %r's share of the queue, %d, is full)", rid,
+                     request.tier, tier_queue_limit)
             yield ErrorRecord(
                 429,
                 "shed",
@@ -113,6 +118,7 @@ class LLMServer:
                 if not produced and failed_before_first_token(out):
                     # Refused, so the ingress sends it to another replica (the rest of its samples
                     # are aborted).
+                    log.warning("request %s: refused, the engine failed: %s", rid, out.failure)
                     yield ErrorRecord(503, "replica_unavailable",
                                       out.failure or "the replica's engine failed",
                                       replica=self.replica_id)
@@ -126,12 +132,17 @@ class LLMServer:
                     self.load.finished(request.tier, within_targets(
                         request.waited_s + out.ttft_s, out.tpot_s, request.ttft_target_s,
                         request.tpot_target_s))
+                if out.finished:
+                    log.debug("request %s: sample %d finished (%s), %d tokens", rid, out.index,
+                              out.finish_reason, out.completion_tokens)
                 yield out
         except ServingError as e:  # every refusal, its status and code its own
             if e.status == 503:  # this replica cannot serve it: the ingress tries another
                 e.replica = self.replica_id
+            log.info("request %s: refused, %d %s: %s", rid, e.status, e.code, e.message)
             yield e.record()
         except ValueError as e:  # a last guard: a check that raised the plain kind
+            log.info("request %s: refused, 400 invalid_request: %s", rid, e)
             yield ErrorRecord(400, "invalid_request", str(e))
         finally:
             self.load.answering(ticket)

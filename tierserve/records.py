@@ -124,6 +124,13 @@ class Unauthorized(ServingError):
     code = "invalid_api_key"
 
 
+class NotFound(ServingError):
+    """404: the thing the request names does not exist (a model id)."""
+
+    status = 404
+    code = "not_found"
+
+
 class RequestTimeout(ServingError):
     """408: the request's body did not arrive in time."""
 
@@ -427,6 +434,8 @@ class GenerateRequest:
     autoscaling report, ``tierserve.replica.load_report``). ``tenant``: who asked, inside the
     tier (grammar compiles are capped per tenant). ``cache_partition``: the prefix-cache
     partition of the prompt's blocks (None: the shared one; see ``docs/security.md``).
+    ``request_id``: the HTTP request's id at the ingress (its ``X-Request-Id``, sent or made;
+    empty from an in-process caller): the replica's log lines about this request carry it.
     """
 
     prompt_ids: tuple[int, ...]
@@ -443,6 +452,7 @@ class GenerateRequest:
     waited_s: float = 0.0
     tenant: str = ""
     cache_partition: str | None = None
+    request_id: str = ""
 
     @classmethod
     def of(cls, prompt_ids: Sequence[int], sampling: SamplingParams | None = None,

@@ -271,7 +271,9 @@ def assert_error(response: httpx.Response, status: int, code: str | None = None)
     body = response.json()
     assert set(body) == {"error"}, body
     err: dict[str, Any] = body["error"]
-    assert set(err) == {"message", "type", "code", "param"}, err
+    assert set(err) == {"message", "type", "code", "param", "request_id"}, err
+    # The request's id, the response's X-Request-Id (Serve's proxy sets that header, once).
+    assert response.headers.get_list("x-request-id") == [err["request_id"]], response.headers
     assert isinstance(err["message"], str) and err["message"], err
     assert isinstance(err["type"], str) and err["type"], err
     if code is not None:

@@ -110,9 +110,33 @@ class StubIngress:
         """Call the method of ``route`` with ``body``; a ``ServingError`` comes back as the
         answer the app's handler makes of it."""
         method = {"/v1/completions": "completions",
-                  "/v1/chat/completions": "chat"}[route]
+                  "/v1/chat/completions": "chat", "/tokenize": "tokenize",
+                  "/detokenize": "detokenize"}[route]
         data = (body if isinstance(body, str) else json.dumps(body)).encode()
         return asyncio.run(self._call(method, route, data, headers or {}))
+
+    def get(self, route: str) -> Answer:
+        """``GET /version`` or ``GET /v1/models/{id}``, as ``post`` calls a route."""
+        return asyncio.run(self._get(route))
+
+    async def _get(self, route: str) -> Answer:
+        scope = {"type": "http", "method": "GET", "path": route, "headers": [],
+                 "query_string": b"", "app": ingress.app}
+        request = Request(scope)
+        response: Any
+        cls: Any = self.cls
+        try:
+            if route == "/version":
+                response = await cls.version(self.inst)
+            else:
+                model_id = route.removeprefix("/v1/models/")
+                response = await cls.model(self.inst, model_id)
+        except ServingError as e:
+            response = await ingress._api_error(request, e)
+        if isinstance(response, dict):
+            return Answer(200, response, {})
+        return Answer(response.status_code, json.loads(bytes(response.body)),
+                      dict(response.headers))
 
     async def _call(self, method: str, path: str, data: bytes,
                     headers: dict[str, str]) -> Answer:
@@ -127,8 +151,10 @@ class StubIngress:
 
         raw = [(b"content-length", str(len(data)).encode())]
         raw += [(k.lower().encode(), v.encode()) for k, v in headers.items()]
+        # The request's id as the app's middleware (``ingress.RequestIds``) sets it.
+        rid = {k.lower(): v for k, v in headers.items()}.get("x-request-id", "req-stub")
         scope = {"type": "http", "method": "POST", "path": path, "headers": raw,
-                 "query_string": b"", "app": ingress.app}
+                 "query_string": b"", "app": ingress.app, "state": {"request_id": rid}}
         request = Request(scope, receive)
         try:
             response = await getattr(self.cls, method)(self.inst, request)

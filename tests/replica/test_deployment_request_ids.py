@@ -1,0 +1,58 @@
+"""The replica's log lines about a request carry the ingress's request id
+(``GenerateRequest.request_id``, from ``X-Request-Id``), outside Serve."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterator
+
+import pytest
+
+from tierserve.records import ErrorRecord, GenerateRequest, RequestOutput, SamplingParams
+from tierserve.replica import deployment
+from tierserve.replica.deployment import LLMServer
+from tierserve.replica.models.embedded import EMBEDDED_MODEL
+
+
+@pytest.fixture
+def server(monkeypatch: pytest.MonkeyPatch) -> Iterator[LLMServer]:
+    monkeypatch.setattr(deployment, "_replica_id", lambda: "replica-7")
+    s = LLMServer(engine={"model": EMBEDDED_MODEL, "device": "cpu", "num_kv_blocks": 32,
+                          "max_num_seqs": 4, "num_threads": 1}, fault_injection=True)
+    try:
+        yield s
+    finally:
+        s.engine.shutdown()
+
+
+def collect(server: LLMServer, request_id: str) -> list[RequestOutput | ErrorRecord]:
+    async def go() -> list[RequestOutput | ErrorRecord]:
+        request = GenerateRequest((1, 2, 3), SamplingParams(max_tokens=2, ignore_eos=True),
+                                  request_id=request_id)
+        return [item async for item in server.generate(request)]
+
+    return asyncio.run(asyncio.wait_for(go(), timeout=60))
+
+
+def lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "tierserve.replica"]
+
+
+def test_a_served_request_is_logged_under_its_id(server: LLMServer,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.DEBUG, logger="tierserve.replica"):
+        items = collect(server, "trace-1")
+    assert isinstance(items[-1], RequestOutput) and items[-1].finished
+    mine = [line for line in lines(caplog) if "trace-1" in line]
+    assert any("prompt tokens" in line for line in mine)
+    assert any("finished" in line for line in mine)
+
+
+def test_a_refusal_is_logged_under_its_id(server: LLMServer,
+                                          caplog: pytest.LogCaptureFixture) -> None:
+    server.inject_fault("injected: the GPU fell off the bus")
+    with caplog.at_level(logging.INFO, logger="tierserve.replica"):
+        (first,) = collect(server, "trace-2")
+    assert isinstance(first, ErrorRecord)
+    assert any("trace-2" in line and "GPU fell off the bus" in line for line in lines(caplog))
