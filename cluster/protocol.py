@@ -242,7 +242,8 @@ class _SamplingFields(_Body):
     return_tokens_as_token_ids: StrictBool | None = None
     # The request's id (``X-Request-Id`` wins where both are sent): in the answer's ``id``.
     request_id: RequestIdText | None = None
-    # This server's priority scale (higher first, as ``X-TL-Priority``), within the caller's tier.
+    # vLLM's scale (lower first, 0 the default): moves the request's priority within the caller's
+    # tier (TierResolver.shifted).
     priority: Annotated[Int, Field(ge=-(10**9) + 1, le=10**9 - 1)] | None = None
     # Accepted, with no effect here: fast tokenizers put no spaces between special tokens;
     # without beam search there is no length penalty; the server picks its grammar backend.

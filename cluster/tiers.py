@@ -107,13 +107,12 @@ class TierResolver:
         return Caller(tier, priority, priority >= self.latency_floor, tenant,
                       tier.weight_of(tenant))
 
-    def with_priority(self, caller: Caller, value: int, param: str = "priority") -> Caller:
-        """``caller`` at priority ``value``, which its tier must allow (as ``X-TL-Priority``'s
-        value must); else ``PriorityError`` naming ``param``."""
+    def shifted(self, caller: Caller, offset: int) -> Caller:
+        """``caller`` with vLLM's ``priority`` applied: ``offset`` on vLLM's scale, where lower
+        runs first and 0 is the default, so the priority becomes ``caller.priority - offset``,
+        kept within the caller's tier (never above what its key allows, never below its base)."""
         tier = caller.tier
-        if not tier.base_priority <= value <= tier.max_priority:
-            raise PriorityError(f"{param} {value} is outside what tier {tier.name!r} allows "
-                                f"({tier.base_priority} to {tier.max_priority})", param=param)
+        value = min(max(caller.priority - offset, tier.base_priority), tier.max_priority)
         return Caller(tier, value, value >= self.latency_floor, caller.tenant, caller.weight)
 
     def for_service_tier(self, caller: Caller, asked: str, priority_given: bool

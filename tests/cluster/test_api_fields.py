@@ -158,20 +158,23 @@ def test_request_id_names_the_answer(stub: StubIngress) -> None:
     assert stub.post(CHAT, chat(stub, request_id="job-8")).body["id"] == "chatcmpl-job-8"
 
 
-def test_priority_within_the_tier(stub: StubIngress) -> None:
-    # The anonymous caller's tier (default config: "standard", 5 to 9).
-    tier = stub.inst.tiers.resolve(None, None).tier
-    top = tier.max_priority
-    assert sent(stub, COMP, comp(stub, priority=top)).priority == top
-    assert sent(stub, CHAT, chat(stub, priority=tier.base_priority)).priority == tier.base_priority
-    assert sent(stub, COMP, comp(stub, priority=top), **{"X-TL-Priority": str(top)}
-                ).priority == top
-    error = refused(stub, COMP, comp(stub, priority=top + 1))
-    assert error["param"] == "priority" and error["code"] == "invalid_priority"
-    assert f"priority {top + 1} is outside what tier {tier.name!r} allows" in error["message"]
-    error = refused(stub, COMP, comp(stub, priority=top),
-                    **{"X-TL-Priority": str(tier.base_priority)})
-    assert error["param"] == "priority" and "disagree" in error["message"]
+def test_priority_on_vllms_scale_within_the_tier(stub: StubIngress) -> None:
+    # vLLM's priority: lower first, 0 the default. The anonymous caller's tier (default config:
+    # "standard", 5 to 9) at its own priority; the field moves it within that range, no further.
+    caller = stub.inst.tiers.resolve(None, None)
+    tier, own = caller.tier, caller.priority
+    assert tier.base_priority < own or own < tier.max_priority  # room to move one way at least
+    assert sent(stub, COMP, comp(stub, priority=0)).priority == own
+    assert sent(stub, CHAT, chat(stub, priority=-1)).priority == min(own + 1, tier.max_priority)
+    assert sent(stub, COMP, comp(stub, priority=1)).priority == max(own - 1, tier.base_priority)
+    # Never above what the key allows, nor below the tier's base.
+    assert sent(stub, COMP, comp(stub, priority=-10**6)).priority == tier.max_priority
+    assert sent(stub, CHAT, chat(stub, priority=10**6)).priority == tier.base_priority
+    # With X-TL-Priority (this server's absolute scale), the field moves from the header's value.
+    header = {"X-TL-Priority": str(tier.base_priority)}
+    assert sent(stub, COMP, comp(stub, priority=-1), **header).priority == min(
+        tier.base_priority + 1, tier.max_priority)
+    assert sent(stub, COMP, comp(stub), **header).priority == tier.base_priority
 
 
 # ------------------------------------------------------------------ refused
@@ -271,7 +274,7 @@ def test_service_tier_in_every_chunk_of_a_stream(keyed: StubIngress) -> None:
 
 
 @pytest.mark.parametrize(("extra", "headers"), [
-    ({"service_tier": "flex", "priority": 10}, {}),
+    ({"service_tier": "flex", "priority": -1}, {}),
     ({"service_tier": "priority"}, {"X-TL-Priority": "12"}),
 ])
 def test_service_tier_that_sets_the_priority_takes_no_other(
