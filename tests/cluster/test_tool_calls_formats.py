@@ -705,3 +705,51 @@ def test_required_tool_choice_constrains_to_the_formats_surface(
 def test_an_unknown_parser_in_the_config_stops_the_ingress() -> None:
     with pytest.raises(ConfigError, match="hermes, llama3_json, mistral"):
         StubIngress({"tool_call_parser": "pythonic"})
+
+
+# ---------------------------------------------------------------------------------------------
+# The constraint through the replica's grammar (the embedded model: random weights, so a call
+# comes out only because the mask writes it)
+
+CITY = Tool.model_validate({"type": "function", "function": {
+    "name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}},
+        "required": ["city"], "additionalProperties": False}}})
+
+
+@pytest.fixture(scope="module")
+def embedded_llm() -> Any:
+    from tierserve.replica.llm import LLM
+    from tierserve.replica.models.embedded import EMBEDDED_MODEL
+
+    return LLM(EMBEDDED_MODEL, num_kv_blocks=256, block_size=16, max_num_seqs=16,
+               max_model_len=512)
+
+
+def output_text(out: Any) -> tuple[str, str | None]:
+    """An offline answer's text and finish reason (the flat record, or vLLM's shape)."""
+    first = out.outputs[0] if hasattr(out, "outputs") else out
+    return first.text, first.finish_reason
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", TOOL_FORMATS)
+def test_the_grammar_writes_what_the_parser_reads(embedded_llm: Any, fmt: str) -> None:
+    from tierserve.records import SamplingParams
+
+    body = ChatCompletionRequest.model_validate({
+        "model": "m", "messages": [{"role": "user", "content": "x"}],
+        "tools": [t.model_dump(exclude_none=True) for t in (CITY, TIME)],
+        "tool_choice": "required", "parallel_tool_calls": False})
+    got = structured_output(body, tool_format=fmt)
+    assert got is not None
+    params = [SamplingParams(max_tokens=200, temperature=1.0, seed=seed, structured=got.output)
+              for seed in range(4)]
+    outs = embedded_llm.generate(["hello"] * 4, params, use_tqdm=False)
+    for out in outs:
+        text, reason = output_text(out)
+        assert reason == "stop", text
+        content, calls = parse_tool_calls(text, ["get_weather", "get_time"], fmt)
+        assert content is None and len(calls) == 1, text
+        args = json.loads(calls[0].function.arguments)
+        assert args in ({"city": "Paris"}, {"city": "Rome"}, {}), text
