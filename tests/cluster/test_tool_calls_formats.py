@@ -421,9 +421,9 @@ def test_make_parser_by_format() -> None:
     assert type(make_parser(MISTRAL, NAMES)) is MistralToolCallParser
 
 
-def test_a_long_unclosed_value_is_scanned_once() -> None:
-    """An answer that opens a value and never closes it is held, then given out as content:
-    its scan is linear in its length, however it is split."""
+def test_a_long_unclosed_value_is_content_at_the_end() -> None:
+    """An answer that opens a value and never closes it (brackets and escaped quotes inside
+    its string) is held, then given out whole as content."""
     parser = make_parser(LLAMA3_JSON, NAMES)
     pieces = ['{"name": "get_time", "parameters": {"x": "'] + ["[{ab\\\" "] * 5000
     out, deltas = run(parser, pieces)
