@@ -543,11 +543,11 @@ class Ingress:
         # A chat template that lists tools itself; else they go in the system prompt
         # (tierserve.cluster.tool_calls).
         self.template_takes_tools = "tools" in str(getattr(self.tokenizer, "chat_template", "") or "")
+        self.token_text = TokenText(self.tokenizer)
+        self.metrics = IngressMetrics([t.name for t in self.cfg.tiers])
         # The format of the model's tool calls: the config's, else its template's markers.
         self.tool_format = resolve_tool_format(
             self.cfg.tool_call_parser, str(getattr(self.tokenizer, "chat_template", "") or ""))
-        self.token_text = TokenText(self.tokenizer)
-        self.metrics = IngressMetrics([t.name for t in self.cfg.tiers])
         self.readiness = Readiness(
             lambda: serve_census(self.llm.app_name, self.llm.deployment_name))
         self.gate = (FlowGate(self.cfg, self.metrics, self._replica_count,
