@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from tierserve.cluster.structured import SchemaLimits
+from tierserve.cluster.tool_calls import check_tool_format
 from tierserve.records import MAX_STOP_STRINGS
 from tierserve.replica.config import EngineConfig
 
@@ -203,6 +204,13 @@ class ClusterConfig(_Strict):
     served_model_name: str | None = Field(
         default=None, json_schema_extra={"doc_default": "`engine.model`"},
         description="the `model` name clients send")
+    tool_call_parser: str | None = Field(
+        default=None,
+        description="the format of the model's tool calls, by vLLM's `--tool-call-parser` "
+                    "names: `hermes` (`<tool_call>` JSON), `llama3_json` (Llama 3.x's JSON "
+                    "calls), `mistral` (`[TOOL_CALLS]`); `null`: picked from the chat "
+                    "template's markers, `hermes` without any ([api.md](docs/api.md), tool "
+                    "calling)")
     tiers: list[TierConfig] = Field(
         default_factory=_default_tiers,
         min_length=1,
@@ -259,6 +267,11 @@ class ClusterConfig(_Strict):
     flow: FlowConfig = Field(
         default_factory=FlowConfig,
         description="flow control at the ingress: the `flow.*` fields")
+
+    @field_validator("tool_call_parser")
+    @classmethod
+    def _known_parser(cls, name: str | None) -> str | None:
+        return None if name is None else check_tool_format(name)
 
     @field_validator("tiers")
     @classmethod

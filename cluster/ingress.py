@@ -88,10 +88,13 @@ from tierserve.cluster.structured import (
 )
 from tierserve.cluster.tiers import Caller, TierResolver, cache_partition
 from tierserve.cluster.tool_calls import (
-    ToolCallParser,
+    HERMES,
+    CallParser,
     ToolMessageError,
+    make_parser,
     parse_tool_calls,
     render_messages,
+    resolve_tool_format,
 )
 from tierserve.records import (
     GRAMMAR_REJECTED_TOKEN,
@@ -317,6 +320,7 @@ class _Call:
     # is parsed for calls).
     tool_mode: str = "none"
     tools: frozenset[str] | None = None
+    tool_format: str = HERMES  # the format its calls are written in (``tool_calls.TOOL_FORMATS``)
     cache_partition: str | None = None  # its prompt's prefix-cache partition (``cache_partition``)
     # vLLM's fields: the prompt's log-probabilities in the answer; tokens named by id in
     # log-probabilities (``return_tokens_as_token_ids``).
@@ -326,9 +330,9 @@ class _Call:
     service_tier: str | None = None  # the one it runs in, where the request named one
     header_id: str = ""  # the HTTP request's id (``X-Request-Id``, sent or made): to the replica
 
-    def parser(self) -> ToolCallParser | None:
+    def parser(self) -> CallParser | None:
         """A fresh parser of one answer's tool calls (None: no tools)."""
-        return None if self.tools is None else ToolCallParser(self.tools)
+        return None if self.tools is None else make_parser(self.tool_format, self.tools)
 
 
 def _finish_reason(reason: str | None, called: bool) -> str | None:
@@ -541,6 +545,9 @@ class Ingress:
         self.template_takes_tools = "tools" in str(getattr(self.tokenizer, "chat_template", "") or "")
         self.token_text = TokenText(self.tokenizer)
         self.metrics = IngressMetrics([t.name for t in self.cfg.tiers])
+        # The format of the model's tool calls: the config's, else its template's markers.
+        self.tool_format = resolve_tool_format(
+            self.cfg.tool_call_parser, str(getattr(self.tokenizer, "chat_template", "") or ""))
         self.readiness = Readiness(
             lambda: serve_census(self.llm.app_name, self.llm.deployment_name))
         self.gate = (FlowGate(self.cfg, self.metrics, self._replica_count,
@@ -749,7 +756,7 @@ class Ingress:
         try:
             mode = await self.schemas.tool_mode(body)
             messages, tools = render_messages(body.messages, body.tools, body.tool_choice,
-                                              self.template_takes_tools)
+                                              self.template_takes_tools, self.tool_format)
         except StructuredError as e:  # in a chat, a tool's schema is the request's to mend
             raise ToolMessageError(str(e), e.param) from None
         except SchemaCheckBusy:
@@ -768,7 +775,7 @@ class Ingress:
                  if mode != "none" else None)
         call = _Call(chat=True, n=body.n, ids=list(ids), logprobs=body.logprobs,
                      include_usage=body.include_usage, continuous_usage=body.continuous_usage,
-                     tool_mode=mode, tools=names,
+                     tool_mode=mode, tools=names, tool_format=self.tool_format,
                      prompt_logprobs=body.prompt_logprobs is not None,
                      token_ids=bool(body.return_tokens_as_token_ids),
                      request_id=body.request_id or "", service_tier=tier_named)
@@ -784,7 +791,7 @@ class Ingress:
         if messages is None:
             try:
                 messages, tools = render_messages(body.messages, None, None,
-                                                  self.template_takes_tools)
+                                                  self.template_takes_tools, self.tool_format)
             except StructuredError as e:
                 raise ToolMessageError(str(e), e.param) from None
         if not getattr(self.tokenizer, "chat_template", None):
@@ -985,7 +992,7 @@ class Ingress:
             call.request_id = call.header_id
         try:
             structured = await self.schemas.structured_output(
-                body, call.tool_mode if call.chat else None)
+                body, call.tool_mode if call.chat else None, call.tool_format)
         except SchemaCheckBusy:
             self.metrics.rejected("busy", caller.tier.name)
             raise
@@ -1139,7 +1146,7 @@ class Ingress:
         if call.tools is None:
             return ChatChoice(index=index, message=ChatMessageOut(content=c.text),
                               finish_reason=c.finish_reason, logprobs=logprobs)
-        content, calls = parse_tool_calls(c.text, call.tools)
+        content, calls = parse_tool_calls(c.text, call.tools, call.tool_format)
         return ChatChoice(index=index,
                           message=ChatMessageOut(content=content, tool_calls=calls or None),
                           finish_reason=_finish_reason(c.finish_reason, bool(calls)),

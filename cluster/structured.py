@@ -44,10 +44,9 @@ from tierserve.cluster.protocol import (
     StructuredOutputs,
 )
 from tierserve.cluster.tool_calls import (
-    TOOL_CALL_CLOSE,
-    TOOL_CALL_OPEN,
+    HERMES,
     ToolMessageError,
-    call_schema,
+    call_output,
 )
 from tierserve.records import BadRequest, StructuredOutput, TooManyRequests
 from tierserve.replica.structured import strip_annotations
@@ -872,9 +871,9 @@ def _from_vllm(so: StructuredOutputs, checked: Checked) -> Structured:
 
 
 def _build(body: CompletionRequest | ChatCompletionRequest, checked: Checked,
-           tools: str | None) -> Structured | None:
+           tools: str | None, tool_format: str = HERMES) -> Structured | None:
     """The request's structured output, its schemas checked (``checked``) and, for a chat
-    request, its ``tool_mode`` known."""
+    request, its ``tool_mode`` known (calls in ``tool_format``)."""
     given: list[tuple[str, Structured | None]] = []
     rf = body.response_format
     if rf is not None and rf.type != "text":
@@ -902,7 +901,7 @@ def _build(body: CompletionRequest | ChatCompletionRequest, checked: Checked,
             StructuredOutput("grammar", body.guided_grammar, "guided_grammar"), "grammar")))
     if isinstance(body, ChatCompletionRequest):
         assert tools is not None
-        call = tool_output(body, tools)
+        call = tool_output(body, tools, tool_format)
         if call is not None:
             given.append(("tool_choice", call))
     if len(given) > 1:
@@ -914,15 +913,17 @@ def _build(body: CompletionRequest | ChatCompletionRequest, checked: Checked,
 
 def structured_output(body: CompletionRequest | ChatCompletionRequest,
                       tools: str | None = None,
-                      limits: SchemaLimits | None = None) -> Structured | None:
+                      limits: SchemaLimits | None = None,
+                      tool_format: str = HERMES) -> Structured | None:
     """The request's structured output (None: its output is free text); ``StructuredError``
     for a field the server cannot take or two fields that both constrain the output.
-    ``tools``: a chat request's ``tool_mode``, when the caller has it already. Checks on the
+    ``tools``: a chat request's ``tool_mode``, when the caller has it already; ``tool_format``:
+    the call format a constrained call is written in (``tool_calls.call_output``). Checks on the
     caller's thread: the ingress uses ``SchemaChecker.structured_output``."""
     limits = limits or _DEFAULT_LIMITS
     if isinstance(body, ChatCompletionRequest) and tools is None:
         tools = tool_mode(body, limits)
-    return _build(body, _check_jobs(_output_jobs(body), limits), tools)
+    return _build(body, _check_jobs(_output_jobs(body), limits), tools, tool_format)
 
 
 def tool_mode(body: ChatCompletionRequest, limits: SchemaLimits | None = None) -> str:
@@ -939,19 +940,21 @@ def tool_mode(body: ChatCompletionRequest, limits: SchemaLimits | None = None) -
     return _tool_mode_of(body)
 
 
-def tool_output(body: ChatCompletionRequest, mode: str) -> Structured | None:
+def tool_output(body: ChatCompletionRequest, mode: str,
+                tool_format: str = HERMES) -> Structured | None:
     """The constraint of ``tool_choice`` ``required`` or named (``mode``, ``tool_mode``'s): a
-    call of the declared tools, between the tool-call tags (None for ``auto`` and ``none``)."""
+    call of the declared tools in ``tool_format``'s surface form (``tool_calls.call_output``:
+    between the tool-call tags for ``hermes``) (None for ``auto`` and ``none``)."""
     if mode not in ("required", "named"):
         return None
     assert body.tools is not None
     try:
-        schema = call_schema(body.tools, body.tool_choice, body.parallel_tool_calls)
+        out = call_output(body.tools, body.tool_choice, body.parallel_tool_calls, tool_format)
     except ToolMessageError as e:
         raise StructuredError(str(e), e.param) from None
-    spec = json.dumps(schema, ensure_ascii=False)
-    return Structured(StructuredOutput("json", spec, "tool_choice", prefix=TOOL_CALL_OPEN,
-                                       suffix=TOOL_CALL_CLOSE), "tool_call")
+    spec = json.dumps(out.schema, ensure_ascii=False)
+    return Structured(StructuredOutput("json", spec, "tool_choice", prefix=out.prefix,
+                                       suffix=out.suffix), "tool_call")
 
 
 _DEFAULT_LIMITS = SchemaLimits()
@@ -997,11 +1000,12 @@ class SchemaChecker:
         return _tool_mode_of(body)
 
     async def structured_output(self, body: CompletionRequest | ChatCompletionRequest,
-                                tools: str | None = None) -> Structured | None:
+                                tools: str | None = None,
+                                tool_format: str = HERMES) -> Structured | None:
         """``structured_output``, its schemas checked off the loop when they are large."""
         if isinstance(body, ChatCompletionRequest) and tools is None:
             tools = await self.tool_mode(body)
-        return _build(body, await self._check(_output_jobs(body)), tools)
+        return _build(body, await self._check(_output_jobs(body)), tools, tool_format)
 
     def close(self) -> None:
         """Stop the checking threads (a check under way finishes)."""

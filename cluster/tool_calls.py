@@ -1,17 +1,34 @@
 """OpenAI tool calling over a chat template: the prompt side and the answer side.
 
-The format (the function-calling format the default model was trained on):
+Three call formats (``TOOL_FORMATS``, named as vLLM's ``--tool-call-parser`` names them):
 
-- the tools are listed in the system prompt inside ``<tools>...</tools>``, as a JSON list of the
-  OpenAI tool objects (``tool_system_prompt``);
-- the model answers calls as ``<tool_call>[{"name": "f", "arguments": {...}}, ...]</tool_call>``:
-  a JSON list of calls (or one call object) between the tags, possibly several such blocks;
-- a tool's result goes back to the model as a user turn ``<tool_response>\\n...\\n</tool_response>``.
+- ``hermes`` (the default model's, Hermes and Qwen templates'): calls as
+  ``<tool_call>[{"name": "f", "arguments": {...}}, ...]</tool_call>``, a JSON list of calls (or
+  one call object) between the tags, possibly several such blocks, anywhere in the answer;
+- ``llama3_json`` (Llama 3.1 to 3.3 templates'): the answer is the calls themselves, JSON objects
+  ``{"name": "f", "parameters": {...}}`` (``"arguments"`` read too), optionally after
+  ``<|python_tag|>``, separated by ``;`` or blanks (or a JSON list of them); an answer that does
+  not begin with a call is content;
+- ``mistral`` (Mistral templates'): ``[TOOL_CALLS][{"name": "f", "arguments": {...}}, ...]`` or
+  the newer ``[TOOL_CALLS]f[ARGS]{...}`` (one marker per call). The markers are special tokens of
+  Mistral's tokenizers, left out of the text when ``skip_special_tokens`` (the default): an
+  answer that *begins* with a call list, or with a declared function's name and its arguments
+  object, is read as calls too. Call ids are 9 letters and digits, as Mistral's templates
+  demand.
 
-A chat template that takes ``tools`` itself (``template_takes_tools``) gets the messages and tools
-in the Hugging Face form instead (``render_messages``). ``call_schema`` is the JSON schema that
-constrains the answer's call list when ``tool_choice`` demands a call, and ``ToolCallParser``
-splits an answer (streamed or whole) into its content and its tool calls.
+The format is the config's ``tool_call_parser`` or, without one, the chat template's
+(``detect_tool_format``: the markers it contains).
+
+The prompt side: a chat template that takes ``tools`` itself (``template_takes_tools``) gets the
+messages and tools in the Hugging Face form (``render_messages``; for ``mistral`` the history's
+call ids mapped to 9 characters). A plain template gets them in the system prompt
+(``tool_system_prompt``: the tools inside ``<tools>...</tools>`` and the format's call syntax),
+earlier calls written back in the format's syntax and a tool's result as a user turn
+``<tool_response>\\n...\\n</tool_response>``.
+
+The answer side: ``call_output`` is the constraint (a JSON schema of the call list, and the text
+around it) of an answer that must call a tool (``tool_choice`` ``required`` or named);
+``make_parser`` splits an answer (streamed or whole) into its content and its tool calls.
 
 Only the standard library and the protocol models: this module sits below anything that loads a
 model or a tokenizer.
@@ -20,9 +37,14 @@ model or a tokenizer.
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
+import re
+import secrets
+import string
 import uuid
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from tierserve.cluster.protocol import (
@@ -40,6 +62,20 @@ TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
 TOOL_RESPONSE_OPEN = "<tool_response>"
 TOOL_RESPONSE_CLOSE = "</tool_response>"
+PYTHON_TAG = "<|python_tag|>"  # Llama 3.x: what may open an answer of calls
+MISTRAL_CALLS = "[TOOL_CALLS]"  # Mistral: what opens its calls (or each call, with [ARGS])
+MISTRAL_ARGS = "[ARGS]"  # Mistral's newer form: between a call's name and its arguments
+
+# The call formats, by vLLM's ``--tool-call-parser`` names.
+HERMES, LLAMA3_JSON, MISTRAL = "hermes", "llama3_json", "mistral"
+TOOL_FORMATS: tuple[str, ...] = (HERMES, LLAMA3_JSON, MISTRAL)
+
+# Mistral's call ids: 9 letters and digits (its templates refuse others).
+MISTRAL_ID_LENGTH = 9
+_ALNUM = string.ascii_letters + string.digits
+_MISTRAL_ID = re.compile(r"^[A-Za-z0-9]{9}$")
+# Llama 3.x's instruction for calls as JSON (its templates write it when given tools).
+_LLAMA_JSON_HINT = re.compile(r'"parameters"\s*:\s*dictionary of argument name')
 
 # The arguments of a function declared without ``parameters``: an empty object.
 NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
@@ -51,6 +87,52 @@ class ToolMessageError(BadRequest, ValueError):
 
     def __init__(self, message: str, param: str | None) -> None:
         super().__init__(message, param=param)
+
+
+def check_tool_format(name: str) -> str:
+    """``name`` when it is one of ``TOOL_FORMATS``; else ``ValueError`` listing them."""
+    if name not in TOOL_FORMATS:
+        raise ValueError(f"unknown tool_call_parser {name!r}: the known ones are "
+                         f"{', '.join(TOOL_FORMATS)}")
+    return name
+
+
+def detect_tool_format(template: str | None) -> str:
+    """The call format a chat template asks for, by the markers it contains: ``[TOOL_CALLS]``
+    is Mistral's, ``<tool_call>`` Hermes' (and Qwen's), ``<|python_tag|>`` or Llama 3.x's
+    instruction to answer ``{"name": ..., "parameters": dictionary of argument name ...}`` is
+    ``llama3_json``; any other template (or none) gets ``hermes``, the format of the system
+    prompt that lists the tools where the template does not."""
+    text = template or ""
+    if MISTRAL_CALLS in text:
+        return MISTRAL
+    if TOOL_CALL_OPEN in text:
+        return HERMES
+    if PYTHON_TAG in text or _LLAMA_JSON_HINT.search(text):
+        return LLAMA3_JSON
+    return HERMES
+
+
+def resolve_tool_format(configured: str | None, template: str | None) -> str:
+    """The format a server uses: the configured one (``ValueError`` for an unknown name), else
+    the template's (``detect_tool_format``)."""
+    if configured is not None:
+        return check_tool_format(configured)
+    return detect_tool_format(template)
+
+
+def mistral_call_id(call_id: str) -> str:
+    """``call_id`` as Mistral's templates take it: itself when it is 9 letters and digits,
+    else 9 of them made from its SHA-256 (the same id always maps to the same, so an assistant
+    call and the tool message that answers it still match)."""
+    if _MISTRAL_ID.match(call_id):
+        return call_id
+    n = int.from_bytes(hashlib.sha256(call_id.encode("utf-8")).digest(), "big")
+    out = []
+    for _ in range(MISTRAL_ID_LENGTH):
+        n, k = divmod(n, len(_ALNUM))
+        out.append(_ALNUM[k])
+    return "".join(out)
 
 
 def _dumps(value: Any) -> str:
@@ -71,21 +153,29 @@ def _loads(text: str) -> Any:
 # The prompt side
 
 
-def tool_system_prompt(tools: Sequence[Tool]) -> str:
+def tool_system_prompt(tools: Sequence[Tool], tool_format: str = HERMES) -> str:
     """The system text that lists ``tools`` (``<tools>`` + their JSON list + ``</tools>``) and
-    tells the model how to answer a call: only ``<tool_call>[...]</tool_call>`` with no other
-    text, or ordinary text when no call is needed."""
+    tells the model how to answer a call in ``tool_format``: only the calls with no other text
+    (``<tool_call>[...]</tool_call>``, ``{"name": ..., "parameters": ...}`` objects one a line,
+    or ``[TOOL_CALLS][...]``), or ordinary text when no call is needed."""
     listed = _dumps([t.model_dump(exclude_none=True) for t in tools])
+    if tool_format == LLAMA3_JSON:
+        syntax = ('{"name": "function_name", "parameters": {"argument": "value"}}\n'
+                  "One object per call, one call a line: the function's \"name\" and its "
+                  "\"parameters\" as a JSON object that follows the function's parameters.")
+    else:
+        example = '[{"name": "function_name", "arguments": {"argument": "value"}}]'
+        syntax = (f"{MISTRAL_CALLS}{example}" if tool_format == MISTRAL
+                  else f"{TOOL_CALL_OPEN}{example}{TOOL_CALL_CLOSE}")
+        syntax += ("\nThe list holds one object per call: the function's \"name\" and its "
+                   "\"arguments\" as a JSON object that follows the function's parameters.")
     return (
         "You are a function calling AI model. You may call one or more of the functions listed "
         "below to help with the user's request.\n"
         f"<tools>{listed}</tools>\n"
         "To call functions, answer only with the calls in exactly this format and no other text:\n"
-        f'{TOOL_CALL_OPEN}[{{"name": "function_name", "arguments": {{"argument": "value"}}}}]'
-        f"{TOOL_CALL_CLOSE}\n"
-        "The list holds one object per call: the function's \"name\" and its \"arguments\" as a "
-        "JSON object that follows the function's parameters. The result of each call comes back "
-        f"inside {TOOL_RESPONSE_OPEN}{TOOL_RESPONSE_CLOSE}. If no function call is needed, answer "
+        f"{syntax} The result of each call comes back inside "
+        f"{TOOL_RESPONSE_OPEN}{TOOL_RESPONSE_CLOSE}. If no function call is needed, answer "
         "normally in text."
     )
 
@@ -113,28 +203,35 @@ def _call_arguments(message_index: int, call_index: int, arguments: str) -> dict
     return value
 
 
-def _tool_call_text(message: ChatMessage, index: int) -> str:
-    """An assistant message with calls, in the answer format: its text, then the calls' block."""
-    calls = [{"name": c.function.name, "arguments": _call_arguments(index, j, c.function.arguments)}
+def _tool_call_text(message: ChatMessage, index: int, tool_format: str = HERMES) -> str:
+    """An assistant message with calls, in the answer format: its text, then the calls (a
+    ``<tool_call>`` block, Llama's JSON objects one a line, or ``[TOOL_CALLS]`` and the list)."""
+    key = "parameters" if tool_format == LLAMA3_JSON else "arguments"
+    calls = [{"name": c.function.name, key: _call_arguments(index, j, c.function.arguments)}
              for j, c in enumerate(message.tool_calls or [])]
-    block = f"{TOOL_CALL_OPEN}{_dumps(calls)}{TOOL_CALL_CLOSE}"
+    if tool_format == LLAMA3_JSON:
+        block = "\n".join(_dumps(c) for c in calls)
+    elif tool_format == MISTRAL:
+        block = f"{MISTRAL_CALLS}{_dumps(calls)}"
+    else:
+        block = f"{TOOL_CALL_OPEN}{_dumps(calls)}{TOOL_CALL_CLOSE}"
     text = message.text()
     return f"{text}\n{block}" if text else block
 
 
 def _render_in_prompt(messages: Sequence[ChatMessage], tools: Sequence[Tool] | None,
-                      tool_choice: object) -> list[dict[str, Any]]:
+                      tool_choice: object, tool_format: str = HERMES) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
         if m.role == "assistant" and m.tool_calls:
-            out.append({"role": "assistant", "content": _tool_call_text(m, i)})
+            out.append({"role": "assistant", "content": _tool_call_text(m, i, tool_format)})
         elif m.role == "tool":
             out.append({"role": "user",
                         "content": f"{TOOL_RESPONSE_OPEN}\n{m.text()}\n{TOOL_RESPONSE_CLOSE}"})
         else:
             out.append({"role": m.template_role(), "content": m.text()})
     if tools and _uses_tools(tools, tool_choice):
-        prompt = tool_system_prompt(tools)
+        prompt = tool_system_prompt(tools, tool_format)
         if out and out[0]["role"] == "system":
             first = out[0]["content"]
             out[0] = {"role": "system", "content": f"{first}\n\n{prompt}" if first else prompt}
@@ -143,20 +240,25 @@ def _render_in_prompt(messages: Sequence[ChatMessage], tools: Sequence[Tool] | N
     return out
 
 
-def _render_for_template(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
+def _render_for_template(messages: Sequence[ChatMessage],
+                         tool_format: str = HERMES) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     names: dict[str, str] = {}  # call id -> function name, for the tool messages that answer it
+    # The ids as the template takes them: Mistral's, 9 letters and digits.
+    ids: Callable[[str], str] = mistral_call_id if tool_format == MISTRAL else str
     for i, m in enumerate(messages):
         if m.role == "assistant" and m.tool_calls:
             calls: list[dict[str, Any]] = []
             for j, c in enumerate(m.tool_calls):
                 names[c.id] = c.function.name
-                calls.append({"id": c.id, "type": "function", "function": {
+                calls.append({"id": ids(c.id), "type": "function", "function": {
                     "name": c.function.name,
                     "arguments": _call_arguments(i, j, c.function.arguments)}})
             out.append({"role": "assistant", "content": m.text(), "tool_calls": calls})
         elif m.role == "tool":
-            entry: dict[str, Any] = {"role": "tool", "tool_call_id": m.tool_call_id,
+            call_id = m.tool_call_id
+            entry: dict[str, Any] = {"role": "tool",
+                                     "tool_call_id": None if call_id is None else ids(call_id),
                                      "content": m.text()}
             name = m.name or names.get(m.tool_call_id or "")
             if name is not None:
@@ -172,24 +274,27 @@ def render_messages(
     tools: Sequence[Tool] | None,
     tool_choice: object,
     template_takes_tools: bool,
+    tool_format: str = HERMES,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """The messages for the tokenizer's ``apply_chat_template`` and its ``tools`` argument.
 
     ``template_takes_tools`` False (a plain template): the tools go into the system prompt
-    (merged after the text of a leading system message with a blank line, or as a new first
-    system message) unless ``tool_choice`` is ``"none"``; an assistant message's calls become
-    its text followed by their ``<tool_call>`` block; a tool message becomes a user message
+    (``tool_system_prompt`` in ``tool_format``, merged after the text of a leading system
+    message with a blank line, or as a new first system message) unless ``tool_choice`` is
+    ``"none"``; an assistant message's calls become its text followed by the calls in
+    ``tool_format``'s syntax; a tool message becomes a user message
     ``<tool_response>\\n{content}\\n</tool_response>``; the returned tools are None.
 
     ``template_takes_tools`` True: the Hugging Face message form (assistant ``tool_calls`` with
-    their arguments as objects, tool messages with their ``tool_call_id``) and the tools as
-    dicts (None without tools or with ``tool_choice`` ``"none"``).
+    their arguments as objects, tool messages with their ``tool_call_id``; for ``mistral``
+    every such id mapped by ``mistral_call_id``) and the tools as dicts (None without tools or
+    with ``tool_choice`` ``"none"``).
 
     Raises ``ToolMessageError`` when a call's arguments are not a JSON object.
     """
     if not template_takes_tools:
-        return _render_in_prompt(messages, tools, tool_choice), None
-    rendered = _render_for_template(messages)
+        return _render_in_prompt(messages, tools, tool_choice, tool_format), None
+    rendered = _render_for_template(messages, tool_format)
     if tools and _uses_tools(tools, tool_choice):
         return rendered, [t.model_dump(exclude_none=True) for t in tools]
     return rendered, None
@@ -237,7 +342,8 @@ def _rebase(node: Any, renamed: dict[str, str], root: str) -> Any:
     return out
 
 
-def _call_item(tool: Tool, defs: dict[str, Any]) -> dict[str, Any]:
+def _call_item(tool: Tool, defs: dict[str, Any], arguments_key: str = "arguments"
+               ) -> dict[str, Any]:
     """One call of ``tool``; the definitions its parameters refer to (``$defs``,
     ``definitions``) move into ``defs``, named after the tool, since the parameters no longer
     sit at the root their references start from."""
@@ -258,8 +364,8 @@ def _call_item(tool: Tool, defs: dict[str, Any]) -> dict[str, Any]:
         defs[root] = arguments
     return {
         "type": "object",
-        "properties": {"name": {"const": name}, "arguments": arguments},
-        "required": ["name", "arguments"],
+        "properties": {"name": {"const": name}, arguments_key: arguments},
+        "required": ["name", arguments_key],
         "additionalProperties": False,
     }
 
@@ -273,11 +379,13 @@ def _refers_to_root(node: Any) -> bool:
     return False
 
 
-def call_schema(tools: Sequence[Tool], tool_choice: object, parallel: bool) -> dict[str, Any]:
-    """The JSON schema of the call list an answer must hold (between ``<tool_call>`` and
-    ``</tool_call>``) when ``tool_choice`` is ``"required"`` or names a function: a non-empty
-    array of ``{"name": ..., "arguments": ...}`` objects, of any declared tool (``"required"``)
-    or of the named one only; at most one call when ``parallel`` is False or a function is named.
+def call_schema(tools: Sequence[Tool], tool_choice: object, parallel: bool,
+                key: str = "arguments") -> dict[str, Any]:
+    """The JSON schema of the call list an answer must hold (``call_output``) when
+    ``tool_choice`` is ``"required"`` or names a function: a non-empty array of
+    ``{"name": ..., key: ...}`` objects (``key`` the arguments' name), of any declared tool
+    (``"required"``) or of the named one only; at most one call when ``parallel`` is False or a
+    function is named.
 
     Raises ``ToolMessageError`` (param ``tool_choice``) when the named function is not declared,
     or when there are no tools to call; ``ValueError`` for a ``tool_choice`` that demands no call.
@@ -293,14 +401,14 @@ def call_schema(tools: Sequence[Tool], tool_choice: object, parallel: bool) -> d
                 f"(declared: {listed})", "tool_choice")
         defs: dict[str, Any] = {}
         one: dict[str, Any] = {"type": "array", "minItems": 1, "maxItems": 1,
-                               "items": _call_item(chosen[0], defs)}
+                               "items": _call_item(chosen[0], defs, key)}
         return one | ({"$defs": defs} if defs else {})
     if tool_choice != "required":
         raise ValueError(f"tool_choice {tool_choice!r} does not demand a call: no call schema")
     if not tools:
         raise ToolMessageError("tool_choice 'required' needs tools to call", "tool_choice")
     all_defs: dict[str, Any] = {}
-    items = [_call_item(t, all_defs) for t in tools]
+    items = [_call_item(t, all_defs, key) for t in tools]
     schema: dict[str, Any] = {"type": "array", "minItems": 1,
                               "items": items[0] if len(items) == 1 else {"anyOf": items}}
     if not parallel:
@@ -308,6 +416,38 @@ def call_schema(tools: Sequence[Tool], tool_choice: object, parallel: bool) -> d
     if all_defs:
         schema["$defs"] = all_defs
     return schema
+
+
+@dataclass(frozen=True, slots=True)
+class CallOutput:
+    """What an answer that must call a tool is constrained to: ``prefix``, then a JSON value
+    of ``schema`` (the call list), then ``suffix``."""
+
+    schema: dict[str, Any]
+    prefix: str
+    suffix: str
+
+
+def call_output(tools: Sequence[Tool], tool_choice: object, parallel: bool,
+                tool_format: str = HERMES) -> CallOutput:
+    """The constraint of ``tool_choice`` ``"required"`` or named (``call_schema``'s errors),
+    in the surface form ``tool_format``'s parser reads:
+
+    - ``hermes``: ``<tool_call>[{"name": ..., "arguments": ...}, ...]</tool_call>``;
+    - ``llama3_json``: the bare list ``[{"name": ..., "parameters": ...}, ...]`` (Llama's own
+      key; ``<|python_tag|>`` is a special token a grammar over text does not write, and it is
+      optional in the format);
+    - ``mistral``: the bare list ``[{"name": ..., "arguments": ...}, ...]``, the marker-less
+      ``[TOOL_CALLS]`` form (``[TOOL_CALLS]`` is a special token of Mistral's tokenizers, and
+      an answer is read the same with or without it).
+
+    Each parser reads an answer that begins with such a list as calls."""
+    if tool_format == LLAMA3_JSON:
+        return CallOutput(call_schema(tools, tool_choice, parallel, "parameters"), "", "")
+    schema = call_schema(tools, tool_choice, parallel)
+    if tool_format == MISTRAL:
+        return CallOutput(schema, "", "")
+    return CallOutput(schema, TOOL_CALL_OPEN, TOOL_CALL_CLOSE)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -319,6 +459,11 @@ def new_call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
 
 
+def new_mistral_call_id() -> str:
+    """A tool call's id as Mistral's templates take it back: 9 letters and digits."""
+    return "".join(secrets.choice(_ALNUM) for _ in range(MISTRAL_ID_LENGTH))
+
+
 def _partial_tag(text: str, tag: str) -> int:
     """How many trailing characters of ``text`` may be the beginning of ``tag`` (0: none)."""
     for k in range(min(len(text), len(tag) - 1), 0, -1):
@@ -327,8 +472,166 @@ def _partial_tag(text: str, tag: str) -> int:
     return 0
 
 
-class ToolCallParser:
-    """Splits one answer, fed in pieces as it is generated, into content and tool calls.
+def _read_arguments(name: str, arguments: Any) -> tuple[str, str] | None:
+    """(name, arguments as compact JSON) when ``arguments`` is an object (or a JSON string of
+    one), else None."""
+    if isinstance(arguments, str):
+        try:
+            arguments = _loads(arguments)
+        except ValueError:
+            return None
+    if not isinstance(arguments, dict):
+        return None
+    return name, _dumps(arguments)
+
+
+def _read_call(element: Any, names: frozenset[str], keys: tuple[str, ...]) -> tuple[str, str] | None:
+    """One call object: ``"name"`` among ``names`` and its arguments under the first of
+    ``keys`` it has; None if it is not one."""
+    if not isinstance(element, dict):
+        return None
+    name = element.get("name")
+    if not isinstance(name, str) or name not in names:
+        return None
+    key = next((k for k in keys if k in element), None)
+    return None if key is None else _read_arguments(name, element[key])
+
+
+def _read_calls(text: str, names: frozenset[str],
+                keys: tuple[str, ...] = ("arguments",)) -> list[tuple[str, str]] | None:
+    """The calls of a JSON list of calls (or of one call) as (name, arguments JSON), or None
+    if ``text`` is not JSON or any of it is not a call."""
+    try:
+        value = _loads(text)
+    except ValueError:
+        return None
+    elements = value if isinstance(value, list) else [value]
+    if not elements:
+        return None
+    calls = []
+    for element in elements:
+        call = _read_call(element, names, keys)
+        if call is None:
+            return None
+        calls.append(call)
+    return calls
+
+
+class _JsonEnd:
+    """Finds where a JSON value that opens with ``{`` or ``[`` closes, fed the text as it grows:
+    brackets are counted outside strings. Linear in the text, however it is split; the value
+    found may still not be JSON (``json.loads`` decides)."""
+
+    __slots__ = ("_depth", "_escape", "_pos", "_string")
+
+    def __init__(self, start: int) -> None:
+        self._pos = start
+        self._depth = 0
+        self._string = False
+        self._escape = False
+
+    def find(self, text: str) -> int | None:
+        """The index just past the value's closing bracket, or None while it is open."""
+        i, n = self._pos, len(text)
+        while i < n:
+            c = text[i]
+            i += 1
+            if self._string:
+                if self._escape:
+                    self._escape = False
+                elif c == "\\":
+                    self._escape = True
+                elif c == '"':
+                    self._string = False
+            elif c == '"':
+                self._string = True
+            elif c in "{[":
+                self._depth += 1
+            elif c in "}]":
+                self._depth -= 1
+                if self._depth <= 0:
+                    self._pos = i
+                    return i
+        self._pos = i
+        return None
+
+
+_BLANKS = " \t\r\n"
+_SKIPS = {_BLANKS: re.compile(r"[ \t\r\n]*"), _BLANKS + ";": re.compile(r"[ \t\r\n;]*")}
+
+
+def _skip(text: str, i: int, chars: str = _BLANKS) -> int:
+    """The index of the first character at or after ``i`` not among ``chars`` (blanks, or
+    blanks and ``;``)."""
+    m = _SKIPS[chars].match(text, i)
+    return m.end() if m is not None else i
+
+
+def _call_start(text: str, i: int) -> bool | None:
+    """Whether ``text[i:]`` may open a JSON call (``{"`` or ``[{"``, blanks between): True,
+    False, or None while too little of it is there to say."""
+    n = len(text)
+    if i >= n:
+        return None
+    if text[i] == "[":
+        i = _skip(text, i + 1)
+        if i >= n:
+            return None
+        if text[i] != "{":
+            return False
+    elif text[i] != "{":
+        return False
+    i = _skip(text, i + 1)
+    if i >= n:
+        return None
+    return text[i] == '"'
+
+
+class CallParser:
+    """What every format's parser shares: the calls found, the content given out, and the
+    calls' deltas (each call as two: id, type and name, then the arguments)."""
+
+    def __init__(self, tool_names: Collection[str],
+                 new_id: Callable[[], str] = new_call_id) -> None:
+        self.tool_names: frozenset[str] = frozenset(tool_names)
+        self.calls: list[ToolCallOut] = []
+        self._content: list[str] = []
+        self._new_id = new_id
+
+    @property
+    def content(self) -> str:
+        """All the content given out so far."""
+        return "".join(self._content)
+
+    def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
+        """Takes the answer's next piece; returns the content that can go out now and the deltas
+        of the calls completed now."""
+        raise NotImplementedError
+
+    def finish(self) -> tuple[str, list[ToolCallDelta]]:
+        """Ends the answer: returns the content and calls held back until now."""
+        raise NotImplementedError
+
+    def _emit(self, pieces: list[str]) -> str:
+        text = "".join(pieces)
+        if text:
+            self._content.append(text)
+        return text
+
+    def _add(self, calls: list[tuple[str, str]], deltas: list[ToolCallDelta]) -> None:
+        for name, arguments in calls:
+            index = len(self.calls)
+            call = ToolCallOut(id=self._new_id(),
+                               function=FunctionCallOut(name=name, arguments=arguments))
+            self.calls.append(call)
+            deltas.append(ToolCallDelta(index=index, id=call.id, type="function",
+                                        function=FunctionDelta(name=name, arguments="")))
+            deltas.append(ToolCallDelta(index=index, function=FunctionDelta(arguments=arguments)))
+
+
+class ToolCallParser(CallParser):
+    """The ``hermes`` format's parser: splits one answer, fed in pieces as it is generated, into
+    content and tool calls.
 
     Text outside ``<tool_call>...</tool_call>`` is content, given out as soon as it cannot be the
     beginning of ``<tool_call>``. A block's text is held until its ``</tool_call>``; then its JSON
@@ -340,18 +643,12 @@ class ToolCallParser:
     Splitting the same answer differently gives the same content and calls (but for the ids).
     """
 
-    def __init__(self, tool_names: Collection[str]) -> None:
-        self.tool_names: frozenset[str] = frozenset(tool_names)
-        self.calls: list[ToolCallOut] = []
-        self._content: list[str] = []
+    def __init__(self, tool_names: Collection[str],
+                 new_id: Callable[[], str] = new_call_id) -> None:
+        super().__init__(tool_names, new_id)
         self._buffer = ""
         self._inside = False  # in a block: _buffer holds its text after the open tag
         self._scanned = 0  # in a block: _buffer[:_scanned] holds no close tag
-
-    @property
-    def content(self) -> str:
-        """All the content given out so far."""
-        return "".join(self._content)
 
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
         """Takes the answer's next piece; returns the content that can go out now and the deltas
@@ -394,60 +691,296 @@ class ToolCallParser:
         self._buffer, self._inside, self._scanned = "", False, 0
         return self._emit([text]), deltas
 
-    def _emit(self, pieces: list[str]) -> str:
-        text = "".join(pieces)
-        if text:
-            self._content.append(text)
-        return text
-
     def _block(self, block: str, raw: str, deltas: list[ToolCallDelta]) -> str:
         """Reads one block: adds its calls and their deltas and returns "", or returns ``raw``
         (the block's original text) when it is not a list of valid calls."""
-        calls = self._read_calls(block)
+        calls = _read_calls(block, self.tool_names)
         if calls is None:
             return raw
-        for name, arguments in calls:
-            index = len(self.calls)
-            call = ToolCallOut(id=new_call_id(),
-                               function=FunctionCallOut(name=name, arguments=arguments))
-            self.calls.append(call)
-            deltas.append(ToolCallDelta(index=index, id=call.id, type="function",
-                                        function=FunctionDelta(name=name, arguments="")))
-            deltas.append(ToolCallDelta(index=index, function=FunctionDelta(arguments=arguments)))
+        self._add(calls, deltas)
         return ""
 
-    def _read_calls(self, block: str) -> list[tuple[str, str]] | None:
-        """The block's calls as (name, arguments JSON), or None if any of it is not a call."""
-        try:
-            value = _loads(block)
-        except ValueError:
-            return None
-        elements = value if isinstance(value, list) else [value]
-        if not elements:
-            return None
-        calls: list[tuple[str, str]] = []
-        for element in elements:
-            if not isinstance(element, dict):
-                return None
-            name = element.get("name")
-            if not isinstance(name, str) or name not in self.tool_names:
-                return None
-            arguments = element.get("arguments")
-            if isinstance(arguments, str):
+
+HermesToolCallParser = ToolCallParser
+
+
+class Llama3JsonToolCallParser(CallParser):
+    """The ``llama3_json`` format's parser: an answer that begins (after blanks and an optional
+    ``<|python_tag|>``) with a JSON object ``{"name": ..., "parameters": {...}}`` (or
+    ``"arguments"``), or a JSON list of them, is calls; more may follow, each after blanks or
+    ``;`` (and optionally ``<|python_tag|>``). Each value is read as it closes: calls of
+    declared functions with object arguments give their calls (their deltas go out then);
+    anything else, and everything after it, is content as it was. An answer that begins with
+    anything else is content from its first character: it goes out as it comes, but for
+    blanks at its start (and what may be the beginning of ``<|python_tag|>``), held until
+    decided. Blanks and ``;`` between calls, and after the last, are dropped.
+
+    Splitting the same answer differently gives the same content and calls (but for the ids).
+    """
+
+    _KEYS = ("parameters", "arguments")
+
+    def __init__(self, tool_names: Collection[str],
+                 new_id: Callable[[], str] = new_call_id) -> None:
+        super().__init__(tool_names, new_id)
+        self._buffer = ""  # held text: the undecided beginning of a call (or its separators)
+        self._state = "start"  # start, after (a call), value, content
+        self._value: _JsonEnd | None = None
+        self._lead = 0  # value: where the value opens in _buffer
+
+    def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
+        self._buffer += text
+        out: list[str] = []
+        deltas: list[ToolCallDelta] = []
+        self._run(out, deltas, final=False)
+        return self._emit(out), deltas
+
+    def finish(self) -> tuple[str, list[ToolCallDelta]]:
+        out: list[str] = []
+        deltas: list[ToolCallDelta] = []
+        self._run(out, deltas, final=True)
+        if self._state == "after":  # nothing but separators after the last call
+            self._buffer = ""
+        out.append(self._buffer)
+        self._buffer, self._state, self._value = "", "content", None
+        return self._emit(out), deltas
+
+    def _run(self, out: list[str], deltas: list[ToolCallDelta], final: bool) -> None:
+        while True:
+            buf = self._buffer
+            if self._state == "content":
+                out.append(buf)
+                self._buffer = ""
+                return
+            if self._state in ("start", "after"):
+                after = self._state == "after"
+                i = _skip(buf, 0, _BLANKS + ";" if after else _BLANKS)
+                if buf.startswith(PYTHON_TAG, i):
+                    j = _skip(buf, i + len(PYTHON_TAG))
+                elif i < len(buf) and PYTHON_TAG.startswith(buf[i:]):
+                    if final:  # a piece of the tag at the end: content
+                        self._to_content(i if after else 0)
+                        continue
+                    return
+                else:
+                    j = i
+                opens = _call_start(buf, j) if j < len(buf) else None
+                if opens is None:
+                    if final:
+                        self._to_content(i if after else 0)
+                        continue
+                    return
+                if not opens:
+                    self._to_content(i if after else 0)
+                    continue
+                if after:  # the separators go
+                    self._buffer, j = buf[i:], j - i
+                self._state, self._lead, self._value = "value", j, _JsonEnd(j)
+                continue
+            # value
+            assert self._value is not None
+            end = self._value.find(buf)
+            if end is None:
+                return  # final: the held text is content (``finish``)
+            calls = _read_calls(buf[self._lead:end], self.tool_names, self._KEYS)
+            if calls is None:
+                self._state = "content"
+                continue
+            self._add(calls, deltas)
+            self._buffer, self._state, self._value = buf[end:], "after", None
+
+    def _to_content(self, start: int) -> None:
+        """The answer from ``_buffer[start:]`` on is content (what is before it is dropped)."""
+        self._buffer = self._buffer[start:]
+        self._state = "content"
+
+
+class MistralToolCallParser(CallParser):
+    """The ``mistral`` format's parser.
+
+    ``[TOOL_CALLS]`` opens calls anywhere in the answer; the text before it is content. After
+    it (blanks allowed): a JSON list of calls ``[{"name": ..., "arguments": {...}}, ...]`` (or
+    one call object), or the newer form ``name[ARGS]{...}`` (one call; another follows its own
+    ``[TOOL_CALLS]``). The markers are special tokens of Mistral's tokenizers, not in the text
+    under ``skip_special_tokens``: so at the answer's start (after blanks) a call list, or a
+    declared function's name followed by (``[ARGS]`` and) its arguments object, is read the
+    same, and so is another ``name{...}`` right after such a call. Calls must name declared
+    functions with object arguments; a marked part that is not calls goes out as content as it
+    was (its marker too), and so does a marker-less one. Content goes out as it comes, but for
+    what may be the beginning of a marker (or, at the start, of a call), held until decided.
+    Blanks between calls, and after the last, are dropped. Ids: ``new_mistral_call_id``.
+
+    Splitting the same answer differently gives the same content and calls (but for the ids).
+    """
+
+    def __init__(self, tool_names: Collection[str],
+                 new_id: Callable[[], str] = new_mistral_call_id) -> None:
+        super().__init__(tool_names, new_id)
+        self._buffer = ""
+        # start, after (a call; ``_bare``: a marker-less name form), marker (``_buffer`` opens
+        # with one), value (the call's JSON opens at ``_lead``; ``_name``: the name form's),
+        # content
+        self._state = "start"
+        self._bare = False
+        self._name: str | None = None
+        self._lead = 0
+        self._value: _JsonEnd | None = None
+
+    def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
+        self._buffer += text
+        out: list[str] = []
+        deltas: list[ToolCallDelta] = []
+        self._run(out, deltas, final=False)
+        return self._emit(out), deltas
+
+    def finish(self) -> tuple[str, list[ToolCallDelta]]:
+        out: list[str] = []
+        deltas: list[ToolCallDelta] = []
+        self._run(out, deltas, final=True)
+        if self._state == "after":
+            self._buffer = self._buffer.lstrip(_BLANKS)
+        out.append(self._buffer)
+        self._buffer, self._state, self._value = "", "content", None
+        return self._emit(out), deltas
+
+    def _named(self, buf: str, i: int) -> tuple[str, int] | bool | None:
+        """A declared function's name at ``buf[i:]`` followed by (blanks, ``[ARGS]``, blanks)
+        ``{``: (name, where the ``{`` is); False when there is none; None while it may still
+        come."""
+        waiting = False
+        for name in self.tool_names:
+            if not buf.startswith(name, i):
+                waiting = waiting or (name.startswith(buf[i:]))
+                continue
+            j = _skip(buf, i + len(name))
+            if buf.startswith(MISTRAL_ARGS, j):
+                j = _skip(buf, j + len(MISTRAL_ARGS))
+            elif j < len(buf) and MISTRAL_ARGS.startswith(buf[j:]):
+                waiting = True
+                continue
+            if j >= len(buf):
+                waiting = True
+            elif buf[j] == "{":
+                return name, j
+        return None if waiting else False
+
+    def _run(self, out: list[str], deltas: list[ToolCallDelta], final: bool) -> None:
+        while True:
+            buf = self._buffer
+            state = self._state
+            if state == "content":
+                start = buf.find(MISTRAL_CALLS)
+                if start >= 0:
+                    out.append(buf[:start])
+                    self._buffer, self._state = buf[start:], "marker"
+                    continue
+                keep = 0 if final else _partial_tag(buf, MISTRAL_CALLS)
+                out.append(buf[:len(buf) - keep])
+                self._buffer = buf[len(buf) - keep:]
+                return
+            if state in ("start", "after"):
+                i = _skip(buf, 0)
+                if i == len(buf) or (MISTRAL_CALLS.startswith(buf[i:]) and not final):
+                    if final:
+                        self._state = "content" if state == "start" else "after"
+                        return
+                    return
+                if buf.startswith(MISTRAL_CALLS, i):
+                    if state == "start":
+                        out.append(buf[:i])
+                    self._buffer, self._state = buf[i:], "marker"
+                    continue
+                found: tuple[str, int] | bool | None = False
+                if state == "start" and buf[i] == "[":
+                    opens = _call_start(buf, i)
+                    if opens is None and not final:
+                        return
+                    if opens:
+                        self._open_value(i, None)
+                        continue
+                elif state == "start" or self._bare:
+                    found = self._named(buf, i)
+                    if found is None and not final:
+                        return
+                    if isinstance(found, tuple):
+                        self._buffer = buf[i:]
+                        self._open_value(found[1] - i, found[0], bare=True)
+                        continue
+                # content from here: at the start all of it, after a call without the blanks
+                self._buffer = buf if state == "start" else buf[i:]
+                self._state = "content"
+                continue
+            if state == "marker":
+                j = _skip(buf, len(MISTRAL_CALLS))
+                if j >= len(buf):
+                    if final:
+                        self._state = "content"
+                        self._fail(out, len(buf))
+                        continue
+                    return
+                if buf[j] in "[{":
+                    self._open_value(j, None)
+                    continue
+                found = self._named(buf, j)
+                if found is None and not final:
+                    return
+                if isinstance(found, tuple):
+                    self._open_value(found[1], found[0])
+                    continue
+                self._fail(out, len(MISTRAL_CALLS))
+                continue
+            # value
+            assert self._value is not None
+            end = self._value.find(buf)
+            if end is None:
+                if final:
+                    self._fail(out, len(buf))
+                    continue
+                return
+            text = buf[self._lead:end]
+            if self._name is None:
+                calls = _read_calls(text, self.tool_names)
+            else:
                 try:
-                    arguments = _loads(arguments)
+                    arguments = _loads(text)
                 except ValueError:
-                    return None
-            if not isinstance(arguments, dict):
-                return None
-            calls.append((name, _dumps(arguments)))
-        return calls
+                    arguments = None
+                one = _read_arguments(self._name, arguments)
+                calls = None if one is None else [one]
+            if calls is None:
+                self._fail(out, end)
+                continue
+            self._add(calls, deltas)
+            self._buffer, self._state, self._value = buf[end:], "after", None
+            self._bare = self._bare and self._name is not None
+
+    def _open_value(self, lead: int, name: str | None, bare: bool = False) -> None:
+        self._state, self._lead, self._name = "value", lead, name
+        self._value = _JsonEnd(lead)
+        self._bare = bare
+
+    def _fail(self, out: list[str], end: int) -> None:
+        """The held part up to ``end`` was no call: it is content as it was."""
+        out.append(self._buffer[:end])
+        self._buffer, self._state, self._value = self._buffer[end:], "content", None
 
 
-def parse_tool_calls(text: str, tool_names: Collection[str]) -> tuple[str | None, list[ToolCallOut]]:
-    """A whole answer's content and tool calls. With calls, the content is stripped of the
-    whitespace around them (None when nothing else is left); without, it is ``text`` unchanged."""
-    parser = ToolCallParser(tool_names)
+def make_parser(tool_format: str, tool_names: Collection[str]) -> CallParser:
+    """A fresh parser of one answer in ``tool_format`` (``TOOL_FORMATS``), calling only
+    ``tool_names``."""
+    if tool_format == LLAMA3_JSON:
+        return Llama3JsonToolCallParser(tool_names)
+    if tool_format == MISTRAL:
+        return MistralToolCallParser(tool_names)
+    return ToolCallParser(tool_names)
+
+
+def parse_tool_calls(text: str, tool_names: Collection[str],
+                     tool_format: str = HERMES) -> tuple[str | None, list[ToolCallOut]]:
+    """A whole answer's content and tool calls in ``tool_format``. With calls, the content is
+    stripped of the whitespace around them (None when nothing else is left); without, it is
+    ``text`` unchanged."""
+    parser = make_parser(tool_format, tool_names)
     parser.feed(text)
     parser.finish()
     if not parser.calls:
