@@ -458,7 +458,9 @@ class Engine:
                 deltas[live.id] = delta
                 continue
             live.generated += 1
-            if live.held is None:
+            if tok in live.stop_ids and not live.params.include_stop_str_in_output:
+                pass  # a stop token's own text is not output (its id is), as vLLM has it
+            elif live.held is None:
                 delta.text = live.detok.add(tok)
             else:
                 live.held.append(tok)
