@@ -80,6 +80,7 @@ from tierserve.cluster.protocol import (
     usage,
 )
 from tierserve.cluster.readiness import Readiness, serve_census
+from tierserve.cluster.responses import ResponsesCall, ResponsesRequest
 from tierserve.cluster.structured import (
     SchemaCheckBusy,
     SchemaChecker,
@@ -740,6 +741,12 @@ class Ingress:
         caller = self._caller(request)
         body = await self._body(request, ChatCompletionRequest)
         assert isinstance(body, ChatCompletionRequest)
+        return await self._chat(request, caller, body)
+
+    async def _chat(self, request: Request, caller: Caller,
+                    body: ChatCompletionRequest) -> Response:
+        """A chat completion request, validated, from key check to answer (the chat route's
+        and, translated, the Responses route's)."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise BadRequest(
                 f"model {self.cfg.model_name!r} has no chat template (a base model, which continues "
@@ -773,6 +780,28 @@ class Ingress:
                      token_ids=bool(body.return_tokens_as_token_ids),
                      request_id=body.request_id or "", service_tier=tier_named)
         return await self._serve(request, body, call, caller)
+
+    @app.post("/v1/responses", response_model=None)
+    async def responses(self, request: Request) -> Response:
+        """OpenAI's Responses API, served as the chat completion request it means
+        (``tierserve.cluster.responses``): the same key check, tiers, flow control, limits,
+        tool calls and structured outputs; the answer a ``Response`` object, or its events.
+        A refusal names the Responses field (``max_output_tokens``, ``input.2.content``)."""
+        caller = self._caller(request)
+        data = await read_json(request.stream(), request.headers.get("content-length"),
+                               self.cfg.max_request_bytes, self.cfg.body_timeout_s)
+        call = ResponsesCall.of(validated(ResponsesRequest, data))
+        try:
+            answer = await self._chat(request, caller,
+                                      validated(ChatCompletionRequest, call.chat))
+        except ServingError as e:
+            raise call.error(e) from None
+        if isinstance(answer, StreamingResponse):
+            return StreamingResponse(call.events(answer.body_iterator),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        chat = json.loads(bytes(answer.body))
+        return JSONResponse(dump(call.response(chat)))
 
     # ------------------------------------------------------------------ helpers
 
