@@ -276,10 +276,13 @@ def validation_error(errors: Sequence[Any]) -> tuple[str, str | None]:
 def error_param(loc: Sequence[int | str], extra: bool = False) -> str | None:
     """The field path of an error; ``extra``: the location is an unknown field's name, as is.
     A chat message's role, which pydantic puts after its index (its union's tag), is left out:
-    ``messages.0.user.content`` is ``messages.0.content``."""
+    ``messages.0.user.content`` is ``messages.0.content``. So is a union's member tag before a
+    list's index (``input.list.0.extra`` is ``input.0.extra``)."""
     parts: list[str] = []
     for i, p in enumerate(loc):
         if p == "body":
+            continue
+        if p in _UNION_TAGS and i + 1 < len(loc) and isinstance(loc[i + 1], int):
             continue
         after_index = i > 0 and isinstance(loc[i - 1], int)
         if isinstance(p, str) and after_index and p in _MESSAGE_TAGS and (
