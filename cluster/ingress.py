@@ -80,7 +80,11 @@ from tierserve.cluster.protocol import (
     usage,
 )
 from tierserve.cluster.readiness import Readiness, serve_census
-from tierserve.cluster.responses import ResponsesCall, ResponsesRequest
+from tierserve.cluster.responses import (
+    ResponsesCall,
+    ResponsesRequest,
+    stored_responses_refused,
+)
 from tierserve.cluster.structured import (
     SchemaCheckBusy,
     SchemaChecker,
@@ -805,6 +809,15 @@ class Ingress:
                                      headers={"Cache-Control": "no-cache"})
         chat = json.loads(bytes(answer.body))
         return JSONResponse(dump(call.response(chat)))
+
+    @app.get("/v1/responses/{response_id:path}", response_model=None)
+    @app.post("/v1/responses/{response_id:path}", response_model=None)
+    @app.delete("/v1/responses/{response_id:path}", response_model=None)
+    async def stored_response(self, request: Request, response_id: str) -> JSONResponse:
+        """Retrieving, cancelling or deleting a response, or listing its input items: a 400,
+        since nothing is stored (behind the key check, as every route that reads a body)."""
+        self._caller(request)
+        raise stored_responses_refused(response_id)
 
     # ------------------------------------------------------------------ helpers
 

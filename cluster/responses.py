@@ -39,6 +39,7 @@ from pydantic import (
     StrictBool,
     StrictStr,
     Tag,
+    WithJsonSchema,
     field_validator,
     model_validator,
 )
@@ -53,7 +54,7 @@ from tierserve.cluster.protocol import (
     Stop,
     TopLogprobs,
 )
-from tierserve.records import ServingError
+from tierserve.records import BadRequest, ServingError
 
 # The most items one ``input`` may hold (the body's byte limit bounds it too).
 MAX_INPUT_ITEMS = 2048
@@ -268,6 +269,9 @@ def _no_prompt_template(value: Any) -> Any:
     return value
 
 
+# The schema of a field refused unless null.
+_REFUSED = WithJsonSchema({"type": "null", "description": "not supported: omit it (or send null)"})
+
 # What ``include`` may name. The logprobs are honoured; the others name the output of built-in
 # tools, images or reasoning, which this server never produces: there is nothing to add.
 INCLUDABLE = frozenset({
@@ -316,9 +320,10 @@ class ResponsesRequest(_Body):
     prompt_cache_key: Annotated[StrictStr, Field(max_length=256)] | None = None
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     background: Annotated[StrictBool, AfterValidator(_no_background)] | None = None
-    previous_response_id: Annotated[Any, _nothing_stored("previous_response_id")] = None
-    conversation: Annotated[Any, _nothing_stored("conversation")] = None
-    prompt: Annotated[Any, AfterValidator(_no_prompt_template)] = None
+    previous_response_id: Annotated[Any, _nothing_stored("previous_response_id"),
+                                    _REFUSED] = None
+    conversation: Annotated[Any, _nothing_stored("conversation"), _REFUSED] = None
+    prompt: Annotated[Any, AfterValidator(_no_prompt_template), _REFUSED] = None
     # The chat route's sampling and vLLM's fields, as it takes them (docs/api.md).
     seed: Annotated[Int, Field(ge=0, le=2**63 - 1)] | None = None
     top_k: Annotated[Int, Field(ge=-1, le=2**31 - 1)] | None = None
@@ -646,6 +651,14 @@ class ResponsesCall:
     def events(self, chunks: AsyncIterable[Any]) -> AsyncIterator[str]:
         """The Responses stream of the chat route's SSE stream ``chunks``."""
         return ResponseEvents(self).run(chunks)
+
+
+def stored_responses_refused(response_id: str) -> BadRequest:
+    """The answer to any use of a stored response (retrieve, cancel, delete, input items)."""
+    rid = response_id.split("/")[0][:128]
+    return BadRequest(f"stored responses are not supported: this server keeps no response "
+                      f"(store is false here), so {rid!r} cannot be retrieved, cancelled or "
+                      "deleted", "stored_responses_unsupported", "response_id")
 
 
 def response_id(chat_id: str) -> str:

@@ -7,16 +7,24 @@ Responses field; and the SDK's ``responses.create`` and ``responses.stream`` par
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
 import httpx2
 import openai
 import pytest
+from starlette.requests import Request
 
 from tests.cluster import stub_ingress
 from tests.cluster.stub_ingress import ANSWER, StubIngress, _Stream
-from tierserve.records import GRAMMAR_REJECTED_TOKEN, GenerateRequest, RequestOutput
+from tierserve.cluster import ingress
+from tierserve.records import (
+    GRAMMAR_REJECTED_TOKEN,
+    GenerateRequest,
+    RequestOutput,
+    ServingError,
+)
 
 ROUTE = "/v1/responses"
 CHAT = "/v1/chat/completions"
@@ -429,8 +437,12 @@ def sdk(stub: StubIngress) -> openai.OpenAI:
     """The SDK's client, its requests answered by the stub (a mock transport)."""
 
     def handler(request: httpx2.Request) -> httpx2.Response:
-        status, raw, headers = stub.post_raw(request.url.path,
-                                             request.read(), dict(request.headers))
+        path = request.url.path
+        if path.startswith(ROUTE + "/"):
+            answer = asyncio.run(_stored(stub, request.method, path))
+            return httpx2.Response(answer.status_code, content=bytes(answer.body),
+                                   headers={"content-type": "application/json"})
+        status, raw, headers = stub.post_raw(path, request.read(), dict(request.headers))
         return httpx2.Response(status, content=raw,
                                headers={"content-type": headers["content-type"]})
 
@@ -485,7 +497,45 @@ def test_the_sdk_parses_function_calls_and_schemas(stub: StubIngress, sdk: opena
     assert json.loads(shaped.output_text) == {"city": "Paris"}
 
 
+def test_stored_responses_are_a_400(sdk: openai.OpenAI) -> None:
+    """Nothing is stored: retrieving, deleting, cancelling a response or listing its input
+    items is a 400 saying so."""
+    calls: list[Any] = [
+        lambda: sdk.responses.retrieve("resp_1"), lambda: sdk.responses.delete("resp_1"),
+        lambda: sdk.responses.cancel("resp_1"),
+        lambda: list(sdk.responses.input_items.list("resp_1"))]
+    for call in calls:
+        with pytest.raises(openai.BadRequestError) as refused_:
+            call()
+        assert refused_.value.code == "stored_responses_unsupported"
+        assert "stored responses are not supported" in str(refused_.value)
+        assert "'resp_1'" in str(refused_.value)
+
+
+def test_stored_responses_are_behind_the_key() -> None:
+    keyed = StubIngress({"tiers": [{"name": "standard", "base_priority": 5, "max_priority": 9,
+                                    "api_keys": ["k-std"]}], "anonymous_tier": None})
+    assert asyncio.run(_stored(keyed, "GET", ROUTE + "/resp_1")).status_code == 401
+    answer = asyncio.run(_stored(keyed, "GET", ROUTE + "/resp_1", "k-std"))
+    assert answer.status_code == 400
+    assert json.loads(bytes(answer.body))["error"]["param"] == "response_id"
+
+
 # ------------------------------------------------------------------ helpers
+
+
+async def _stored(stub: StubIngress, method: str, path: str, key: str = "") -> Any:
+    """The answer of the stored-response route for ``method`` and ``path``."""
+    headers = [(b"authorization", f"Bearer {key}".encode())] if key else []
+    scope = {"type": "http", "method": method, "path": path, "headers": headers,
+             "query_string": b"", "app": ingress.app, "state": {"request_id": "req-stub"}}
+    request = Request(scope)
+    try:
+        return await stub.cls.stored_response(stub.inst, request,
+                                              path.removeprefix(ROUTE + "/"))
+    except ServingError as e:
+        return await ingress._api_error(request, e)
+
 
 
 def _out(stub: StubIngress, text: str, reason: str | None, **kw: Any) -> RequestOutput:
@@ -503,3 +553,22 @@ def _answer_with(stub: StubIngress, monkeypatch: pytest.MonkeyPatch,
         return _Stream(list(outputs))
 
     monkeypatch.setattr(stub.handle, "remote", remote)
+
+
+def test_the_route_is_in_the_openapi_document(stub: StubIngress) -> None:
+    doc = stub.inst.openapi_doc
+    op = doc["paths"]["/v1/responses"]["post"]
+    assert op["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith(
+        "ResponsesRequest")
+    assert {"200", "400", "401", "413", "429", "503"} <= set(op["responses"])
+    assert set(op["responses"]["200"]["content"]) == {"application/json", "text/event-stream"}
+    props = doc["components"]["schemas"]["ResponsesRequest"]["properties"]
+    for name in ("model", "input", "instructions", "max_output_tokens", "temperature", "top_p",
+                 "tools", "tool_choice", "parallel_tool_calls", "text", "stream", "store",
+                 "metadata", "user", "service_tier", "truncation", "reasoning", "include"):
+        assert name in props, name
+    assert props["model"]["enum"] == [stub.model]
+    assert next(o for o in props["max_output_tokens"]["anyOf"] if o.get("type") == "integer")[
+        "maximum"] == stub.inst.cfg.max_tokens_limit
+    assert doc["components"]["schemas"]["ResponsesRequest"]["additionalProperties"] is False
+    assert "ResponseObject" in doc["components"]["schemas"]
