@@ -86,6 +86,7 @@ class InputPart(_Body):
     text: StrictStr
     annotations: list[Any] | None = None
     logprobs: list[Any] | None = None
+    parsed: Any = None  # what the openai SDK's parse() adds: sent back as it is, ignored
 
     @model_validator(mode="before")
     @classmethod
@@ -108,6 +109,8 @@ class InputItem(_Body):
     ``call_id`` names). Other item types (reasoning, built-in tool calls, item references)
     are a 400."""
 
+    model_config = ConfigDict(extra="forbid", populate_by_name=False)
+
     type: StrictStr = "message"
     role: StrictStr | None = None
     content: _str_or_list(InputPart) | None = None  # type: ignore[valid-type]
@@ -118,6 +121,11 @@ class InputItem(_Body):
     arguments: StrictStr | None = None
     output: _str_or_list(InputPart) | None = None  # type: ignore[valid-type]
     phase: StrictStr | None = None  # an earlier answer's, sent back: accepted, not shown
+    parsed_arguments: Any = None  # what the openai SDK's parse() adds: accepted, ignored
+    # An earlier call's other fields in the SDK's types, sent back: accepted, ignored.
+    namespace: StrictStr | None = None
+    caller: dict[StrictStr, Any] | None = None
+    async_: StrictBool | None = Field(default=None, alias="async")
 
     @model_validator(mode="before")
     @classmethod

@@ -486,11 +486,22 @@ def test_the_sdk_parses_function_calls_and_schemas(stub: StubIngress, sdk: opena
     assert "response.function_call_arguments.done" in kinds
     (streamed,) = final.output
     assert streamed.type == "function_call" and streamed.arguments == call.arguments
-    # The round trip: the call's item and its output, back in the next input.
+    # The round trip: the answer's output items (as the SDK returned them) and the call's
+    # output, back in the next input; so with parse()'s parsed fields.
     again = sdk.responses.create(model=stub.model, tools=tools, tool_choice="none", input=[
-        {"role": "user", "content": "Weather?"}, call.model_dump(exclude_none=True),
+        {"role": "user", "content": "Weather?"}, *r.output,
         {"type": "function_call_output", "call_id": call.call_id, "output": "22 C"}])
     assert again.status == "completed" and "22 C" in prompt(stub)
+    parsed = sdk.responses.parse(model=stub.model, input="Weather?", tools=tools,
+                                 tool_choice="required")
+    assert sdk.responses.create(model=stub.model, tools=tools, tool_choice="none", input=[
+        {"role": "user", "content": "Weather?"},
+        {**parsed.output[0].model_dump(exclude_none=True, by_alias=True),
+         "parsed_arguments": {"city": "Paris"}, "namespace": None, "async": None},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "22 C"},
+        {"role": "assistant", "content": [{"type": "output_text", "text": "22 C.",
+                                           "annotations": [], "parsed": None}]},
+        {"role": "user", "content": "Thanks"}]).status == "completed"
     monkeypatch.setattr(stub_ingress, "ANSWER", '{"city": "Paris"}')
     shaped = sdk.responses.create(model=stub.model, input="A city?", text={"format": {
         "type": "json_schema", "name": "city", "schema": CITY_SCHEMA, "strict": True}})
