@@ -509,6 +509,7 @@ class ResponsesCall:
                                    "tool_choice.function": "tool_choice"}
         if body.instructions is not None:
             sources[f"messages.{len(messages)}"] = "instructions"
+            sources[f"messages.{len(messages)}.content"] = "instructions"
             messages.append({"role": "system", "content": body.instructions})
         items = ([InputItem(role="user", content=body.input)] if isinstance(body.input, str)
                  else list(body.input))
@@ -527,7 +528,11 @@ class ResponsesCall:
                     "name": item.name, "arguments": item.arguments}})
                 continue
             sources[f"messages.{len(messages)}"] = where
+            if where == "input":  # a string: the message's content is the input itself
+                sources[f"messages.{len(messages)}.content"] = where
             if item.type == "function_call_output":
+                sources[f"messages.{len(messages)}.content"] = f"{where}.output"
+                sources[f"messages.{len(messages)}.tool_call_id"] = f"{where}.call_id"
                 messages.append({"role": "tool", "tool_call_id": item.call_id,
                                  "content": item.text()})
             else:
@@ -589,7 +594,8 @@ class ResponsesCall:
 
     def error(self, e: ServingError) -> ServingError:
         """``e`` (a refusal the chat path made) naming the Responses field: its ``param`` and,
-        where its message starts with that field's path, the message too."""
+        where its message starts with the chat field's path, the message too (elsewhere in the
+        message a word such as "messages" may be plain prose)."""
         param = self.param(e.param)
         if param is not None and e.param is not None and param != e.param:
             message = e.message
@@ -597,8 +603,6 @@ class ResponsesCall:
                 if message.startswith(old):
                     message = param + message[len(old):]
                     break
-            else:
-                message = message.replace(e.param, param)
             e.args = (message, *e.args[1:])
             e.param = param
         return e

@@ -19,6 +19,7 @@ from starlette.requests import Request
 from tests.cluster import stub_ingress
 from tests.cluster.stub_ingress import ANSWER, StubIngress, _Stream
 from tierserve.cluster import ingress
+from tierserve.cluster.responses import ResponsesCall, ResponsesRequest
 from tierserve.records import (
     GRAMMAR_REJECTED_TOKEN,
     GenerateRequest,
@@ -411,6 +412,31 @@ def test_unknown_fields_are_refused_by_name(stub: StubIngress) -> None:
 def test_bad_input_is_a_400_naming_the_field(stub: StubIngress, extra: dict[str, Any],
                                              param: str, says: str) -> None:
     refused(stub, body(stub, **extra), param, says)
+
+
+def test_a_chat_refusal_names_the_responses_field(stub: StubIngress) -> None:
+    """Where the chat request a refusal names came from: each message's input item (or the
+    instructions), each call's item, ``max_output_tokens``, a tool's ``parameters``."""
+    call = ResponsesCall.of(ResponsesRequest.model_validate(body(stub, instructions="Hi", input=[
+        {"role": "user", "content": "a"},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "function_call", "call_id": "c2", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "x"}],
+        tools=[{"type": "function", "name": "f"}])))
+    assert [m["role"] for m in call.chat["messages"]] == ["system", "user", "assistant", "tool"]
+    assert [call.param(p) for p in (
+        "messages.0.content", "messages.1.content", "messages.2",
+        "messages.2.tool_calls.1.function.arguments", "messages.3.content",
+        "messages.3.tool_call_id", "messages", "max_tokens", "tools.0.function.parameters",
+        "response_format.json_schema.schema", "temperature", None)] == [
+        "instructions", "input.0.content", "input.1", "input.2.arguments", "input.3.output",
+        "input.3.call_id", "input", "max_output_tokens", "tools.0.parameters",
+        "text.format.schema", "temperature", None]
+    plain = ResponsesCall.of(ResponsesRequest.model_validate(body(stub)))
+    assert plain.param("messages.0.content") == "input"
+    # A prompt too long for the context, before it is tokenized.
+    error = refused(stub, body(stub, input="word " * 200_000), "input")
+    assert error["code"] == "too_long"
 
 
 def test_a_key_is_needed_where_keys_are_configured() -> None:
