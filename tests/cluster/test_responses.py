@@ -558,6 +558,38 @@ def test_stored_responses_are_behind_the_key() -> None:
     assert json.loads(bytes(answer.body))["error"]["param"] == "response_id"
 
 
+@pytest.mark.parametrize("mode", ["positive", "negative"])
+def test_generated_requests_get_documented_answers(stub: StubIngress, mode: str) -> None:
+    """Bodies and headers generated from the route's OpenAPI document (schemathesis), sent to
+    the stub: never a 5xx; a request that breaks the document is a 400; some valid ones are
+    served. (The live fuzz of ``test_fuzz.py`` covers the other routes against a cluster.)"""
+    import schemathesis
+    from hypothesis import HealthCheck, given, settings
+    from schemathesis import GenerationMode
+
+    generation = GenerationMode.POSITIVE if mode == "positive" else GenerationMode.NEGATIVE
+    op = schemathesis.openapi.from_dict(stub.inst.openapi_doc)[ROUTE]["POST"]
+    statuses: list[int] = []
+
+    @given(case=op.as_strategy(generation_mode=generation))
+    @settings(max_examples=40, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    def fuzz(case: Any) -> None:
+        raw = case.body
+        data = raw if isinstance(raw, bytes) else (
+            raw.encode() if isinstance(raw, str) else json.dumps(raw).encode())
+        headers = {k: str(v) for k, v in (case.headers or {}).items()}
+        status, _, _ = stub.post_raw(ROUTE, data, headers)
+        statuses.append(status)
+
+    fuzz()
+    assert statuses and all(s < 500 for s in statuses), statuses
+    if mode == "positive":
+        assert 200 in statuses, statuses
+    else:
+        assert set(statuses) <= {400}, statuses
+
+
 # ------------------------------------------------------------------ helpers
 
 
