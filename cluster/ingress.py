@@ -80,6 +80,11 @@ from tierserve.cluster.protocol import (
     usage,
 )
 from tierserve.cluster.readiness import Readiness, serve_census
+from tierserve.cluster.responses import (
+    ResponsesCall,
+    ResponsesRequest,
+    stored_responses_refused,
+)
 from tierserve.cluster.structured import (
     SchemaCheckBusy,
     SchemaChecker,
@@ -278,10 +283,13 @@ def validation_error(errors: Sequence[Any]) -> tuple[str, str | None]:
 def error_param(loc: Sequence[int | str], extra: bool = False) -> str | None:
     """The field path of an error; ``extra``: the location is an unknown field's name, as is.
     A chat message's role, which pydantic puts after its index (its union's tag), is left out:
-    ``messages.0.user.content`` is ``messages.0.content``."""
+    ``messages.0.user.content`` is ``messages.0.content``. So is a union's member tag before a
+    list's index (``input.list.0.extra`` is ``input.0.extra``)."""
     parts: list[str] = []
     for i, p in enumerate(loc):
         if p == "body":
+            continue
+        if p in _UNION_TAGS and i + 1 < len(loc) and isinstance(loc[i + 1], int):
             continue
         after_index = i > 0 and isinstance(loc[i - 1], int)
         if isinstance(p, str) and after_index and p in _MESSAGE_TAGS and (
@@ -747,6 +755,12 @@ class Ingress:
         caller = self._caller(request)
         body = await self._body(request, ChatCompletionRequest)
         assert isinstance(body, ChatCompletionRequest)
+        return await self._chat(request, caller, body)
+
+    async def _chat(self, request: Request, caller: Caller,
+                    body: ChatCompletionRequest) -> Response:
+        """A chat completion request, validated, from key check to answer (the chat route's
+        and, translated, the Responses route's)."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise BadRequest(
                 f"model {self.cfg.model_name!r} has no chat template (a base model, which continues "
@@ -780,6 +794,37 @@ class Ingress:
                      token_ids=bool(body.return_tokens_as_token_ids),
                      request_id=body.request_id or "", service_tier=tier_named)
         return await self._serve(request, body, call, caller)
+
+    @app.post("/v1/responses", response_model=None)
+    async def responses(self, request: Request) -> Response:
+        """OpenAI's Responses API, served as the chat completion request it means
+        (``tierserve.cluster.responses``): the same key check, tiers, flow control, limits,
+        tool calls and structured outputs; the answer a ``Response`` object, or its events.
+        A refusal names the Responses field (``max_output_tokens``, ``input.2.content``)."""
+        caller = self._caller(request)
+        data = await read_json(request.stream(), request.headers.get("content-length"),
+                               self.cfg.max_request_bytes, self.cfg.body_timeout_s)
+        call = ResponsesCall.of(validated(ResponsesRequest, data))
+        try:
+            answer = await self._chat(request, caller,
+                                      validated(ChatCompletionRequest, call.chat))
+        except ServingError as e:
+            raise call.error(e) from None
+        if isinstance(answer, StreamingResponse):
+            return StreamingResponse(call.events(answer.body_iterator),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        chat = json.loads(bytes(answer.body))
+        return JSONResponse(dump(call.response(chat)))
+
+    @app.get("/v1/responses/{response_id:path}", response_model=None)
+    @app.post("/v1/responses/{response_id:path}", response_model=None)
+    @app.delete("/v1/responses/{response_id:path}", response_model=None)
+    async def stored_response(self, request: Request, response_id: str) -> JSONResponse:
+        """Retrieving, cancelling or deleting a response, or listing its input items: a 400,
+        since nothing is stored (behind the key check, as every route that reads a body)."""
+        self._caller(request)
+        raise stored_responses_refused(response_id)
 
     # ------------------------------------------------------------------ helpers
 

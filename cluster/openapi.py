@@ -35,6 +35,7 @@ from tierserve.cluster.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
+from tierserve.cluster.responses import ResponseObject, ResponsesRequest
 from tierserve.cluster.tiers import PRIORITY_PATTERN
 from tierserve.records import MAX_STOP_STRING_CHARS
 
@@ -87,6 +88,8 @@ def _components() -> dict[str, Any]:
         (DetokenizeResponse, "serialization"),
         (ModelCard, "serialization"),
         (VersionResponse, "serialization"),
+        (ResponsesRequest, "validation"),
+        (ResponseObject, "serialization"),
     ]
     _, schema = models_json_schema(models, ref_template=REF)
     defs: dict[str, Any] = _json_schema_keywords(schema.get("$defs", {}))
@@ -224,6 +227,7 @@ def openapi_schema(app: FastAPI, limits: dict[str, Any] | None = None) -> dict[s
         "content": {"application/json": {"schema": {"$ref": REF.format(model="ModelList")}}},
     }}
     _small_routes(doc, limits)
+    _responses_route(doc, limits)
     _request_ids(doc)
     health = doc["paths"]["/health"]["get"]
     health["responses"] = {"200": {
@@ -298,6 +302,63 @@ def _small_routes(doc: dict[str, Any], limits: dict[str, Any]) -> None:
                 "content": {"application/json": {"schema": {
                     "$ref": REF.format(model="ErrorResponse")}}}},
     }
+
+
+def _responses_route(doc: dict[str, Any], limits: dict[str, Any]) -> None:
+    """``/v1/responses`` (OpenAI's Responses API, served through the chat route): its body,
+    the ``Response`` object or its events, and the chat route's error answers."""
+    size = limits.get("max_request_bytes")
+    body_note = f" At most {size} bytes." if size else ""
+    op = doc["paths"]["/v1/responses"]["post"]
+    op["requestBody"] = {
+        "required": True,
+        "description": "OpenAI's Responses request (served as a chat completion; nothing is "
+                       "stored)." + body_note,
+        "content": {"application/json": {"schema": {
+            "$ref": REF.format(model="ResponsesRequest")}}},
+    }
+    op["parameters"] = [{
+        "name": "X-TL-Priority", "in": "header", "required": False,
+        "description": "a priority within the caller's tier (an integer between the tier's "
+                       "base_priority and max_priority)",
+        "schema": {"type": "string", "pattern": PRIORITY_PATTERN},
+    }]
+    op["security"] = [{"bearer": []}, {}]
+    op["responses"] = {
+        "200": {
+            "description": "The Response object; with stream=true, server-sent events (each "
+                           "an 'event:' line naming its type and a 'data:' line of its JSON, "
+                           "numbered by sequence_number): response.created, "
+                           "response.in_progress, per output item response.output_item.added "
+                           "... response.output_item.done (with response.output_text.delta or "
+                           "response.function_call_arguments.delta between), then "
+                           "response.completed or response.incomplete; an error mid-stream is "
+                           "an 'error' event and response.failed. No [DONE].",
+            "content": {
+                "application/json": {"schema": {"$ref": REF.format(model="ResponseObject")}},
+                "text/event-stream": {"schema": {
+                    "type": "object",
+                    "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
+                    "required": ["data", "event"],
+                }},
+            },
+        },
+        **{str(status): _error(status) for status in _ERRORS},
+    }
+    for stored in doc["paths"]["/v1/responses/{response_id}"].values():
+        stored["security"] = [{"bearer": []}, {}]
+        stored["responses"] = {
+            "400": {"description": "Stored responses are not supported (code "
+                                   "stored_responses_unsupported): nothing is stored.",
+                    "content": {"application/json": {"schema": {
+                        "$ref": REF.format(model="ErrorResponse")}}}},
+            "401": _error(401)}
+    props = doc["components"]["schemas"]["ResponsesRequest"]["properties"]
+    if limits.get("model") is not None:
+        props["model"] = {"type": "string", "enum": [limits["model"]], "title": "Model"}
+    if limits.get("max_tokens") is not None:
+        _set_in_any_of(props["max_output_tokens"], "integer",
+                       {"maximum": limits["max_tokens"]})
 
 
 _REQUEST_ID_PARAM = {

@@ -111,7 +111,7 @@ class StubIngress:
         answer the app's handler makes of it."""
         method = {"/v1/completions": "completions",
                   "/v1/chat/completions": "chat", "/tokenize": "tokenize",
-                  "/detokenize": "detokenize"}[route]
+                  "/detokenize": "detokenize", "/v1/responses": "responses"}[route]
         data = (body if isinstance(body, str) else json.dumps(body)).encode()
         return asyncio.run(self._call(method, route, data, headers or {}))
 
@@ -138,8 +138,37 @@ class StubIngress:
         return Answer(response.status_code, json.loads(bytes(response.body)),
                       dict(response.headers))
 
+    def post_raw(self, route: str, data: bytes, headers: dict[str, str] | None = None
+                 ) -> tuple[int, bytes, dict[str, str]]:
+        """``post`` without parsing: the status, the body as sent (a stream's bytes, whole)
+        and the headers; what a client library on a mock transport reads."""
+        return asyncio.run(self._raw(route, data, headers or {}))
+
+    async def _raw(self, route: str, data: bytes, headers: dict[str, str]
+                   ) -> tuple[int, bytes, dict[str, str]]:
+        method = {"/v1/chat/completions": "chat", "/v1/responses": "responses"}[route]
+        response = await self._respond(method, route, data, headers)
+        if isinstance(response, StreamingResponse):
+            body = "".join([c async for c in _chunks(response)]).encode()
+        else:
+            body = bytes(response.body)
+        return response.status_code, body, dict(response.headers)
+
     async def _call(self, method: str, path: str, data: bytes,
                     headers: dict[str, str]) -> Answer:
+        response = await self._respond(method, path, data, headers)
+        hdrs = dict(response.headers)
+        if isinstance(response, StreamingResponse):
+            events: list[Any] = []
+            async for chunk in _chunks(response):
+                for line in chunk.split("\n"):
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        events.append(json.loads(line[len("data: "):]))
+            return Answer(response.status_code, events, hdrs)
+        return Answer(response.status_code, json.loads(bytes(response.body)), hdrs)
+
+    async def _respond(self, method: str, path: str, data: bytes,
+                       headers: dict[str, str]) -> Any:
         sent = False
 
         async def receive() -> dict[str, Any]:
@@ -160,15 +189,7 @@ class StubIngress:
             response = await getattr(self.cls, method)(self.inst, request)
         except ServingError as e:
             response = await ingress._api_error(request, e)
-        hdrs = dict(response.headers)
-        if isinstance(response, StreamingResponse):
-            events: list[Any] = []
-            async for chunk in _chunks(response):
-                for line in chunk.split("\n"):
-                    if line.startswith("data: ") and line != "data: [DONE]":
-                        events.append(json.loads(line[len("data: "):]))
-            return Answer(response.status_code, events, hdrs)
-        return Answer(response.status_code, json.loads(bytes(response.body)), hdrs)
+        return response
 
 
 async def _chunks(response: StreamingResponse) -> AsyncIterator[str]:

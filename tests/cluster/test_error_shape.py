@@ -252,6 +252,7 @@ def test_chat_with_a_base_model_says_to_use_completions() -> None:
     inst = SimpleNamespace(cfg=cfg, tiers=TierResolver(cfg), tokenizer=SimpleNamespace(chat_template=None))
     inst._caller = MethodType(cls._caller, inst)
     inst._body = MethodType(cls._body, inst)
+    inst._chat = MethodType(cls._chat, inst)
     body = json.dumps({"model": "gemma-3-270m", "messages": [{"role": "user", "content": "hi"}]})
 
     async def receive() -> dict[str, Any]:

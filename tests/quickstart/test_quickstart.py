@@ -10,7 +10,8 @@ dummy key; its structured-output and tool helpers: ``chat.completions.parse`` wi
 ``response_format`` (``message.parsed``), tool calls demanded (``tool_choice`` ``required`` or
 named, ``pydantic_function_tool``) with ``finish_reason`` ``tool_calls``, streamed as
 ``delta.tool_calls``, and a round trip (the assistant's calls and a ``tool`` message back, a text
-answer); LangChain (``langchain-openai``'s ``ChatOpenAI``, from a script in its own virtualenv):
+answer); ``responses.create`` (plain, streamed, a function tool and its round trip, a
+``json_schema`` text format); LangChain (``langchain-openai``'s ``ChatOpenAI``, from a script in its own virtualenv):
 ``with_structured_output`` (``json_schema``, ``function_calling``), ``bind_tools`` invoked and
 streamed, and a ``ToolMessage`` round trip; ``guidellm run`` (chat and completions, synthetic
 data, a local tokenizer folder, ``HF_HUB_OFFLINE=1``) with no errored request; ``aiperf profile`` (chat, streaming) with no error,
@@ -366,6 +367,69 @@ def test_openai_sdk_tool_with_an_enum_parameter(served: subprocess.Popen[bytes])
         tools=[openai.pydantic_function_tool(City, name="describe_city")], tool_choice="required")
     (call,) = done.choices[0].message.tool_calls or []
     assert isinstance(call.function.parsed_arguments, City), call
+
+
+def test_openai_sdk_responses(served: subprocess.Popen[bytes]) -> None:
+    """``responses.create`` as agent SDKs call it, against the real model: plain
+    (``output_text``), streamed (every event parsed, in order, numbered; the deltas' text the
+    final response's), with a function tool demanded (a ``function_call`` item of the declared
+    schema; sent back with its output, a text answer), and with a ``json_schema`` text format
+    (``responses.parse``: ``output_parsed`` a ``City``)."""
+    client = _sdk()
+    question = "What is the capital of France?"
+    plain = client.responses.create(model=MODEL, input=question, instructions="Answer briefly.",
+                                    max_output_tokens=32, temperature=0)
+    assert plain.id.startswith("resp_") and plain.status in ("completed", "incomplete"), plain
+    assert plain.output_text.strip() and plain.store is False
+    assert plain.usage is not None and plain.usage.output_tokens > 0
+
+    events = list(client.responses.create(model=MODEL, input=question, max_output_tokens=32,
+                                          temperature=0, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress",
+                         "response.output_item.added", "response.content_part.added"], kinds
+    assert kinds[-4:-1] == ["response.output_text.done", "response.content_part.done",
+                            "response.output_item.done"], kinds
+    assert kinds[-1] in ("response.completed", "response.incomplete"), kinds
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    last = events[-1]
+    assert last.type in ("response.completed", "response.incomplete")
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text.strip() and text == last.response.output_text
+    assert last.response.usage is not None and last.response.usage.output_tokens > 0
+
+    # The chat tool's function, in the Responses API's flat shape.
+    weather: Any = {"type": "function", **openai.pydantic_function_tool(
+        GetWeather, name="get_weather")["function"]}
+    called = client.responses.create(model=MODEL, input=WEATHER_QUESTION, tools=[weather],
+                                     tool_choice="required", parallel_tool_calls=False,
+                                     max_output_tokens=100, temperature=0)
+    (call,) = called.output
+    assert call.type == "function_call" and call.name == "get_weather", called.output
+    assert set(json.loads(call.arguments)) == {"city", "unit"}, call
+    answer = client.responses.create(
+        model=MODEL, tools=[weather], tool_choice="none", max_output_tokens=60, temperature=0,
+        input=[*WEATHER_QUESTION, *called.output, {"type": "function_call_output",
+                                                   "call_id": call.call_id,
+                                                   "output": "22 degrees celsius and sunny"}])
+    assert answer.output_text.strip(), answer.output
+    assert all(item.type == "message" for item in answer.output)
+
+    with client.responses.stream(model=MODEL, input=WEATHER_QUESTION, tools=[weather],
+                                 tool_choice="required", parallel_tool_calls=False,
+                                 max_output_tokens=100, temperature=0) as stream:
+        streamed_kinds = [e.type for e in stream]
+        final = stream.get_final_response()
+    assert "response.function_call_arguments.done" in streamed_kinds, streamed_kinds
+    (streamed,) = final.output
+    assert streamed.type == "function_call" and streamed.name == "get_weather"
+    assert set(json.loads(streamed.arguments)) == {"city", "unit"}
+
+    shaped = client.responses.parse(model=MODEL, input=CITY_QUESTION, text_format=City,
+                                    max_output_tokens=200, temperature=0)
+    assert shaped.status == "completed", shaped
+    assert isinstance(shaped.output_parsed, City), shaped.output_text
+    assert City.model_validate_json(shaped.output_text) == shaped.output_parsed
 
 
 # Run with the langchain tool venv's python: argv[1] the base URL, argv[2] the model. Prints one
