@@ -109,7 +109,7 @@ def _serve(args: argparse.Namespace) -> int:
     except (ConfigError, yaml.YAMLError) as e:
         print(f"tierserve: {args.config}: {e}", file=sys.stderr)
         return 2
-    try:  # the tracing and access-log variables every process reads (docs/operations.md)
+    try:  # the tracing and access-log variables every process reads (docs/observability.md)
         tracing.settings()
         access_log_enabled()
     except (TracingConfigError, AccessLogConfigError) as e:

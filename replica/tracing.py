@@ -16,7 +16,7 @@ sampler by the SDK's names (default ``parentbased_always_on``: a client's sample
 start (``tierserve serve`` checks before Ray starts), never a silent fallback.
 
 Every process sets itself up (``setup``): the ingress and each replica are separate Ray actors,
-which read the variables of the environment Ray's workers inherit (see docs/operations.md).
+which read the variables of the environment Ray's workers inherit (see docs/observability.md).
 The request's context goes to the replica as a ``traceparent`` string on
 ``tierserve.records.GenerateRequest`` (``traceparent`` here, ``context_of`` there), so the
 replica's spans join the ingress's trace.
