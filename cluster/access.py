@@ -72,8 +72,10 @@ def setup_access_log(enabled: bool, own_handler: bool) -> None:
 
 
 def _route_name(path: str) -> str:
-    """The span's name for ``path``: a model's id is not part of it (bounded names)."""
-    return "/v1/models/{model}" if path.startswith("/v1/models/") else path
+    """The span's name for ``path`` (under the app's route prefix, if any): a model's id is not
+    part of it (bounded names)."""
+    head, sep, _ = path.partition("/v1/models/")
+    return f"{head}/v1/models/{{model}}" if sep else path
 
 
 def _header(scope: Scope, name: bytes) -> str | None:

@@ -361,3 +361,51 @@ def test_the_launcher_refuses_a_bad_exporter_before_ray(
     config = Path(__file__).parents[2] / "configs" / "cluster.yaml"
     assert launch.main([str(config)]) == 2
     assert "unknown exporter 'jaegr'" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ under Serve
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_under_serve_the_ingress_logs_one_line_per_request(main_app: Any) -> None:
+    """The middleware under Serve's proxy: the request is answered (a client's traceparent
+    taken), and the ingress's log file gets its one JSON line, without the key."""
+    import time
+
+    import httpx
+    import ray
+
+    from tests.cluster.helpers import KEYS, MODEL, headers
+
+    rid = f"access-{time.time_ns()}"
+    key = next(iter(KEYS.values()))
+    r = httpx.post(main_app.url("/v1/chat/completions"), timeout=120,
+                   json={"model": MODEL, "max_tokens": 2,
+                         "messages": [{"role": "user", "content": "Hi"}]},
+                   headers={**headers(key), "X-Request-Id": rid, "traceparent": TRACEPARENT})
+    assert r.status_code == 200, r.text
+    node = ray._private.worker._global_node
+    assert node is not None
+    logs = Path(node.get_logs_dir_path())
+    found: list[dict[str, Any]] = []
+    for _ in range(100):  # the line reaches the file when the ingress's stderr is flushed
+        for path in (p for p in logs.rglob("*") if p.is_file()):
+            for text in path.read_text(errors="replace").splitlines():
+                if rid in text and '{"time"' in text:  # bare, or behind a log prefix
+                    found.append(json.loads(text[text.index('{"time"'):]))
+        if found:
+            break
+        time.sleep(0.2)
+    assert len(found) == 1, found
+    line = found[0]
+    assert line["status"] == 200 and line["path"] == "/v1/chat/completions"
+    assert line["model"] == MODEL and line["completion_tokens"] >= 1
+    assert key not in json.dumps(line)
+
+
+def test_span_names_are_bounded() -> None:
+    from tierserve.cluster.access import _route_name
+
+    assert _route_name("/v1/models/anything-a-client-sends") == "/v1/models/{model}"
+    assert _route_name("/solo/v1/models/x") == "/solo/v1/models/{model}"
+    assert _route_name("/v1/chat/completions") == "/v1/chat/completions"
