@@ -153,8 +153,9 @@ class Exchange:
     def failed(self, error: ServingError) -> None:
         """An error answered the request (an HTTP error, or the event that ends a stream)."""
         self.error = error.code
+        # Its type and code, not its message: a message may quote the request (a template's
+        # complaint), and neither span nor line holds what the client sent.
         self.span.add_event("exception", {"exception.type": type(error).__name__,
-                                          "exception.message": error.message,
                                           "http.response.status_code": error.status,
                                           "error.type": error.code or ""})
         self.span.set_status(Status(StatusCode.ERROR, error.code or type(error).__name__))
@@ -257,7 +258,7 @@ class AccessLog:
             ended = False
             raise
         except Exception as exc:  # RequestIds answers it: a 500, unless the answer had started
-            span.record_exception(exc)
+            span.add_event("exception", {"exception.type": type(exc).__name__})  # (as failed)
             ex.error = ex.error or "internal_error"
             ex.status = ex.status or 500
             ended = True

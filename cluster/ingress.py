@@ -900,7 +900,7 @@ class Ingress:
 
     def _caller(self, request: Request) -> Caller:
         header = self.cfg.flow.tenant_header
-        with tracing.tracer().start_as_current_span("tierserve.auth"):
+        with tracing.tracer().start_as_current_span("tierserve.auth", record_exception=False):
             caller = self.tiers.resolve(request.headers.get("authorization"),
                                         request.headers.get("x-tl-priority"),
                                         request.headers.get(header) if header else None)
@@ -1045,7 +1045,8 @@ class Ingress:
             if self.gate is not None:
                 try:
                     with tracing.tracer().start_as_current_span(
-                            "tierserve.gate", attributes={"tierserve.tier": caller.tier.name}):
+                            "tierserve.gate", attributes={"tierserve.tier": caller.tier.name},
+                            record_exception=False):
                         route.ticket = await self.gate.enter(caller, len(call.ids) * call.n)
                 except Shed:
                     self._count_slo(route, failed=True)
@@ -1246,7 +1247,7 @@ class Ingress:
             except ServingError as e:
                 span.set_status(trace.Status(trace.StatusCode.ERROR, e.code or "error"))
                 span.add_event("exception", {"exception.type": type(e).__name__,
-                                             "exception.message": e.message})
+                                             "error.type": e.code or ""})
                 span.end()
                 stream.cancel()
                 if e.code != "replica_unavailable" or route.retries_left <= 0:

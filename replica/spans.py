@@ -75,8 +75,7 @@ def sample_ended(span: Span, out: RequestOutput, now: float | None = None) -> No
 def refused(span: Span, error: ErrorRecord) -> None:
     """The replica refused the request with ``error``: an exception event and the span's error
     status (the ingress's trace shows why)."""
-    span.add_event("exception", {"exception.type": "ErrorRecord",
-                                 "exception.message": error.message,
+    span.add_event("exception", {"exception.type": "ErrorRecord",  # (no message: as the ingress)
                                  "http.response.status_code": error.status,
                                  "error.type": error.code})
     span.set_status(Status(StatusCode.ERROR, error.code))

@@ -156,13 +156,15 @@ def test_an_error_is_the_span_status_and_an_exception_event(
 
 def test_an_unexpected_exception_is_a_500_span(stub: StubIngress,
                                                spans: InMemorySpanExporter) -> None:
-    answer = stub.send(CHAT, chat(stub), KEY, fail=RuntimeError("boom"))
+    answer = stub.send(CHAT, chat(stub), KEY, fail=RuntimeError("secret detail"))
     assert answer.status == 500 and answer.body["error"]["code"] == "internal_error"
     server = by_name(spans)[f"POST {CHAT}"]
     assert dict(server.attributes or {})["http.response.status_code"] == 500
     assert server.status.status_code is StatusCode.ERROR
     assert any(e.name == "exception" and (e.attributes or {}).get("exception.type") ==
                "RuntimeError" for e in server.events)
+    # Its type only: a message may quote what the client sent.
+    assert all("secret" not in str(dict(e.attributes or {})) for e in server.events)
 
 
 def test_the_gate_wait_is_a_span() -> None:
@@ -409,3 +411,17 @@ def test_span_names_are_bounded() -> None:
     assert _route_name("/v1/models/anything-a-client-sends") == "/v1/models/{model}"
     assert _route_name("/solo/v1/models/x") == "/solo/v1/models/{model}"
     assert _route_name("/v1/chat/completions") == "/v1/chat/completions"
+
+
+def test_the_access_log_can_be_turned_off(monkeypatch: pytest.MonkeyPatch,
+                                          caplog: pytest.LogCaptureFixture) -> None:
+    from tierserve.cluster.access import setup_access_log
+
+    monkeypatch.setenv("TIERSERVE_ACCESS_LOG", "0")
+    try:
+        quiet = StubIngress(KEYED)
+        with caplog.at_level(logging.INFO, logger="tierserve.access"):
+            assert quiet.send(CHAT, chat(quiet), KEY).status == 200
+        assert access_lines(caplog) == []
+    finally:
+        setup_access_log(True, own_handler=False)  # as every other stub has it
