@@ -131,7 +131,8 @@ class Exchange:
         return sum(self.samples.values())
 
     def output(self, item: RequestOutput, send: int = 0) -> None:
-        """A delta of the send ``send`` (any key of one prompt's sends): the first token's
+        """A delta of the send ``send`` (a key of one prompt's sends, the same while the request
+        lives, e.g. the id of its record at the ingress): the first token's
         time; a sample's end (its tokens, the first sample's finish reason); the cached prompt
         positions."""
         if self.first_token is None and item.token_ids:

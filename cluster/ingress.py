@@ -1286,7 +1286,7 @@ class Ingress:
                     continue
                 self._timed(route, item)
                 if route.exchange is not None:
-                    route.exchange.output(item, id(route))
+                    route.exchange.output(item, id(call))
                 if item.finished:
                     ended = True
                     errored = errored or item.finish_reason == "error"
@@ -1330,7 +1330,7 @@ class Ingress:
         route.first = route.last = None  # the answer starts over
         route.tokens = 0
         if route.exchange is not None:
-            route.exchange.restart(id(route))
+            route.exchange.restart(id(call))
         log.warning("sending again a request whose replica failed before any of its answer "
                     "went out: %s", why)
         return await self._start(call, route)

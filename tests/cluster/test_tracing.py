@@ -425,3 +425,15 @@ def test_the_access_log_can_be_turned_off(monkeypatch: pytest.MonkeyPatch,
         assert access_lines(caplog) == []
     finally:
         setup_access_log(True, own_handler=False)  # as every other stub has it
+
+
+def test_a_batched_completions_request_is_one_line(stub: StubIngress,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="tierserve.access"):
+        answer = stub.send(COMP, {"model": stub.model, "prompt": ["Hi", "Hello there"],
+                                  "max_tokens": 4, "n": 2}, KEY)
+    assert answer.status == 200, answer.body
+    (line,) = access_lines(caplog)
+    usage = answer.body["usage"]
+    assert line["prompt_tokens"] == usage["prompt_tokens"]
+    assert line["completion_tokens"] == usage["completion_tokens"]

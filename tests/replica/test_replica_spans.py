@@ -110,6 +110,40 @@ def test_tracing_off_the_replica_records_nothing(server: LLMServer) -> None:
     assert not tracing.tracer().start_span("probe").is_recording()
 
 
+def test_each_preemption_is_counted_on_its_sample(spans: InMemorySpanExporter) -> None:
+    """A pool too small for the batch preempts; every preemption is on some sample's decode
+    span, and their sum is the engine's count."""
+    import random
+
+    tight = LLMServer(engine={"model": EMBEDDED_MODEL, "device": "cpu", "num_kv_blocks": 14,
+                              "block_size": 16, "max_num_seqs": 12, "num_threads": 1})
+    rng = random.Random(2)
+    prompts = [tuple(rng.randrange(3, 259) for _ in range(rng.randint(20, 40)))
+               for _ in range(12)]
+
+    async def one(ids: tuple[int, ...]) -> list[RequestOutput | ErrorRecord]:
+        request = GenerateRequest(ids, SamplingParams(max_tokens=24, temperature=0.0,
+                                                      ignore_eos=True))
+        return [item async for item in tight.generate(request)]
+
+    async def every() -> list[list[RequestOutput | ErrorRecord]]:
+        return list(await asyncio.gather(*(one(p) for p in prompts)))
+
+    try:
+        before = tight.engine.stats().preemptions
+        outs = asyncio.run(asyncio.wait_for(every(), timeout=120))
+        preempted = tight.engine.stats().preemptions - before
+    finally:
+        tight.engine.shutdown()
+    lasts = [items[-1] for items in outs]
+    assert all(isinstance(last, RequestOutput) and last.finished for last in lasts)
+    counted = [dict(s.attributes or {})["tierserve.preemptions"]
+               for s in named(spans, "tierserve.engine.decode")]
+    assert len(counted) == 12 and preempted > 0
+    assert sum(counted) == preempted == sum(
+        last.preemptions for last in lasts if isinstance(last, RequestOutput))
+
+
 def test_a_refusal_is_the_span_error(server: LLMServer, spans: InMemorySpanExporter) -> None:
     # Last: the fault breaks this module's engine.
     server.inject_fault("injected: the GPU fell off the bus")
