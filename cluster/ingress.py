@@ -486,14 +486,14 @@ async def _joined_stream(streams: list[AsyncIterable[Any]], n: int, include_usag
             await _close(b)
 
 
-# FastAPI's own /openapi.json (and the docs pages built on it) is replaced by the Ingress's route
-# below: Serve pickles this app into the replica, so a schema cached on the module's app object
-# would not be the one served.
 # FastAPI's own server spans (its versions that have them) would double ours: ``AccessLog``'s span
 # is the request's, with what only the routes know.
 _NO_FASTAPI_SPANS: dict[str, Any] = (
     {"telemetry": {"tracing": False}}
     if "telemetry" in inspect.signature(FastAPI.__init__).parameters else {})
+# FastAPI's own /openapi.json (and the docs pages built on it) is replaced by the Ingress's route
+# below: Serve pickles this app into the replica, so a schema cached on the module's app object
+# would not be the one served.
 app = FastAPI(title="tierserve", version="0.1.0", openapi_url=None, docs_url=None,
               redoc_url=None, description="OpenAI-compatible LLM serving with priority tiers.",
               **_NO_FASTAPI_SPANS)
