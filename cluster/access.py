@@ -30,6 +30,7 @@ from typing import Any
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tierserve.cluster import tracing
@@ -132,9 +133,8 @@ class Exchange:
 
     def output(self, item: RequestOutput, send: int = 0) -> None:
         """A delta of the send ``send`` (a key of one prompt's sends, the same while the request
-        lives, e.g. the id of its record at the ingress): the first token's
-        time; a sample's end (its tokens, the first sample's finish reason); the cached prompt
-        positions."""
+        lives, e.g. the id of its record at the ingress): the first token's time; a sample's end
+        (its tokens, the first sample's finish reason); the cached prompt positions."""
         if self.first_token is None and item.token_ids:
             self.first_token = time.monotonic()
             self.span.add_event("first_token")
@@ -248,15 +248,15 @@ class AccessLog:
             nonlocal ended
             if message["type"] == "http.response.start":
                 ex.status = int(message["status"])
-            elif message["type"] == "http.response.body" and not message.get("more_body"):
-                ended = True
             await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body"):
+                ended = True  # (after the send: one that fails is a client gone)
 
         token = otel_context.attach(trace.set_span_in_context(span))
         try:
             await self.app(scope, receive, send_noted)
-        except asyncio.CancelledError:  # the client went away (Serve cancels the call)
-            ended = False
+        except (asyncio.CancelledError, ClientDisconnect, OSError):
+            ended = False  # the client went away (the call cancelled, or a send that failed)
             raise
         except Exception as exc:  # RequestIds answers it: a 500, unless the answer had started
             span.add_event("exception", {"exception.type": type(exc).__name__})  # (as failed)

@@ -437,3 +437,14 @@ def test_a_batched_completions_request_is_one_line(stub: StubIngress,
     usage = answer.body["usage"]
     assert line["prompt_tokens"] == usage["prompt_tokens"]
     assert line["completion_tokens"] == usage["completion_tokens"]
+
+
+def test_a_send_that_fails_is_a_hang_up(stub: StubIngress,
+                                        caplog: pytest.LogCaptureFixture) -> None:
+    """Under ASGI 2.4 a client that left makes the send fail (Starlette: ``ClientDisconnect``)."""
+    from starlette.requests import ClientDisconnect
+
+    with caplog.at_level(logging.INFO, logger="tierserve.access"):
+        stub.send(CHAT, chat(stub), KEY, fail=ClientDisconnect())
+    (line,) = access_lines(caplog)
+    assert line["status"] == 499 and line["error"] == "client_closed"
