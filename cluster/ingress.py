@@ -14,6 +14,7 @@ is counted (goodput). Errors are OpenAI-shaped JSON, every one built by
 
 import asyncio
 import contextlib
+import inspect
 import json
 import logging
 import re
@@ -24,6 +25,7 @@ from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from opentelemetry import trace
 from pydantic import BaseModel
 from ray import serve
 from ray.serve.handle import DeploymentHandle
@@ -32,6 +34,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tierserve import __version__
+from tierserve.cluster import tracing
+from tierserve.cluster.access import (
+    AccessLog,
+    Exchange,
+    access_log_enabled,
+    exchange_of,
+    setup_access_log,
+)
 from tierserve.cluster.config import ClusterConfig
 from tierserve.cluster.edge import (
     PromptBound,
@@ -367,6 +377,8 @@ class _Route:
     tokens: int = 0
     ticket: Ticket | None = None
     counted: bool = False
+    # The HTTP request's record (its server span, its access-log line); None outside AccessLog.
+    exchange: Exchange | None = None
 
     @property
     def can_resend(self) -> bool:
@@ -486,13 +498,20 @@ async def _joined_stream(streams: list[AsyncIterable[Any]], n: int, include_usag
             await _close(b)
 
 
+# FastAPI's own server spans (its versions that have them) would double ours: ``AccessLog``'s span
+# is the request's, with what only the routes know.
+_NO_FASTAPI_SPANS: dict[str, Any] = (
+    {"telemetry": {"tracing": False}}
+    if "telemetry" in inspect.signature(FastAPI.__init__).parameters else {})
 # FastAPI's own /openapi.json (and the docs pages built on it) is replaced by the Ingress's route
 # below: Serve pickles this app into the replica, so a schema cached on the module's app object
 # would not be the one served.
 app = FastAPI(title="tierserve", version="0.1.0", openapi_url=None, docs_url=None,
-              redoc_url=None, description="OpenAI-compatible LLM serving with priority tiers.")
+              redoc_url=None, description="OpenAI-compatible LLM serving with priority tiers.",
+              **_NO_FASTAPI_SPANS)
 
 
+app.add_middleware(AccessLog)  # inside RequestIds: it sees the request's id
 app.add_middleware(RequestIds)
 
 
@@ -523,6 +542,9 @@ async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
 async def _api_error(request: Request, exc: ServingError) -> JSONResponse:
     """Every refusal's answer, in one place: its status, the API's error JSON and, for a
     refusal under load, ``Retry-After``."""
+    ex = exchange_of(request)
+    if ex is not None:  # its span's exception event, its access-log line's error
+        ex.failed(exc)
     retry = exc.retry_after
     if retry is None and (exc.status == 429 or exc.code == "shed"):
         retry = request.app.state.retry_after
@@ -535,6 +557,10 @@ async def _api_error(request: Request, exc: ServingError) -> JSONResponse:
 class Ingress:
     def __init__(self, llm: DeploymentHandle, config: dict[str, Any]) -> None:
         self.cfg = ClusterConfig(**config)
+        # Tracing (off unless OTEL_TRACES_EXPORTER asks) and the access log, from this process's
+        # environment: a bad value fails the start, saying which (tierserve.cluster.access).
+        tracing.setup()
+        setup_access_log(access_log_enabled(), own_handler=_under_serve())
         self.tiers = TierResolver(self.cfg)
         self.llm = llm.options(stream=True)
         self.tokenizer = load_tokenizer(self.cfg.engine.model, self.cfg.engine.trust_remote_code)
@@ -922,9 +948,14 @@ class Ingress:
 
     def _caller(self, request: Request) -> Caller:
         header = self.cfg.flow.tenant_header
-        return self.tiers.resolve(request.headers.get("authorization"),
-                                  request.headers.get("x-tl-priority"),
-                                  request.headers.get(header) if header else None)
+        with tracing.tracer().start_as_current_span("tierserve.auth", record_exception=False):
+            caller = self.tiers.resolve(request.headers.get("authorization"),
+                                        request.headers.get("x-tl-priority"),
+                                        request.headers.get(header) if header else None)
+        ex = exchange_of(request)
+        if ex is not None:
+            ex.caller(caller.tenant, caller.tier.name)
+        return caller
 
     def _fits(self, caller: Caller, nbytes: int | None, ntokens: int | None, param: str) -> None:
         """400 ``too_long`` (counted) for a prompt of ``nbytes`` of text or ``ntokens`` ids that
@@ -1047,6 +1078,10 @@ class Ingress:
         call.cache_partition = cache_partition(caller, body.cache_salt,
                                                self.cfg.prefix_cache_scope)
         route = _Route(sampling, caller, self.cfg.replica_retries)
+        route.exchange = exchange_of(request)
+        if route.exchange is not None:  # as it runs (service_tier may have moved it)
+            route.exchange.caller(caller.tenant, caller.tier.name)
+            route.exchange.requested(body.model, len(call.ids))
         try:
             self._admit(caller)
         except ServingError:
@@ -1057,7 +1092,10 @@ class Ingress:
         try:
             if self.gate is not None:
                 try:
-                    route.ticket = await self.gate.enter(caller, len(call.ids) * call.n)
+                    with tracing.tracer().start_as_current_span(
+                            "tierserve.gate", attributes={"tierserve.tier": caller.tier.name},
+                            record_exception=False):
+                        route.ticket = await self.gate.enter(caller, len(call.ids) * call.n)
                 except Shed:
                     self._count_slo(route, failed=True)
                     raise
@@ -1227,6 +1265,11 @@ class Ingress:
                                           partition_root(self.prefix_root, call.cache_partition)))
         caller = route.caller
         while True:
+            # The send, until its first delta (the router picks the replica inside the handle
+            # call; the replica's span, a child of this one, names it).
+            span = tracing.tracer().start_span("tierserve.dispatch", attributes={
+                "tierserve.attempt": self.cfg.replica_retries - route.retries_left + 1,
+                "tierserve.avoided_replicas": len(route.avoid)})
             stream = self.llm.generate.remote(GenerateRequest(
                 prompt_ids=tuple(call.ids), sampling=route.sampling, priority=caller.priority,
                 tier=caller.tier.name, queue_share=caller.tier.queue_share, n=call.n,
@@ -1234,7 +1277,8 @@ class Ingress:
                 avoid_replicas=tuple(route.avoid), ttft_target_s=caller.tier.ttft_target_s,
                 tpot_target_s=caller.tier.tpot_target_s,
                 waited_s=time.monotonic() - route.arrival, tenant=caller.tenant,
-                cache_partition=call.cache_partition, request_id=call.header_id))
+                cache_partition=call.cache_partition, request_id=call.header_id,
+                traceparent=tracing.traceparent(span)))
             try:
                 first = await self._next(stream)
                 if first is None:
@@ -1246,8 +1290,13 @@ class Ingress:
                     raise ServingError.of(first)
                 if failed_before_first_token(first):
                     raise Unavailable(str(first.failure), "replica_unavailable")
+                span.end()
                 return stream, first
             except ServingError as e:
+                span.set_status(trace.Status(trace.StatusCode.ERROR, e.code or "error"))
+                span.add_event("exception", {"exception.type": type(e).__name__,
+                                             "error.type": e.code or ""})
+                span.end()
                 stream.cancel()
                 if e.code != "replica_unavailable" or route.retries_left <= 0:
                     raise
@@ -1259,6 +1308,7 @@ class Ingress:
                 # Give the router and Serve time to see the failure (a report, a health check).
                 await asyncio.sleep(0.5 * 2 ** (attempt - 1))
             except BaseException:
+                span.end()
                 stream.cancel()
                 raise
 
@@ -1283,6 +1333,8 @@ class Ingress:
                     yield None
                     continue
                 self._timed(route, item)
+                if route.exchange is not None:
+                    route.exchange.output(item, id(call))
                 if item.finished:
                     ended = True
                     errored = errored or item.finish_reason == "error"
@@ -1325,6 +1377,8 @@ class Ingress:
         route.retries_left -= 1
         route.first = route.last = None  # the answer starts over
         route.tokens = 0
+        if route.exchange is not None:
+            route.exchange.restart(id(call))
         log.warning("sending again a request whose replica failed before any of its answer "
                     "went out: %s", why)
         return await self._start(call, route)
@@ -1375,6 +1429,8 @@ class Ingress:
                 reason = c.finish_reason
                 if reason == "error":
                     route.committed = True
+                    if route.exchange is not None:
+                        route.exchange.failed(_engine_failed(c))
                     yield error_event(_engine_failed(c), call.header_id)
                     break
                 lps = c.logprobs[new_logprobs:]
@@ -1421,10 +1477,14 @@ class Ingress:
                     break
             yield "data: [DONE]\n\n"
         except ServingError as e:
+            if route.exchange is not None:
+                route.exchange.failed(e)
             yield error_event(e, call.header_id)
             yield "data: [DONE]\n\n"
         except Exception as e:  # a fault of ours: the client still gets an end it can read
             log.exception("a stream failed after its first byte")
+            if route.exchange is not None:
+                route.exchange.failed(internal_error(e))
             yield error_event(internal_error(e), call.header_id)
             yield "data: [DONE]\n\n"
         finally:

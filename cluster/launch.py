@@ -32,7 +32,10 @@ import httpx
 import ray
 import yaml
 
+from tierserve.cluster import tracing
+from tierserve.cluster.access import AccessLogConfigError, access_log_enabled
 from tierserve.cluster.app import ConfigError, check_serve_config
+from tierserve.cluster.tracing import TracingConfigError
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -105,6 +108,12 @@ def _serve(args: argparse.Namespace) -> int:
         check_serve_config(raw)
     except (ConfigError, yaml.YAMLError) as e:
         print(f"tierserve: {args.config}: {e}", file=sys.stderr)
+        return 2
+    try:  # the tracing and access-log variables every process reads (docs/observability.md)
+        tracing.settings()
+        access_log_enabled()
+    except (TracingConfigError, AccessLogConfigError) as e:
+        print(f"tierserve: {e}", file=sys.stderr)
         return 2
     from tierserve.replica.models.prepare import config_models, missing_packages
 

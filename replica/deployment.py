@@ -31,6 +31,7 @@ from tierserve.records import (
     failed_before_first_token,
     share_of,
 )
+from tierserve.replica import spans, tracing
 from tierserve.replica.config import EngineConfig
 from tierserve.replica.load_report import LoadWindow, within_targets
 
@@ -67,6 +68,7 @@ class LLMServer:
         tiers: list[str] | None = None,
     ) -> None:
         self.fault_injection = fault_injection
+        tracing.setup()  # a bad OTEL_* value fails the replica's start, saying which
         settings = dict(engine or {})
         if settings.get("num_threads") is None and "OMP_NUM_THREADS" not in os.environ:
             settings["num_threads"] = _cpu_share()
@@ -90,12 +92,26 @@ class LLMServer:
         log.info("replica ready: %s", self.engine.stats())
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[StreamItem]:
-        """Stream one request's deltas, of its ``n`` samples (see the module docstring)."""
+        """Stream one request's deltas, of its ``n`` samples (see the module docstring),
+        under its trace span (``tierserve.replica.spans``: the engine's phases of each sample
+        are recorded when it ends; a refusal is the span's error)."""
         if not isinstance(request, GenerateRequest):
             yield ErrorRecord(
                 400, "invalid_request", f"expected a GenerateRequest, got {type(request).__name__}"
             )
             return
+        span = spans.request_span(request, self.replica_id)
+        try:
+            async for item in self._generate(request):
+                if isinstance(item, ErrorRecord):
+                    spans.refused(span, item)
+                elif item.finished:
+                    spans.sample_ended(span, item)
+                yield item
+        finally:
+            span.end()
+
+    async def _generate(self, request: GenerateRequest) -> AsyncIterator[StreamItem]:
         rid = request.request_id or "-"
         log.debug("request %s: %d prompt tokens, n %d, tier %r", rid, len(request.prompt_ids),
                   request.n, request.tier)

@@ -107,6 +107,7 @@ class _Live:
     cached_tokens: int | None = None
     first_token: float | None = None
     generated: int = 0
+    preemptions: int = 0  # times the scheduler preempted it (its trace's decode span)
 
     def times(self, reason: str, now: float) -> RequestTimes:
         tpot = None
@@ -374,6 +375,10 @@ class Engine:
                 if live is not None and live.admitted is None:  # its admitting chunk
                     live.admitted = now
                     live.cached_tokens = c.cached_tokens
+            for rid in plan.preempted:
+                live = self._live.get(rid)
+                if live is not None:
+                    live.preemptions += 1
         t1 = time.perf_counter()
         result = self.runner.forward(batch)
         t2 = time.perf_counter()
@@ -499,6 +504,8 @@ class Engine:
                     out.finish_reason = reason
                     times = live_done.times(reason, now)
                     out.ttft_s, out.tpot_s = times.ttft_s, times.tpot_s
+                    out.queue_s, out.e2e_s = times.queue_s, times.e2e_s
+                    out.preemptions = live_done.preemptions
                     if self.observer is not None:
                         self.observer.request_done(times)
             # Requests aborted during the forward are gone from _live: drop their deltas.

@@ -436,6 +436,9 @@ class GenerateRequest:
     partition of the prompt's blocks (None: the shared one; see ``docs/security.md``).
     ``request_id``: the HTTP request's id at the ingress (its ``X-Request-Id``, sent or made;
     empty from an in-process caller): the replica's log lines about this request carry it.
+    ``traceparent``: the W3C trace context of the ingress's span that sent it ("" when tracing
+    is off or from an in-process caller): the replica's spans join that trace
+    (``tierserve.cluster.tracing``).
     """
 
     prompt_ids: tuple[int, ...]
@@ -453,6 +456,7 @@ class GenerateRequest:
     tenant: str = ""
     cache_partition: str | None = None
     request_id: str = ""
+    traceparent: str = ""
 
     @classmethod
     def of(cls, prompt_ids: Sequence[int], sampling: SamplingParams | None = None,
@@ -495,6 +499,9 @@ class RequestOutput:
     ``ttft_s``, ``tpot_s``: with the last delta, the engine's one clock for the sample: its
     time to first token from its arrival at the engine (a grammar's compile included; None
     without a token) and its mean time per output token after the first (None below two).
+    With the last delta too, on the same clock: ``queue_s`` from arrival to admission (None if
+    never admitted), ``e2e_s`` from arrival to the end, and ``preemptions``, how many times the
+    sample was preempted (the replica's trace spans are drawn from them).
     """
 
     request_id: RequestId
@@ -512,6 +519,9 @@ class RequestOutput:
     error_code: str | None = None
     ttft_s: float | None = None
     tpot_s: float | None = None
+    queue_s: float | None = None
+    e2e_s: float | None = None
+    preemptions: int = 0
 
 
 def replica_failed(out: RequestOutput) -> bool:

@@ -5,7 +5,8 @@ model's tokenizer and a handle whose ``generate`` answers every sample at once w
 text, so the ingress's parsing, rendering, sampling parameters and answer shapes are tested in
 a second, without replicas. ``post`` calls a route's method as FastAPI would and returns the
 status, the JSON body (or the SSE events' JSON) and the headers; every ``GenerateRequest`` the
-ingress sent is in ``sent``.
+ingress sent is in ``sent``. ``send`` does the same through the app's own middleware (request
+ids, the access log and the server span) as the ASGI app it is, and may hang up part-way.
 """
 
 from __future__ import annotations
@@ -153,6 +154,74 @@ class StubIngress:
         else:
             body = bytes(response.body)
         return response.status_code, body, dict(response.headers)
+
+    def send(self, route: str, body: dict[str, Any] | str,
+             headers: dict[str, str] | None = None, hang_up_after: int | None = None,
+             fail: BaseException | None = None, client: tuple[str, int] = ("10.1.2.3", 5555)
+             ) -> Answer:
+        """``post`` as an HTTP request through the app's middleware (``ingress.app``'s, in
+        its order) to the route, the response sent as ASGI messages. ``hang_up_after``: the
+        client disconnects once that many body messages have arrived; ``fail``: the route
+        raises it instead of answering. A stream's ``body`` is its events' JSON."""
+        method = {"/v1/completions": "completions",
+                  "/v1/chat/completions": "chat", "/tokenize": "tokenize",
+                  "/detokenize": "detokenize", "/v1/responses": "responses"}[route]
+        data = (body if isinstance(body, str) else json.dumps(body)).encode()
+        return asyncio.run(self._asgi(method, route, data, headers or {}, hang_up_after, fail,
+                                      client))
+
+    async def _asgi(self, method: str, path: str, data: bytes, headers: dict[str, str],
+                    hang_up_after: int | None, fail: BaseException | None,
+                    client: tuple[str, int]) -> Answer:
+        hang_up = asyncio.Event()
+        received = False
+
+        async def receive() -> dict[str, Any]:
+            nonlocal received
+            if not received:
+                received = True
+                return {"type": "http.request", "body": data, "more_body": False}
+            await hang_up.wait()
+            return {"type": "http.disconnect"}
+
+        messages: list[dict[str, Any]] = []
+
+        async def send(message: dict[str, Any]) -> None:
+            messages.append(message)
+            bodies = sum(1 for m in messages if m["type"] == "http.response.body")
+            if hang_up_after is not None and bodies >= hang_up_after:
+                hang_up.set()
+                for _ in range(3):  # the disconnect is seen before the next message
+                    await asyncio.sleep(0)
+
+        async def endpoint(scope: Any, receive_: Any, send_: Any) -> None:
+            request = Request(scope, receive_)
+            if fail is not None:
+                raise fail
+            try:
+                response = await getattr(self.cls, method)(self.inst, request)
+            except ServingError as e:
+                response = await ingress._api_error(request, e)
+            await response(scope, receive_, send_)
+
+        app: Any = endpoint
+        for m in reversed(ingress.app.user_middleware):
+            cls, args, kwargs = m
+            app = cls(app, *args, **kwargs)
+        raw = [(b"content-length", str(len(data)).encode())]
+        raw += [(k.lower().encode(), v.encode()) for k, v in headers.items()]
+        scope = {"type": "http", "method": "POST", "path": path, "headers": raw,
+                 "query_string": b"", "app": ingress.app, "client": client}
+        await app(scope, receive, send)
+        start = next(m for m in messages if m["type"] == "http.response.start")
+        hdrs = {k.decode(): v.decode() for k, v in start.get("headers", ())}
+        text = b"".join(m.get("body", b"") for m in messages
+                        if m["type"] == "http.response.body").decode()
+        if hdrs.get("content-type", "").startswith("text/event-stream"):
+            events = [json.loads(line[len("data: "):]) for line in text.split("\n")
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+            return Answer(int(start["status"]), events, hdrs)
+        return Answer(int(start["status"]), json.loads(text) if text else None, hdrs)
 
     async def _call(self, method: str, path: str, data: bytes,
                     headers: dict[str, str]) -> Answer:
