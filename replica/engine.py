@@ -55,6 +55,15 @@ from tierserve.replica.structured import Grammars
 log = logging.getLogger(__name__)
 
 
+def sample_params(params: SamplingParams, index: int) -> SamplingParams:
+    """The parameters of sample ``index`` of a request's ``n``: its own; with a seed, sample
+    ``i`` draws from ``seed + i``, so that seeded samples differ from each other and each is
+    reproducible (the served ``generate`` and the offline ``LLM`` both make them here)."""
+    if index == 0 or params.seed is None:
+        return params
+    return replace(params, seed=params.seed + index)
+
+
 @dataclass(frozen=True, slots=True)
 class RequestTimes:
     """One finished (or aborted) request, for metrics. Times in seconds; None when not reached."""
@@ -495,6 +504,8 @@ class Engine:
                             f"{live_done.sampler.rejected_token} that its mask allowed: the "
                             "output ends before it")
                     out.finish_reason = reason
+                    if reason == "stop":
+                        out.stop_reason = self._stop_reason(live_done, out)
                     times = live_done.times(reason, now)
                     out.ttft_s, out.tpot_s = times.ttft_s, times.tpot_s
                     if self.observer is not None:
@@ -507,6 +518,17 @@ class Engine:
             if sink is not None:
                 sink(d)
         return result
+
+    def _stop_reason(self, live: _Live, out: RequestOutput) -> str | int | None:
+        """What stopped ``live``: the stop string that matched, else the ``stop_token_ids``
+        entry drawn last (None for EOS, which the tokenizer owns, or a grammar's end)."""
+        if live.detok.stopped is not None:
+            return live.detok.stopped
+        last = out.token_ids[-1] if out.token_ids else None
+        if (last is not None and last in (live.params.stop_token_ids or ())
+                and (live.params.ignore_eos or last not in self.eos_ids)):
+            return last
+        return None
 
     def _final(self, live: _Live, reason: str, error: str | None = None) -> RequestOutput:
         return RequestOutput(
@@ -650,8 +672,7 @@ class Engine:
         rids: list[RequestId] = []
         try:
             for i in range(n):
-                child = params if i == 0 else replace(
-                    params, seed=None if params.seed is None else params.seed + i)
+                child = sample_params(params, i)
                 rids.append(self._admit(request, child, sink, stream_text=True, index=i,
                                         validated=True, arrival=arrival,
                                         scheduled=first if i == 0 else None))
