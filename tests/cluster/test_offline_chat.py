@@ -15,10 +15,11 @@ from tierserve import LLM, SamplingParams
 from tierserve.replica.models.embedded import EMBEDDED_MODEL
 
 GREEDY = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
-TALK = [{"role": "system", "content": "Be brief."},
+TALK: list[dict[str, Any]] = [{"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Name a colour."},
         {"role": "assistant", "content": "Blue."},
         {"role": "user", "content": [{"type": "text", "text": "Another?"}]}]
+USER: list[dict[str, Any]] = [{"role": "user", "content": "a"}]
 TOOL = {"type": "function", "function": {"name": "get_weather", "description": "the weather",
                                          "parameters": {"type": "object", "properties": {
                                              "city": {"type": "string"}}}}}
@@ -57,7 +58,7 @@ def test_a_conversation_is_the_prompt_the_chat_route_sends(
 
 
 def test_several_conversations_and_n_samples(llm: LLM) -> None:
-    other = [{"role": "user", "content": "Hi"}]
+    other: list[dict[str, Any]] = [{"role": "user", "content": "Hi"}]
     a, b = llm.chat([TALK, other], SamplingParams(n=2, max_tokens=3, seed=3, ignore_eos=True),
                     use_tqdm=False)
     assert [len(a.outputs), len(b.outputs)] == [2, 2]
@@ -107,5 +108,5 @@ def test_a_template_that_fails_is_a_value_error_naming_the_conversation(
     monkeypatch.setattr(llm.tokenizer, "apply_chat_template", refuses_systems)
     with pytest.raises(ValueError, match="conversation 1: the chat template could not render "
                                          "these messages: no system messages here"):
-        llm.chat([[{"role": "user", "content": "a"}], TALK], GREEDY, use_tqdm=False)
+        llm.chat([USER, TALK], GREEDY, use_tqdm=False)
     assert llm.stats().waiting == llm.stats().running == 0

@@ -41,7 +41,8 @@ def llm() -> LLM:
 
 def test_generate_answers_each_prompt_as_vllm_does(llm: LLM) -> None:
     text, ids = "Hello there", [5, 6, 7]
-    a, b = llm.generate([text, ids], GREEDY, use_tqdm=False)
+    prompts: list[str | list[int]] = [text, ids]
+    a, b = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert isinstance(a, RequestOutput) and isinstance(a.outputs[0], CompletionOutput)
     assert a.request_id != b.request_id
     assert a.prompt == text and a.prompt_token_ids == llm.engine.encode(text)
@@ -86,9 +87,9 @@ def test_logprobs_hold_the_drawn_token_and_the_top_ones(llm: LLM) -> None:
         sum(e[t].logprob for t, e in zip(out.token_ids, out.logprobs, strict=True)))
     lps = r.prompt_logprobs
     assert lps is not None and len(lps) == 5 and lps[0] is None
-    for tok, entry in zip(r.prompt_token_ids[1:], lps[1:], strict=True):
-        assert entry is not None and next(iter(entry)) == tok
-        assert 2 <= len(entry) <= 3 and (entry[tok].rank or 0) >= 1
+    for tok, scored in zip(r.prompt_token_ids[1:], lps[1:], strict=True):
+        assert scored is not None and next(iter(scored)) == tok
+        assert 2 <= len(scored) <= 3 and (scored[tok].rank or 0) >= 1
 
 
 def test_stop_reason_names_the_stop_token_drawn(llm: LLM) -> None:
