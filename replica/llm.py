@@ -12,7 +12,7 @@ template is rendered as the HTTP chat route renders it; ``from tierserve import 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
@@ -25,7 +25,9 @@ from tierserve.replica.engine import Engine, sample_params
 from tierserve.replica.models.catalog import DEFAULT_MODEL
 from tierserve.replica.scheduler import AdmitError, QueueFull
 
-Prompt = str | Sequence[int]
+# A prompt: its text, its token ids, or vLLM's dict forms ``{"prompt": text}`` and
+# ``{"prompt_token_ids": ids}``.
+Prompt = str | Sequence[int] | Mapping[str, Any]
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,7 +170,7 @@ class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, **options: Any) -> None:
         self.engine = Engine(EngineConfig.from_options(model, **options))
         self.tokenizer = self.engine.tokenizer
-        self._ids = itertools.count()
+        self._request_ids = itertools.count()
         self._token_text: dict[int, str] = {}
 
     def get_tokenizer(self) -> Any:
@@ -180,9 +182,11 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        *,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Answer every prompt (a string or a list of token ids, or a list of them), its
+        """Answer every prompt (a string, a list of token ids, ``{"prompt": text}`` or
+        ``{"prompt_token_ids": ids}``, or a list of them), its
         ``sampling_params.n`` samples each; one ``RequestOutput`` per prompt, in the prompts'
         order. ``sampling_params``: one for all or one per prompt (None: the defaults).
 
@@ -193,14 +197,15 @@ class LLM:
         prompt_list = self._prompt_list(prompts)
         params_list = self._per_prompt(sampling_params, len(prompt_list))
         encoded = [self._encode(i, p) for i, p in enumerate(prompt_list)]
-        texts = [p if isinstance(p, str) else None for p in prompt_list]
+        texts = [p if isinstance(p, str) else p.get("prompt") if isinstance(p, Mapping) else None
+                 for p in prompt_list]
         return self._run(encoded, texts, params_list, priority, use_tqdm)
 
     # ------------------------------------------------------------------ helpers
 
     @staticmethod
     def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-        single = isinstance(prompts, str) or (
+        single = isinstance(prompts, str | Mapping) or (
             isinstance(prompts, Sequence) and len(prompts) > 0 and isinstance(prompts[0], int)
         )
         if single:
@@ -250,7 +255,7 @@ class LLM:
                 e.args = (f"prompt {i}: {e}",)
                 raise
 
-        answers = [_Answer(str(next(self._ids)), text, r, [_Sample(j) for j in range(r.n)],
+        answers = [_Answer(str(next(self._request_ids)), text, r, [_Sample(j) for j in range(r.n)],
                            left=r.n)
                    for text, r in zip(texts, requests, strict=True)]
         jobs = [(i, j) for i, r in enumerate(requests) for j in range(r.n)]
@@ -294,10 +299,22 @@ class LLM:
         return text
 
     def _encode(self, i: int, p: Prompt) -> list[int]:
+        if isinstance(p, Mapping):
+            keys = set(p)
+            if keys == {"prompt"} and isinstance(p["prompt"], str):
+                return self.engine.encode(p["prompt"])
+            if keys == {"prompt_token_ids"}:
+                return self._ids(i, p["prompt_token_ids"])
+            raise ValueError(f"prompt {i}: a prompt dict is {{'prompt': text}} or "
+                             f"{{'prompt_token_ids': ids}}, got the keys {sorted(keys)}")
         if isinstance(p, str):
             return self.engine.encode(p)
-        if isinstance(p, Sequence) and all(isinstance(t, int) and not isinstance(t, bool)
-                                           for t in p):
+        return self._ids(i, p)
+
+    @staticmethod
+    def _ids(i: int, p: Any) -> list[int]:
+        if isinstance(p, Sequence) and not isinstance(p, str) and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in p):
             return [int(t) for t in p]
         raise ValueError(
             f"prompt {i} must be a string or a list of token ids, got {type(p).__name__}"

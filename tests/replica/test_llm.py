@@ -6,6 +6,7 @@ The shaping of the log-probabilities is tested on records alone first."""
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
@@ -57,6 +58,11 @@ def test_generate_answers_each_prompt_as_vllm_does(llm: LLM) -> None:
     # One prompt alone (a string or one list of ids) is a list of one answer too.
     (alone,) = llm.generate(ids, GREEDY, use_tqdm=False)
     assert alone.outputs[0].token_ids == b.outputs[0].token_ids
+    # vLLM's dict forms of a prompt.
+    forms: list[dict[str, Any]] = [{"prompt": text}, {"prompt_token_ids": ids}]
+    c, d = llm.generate(forms, GREEDY, use_tqdm=False)
+    assert c.prompt == text and c.outputs[0].token_ids == a.outputs[0].token_ids
+    assert d.prompt is None and d.outputs[0].token_ids == b.outputs[0].token_ids
 
 
 def test_n_samples_share_the_prompt_and_draw_from_seeds_derived_from_its_seed(llm: LLM) -> None:
@@ -105,6 +111,9 @@ def test_stop_reason_names_the_stop_token_drawn(llm: LLM) -> None:
 @pytest.mark.parametrize("call, match", [
     (lambda llm: llm.generate([], GREEDY), "no prompts"),
     (lambda llm: llm.generate([[5, 6], 3.5], GREEDY), "prompt 1 must be a string or a list"),
+    (lambda llm: llm.generate({"prompt": "a", "x": 1}, GREEDY),
+     r"prompt 0: a prompt dict is .* got the keys \['prompt', 'x'\]"),
+    (lambda llm: llm.generate([{"prompt_token_ids": "ab"}], GREEDY), "prompt 0 must be"),
     (lambda llm: llm.generate([[5], [6]], [GREEDY]), "1 sampling params for 2 prompts"),
     (lambda llm: llm.generate([[5]], [None]), "sampling params 0 must be a SamplingParams"),
     (lambda llm: llm.generate([[5]], SamplingParams(n=0)), "n must be an integer of at least 1"),
