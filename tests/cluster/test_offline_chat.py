@@ -110,3 +110,10 @@ def test_a_template_that_fails_is_a_value_error_naming_the_conversation(
                                          "these messages: no system messages here"):
         llm.chat([USER, TALK], GREEDY, use_tqdm=False)
     assert llm.stats().waiting == llm.stats().running == 0
+
+
+def test_a_model_without_a_chat_template_says_to_use_generate(
+        llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(llm.tokenizer, "chat_template", None)
+    with pytest.raises(ValueError, match=r"no chat template .* use generate"):
+        llm.chat(USER, GREEDY, use_tqdm=False)
