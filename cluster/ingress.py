@@ -96,7 +96,6 @@ from tierserve.cluster.tool_calls import (
 )
 from tierserve.records import (
     GRAMMAR_REJECTED_TOKEN,
-    MAX_BAD_WORD_TOKENS,
     BadRequest,
     ErrorRecord,
     GenerateRequest,
@@ -114,6 +113,7 @@ from tierserve.records import (
     targets_kept,
 )
 from tierserve.replica.config import context_length
+from tierserve.replica.detokenizer import bad_words_ids
 from tierserve.replica.models.meta import load_model_config, load_tokenizer
 from tierserve.replica.prefix_cache import block_hashes, partition_root
 from tierserve.router import registry
@@ -937,20 +937,9 @@ class Ingress:
             raise BadRequest(str(e), "invalid_sampling") from None
 
     def _bad_words_ids(self, words: Sequence[str]) -> list[list[int]]:
-        """The token sequences of ``bad_words`` (each word as written and, where it tokenizes
-        to as many tokens with a leading space, that way too: a word mid-sentence)."""
-        out: list[list[int]] = []
-        for i, word in enumerate(words):
-            plain = list(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
-            spaced = list(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
-            if not plain or max(len(plain), len(spaced)) > MAX_BAD_WORD_TOKENS:
-                raise BadRequest(f"bad_words.{i}: a bad word is 1 to {MAX_BAD_WORD_TOKENS} "
-                                 f"tokens, {word[:32]!r} is {len(plain)}", "invalid_request",
-                                 f"bad_words.{i}")
-            out.append(plain)
-            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
-                out.append(spaced)
-        return out
+        """The token sequences of ``bad_words`` (``tierserve.replica.detokenizer.
+        bad_words_ids``: a word of no token or too many is a 400 naming it)."""
+        return bad_words_ids(self.tokenizer, words)
 
     async def _serve(self, request: Request, body: CompletionRequest | ChatCompletionRequest,
                      call: _Call, caller: Caller) -> Response:

@@ -26,6 +26,7 @@ from tierserve.records import (
     EngineDead,
     EngineStats,
     GenerateRequest,
+    InvalidSamplingParam,
     InvalidToken,
     RequestId,
     RequestOutput,
@@ -204,6 +205,11 @@ class Engine:
         ``stop_token_ids``, ``logit_bias``, ``allowed_token_ids`` or ``bad_words_ids``: the engine
         owns this check, it knows its model (the parameters' ranges are ``SamplingParams``';
         admission is the scheduler's)."""
+        if params.bad_words:
+            raise InvalidSamplingParam(
+                "bad_words reach the engine as token ids: tokenize them into bad_words_ids "
+                "first (tierserve.replica.detokenizer.bad_words_ids; the offline LLM does)",
+                "bad_words")
         self._check_ids("prompt", prompt_ids)
         self._check_ids("stop_token_ids", params.stop_token_ids or ())
         self._check_ids("logit_bias", params.logit_bias or ())

@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 from tierserve.records import EngineStats, GenerateRequest, SamplingParams, TokenLogprob
 from tierserve.records import RequestOutput as EngineOutput
 from tierserve.replica.config import EngineConfig
+from tierserve.replica.detokenizer import bad_words_ids
 from tierserve.replica.engine import Engine, sample_params
 from tierserve.replica.models.catalog import DEFAULT_MODEL
 from tierserve.replica.scheduler import AdmitError, QueueFull
@@ -243,6 +244,7 @@ class LLM:
         prios = list(priority) if priority is not None else [0] * n
         if len(prios) != n:
             raise ValueError(f"{len(prios)} priorities for {n} prompts")
+        params_list = self._with_bad_words(params_list)
         requests = [GenerateRequest.of(ids, sp, priority=pr)
                     for ids, sp, pr in zip(prompt_ids, params_list, prios, strict=True)]
         # Every prompt is checked here, before any work; add_request below does not scan its
@@ -289,6 +291,20 @@ class LLM:
         finally:
             bar.close()
         return [a.output(self._decode) for a in answers]
+
+    def _with_bad_words(self, params_list: list[SamplingParams]) -> list[SamplingParams]:
+        """Each parameters' ``bad_words`` tokenized into its ``bad_words_ids`` (once per
+        distinct record), as the engine takes them."""
+        done: dict[int, SamplingParams] = {}
+        out = []
+        for sp in params_list:
+            if sp.bad_words:
+                if id(sp) not in done:
+                    ids = [*(sp.bad_words_ids or ()), *bad_words_ids(self.tokenizer, sp.bad_words)]
+                    done[id(sp)] = replace(sp, bad_words=None, bad_words_ids=ids)
+                sp = done[id(sp)]
+            out.append(sp)
+        return out
 
     def _decode(self, token_id: int) -> str:
         """A token's text alone (``Logprob.decoded_token``), remembered per id."""

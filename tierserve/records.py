@@ -261,6 +261,10 @@ class SamplingParams:
     # Samples per prompt in the offline ``LLM.generate`` (vLLM's ``n``; a served request's
     # count is its ``GenerateRequest.n``, which ``GenerateRequest.of`` takes from here).
     n: int = 1
+    # vLLM's ``bad_words`` as words: the offline ``LLM`` tokenizes them into ``bad_words_ids``
+    # (``tierserve.replica.detokenizer.bad_words_ids``, as the ingress does the API's); the
+    # engine takes token ids only and refuses a record that still has words.
+    bad_words: list[str] | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -359,6 +363,13 @@ class SamplingParams:
             ):
                 raise InvalidSamplingParam(
                     f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}", name)
+        if self.bad_words is not None:
+            _at_most(self.bad_words, MAX_BAD_WORDS, "bad_words", "words")
+            for i, text in enumerate(self.bad_words):
+                if not isinstance(text, str) or not text or len(text) > MAX_BAD_WORD_CHARS:
+                    raise InvalidSamplingParam(
+                        f"bad_words must be strings of 1 to {MAX_BAD_WORD_CHARS} characters, "
+                        f"bad_words {i} is {text!r:.40}", f"bad_words.{i}")
         if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
             raise InvalidSamplingParam(f"n must be an integer of at least 1, got {self.n!r}", "n")
         s = self.structured

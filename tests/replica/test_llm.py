@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
+from tierserve.records import GenerateRequest, SamplingParams, TokenLogprob
 from tierserve.records import RequestOutput as EngineOutput
-from tierserve.records import SamplingParams, TokenLogprob
 from tierserve.replica.llm import LLM, CompletionOutput, Logprob, RequestOutput, logprob_entry
 from tierserve.replica.models.embedded import EMBEDDED_MODEL
 
@@ -108,6 +108,21 @@ def test_stop_reason_names_the_stop_token_drawn(llm: LLM) -> None:
     assert out.token_ids == free.outputs[0].token_ids[: free.outputs[0].token_ids.index(stop) + 1]
 
 
+def test_bad_words_as_words_are_tokenized_as_the_ingress_does(llm: LLM) -> None:
+    (free,) = llm.generate([[40, 41, 42]], replace(GREEDY, max_tokens=8), use_tqdm=False)
+    drawn = free.outputs[0].token_ids
+    tok = next(t for t in drawn if llm.tokenizer.decode([t]).strip()
+               and list(llm.tokenizer.encode(llm.tokenizer.decode([t]).lstrip(),
+                                             add_special_tokens=False)) == [t])
+    word = llm.tokenizer.decode([tok]).lstrip()
+    (r,) = llm.generate([[40, 41, 42]], replace(GREEDY, max_tokens=8, bad_words=[word]),
+                        use_tqdm=False)
+    assert tok not in r.outputs[0].token_ids
+    # The engine takes token ids only: a record that still has words is refused, clearly.
+    with pytest.raises(ValueError, match="bad_words reach the engine as token ids"):
+        llm.engine.add_request(GenerateRequest.of([5, 6], SamplingParams(bad_words=[word])))
+
+
 @pytest.mark.parametrize("call, match", [
     (lambda llm: llm.generate([], GREEDY), "no prompts"),
     (lambda llm: llm.generate([[5, 6], 3.5], GREEDY), "prompt 1 must be a string or a list"),
@@ -119,6 +134,9 @@ def test_stop_reason_names_the_stop_token_drawn(llm: LLM) -> None:
     (lambda llm: llm.generate([[5]], SamplingParams(n=0)), "n must be an integer of at least 1"),
     (lambda llm: llm.generate([[5]], SamplingParams(logprobs=21)), r"logprobs must be .* \[0, 20\]"),
     (lambda llm: llm.generate([[5]], SamplingParams(prompt_logprobs=-1)), "prompt_logprobs"),
+    (lambda llm: llm.generate([[5]], SamplingParams(bad_words=[""])), "bad_words must be"),
+    (lambda llm: llm.generate([[5]], SamplingParams(bad_words=["x" * 40])),
+     "bad_words.0: a bad word is 1 to 16 tokens"),
 ])
 def test_bad_input_is_a_value_error_before_any_work(llm: LLM, call: object, match: str) -> None:
     before = llm.stats()
