@@ -187,9 +187,9 @@ class LLM:
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Answer every prompt (a string, a list of token ids, ``{"prompt": text}`` or
-        ``{"prompt_token_ids": ids}``, or a list of them), its
-        ``sampling_params.n`` samples each; one ``RequestOutput`` per prompt, in the prompts'
-        order. ``sampling_params``: one for all or one per prompt (None: the defaults).
+        ``{"prompt_token_ids": ids}``, or a list of them), ``sampling_params.n`` samples each;
+        one ``RequestOutput`` per prompt, in the prompts' order. ``sampling_params``: one for
+        all or one per prompt (None: the defaults); its ``bad_words`` are tokenized here.
 
         Raises ``ValueError`` (or an ``AdmitError``) naming the first bad prompt before any
         work is done (its parameters were checked when they were made); the engine stays
