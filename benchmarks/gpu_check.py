@@ -623,14 +623,14 @@ def engine_e2e(plan: Plan, model: str | None) -> Figures:
     t0 = time.perf_counter()
     results = llm.generate(prompts, greedy, use_tqdm=False)
     gen_s = time.perf_counter() - t0
-    tokens = sum(len(r.token_ids) for r in results)
+    tokens = sum(len(r.outputs[0].token_ids) for r in results)
     again = llm.generate(prompts[:1], greedy, use_tqdm=False)[0]
     out.update(
         generate_s=gen_s, prompts=len(prompts), output_tokens=tokens,
         output_tokens_per_s=tokens / gen_s,
-        all_full_length=all(len(r.token_ids) == plan.max_tokens for r in results),
-        greedy_alone_equals_in_batch=again.token_ids == results[0].token_ids,
-        sample_text=results[0].text[:200],
+        all_full_length=all(len(r.outputs[0].token_ids) == plan.max_tokens for r in results),
+        greedy_alone_equals_in_batch=again.outputs[0].token_ids == results[0].outputs[0].token_ids,
+        sample_text=results[0].outputs[0].text[:200],
     )
     checks: Figures = {}
     scored = llm.engine
@@ -659,7 +659,7 @@ def engine_e2e(plan: Plan, model: str | None) -> Figures:
                                 repetition_penalty=1.3, presence_penalty=0.5,
                                 frequency_penalty=0.5, logit_bias={0: -100.0, 1: 5.0})
         r = llm.generate(prompts[:4], params, use_tqdm=False)
-        checks["penalised_biased_sampling"] = all(len(x.token_ids) > 0 for x in r)
+        checks["penalised_biased_sampling"] = all(len(x.outputs[0].token_ids) > 0 for x in r)
     except Exception as e:
         checks["penalised_biased_sampling"] = f"{type(e).__name__}: {e}"
     out["checks"] = checks

@@ -125,7 +125,7 @@ def run_tierserve(path: Path, prompts: list[list[int]], new_tokens: int) -> floa
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - t0
-    produced = sum(len(o.token_ids) for o in outs)
+    produced = sum(len(o.outputs[0].token_ids) for o in outs)
     if produced != new_tokens * len(prompts):
         raise RuntimeError(f"tierserve made {produced} tokens, {new_tokens * len(prompts)} asked")
     return produced / wall

@@ -164,14 +164,14 @@ def profile(ck: Checkpoint, mix_kind: str, requests: int, seed: int = 0) -> dict
         t0 = time.perf_counter()
         outs = llm.generate([list(r.prompt) for r in mix], params, use_tqdm=False)
         wall = time.perf_counter() - t0
-    tokens = sum(len(o.token_ids) for o in outs)
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     return {
         "model": ck.name,
         "mix": mix_kind,
         "requests": requests,
         "prompt_tokens": sum(len(r.prompt) for r in mix),
         "generated_tokens": tokens,
-        "prefix_hit_tokens": sum(o.cached_tokens for o in outs),
+        "prefix_hit_tokens": sum(o.num_cached_tokens or 0 for o in outs),
         "wall_s": wall,
         "tok_s": tokens / wall,
         "forward_s": timer.seconds["forward"],

@@ -518,7 +518,7 @@ def run_tierserve(ckpt: Checkpoint, mix: Sequence[Req], rnd: int, opts: EngineOp
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         wall = time.perf_counter() - t0
-    got = [len(o.token_ids) for o in outs]
+    got = [len(o.outputs[0].token_ids) for o in outs]
     want = [r.max_tokens for r in mix]
     if got != want:
         raise RuntimeError(f"tierserve generated {sum(got)} tokens, {sum(want)} were requested")
@@ -535,8 +535,8 @@ def run_tierserve(ckpt: Checkpoint, mix: Sequence[Req], rnd: int, opts: EngineOp
         "rest_steps": probe.rest_steps,
         "rest": StepProbe.shares(probe.rest),
         "preemptions": stats.preemptions,
-        "prefix_hit_tokens": sum(o.cached_tokens for o in outs),
-        "first_tokens": [o.token_ids[:8] for o in outs[:2]],
+        "prefix_hit_tokens": sum(o.num_cached_tokens or 0 for o in outs),
+        "first_tokens": [o.outputs[0].token_ids[:8] for o in outs[:2]],
     }
     return Run("tierserve", ckpt.name, rnd, wall, sum(got), _fmt_options(options), info)
 

@@ -42,6 +42,7 @@ from tierserve.cluster.access import (
     exchange_of,
     setup_access_log,
 )
+from tierserve.cluster.chat_template import render_chat, template_kwargs, template_takes_tools
 from tierserve.cluster.config import ClusterConfig
 from tierserve.cluster.edge import (
     PromptBound,
@@ -113,7 +114,6 @@ from tierserve.cluster.tool_calls import (
 )
 from tierserve.records import (
     GRAMMAR_REJECTED_TOKEN,
-    MAX_BAD_WORD_TOKENS,
     BadRequest,
     ErrorRecord,
     GenerateRequest,
@@ -131,6 +131,7 @@ from tierserve.records import (
     targets_kept,
 )
 from tierserve.replica.config import context_length
+from tierserve.replica.detokenizer import bad_words_ids
 from tierserve.replica.models.meta import load_model_config, load_tokenizer
 from tierserve.replica.prefix_cache import block_hashes, partition_root
 from tierserve.router import registry
@@ -576,7 +577,7 @@ class Ingress:
         self.schemas = SchemaChecker(self.cfg.structured_limits)
         # A chat template that lists tools itself; else they go in the system prompt
         # (tierserve.cluster.tool_calls).
-        self.template_takes_tools = "tools" in str(getattr(self.tokenizer, "chat_template", "") or "")
+        self.template_takes_tools = template_takes_tools(self.tokenizer)
         self.token_text = TokenText(self.tokenizer)
         self.metrics = IngressMetrics([t.name for t in self.cfg.tiers])
         # The format of the model's tool calls: the config's, else its template's markers.
@@ -873,22 +874,15 @@ class Ingress:
         size = sum(len(t) for t in message_texts(rendered))
         extra = self._template_kwargs(body)
 
-        def render() -> Any:
-            if body.add_special_tokens:  # the template's text, then the tokenizer's own tokens
-                text = self.tokenizer.apply_chat_template(
-                    rendered, tools=tools, tokenize=False, **extra)
-                return list(self.tokenizer.encode(text, add_special_tokens=True))
-            return self.tokenizer.apply_chat_template(
-                rendered, tools=tools, tokenize=True, return_dict=False, **extra)
+        def render() -> list[int]:
+            return render_chat(self.tokenizer, rendered, tools, extra, body.add_special_tokens)
 
         try:
             ids = await self.tokenizing.run(size, render)
         except Exception as e:
             raise BadRequest(f"the chat template could not render these messages: {e}",
                              "bad_messages", "messages") from e
-        if isinstance(ids, dict):
-            ids = ids["input_ids"]
-        return list(ids)
+        return ids
 
     async def _body(self, request: Request, model: type[CompletionRequest] | type[ChatCompletionRequest]
                     ) -> CompletionRequest | ChatCompletionRequest:
@@ -898,35 +892,13 @@ class Ingress:
 
     def _template_kwargs(self, body: ChatCompletionRequest | TokenizeChatRequest
                          ) -> dict[str, Any]:
-        """What the chat template is rendered with besides the messages and tools: the
-        generation prompt or the open last message, documents, and ``chat_template_kwargs``
-        (variables the template reads; a name ``apply_chat_template`` takes itself is a 400,
-        so a variable cannot turn into one of its arguments)."""
-        out: dict[str, Any] = {"add_generation_prompt": body.add_generation_prompt}
-        if body.continue_final_message:
-            out["continue_final_message"] = True
-        if body.documents is not None:
-            out["documents"] = body.documents
-        taken = self._template_arguments()
-        for key, value in (body.chat_template_kwargs or {}).items():
-            if key in taken or key in ("messages", "tools", "documents"):
-                raise BadRequest(f"chat_template_kwargs.{key}: {key!r} is an argument of the "
-                                 "template's renderer, not a template variable; use the "
-                                 "request's own field where there is one", "invalid_request",
-                                 f"chat_template_kwargs.{key}")
-            out[key] = value
-        return out
-
-    def _template_arguments(self) -> frozenset[str]:
-        """The parameter names of the tokenizer's ``apply_chat_template``."""
-        import inspect
-
-        try:
-            params = inspect.signature(self.tokenizer.apply_chat_template).parameters
-        except (TypeError, ValueError):
-            return frozenset()
-        return frozenset(name for name, p in params.items()
-                         if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL))
+        """What the chat template is rendered with besides the messages and tools
+        (``tierserve.cluster.chat_template.template_kwargs``: a name the renderer takes itself
+        is a 400)."""
+        return template_kwargs(self.tokenizer, add_generation_prompt=body.add_generation_prompt,
+                               continue_final_message=body.continue_final_message,
+                               documents=body.documents,
+                               chat_template_kwargs=body.chat_template_kwargs)
 
     def _asked(self, request: Request, caller: Caller,
                body: CompletionRequest | ChatCompletionRequest) -> tuple[Caller, str | None]:
@@ -1044,20 +1016,9 @@ class Ingress:
             raise BadRequest(str(e), "invalid_sampling") from None
 
     def _bad_words_ids(self, words: Sequence[str]) -> list[list[int]]:
-        """The token sequences of ``bad_words`` (each word as written and, where it tokenizes
-        to as many tokens with a leading space, that way too: a word mid-sentence)."""
-        out: list[list[int]] = []
-        for i, word in enumerate(words):
-            plain = list(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
-            spaced = list(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
-            if not plain or max(len(plain), len(spaced)) > MAX_BAD_WORD_TOKENS:
-                raise BadRequest(f"bad_words.{i}: a bad word is 1 to {MAX_BAD_WORD_TOKENS} "
-                                 f"tokens, {word[:32]!r} is {len(plain)}", "invalid_request",
-                                 f"bad_words.{i}")
-            out.append(plain)
-            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
-                out.append(spaced)
-        return out
+        """The token sequences of ``bad_words`` (``tierserve.replica.detokenizer.
+        bad_words_ids``: a word of no token or too many is a 400 naming it)."""
+        return bad_words_ids(self.tokenizer, words)
 
     async def _serve(self, request: Request, body: CompletionRequest | ChatCompletionRequest,
                      call: _Call, caller: Caller) -> Response:

@@ -134,14 +134,16 @@ def completion_logprobs(
 def prompt_logprobs(entries: Sequence[TokenLogprob | None], text: TokenNames
                     ) -> list[dict[str, PromptLogprob] | None]:
     """vLLM's ``prompt_logprobs`` shape of a replica's prompt entries: per position, the
-    prompt's token and the alternatives sent, by id (the first position has none: null)."""
+    prompt's token (its rank in the model's distribution, where the replica computed it) and
+    the alternatives sent, by id (the first position has none: null)."""
     out: list[dict[str, PromptLogprob] | None] = []
     for e in entries:
         if e is None:
             out.append(None)
             continue
         ranks = {tok: j + 1 for j, (tok, _) in enumerate(e.top)}
-        entry = {str(e.token): PromptLogprob(logprob=e.logprob, rank=ranks.get(e.token),
+        rank = e.rank if e.rank is not None else ranks.get(e.token)
+        entry = {str(e.token): PromptLogprob(logprob=e.logprob, rank=rank,
                                              decoded_token=text.text(e.token))}
         for tok, lp in e.top:
             entry.setdefault(str(tok), PromptLogprob(logprob=lp, rank=ranks[tok],

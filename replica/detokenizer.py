@@ -12,7 +12,9 @@ held back until they can no longer begin a stop string; a matched stop string is
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
+
+from tierserve.records import MAX_BAD_WORD_TOKENS, InvalidSamplingParam
 
 MAX_HOLD = 6  # tokens; a UTF-8 character is at most 4 bytes
 PROMPT_CONTEXT = 4  # prompt tokens decoded before the first generated one
@@ -126,3 +128,22 @@ class IncrementalDetokenizer:
         if self.stopped is not None:
             return self._emit(len(self._text))
         return self._append(new, final=True)
+
+
+def bad_words_ids(tokenizer: Any, words: Sequence[str]) -> list[list[int]]:
+    """The token sequences of vLLM's ``bad_words`` (``SamplingParams.bad_words_ids``): each
+    word as written and, where it tokenizes to as many tokens with a leading space, that way
+    too (the word mid-sentence). The ingress and the offline ``LLM`` both tokenize them here.
+    A word of no token or of more than ``MAX_BAD_WORD_TOKENS`` is an ``InvalidSamplingParam``
+    naming it (``bad_words.<i>``)."""
+    out: list[list[int]] = []
+    for i, word in enumerate(words):
+        plain = list(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        spaced = list(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        if not plain or max(len(plain), len(spaced)) > MAX_BAD_WORD_TOKENS:
+            raise InvalidSamplingParam(f"bad_words.{i}: a bad word is 1 to {MAX_BAD_WORD_TOKENS} "
+                                       f"tokens, {word[:32]!r} is {len(plain)}", f"bad_words.{i}")
+        out.append(plain)
+        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+            out.append(spaced)
+    return out

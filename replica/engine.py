@@ -26,6 +26,7 @@ from tierserve.records import (
     EngineDead,
     EngineStats,
     GenerateRequest,
+    InvalidSamplingParam,
     InvalidToken,
     RequestId,
     RequestOutput,
@@ -53,6 +54,15 @@ from tierserve.replica.scheduler import (
 from tierserve.replica.structured import Grammars
 
 log = logging.getLogger(__name__)
+
+
+def sample_params(params: SamplingParams, index: int) -> SamplingParams:
+    """The parameters of sample ``index`` of a request's ``n``: its own; with a seed, sample
+    ``i`` draws from ``seed + i``, so that seeded samples differ from each other and each is
+    reproducible (the served ``generate`` and the offline ``LLM`` both make them here)."""
+    if index == 0 or params.seed is None:
+        return params
+    return replace(params, seed=params.seed + index)
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,6 +206,11 @@ class Engine:
         ``stop_token_ids``, ``logit_bias``, ``allowed_token_ids`` or ``bad_words_ids``: the engine
         owns this check, it knows its model (the parameters' ranges are ``SamplingParams``';
         admission is the scheduler's)."""
+        if params.bad_words:
+            raise InvalidSamplingParam(
+                "bad_words reach the engine as token ids: tokenize them into bad_words_ids "
+                "first (tierserve.replica.detokenizer.bad_words_ids; the offline LLM does)",
+                "bad_words")
         self._check_ids("prompt", prompt_ids)
         self._check_ids("stop_token_ids", params.stop_token_ids or ())
         self._check_ids("logit_bias", params.logit_bias or ())
@@ -502,6 +517,8 @@ class Engine:
                             f"{live_done.sampler.rejected_token} that its mask allowed: the "
                             "output ends before it")
                     out.finish_reason = reason
+                    if reason == "stop":
+                        out.stop_reason = self._stop_reason(live_done, out)
                     times = live_done.times(reason, now)
                     out.ttft_s, out.tpot_s = times.ttft_s, times.tpot_s
                     out.queue_s, out.e2e_s = times.queue_s, times.e2e_s
@@ -516,6 +533,17 @@ class Engine:
             if sink is not None:
                 sink(d)
         return result
+
+    def _stop_reason(self, live: _Live, out: RequestOutput) -> str | int | None:
+        """What stopped ``live``: the stop string that matched, else the ``stop_token_ids``
+        entry drawn last (None for EOS, which the tokenizer owns, or a grammar's end)."""
+        if live.detok.stopped is not None:
+            return live.detok.stopped
+        last = out.token_ids[-1] if out.token_ids else None
+        if (last is not None and last in (live.params.stop_token_ids or ())
+                and (live.params.ignore_eos or last not in self.eos_ids)):
+            return last
+        return None
 
     def _final(self, live: _Live, reason: str, error: str | None = None) -> RequestOutput:
         return RequestOutput(
@@ -659,8 +687,7 @@ class Engine:
         rids: list[RequestId] = []
         try:
             for i in range(n):
-                child = params if i == 0 else replace(
-                    params, seed=None if params.seed is None else params.seed + i)
+                child = sample_params(params, i)
                 rids.append(self._admit(request, child, sink, stream_text=True, index=i,
                                         validated=True, arrival=arrival,
                                         scheduled=first if i == 0 else None))

@@ -325,19 +325,24 @@ def _filter_top_k_top_p(x: torch.Tensor, params: Sequence[SamplingParams]) -> to
 def token_logprobs(
     logits: torch.Tensor, tokens: Sequence[int], ks: Sequence[int]
 ) -> list[TokenLogprob]:
-    """For each row of raw ``logits`` ``[R, V]``: the log-probability of ``tokens[r]`` and the
-    ``ks[r]`` most likely tokens (the model's own distribution)."""
+    """For each row of raw ``logits`` ``[R, V]``: the log-probability of ``tokens[r]``, its rank
+    (1 + the tokens more likely than it) and the ``ks[r]`` most likely tokens (the model's own
+    distribution)."""
     if logits.shape[0] != len(tokens) or len(tokens) != len(ks):
         raise ValueError(f"{logits.shape[0]} rows of logits for {len(tokens)} tokens")
     if not tokens:
         return []
     logp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = logp.gather(1, torch.tensor(tokens, device=logp.device).unsqueeze(1)).squeeze(1)
+    chosen = logp.gather(1, torch.tensor(tokens, device=logp.device).unsqueeze(1))
+    rank = (logp > chosen).sum(dim=-1) + 1
     k = max(ks)
     top_v, top_i = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
-    chosen_l, top_vl, top_il = chosen.tolist(), top_v.tolist(), top_i.tolist()
+    chosen_l, rank_l = chosen.squeeze(1).tolist(), rank.tolist()
+    top_vl, top_il = top_v.tolist(), top_i.tolist()
     return [
-        TokenLogprob(tokens[r], chosen_l[r], tuple(zip(top_il[r][: ks[r]], top_vl[r][: ks[r]], strict=True)))
+        TokenLogprob(tokens[r], chosen_l[r],
+                     tuple(zip(top_il[r][: ks[r]], top_vl[r][: ks[r]], strict=True)),
+                     rank=rank_l[r])
         for r in range(len(tokens))
     ]
 

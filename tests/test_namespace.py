@@ -167,7 +167,7 @@ def test_the_engine_runs_beside_huggingface_kernels_and_transformers() -> None:
         "print(kernels.__file__)\n"
         "print(ours.__name__, ours.__file__)\n"
         "print(md.version('kernels'), transformers.__version__)\n"
-        "print(len(out.token_ids))\n"
+        "print(len(out.outputs[0].token_ids))\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                           text=True, timeout=600)
@@ -182,13 +182,17 @@ def test_the_engine_runs_beside_huggingface_kernels_and_transformers() -> None:
 
 def test_the_offline_names_are_at_the_top_and_load_on_first_use() -> None:
     """``from tierserve import LLM, SamplingParams, EngineConfig`` as vLLM users write it; a
-    bare ``import tierserve`` (the ingress, the router) still loads no torch."""
+    bare ``import tierserve`` (the ingress, the router) still loads no torch. ``LLM`` is the
+    replica's with ``chat``; ``RequestOutput`` and ``CompletionOutput`` are the offline
+    answer's records, not the engine's deltas (``tierserve.records.RequestOutput``)."""
     code = (
         "import sys, tierserve\n"
         "print('torch' in sys.modules)\n"
-        "from tierserve import LLM, SamplingParams, EngineConfig, RequestOutput\n"
-        "from tierserve.replica.llm import LLM as L\n"
-        "print(LLM is L, SamplingParams(max_tokens=3).max_tokens, 'max_num_seqs' in EngineConfig.model_fields)\n"
+        "from tierserve import LLM, SamplingParams, EngineConfig, RequestOutput, CompletionOutput\n"
+        "from tierserve.replica import llm\n"
+        "from tierserve import records\n"
+        "print(issubclass(LLM, llm.LLM) and hasattr(LLM, 'chat'), SamplingParams(max_tokens=3).max_tokens, 'max_num_seqs' in EngineConfig.model_fields)\n"
+        "print(RequestOutput is llm.RequestOutput is not records.RequestOutput, CompletionOutput is llm.CompletionOutput)\n"
         "print(all(getattr(tierserve, n) is not None and n in dir(tierserve)\n"
         "          for n in tierserve.__all__))\n"
         "try:\n"
@@ -199,4 +203,4 @@ def test_the_offline_names_are_at_the_top_and_load_on_first_use() -> None:
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          timeout=300, check=True)
     assert out.stdout.splitlines() == [
-        "False", "True 3 True", "True", "module 'tierserve' has no attribute 'Engine'"]
+        "False", "True 3 True", "True True", "True", "module 'tierserve' has no attribute 'Engine'"]

@@ -5,8 +5,14 @@ The offline API sits at the top, as vLLM users write it::
     from tierserve import LLM, SamplingParams
 
     llm = LLM()  # the default model; options: EngineConfig's fields
-    print(llm.generate(["The capital of France is"], SamplingParams(max_tokens=8))[0].text)
+    out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8))[0]
+    print(out.outputs[0].text)
+    print(llm.chat([{"role": "user", "content": "Hi!"}])[0].outputs[0].text)
 
+``generate`` and ``chat`` answer with ``RequestOutput``s (``.prompt``, ``.prompt_token_ids``,
+``.outputs[i]``: ``CompletionOutput``s with ``.text``, ``.token_ids``, ``.logprobs`` as
+``Logprob``s, ``.finish_reason``), as vLLM's do. These are the offline answer's records
+(``tierserve.replica.llm``); the engine's own deltas are ``tierserve.records.RequestOutput``.
 Those names load on first use (importing ``tierserve`` alone, as the ingress and the router
 do, loads neither torch nor the engine).
 
@@ -36,23 +42,25 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from tierserve.records import RequestOutput, SamplingParams
+    from tierserve.cluster.offline import LLM
+    from tierserve.records import SamplingParams
     from tierserve.replica.config import EngineConfig
-    from tierserve.replica.llm import LLM, CompletionOutput
+    from tierserve.replica.llm import CompletionOutput, Logprob, RequestOutput
 
 __version__ = "0.1.0"
 
 # name -> the module that defines it
 _OFFLINE = {
-    "LLM": "tierserve.replica.llm",
+    "LLM": "tierserve.cluster.offline",
     "CompletionOutput": "tierserve.replica.llm",
+    "Logprob": "tierserve.replica.llm",
+    "RequestOutput": "tierserve.replica.llm",
     "SamplingParams": "tierserve.records",
-    "RequestOutput": "tierserve.records",
     "EngineConfig": "tierserve.replica.config",
 }
 
-__all__ = ["LLM", "CompletionOutput", "EngineConfig", "RequestOutput", "SamplingParams",
-           "__version__"]
+__all__ = ["LLM", "CompletionOutput", "EngineConfig", "Logprob", "RequestOutput",
+           "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str) -> Any:

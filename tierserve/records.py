@@ -258,6 +258,13 @@ class SamplingParams:
     # stop string kept at its end.
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Samples per prompt in the offline ``LLM.generate`` (vLLM's ``n``; a served request's
+    # count is its ``GenerateRequest.n``, which ``GenerateRequest.of`` takes from here).
+    n: int = 1
+    # vLLM's ``bad_words`` as words: the offline ``LLM`` tokenizes them into ``bad_words_ids``
+    # (``tierserve.replica.detokenizer.bad_words_ids``, as the ingress does the API's); the
+    # engine takes token ids only and refuses a record that still has words.
+    bad_words: list[str] | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -356,6 +363,15 @@ class SamplingParams:
             ):
                 raise InvalidSamplingParam(
                     f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}", name)
+        if self.bad_words is not None:
+            _at_most(self.bad_words, MAX_BAD_WORDS, "bad_words", "words")
+            for i, text in enumerate(self.bad_words):
+                if not isinstance(text, str) or not text or len(text) > MAX_BAD_WORD_CHARS:
+                    raise InvalidSamplingParam(
+                        f"bad_words must be strings of 1 to {MAX_BAD_WORD_CHARS} characters, "
+                        f"bad_words {i} is {text!r:.40}", f"bad_words.{i}")
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
+            raise InvalidSamplingParam(f"n must be an integer of at least 1, got {self.n!r}", "n")
         s = self.structured
         if s is not None:
             if not isinstance(s, StructuredOutput):
@@ -407,11 +423,13 @@ def _token_ids(ids: Any, cap: int, name: str) -> None:
 @dataclass(frozen=True, slots=True)
 class TokenLogprob:
     """A token's log-probability and the ``top`` most likely tokens at its position (ids and
-    log-probabilities, most likely first)."""
+    log-probabilities, most likely first). ``rank``: the token's place in the model's
+    distribution at its position (1: the most likely; None where not computed)."""
 
     token: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None
 
 
 
@@ -462,9 +480,11 @@ class GenerateRequest:
     def of(cls, prompt_ids: Sequence[int], sampling: SamplingParams | None = None,
            **kw: Any) -> GenerateRequest:
         """A request of ``prompt_ids`` (any sequence) and ``sampling`` (the defaults when
-        None), the other fields by name: how an in-process caller makes one."""
-        return cls(tuple(prompt_ids), sampling if sampling is not None else SamplingParams(),
-                   **kw)
+        None), the other fields by name (``n``: the sampling's own unless given): how an
+        in-process caller makes one."""
+        sampling = sampling if sampling is not None else SamplingParams()
+        kw.setdefault("n", sampling.n)
+        return cls(tuple(prompt_ids), sampling, **kw)
 
     @property
     def ttft_left_s(self) -> float | None:
@@ -496,6 +516,8 @@ class RequestOutput:
     request asked for them; ``prompt_logprobs``: with the request's first delta, one per prompt
     token (None for the first, which has no context). ``cached_tokens``: with the first token's
     delta and the last delta, the prompt positions found in the prefix cache at admission.
+    ``stop_reason``: with a last delta that ends in ``"stop"``, the stop string that matched or
+    the ``stop_token_ids`` entry drawn (None for EOS or a grammar's end).
     ``ttft_s``, ``tpot_s``: with the last delta, the engine's one clock for the sample: its
     time to first token from its arrival at the engine (a grammar's compile included; None
     without a token) and its mean time per output token after the first (None below two).
@@ -522,6 +544,7 @@ class RequestOutput:
     queue_s: float | None = None
     e2e_s: float | None = None
     preemptions: int = 0
+    stop_reason: str | int | None = None
 
 
 def replica_failed(out: RequestOutput) -> bool:

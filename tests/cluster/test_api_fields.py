@@ -142,6 +142,18 @@ def test_prompt_logprobs_come_back_in_vllm_s_shape(stub: StubIngress, route: str
     assert "prompt_logprobs" not in (plain["choices"][0] if route == COMP else plain)
 
 
+def test_a_prompt_token_outside_the_alternatives_keeps_its_rank() -> None:
+    """The replica ranks every scored token in the whole distribution, so the prompt's token
+    has its rank even when fewer alternatives were asked for than its place."""
+    from tierserve.cluster.logprobs import TokenIdNames, prompt_logprobs
+    from tierserve.records import TokenLogprob
+
+    (first, entry) = prompt_logprobs([None, TokenLogprob(7, -4.0, ((3, -0.1),), rank=12)],
+                                     TokenIdNames())
+    assert first is None and entry is not None
+    assert entry["7"].rank == 12 and entry["3"].rank == 1
+
+
 def test_return_tokens_as_token_ids(stub: StubIngress) -> None:
     tok = stub.inst.tokenizer
     first = tok.encode(ANSWER, add_special_tokens=False)[0]

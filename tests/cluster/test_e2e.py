@@ -38,7 +38,7 @@ class Spec:
     variant: str
     priority: int | None
     sampling: dict[str, Any] = field(default_factory=dict)
-    expected: Any = None  # tierserve.replica.llm.CompletionOutput
+    expected: Any = None  # tierserve.replica.llm.RequestOutput
 
     @property
     def prompt(self) -> str:
@@ -80,9 +80,11 @@ def plan(specs: list[Spec]) -> None:
     free_run = llm.generate(ids, [SamplingParams(**s.sampling) for s in specs], use_tqdm=False)
     for s, out in zip(specs, free_run, strict=True):
         if s.variant == "stop_token":
-            s.sampling = {**s.sampling, "ignore_eos": False, "stop_token_ids": [out.token_ids[4]]}
+            s.sampling = {**s.sampling, "ignore_eos": False,
+                          "stop_token_ids": [out.outputs[0].token_ids[4]]}
         elif s.variant == "stop_string":
-            stop = out.text[min(3, len(out.text) - 1)]  # may be U+FFFD: the model babbles
+            text = out.outputs[0].text
+            stop = text[min(3, len(text) - 1)]  # may be U+FFFD: the model babbles
             s.sampling = {**s.sampling, "ignore_eos": False, "stop": [stop]}
         elif s.variant == "seeded":
             s.sampling = {**s.sampling, "temperature": 0.8, "top_p": 0.9, "top_k": 40,
@@ -94,7 +96,7 @@ def plan(specs: list[Spec]) -> None:
     for s, out in zip(specs, free_run, strict=True):
         s.expected = answers.get(s.index, out)
         want = "stop" if s.variant.startswith("stop") else "length"
-        assert s.expected.finish_reason == want, (s, s.expected)  # the plan itself is sound
+        assert s.expected.outputs[0].finish_reason == want, (s, s.expected)  # the plan itself is sound
 
 
 async def send(client: openai.AsyncOpenAI, spec: Spec) -> tuple[str, str | None, Any]:
@@ -158,12 +160,12 @@ def test_64_concurrent_mixed_requests_complete_exactly(main_app: ServeApp) -> No
     for spec, (text, reason, usage) in zip(specs, results, strict=True):
         want = spec.expected
         label = (spec.index, spec.chat, spec.stream, spec.tier, spec.variant)
-        assert reason == want.finish_reason, label
+        assert reason == want.outputs[0].finish_reason, label
         assert usage is not None, label
-        assert usage.completion_tokens == len(want.token_ids), label
+        assert usage.completion_tokens == len(want.outputs[0].token_ids), label
         assert usage.prompt_tokens == len(want.prompt_token_ids), label
         assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens, label
-        assert text == want.text, label
+        assert text == want.outputs[0].text, label
     reasons = [r for _, r, _ in results]
     assert reasons.count("stop") == 32 and reasons.count("length") == 32
 

@@ -45,7 +45,9 @@ def test_64_concurrent_requests_complete_and_blocks_return(roomy: LLM) -> None:
     ps = prompts(64, seed=1, hi=120)
     params = [SamplingParams(max_tokens=rng.randint(1, 24), temperature=0.0, ignore_eos=True)
               for _ in ps]
-    outs = roomy.generate(ps, params, priority=[rng.randint(0, 5) for _ in ps], use_tqdm=False)
+    outs = [r.outputs[0] for r in roomy.generate(ps, params,
+                                                 priority=[rng.randint(0, 5) for _ in ps],
+                                                 use_tqdm=False)]
     assert [len(o.token_ids) for o in outs] == [p.max_tokens for p in params]
     assert all(o.finish_reason == "length" for o in outs)
     stats = roomy.stats()
@@ -56,10 +58,10 @@ def test_64_concurrent_requests_complete_and_blocks_return(roomy: LLM) -> None:
 def test_preemption_keeps_greedy_outputs(roomy: LLM) -> None:
     ps = prompts(12, seed=2, lo=20, hi=40)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    want = [o.token_ids for o in roomy.generate(ps, params, use_tqdm=False)]
+    want = [o.outputs[0].token_ids for o in roomy.generate(ps, params, use_tqdm=False)]
     tight = LLM(EMBEDDED_MODEL, num_kv_blocks=14, block_size=16, max_num_seqs=12, max_model_len=512)
     got = tight.generate(ps, params, use_tqdm=False)
-    assert [o.token_ids for o in got] == want
+    assert [o.outputs[0].token_ids for o in got] == want
     assert tight.stats().preemptions > 0
     assert tight.stats().free_blocks == 14
 
@@ -68,21 +70,22 @@ def test_seeded_sampling_alone_batched_and_across_preemption(roomy: LLM) -> None
     ps = prompts(8, seed=3, lo=20, hi=40)
     params = [SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, seed=100 + i,
                              ignore_eos=True) for i in range(8)]
-    alone = [roomy.generate([p], [sp], use_tqdm=False)[0].token_ids for p, sp in zip(ps, params, strict=True)]
-    batched = [o.token_ids for o in roomy.generate(ps, params, use_tqdm=False)]
+    alone = [roomy.generate([p], [sp], use_tqdm=False)[0].outputs[0].token_ids
+             for p, sp in zip(ps, params, strict=True)]
+    batched = [o.outputs[0].token_ids for o in roomy.generate(ps, params, use_tqdm=False)]
     tight = LLM(EMBEDDED_MODEL, num_kv_blocks=12, block_size=16, max_num_seqs=8, max_model_len=512)
-    preempted = [o.token_ids for o in tight.generate(ps, params, use_tqdm=False)]
+    preempted = [o.outputs[0].token_ids for o in tight.generate(ps, params, use_tqdm=False)]
     assert tight.stats().preemptions > 0
     assert alone == batched == preempted
     other = roomy.generate([ps[0]], [SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95,
                                                     seed=999, ignore_eos=True)], use_tqdm=False)
-    assert other[0].token_ids != alone[0]
+    assert other[0].outputs[0].token_ids != alone[0]
 
 
 def _text_window(roomy: LLM, prompt: list[int]) -> tuple[str, int, str]:
     """The greedy text of ``prompt`` and a 2-character stop string inside it (not at the start)."""
     full = roomy.generate([prompt], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True),
-                          use_tqdm=False)[0]
+                          use_tqdm=False)[0].outputs[0]
     text = full.text
     for k in range(2, len(text) - 2):
         cand = text[k : k + 2]
@@ -95,7 +98,7 @@ def test_stop_string_across_tokens(roomy: LLM) -> None:
     prompt = [ord(c) for c in "Once upon a time"]
     text, k, stop = _text_window(roomy, prompt)
     out = roomy.generate([prompt], SamplingParams(max_tokens=30, temperature=0.0, stop=[stop],
-                                                  ignore_eos=True), use_tqdm=False)[0]
+                                                  ignore_eos=True), use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "stop"
     assert out.text == text[:k]
     assert stop not in out.text
@@ -105,28 +108,30 @@ def test_eos_stops_and_ignore_eos_continues() -> None:
     llm = LLM(EMBEDDED_MODEL, num_kv_blocks=64, max_model_len=256)
     prompt = prompts(1, seed=4)[0]
     free = llm.generate([prompt], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
-                        use_tqdm=False)[0]
+                        use_tqdm=False)[0].outputs[0]
     eos = free.token_ids[3]
     first = free.token_ids.index(eos)
     llm.engine.eos_ids = frozenset({eos})
-    stopped = llm.generate([prompt], SamplingParams(max_tokens=10, temperature=0.0), use_tqdm=False)[0]
+    stopped = llm.generate([prompt], SamplingParams(max_tokens=10, temperature=0.0),
+                           use_tqdm=False)[0].outputs[0]
     assert stopped.finish_reason == "stop"
     assert stopped.token_ids == free.token_ids[: first + 1]
     again = llm.generate([prompt], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
-                         use_tqdm=False)[0]
+                         use_tqdm=False)[0].outputs[0]
     assert again.token_ids == free.token_ids and again.finish_reason == "length"
     by_id = llm.generate([prompt], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True,
-                                                  stop_token_ids=[eos]), use_tqdm=False)[0]
+                                                  stop_token_ids=[eos]), use_tqdm=False)[0].outputs[0]
     assert by_id.token_ids == stopped.token_ids and by_id.finish_reason == "stop"
+    assert stopped.stop_reason is None and by_id.stop_reason == eos  # EOS is no stop_reason
 
 
 def test_max_tokens_and_the_context_limit() -> None:
     llm = LLM(EMBEDDED_MODEL, num_kv_blocks=64, max_model_len=64)
     out = llm.generate([list(range(3, 63))], SamplingParams(max_tokens=100, temperature=0.0,
-                                                             ignore_eos=True), use_tqdm=False)[0]
+                                                             ignore_eos=True), use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 4
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True),
-                       use_tqdm=False)[0]
+                       use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 5
 
 
@@ -194,14 +199,14 @@ def test_bad_input_is_refused_and_the_engine_serves_the_rest(
         llm.generate([[5, 6, 7], prompt], params, use_tqdm=False)
     assert llm.stats().free_blocks == 4 and llm.stats().waiting == 0
     ok = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)
-    assert len(ok[0].token_ids) == 3
+    assert len(ok[0].outputs[0].token_ids) == 3
 
 
 def test_queue_full_is_refused_by_the_engine_but_llm_generate_feeds_progressively() -> None:
     llm = LLM(EMBEDDED_MODEL, num_kv_blocks=64, max_num_seqs=2, max_waiting=2, max_model_len=128)
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     outs = llm.generate(prompts(9, seed=7, hi=20), params, use_tqdm=False)
-    assert all(len(o.token_ids) == 3 for o in outs)
+    assert all(len(o.outputs[0].token_ids) == 3 for o in outs)
     for p in prompts(2, seed=8):
         llm.engine.add_request(GenerateRequest.of(p, params))
     with pytest.raises(QueueFull, match="full"):

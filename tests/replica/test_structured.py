@@ -82,27 +82,27 @@ def test_every_output_matches_its_grammar_and_ends_there(llm: LLM, spec: Structu
                                                         temperature: float) -> None:
     outs = llm.generate(["hello", "a longer prompt of several words", "x"],
                         params(spec, temperature=temperature), use_tqdm=False)
-    for o in outs:
+    for o in (r.outputs[0] for r in outs):
         assert o.finish_reason == "stop", o
         assert matches(spec, o.text), o.text
 
 
 def test_free_rows_are_untouched_by_constrained_rows_in_their_batch(llm: LLM) -> None:
     free = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    alone = [o.token_ids for o in llm.generate(["abc", "defgh"], free, use_tqdm=False)]
+    alone = [o.outputs[0].token_ids for o in llm.generate(["abc", "defgh"], free, use_tqdm=False)]
     mixed = llm.generate(["abc", "q1", "defgh", "q2"], [free, params(JSON), free, params(REGEX)],
                          use_tqdm=False)
-    assert [mixed[0].token_ids, mixed[2].token_ids] == alone
-    assert matches(JSON, mixed[1].text) and matches(REGEX, mixed[3].text)
+    assert [mixed[0].outputs[0].token_ids, mixed[2].outputs[0].token_ids] == alone
+    assert matches(JSON, mixed[1].outputs[0].text) and matches(REGEX, mixed[3].outputs[0].text)
 
 
 def test_seeded_constrained_sampling_is_the_same_alone_and_batched(llm: LLM) -> None:
     p = params(JSON, temperature=1.2, seed=11)
-    alone = llm.generate(["seeded"], p, use_tqdm=False)[0].token_ids
+    alone = llm.generate(["seeded"], p, use_tqdm=False)[0].outputs[0].token_ids
     noise = [params(REGEX, seed=s) for s in range(5)]
     batched = llm.generate(["r0", "seeded", "r1", "r2", "r3", "r4"],
                            [noise[0], p, *noise[1:]], use_tqdm=False)
-    assert batched[1].token_ids == alone
+    assert batched[1].outputs[0].token_ids == alone
 
 
 def test_penalties_and_biases_apply_inside_the_grammar(llm: LLM) -> None:
@@ -111,16 +111,18 @@ def test_penalties_and_biases_apply_inside_the_grammar(llm: LLM) -> None:
     p = params(CHOICE, temperature=0.0, repetition_penalty=1.5, presence_penalty=1.0,
                frequency_penalty=0.5, logit_bias={ord("z"): 100.0})
     outs = llm.generate(["pen", "alties"], p, use_tqdm=False)
-    assert all(matches(CHOICE, o.text) and o.finish_reason == "stop" for o in outs)
+    assert all(matches(CHOICE, o.text) and o.finish_reason == "stop"
+               for o in (r.outputs[0] for r in outs))
 
 
 def test_ignore_eos_still_ends_where_the_grammar_does(llm: LLM) -> None:
     outs = llm.generate(["e"], params(REGEX, ignore_eos=True, temperature=0.0), use_tqdm=False)
-    assert outs[0].finish_reason == "stop" and matches(REGEX, outs[0].text)
+    out = outs[0].outputs[0]
+    assert out.finish_reason == "stop" and matches(REGEX, out.text)
 
 
 def test_max_tokens_cuts_a_constrained_output_as_any_other(llm: LLM) -> None:
-    out = llm.generate(["cut"], params(JSON, max_tokens=5), use_tqdm=False)[0]
+    out = llm.generate(["cut"], params(JSON, max_tokens=5), use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 5
     assert out.text.startswith("{")
 
@@ -148,10 +150,10 @@ def test_n_samples_each_follow_the_grammar_with_a_matcher_of_their_own() -> None
 def test_preemption_by_recompute_continues_each_matcher(llm: LLM) -> None:
     prompts = [[3 + (i * 7 + j) % 200 for j in range(30 + i)] for i in range(10)]
     p = params(JSON, temperature=0.0, max_tokens=80)
-    want = [o.token_ids for o in llm.generate(prompts, p, use_tqdm=False)]
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, p, use_tqdm=False)]
     tight = LLM(EMBEDDED_MODEL, num_kv_blocks=12, block_size=16, max_num_seqs=10,
                 max_model_len=512)
-    got = tight.generate(prompts, p, use_tqdm=False)
+    got = [r.outputs[0] for r in tight.generate(prompts, p, use_tqdm=False)]
     assert tight.stats().preemptions > 0
     assert [o.token_ids for o in got] == want
     assert all(matches(JSON, o.text) for o in got if o.finish_reason == "stop")
@@ -165,11 +167,12 @@ def test_chunked_prefill_and_prefix_cache_hits_keep_the_output() -> None:
                 enable_prefix_caching=False)
     chunked = LLM(EMBEDDED_MODEL, num_kv_blocks=256, block_size=16, max_num_batched_tokens=32,
                   enable_prefix_caching=True)
-    want = whole.generate([long_prompt], p, use_tqdm=False)[0]
-    first = chunked.generate([long_prompt], p, use_tqdm=False)[0]
-    again = chunked.generate([long_prompt], p, use_tqdm=False)[0]
+    want = whole.generate([long_prompt], p, use_tqdm=False)[0].outputs[0]
+    first = chunked.generate([long_prompt], p, use_tqdm=False)[0].outputs[0]
+    repeated = chunked.generate([long_prompt], p, use_tqdm=False)[0]
+    again = repeated.outputs[0]
     assert first.token_ids == want.token_ids == again.token_ids
-    assert (again.cached_tokens or 0) > 0
+    assert (repeated.num_cached_tokens or 0) > 0
     assert matches(REGEX, want.text)
 
 
@@ -177,10 +180,10 @@ def test_deterministic_mode_gives_the_same_bits_alone_and_batched() -> None:
     det = LLM(EMBEDDED_MODEL, num_kv_blocks=256, block_size=16, max_num_seqs=16,
               deterministic=True)
     p = params(JSON, temperature=0.9, seed=5)
-    alone = det.generate(["det"], p, use_tqdm=False)[0].token_ids
+    alone = det.generate(["det"], p, use_tqdm=False)[0].outputs[0].token_ids
     batched = det.generate(["other", "det", "more text here"],
                            [params(None, seed=1), p, params(CHOICE)], use_tqdm=False)
-    assert batched[1].token_ids == alone
+    assert batched[1].outputs[0].token_ids == alone
 
 
 def test_the_same_spec_compiles_once_and_a_new_one_again(llm: LLM) -> None:

@@ -508,6 +508,6 @@ def test_gemma3_through_the_engine_in_chunks_and_across_preemption(
     llm = LLM(str(path), device="cpu", dtype="float32", num_kv_blocks=5, block_size=8,
               max_num_seqs=4, max_model_len=WINDOW, prefill_chunk_tokens=7)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    got = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == want
     assert llm.stats().preemptions > 0

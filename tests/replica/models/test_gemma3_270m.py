@@ -121,5 +121,5 @@ def test_the_readmes_gemma_completion() -> None:
                          readme, re.S)
     llm = LLM(GEMMA3_270M.name, num_kv_blocks=64, max_num_seqs=4)
     out = llm.generate(["The capital of France is"],
-                       SamplingParams(max_tokens=24, temperature=0.0))[0]
+                       SamplingParams(max_tokens=24, temperature=0.0))[0].outputs[0]
     assert out.text.startswith(" ") and out.text.split() == said.split()

@@ -175,7 +175,7 @@ def test_a_qwen3_file_with_its_own_head_dim(qtype: str, tmp_path: Path) -> None:
     llm = LLM(str(path), device="cpu", num_kv_blocks=6, block_size=16, max_num_seqs=4,
               max_model_len=128, prefill_chunk_tokens=7)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    got = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == [_hf_greedy(ref, p, 24) for p in prompts]
     assert llm.stats().preemptions > 0
 

@@ -362,6 +362,6 @@ def test_qwen3_moe_greedy_through_the_engine_in_chunks(deterministic: bool, tmp_
               prefill_chunk_tokens=7)
     assert llm.engine.model_config.is_moe
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    got = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == want
     assert llm.stats().preemptions > 0

@@ -406,6 +406,6 @@ def test_phi4_mini_style_greedy_through_the_engine(deterministic: bool, tmp_path
     cfg = llm.engine.model_config
     assert cfg.rotary_dim == 12 and isinstance(cfg.rope_scaling, LongRopeScaling)
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    got = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == want
     assert llm.stats().preemptions > 0

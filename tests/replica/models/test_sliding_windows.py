@@ -227,6 +227,6 @@ def test_mistral_window_through_the_engine_with_prefix_cache_chunks_and_preempti
     )
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     outs = llm.generate(prompts, params, use_tqdm=False)
-    assert [o.token_ids for o in outs] == want
-    assert any(o.cached_tokens > 0 for o in outs), "no prompt read the shared prefix"
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert any((o.num_cached_tokens or 0) > 0 for o in outs), "no prompt read the shared prefix"
     assert llm.stats().preemptions > 0

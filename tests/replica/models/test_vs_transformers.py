@@ -156,7 +156,7 @@ def test_qwen3_greedy_through_the_engine_in_chunks_and_across_preemption(
     )
     assert llm.engine.model_config.qk_norm
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    got = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == want
     stats = llm.stats()
     assert stats.preemptions > 0 and stats.free_blocks == 10
