@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
+from dataclasses import replace
 
 import pytest
 
@@ -123,6 +124,18 @@ def test_eos_stops_and_ignore_eos_continues() -> None:
                                                   stop_token_ids=[eos]), use_tqdm=False)[0].outputs[0]
     assert by_id.token_ids == stopped.token_ids and by_id.finish_reason == "stop"
     assert stopped.stop_reason is None and by_id.stop_reason == eos  # EOS is no stop_reason
+    # A stop token's own text is not output (its id is), unless include_stop_str_in_output;
+    # whether special tokens are skipped or not (an EOS would otherwise show as "</s>").
+    tok = llm.tokenizer
+    for skip in (True, False):
+        base = SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=[eos],
+                              skip_special_tokens=skip)
+        out = llm.generate([prompt], base, use_tqdm=False)[0].outputs[0]
+        assert out.text == tok.decode(free.token_ids[:first], skip_special_tokens=skip)
+        kept = llm.generate([prompt], replace(base, include_stop_str_in_output=True),
+                            use_tqdm=False)[0].outputs[0]
+        assert kept.token_ids == out.token_ids
+        assert kept.text == tok.decode(free.token_ids[: first + 1], skip_special_tokens=skip)
 
 
 def test_max_tokens_and_the_context_limit() -> None:
