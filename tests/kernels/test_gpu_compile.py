@@ -99,21 +99,6 @@ def test_one_configuration_compiles_cleanly_for_sm90() -> None:
     assert all(r.n_regs > 0 and r.seconds > 0 for r in reports)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("softcap", [False, True], ids=["plain", "softcap"])
-def test_head_dim_256_compiles_cleanly(softcap: bool) -> None:
-    """Gemma's head size, every attention path, on both architectures: no spill."""
-    config = aot.ServingConfig(256, 2, 16, torch.bfloat16, deterministic=False, softcap=softcap)
-    det = aot.ServingConfig(256, 2, 16, torch.bfloat16, deterministic=True, softcap=softcap)
-    work = [
-        (v, arch)
-        for arch in aot.CI_ARCHS
-        for v in [*aot.variants(config, arch), *aot.variants(det, arch)]
-        if v.kernel == "paged_attn"
-    ]
-    _assert_clean(aot.compile_pairs(work, jobs=JOBS))
-
-
 @pytest.fixture(scope="module")
 def matrix() -> list[aot.CompileReport]:
     return aot.compile_pairs(aot.ci_work(), jobs=JOBS)
