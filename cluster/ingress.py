@@ -689,8 +689,9 @@ class Ingress:
         text = await self.tokenizing.run(len(ids), lambda: str(self.tokenizer.decode(ids)))
         return JSONResponse(dump(DetokenizeResponse(prompt=text)))
 
-    def _known_model(self, model: str) -> None:
-        if model != self.cfg.model_name:
+    def _known_model(self, model: str | None) -> None:
+        """``model`` names the served model; None (left out, as vLLM allows) is the served one."""
+        if model is not None and model != self.cfg.model_name:
             raise BadRequest(f"unknown model {model!r}; this server serves "
                              f"{self.cfg.model_name!r}", "model_not_found", "model")
 

@@ -690,7 +690,7 @@ class TokenizeCompletionRequest(_Body):
     """``POST /tokenize`` of a prompt (vLLM's shape): its ids, with the tokenizer's special
     tokens unless ``add_special_tokens`` is false; ``return_token_strs``: each id's token too."""
 
-    model: StrictStr
+    model: StrictStr | None = None  # None: the served model (vLLM's)
     prompt: StrictStr
     add_special_tokens: StrictBool = True
     return_token_strs: StrictBool = False
@@ -700,7 +700,7 @@ class TokenizeChatRequest(_Body):
     """``POST /tokenize`` of chat messages (vLLM's shape): the ids the chat template renders
     them to, as ``/v1/chat/completions`` would send them (no tools)."""
 
-    model: StrictStr
+    model: StrictStr | None = None  # None: the served model (vLLM's)
     messages: list[Message] = Field(min_length=1)
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
@@ -732,7 +732,7 @@ class TokenizeResponse(BaseModel):
 class DetokenizeRequest(_Body):
     """``POST /detokenize`` (vLLM's shape): the text of ``tokens``."""
 
-    model: StrictStr
+    model: StrictStr | None = None  # None: the served model (vLLM's)
     tokens: list[Annotated[Int, Field(ge=0)]]
 
 

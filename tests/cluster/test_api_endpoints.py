@@ -83,8 +83,8 @@ def test_a_large_prompt_is_tokenized_through_the_pool(stub: StubIngress,
 
 
 @pytest.mark.parametrize(("body", "param"), [
-    ({"model": None, "prompt": "x"}, "model"),
     ({"model": "other", "prompt": "x"}, "model"),
+    ({"model": 3, "prompt": "x"}, "model"),
     ({"model": None, "prompt": 3}, None),
     ({"prompt": "x", "frobnicate": 1}, "frobnicate"),
     ({"prompt": "x", "add_special_tokens": "yes"}, "add_special_tokens"),
@@ -102,6 +102,21 @@ def test_bad_tokenize_requests_are_a_400(stub: StubIngress, body: dict[str, Any]
     assert e["message"]
     if param is not None:
         assert e["param"] == param, e
+
+
+def test_model_is_optional_on_tokenize_and_detokenize(stub: StubIngress) -> None:
+    """vLLM's shape: left out or null, ``model`` is the served model."""
+    want = list(stub.inst.tokenizer.encode("Hello"))
+    for extra in ({}, {"model": None}):
+        answer = stub.post("/tokenize", {"prompt": "Hello", **extra})
+        assert answer.status == 200 and answer.body["tokens"] == want, answer.body
+        answer = stub.post("/tokenize", {"messages": [{"role": "user", "content": "Hi"}],
+                                         **extra})
+        assert answer.status == 200, answer.body
+        answer = stub.post("/detokenize", {"tokens": want, **extra})
+        assert answer.status == 200 and answer.body == {"prompt": "Hello"}, answer.body
+    e = error(stub.post("/detokenize", {"model": "other", "tokens": want}), 400)
+    assert e["code"] == "model_not_found" and e["param"] == "model"
 
 
 def test_tokenize_is_behind_the_body_limit() -> None:
