@@ -19,7 +19,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -257,6 +257,12 @@ class RequestIds:
             e = internal_error(exc)
             await error_response(e.status, e.message, e.code, request_id=rid)(
                 scope, receive, send_with_id)
+
+
+def _json_bytes(content: Any) -> bytes:
+    """``content`` as JSONResponse renders it (compact, UTF-8), to be made off the event loop."""
+    return json.dumps(content, ensure_ascii=False, allow_nan=False, indent=None,
+                      separators=(",", ":")).encode("utf-8")
 
 
 def error_event(error: ServingError, request_id: str | None = None) -> str:
@@ -574,6 +580,9 @@ class Ingress:
             context_length(self.cfg.engine, mcfg.max_position_embeddings),
             longest_token_bytes(self.tokenizer))
         self.tokenizing = Tokenizing()
+        # /tokenize's and /detokenize's own pool (one thread): their work never queues ahead of
+        # a generation route's prompt on ``tokenizing``.
+        self.utility_tokenizing = Tokenizing(workers=1)
         self.schemas = SchemaChecker(self.cfg.structured_limits)
         # A chat template that lists tools itself; else they go in the system prompt
         # (tierserve.cluster.tool_calls).
@@ -645,37 +654,44 @@ class Ingress:
         return dump(VersionResponse(version=__version__))
 
     @app.post("/tokenize", response_model=None)
-    async def tokenize(self, request: Request) -> JSONResponse:
+    async def tokenize(self, request: Request) -> Response:
         """vLLM's ``/tokenize``: a ``prompt``'s ids, or (with ``messages``) the ids the chat
-        template renders, exactly as the generation routes make them; behind the same key check
-        and body limits, a large input tokenized on the pool (``Tokenizing``). Not bounded by
-        the context (counting a long text's tokens is what it is for): ``max_model_len`` says
-        what fits."""
-        self._caller(request)
+        template renders, exactly as the generation routes make them; behind the same key check,
+        body limits and admission (``_utility``). Not bounded by the context (counting a long
+        text's tokens is what it is for): ``max_model_len`` says what fits. The tokenizing, the
+        token strings and the answer's JSON are made off the event loop when the input is large
+        (``utility_tokenizing``, a pool of its own)."""
+        caller = self._caller(request)
         data = await read_json(request.stream(), request.headers.get("content-length"),
                                self.cfg.max_request_bytes, self.cfg.body_timeout_s)
         kind: type[TokenizeChatRequest] | type[TokenizeCompletionRequest] = (
             TokenizeChatRequest if "messages" in data else TokenizeCompletionRequest)
         body = validated(kind, data)
         self._known_model(body.model)
-        if isinstance(body, TokenizeChatRequest):
-            ids = await self._render_chat(body, None, None)
-        else:
-            text, special = body.prompt, body.add_special_tokens
-            ids = (await self.tokenizing.run(len(text), lambda: list(
-                self.tokenizer.encode(text, add_special_tokens=special)))) if text else []
-        strs = None
-        if body.return_token_strs:
-            strs = list(self.tokenizer.convert_ids_to_tokens(ids))
-        return JSONResponse(dump(TokenizeResponse(
-            count=len(ids), max_model_len=self.prompt_bound.context, tokens=ids,
-            token_strs=strs)))
+        strs = body.return_token_strs
+        context = self.prompt_bound.context
+
+        def answer(ids: list[int]) -> bytes:
+            names = list(self.tokenizer.convert_ids_to_tokens(ids)) if strs else None
+            return _json_bytes(dump(TokenizeResponse(
+                count=len(ids), max_model_len=context, tokens=ids, token_strs=names)))
+
+        with self._utility(caller):
+            if isinstance(body, TokenizeChatRequest):
+                ids = await self._render_chat(body, None, None, self.utility_tokenizing)
+                out = await self.utility_tokenizing.run(len(ids), lambda: answer(ids))
+            else:
+                text, special = body.prompt, body.add_special_tokens
+                out = await self.utility_tokenizing.run(len(text), lambda: answer(list(
+                    self.tokenizer.encode(text, add_special_tokens=special)) if text else []))
+        return Response(out, media_type="application/json")
 
     @app.post("/detokenize", response_model=None)
-    async def detokenize(self, request: Request) -> JSONResponse:
+    async def detokenize(self, request: Request) -> Response:
         """vLLM's ``/detokenize``: the text of ``tokens`` (special tokens kept); an id the
-        tokenizer cannot name is a 400 ``invalid_token`` naming its place."""
-        self._caller(request)
+        tokenizer cannot name is a 400 ``invalid_token`` naming its place. Admitted as
+        ``/tokenize`` is, its decoding and answer off the event loop when large."""
+        caller = self._caller(request)
         data = await read_json(request.stream(), request.headers.get("content-length"),
                                self.cfg.max_request_bytes, self.cfg.body_timeout_s)
         body = validated(DetokenizeRequest, data)
@@ -686,8 +702,25 @@ class Ingress:
                                  f"0 to {self.tokenizer_size - 1})", "invalid_token",
                                  f"tokens.{i}")
         ids = body.tokens
-        text = await self.tokenizing.run(len(ids), lambda: str(self.tokenizer.decode(ids)))
-        return JSONResponse(dump(DetokenizeResponse(prompt=text)))
+
+        def answer() -> bytes:
+            return _json_bytes(dump(DetokenizeResponse(prompt=str(self.tokenizer.decode(ids)))))
+
+        with self._utility(caller):
+            out = await self.utility_tokenizing.run(len(ids), answer)
+        return Response(out, media_type="application/json")
+
+    @contextlib.contextmanager
+    def _utility(self, caller: Caller) -> Iterator[None]:
+        """``/tokenize``'s and ``/detokenize``'s work, admitted and counted in flight as a
+        generation request is (``_admit``: the caller's tier share of ``max_inflight_requests``;
+        beyond, a 429), so a tier cannot queue more of it than its share."""
+        self._admit(caller)
+        self.inflight += 1
+        try:
+            yield
+        finally:
+            self.inflight -= 1
 
     def _known_model(self, model: str | None) -> None:
         """``model`` names the served model; None (left out, as vLLM allows) is the served one."""
@@ -857,10 +890,12 @@ class Ingress:
     # ------------------------------------------------------------------ helpers
 
     async def _render_chat(self, body: ChatCompletionRequest | TokenizeChatRequest,
-                           messages: list[dict[str, Any]] | None, tools: Any) -> list[int]:
+                           messages: list[dict[str, Any]] | None, tools: Any,
+                           pool: Tokenizing | None = None) -> list[int]:
         """The ids ``body``'s chat template renders (``messages``, ``tools``: as
-        ``render_messages`` made them; None: ``body``'s messages, no tools), on the pool when
-        the messages are large; a template that fails on them is a 400 ``bad_messages``."""
+        ``render_messages`` made them; None: ``body``'s messages, no tools), on the pool
+        (``pool``, else ``tokenizing``) when the messages are large; a template that fails on
+        them is a 400 ``bad_messages``."""
         if messages is None:
             try:
                 messages, tools = render_messages(body.messages, None, None,
@@ -879,7 +914,7 @@ class Ingress:
             return render_chat(self.tokenizer, rendered, tools, extra, body.add_special_tokens)
 
         try:
-            ids = await self.tokenizing.run(size, render)
+            ids = await (pool or self.tokenizing).run(size, render)
         except Exception as e:
             raise BadRequest(f"the chat template could not render these messages: {e}",
                              "bad_messages", "messages") from e
