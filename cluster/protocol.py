@@ -54,6 +54,18 @@ def _refuse(value: Any) -> Any:
     return value
 
 
+def _null_is_true(value: Any) -> Any:
+    return True if value is None else value
+
+
+# A flag that defaults to true, where OpenAI's SDK types it optional: null is the default.
+DefaultTrue = Annotated[
+    StrictBool, BeforeValidator(_null_is_true),
+    WithJsonSchema({"type": ["boolean", "null"], "default": True,
+                    "description": "null is the default, true"}),
+]
+
+
 # An OpenAI field this server does not implement (tools, response formats, audio, ...): any value
 # but null is a clear 400 that names the field.
 Unsupported = Annotated[
@@ -261,9 +273,9 @@ class _SamplingFields(_Body):
     # is stored); ``store: true`` is refused (no stored completions yet); ``user``,
     # ``safety_identifier`` and ``prompt_cache_key`` are accepted and not used.
     metadata: Metadata | None = None
-    # Which tier runs it (docs/api.md): "flex" the lowest, "priority" the caller's own at its
-    # highest priority, the others the caller's own.
-    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    # Which tier runs it (docs/api.md): "flex" the lowest, "priority" (and "fast", its alias)
+    # the caller's own at its highest priority, the others the caller's own.
+    service_tier: Literal["auto", "default", "flex", "scale", "priority", "fast"] | None = None
     store: Annotated[StrictBool, AfterValidator(_no_store)] | None = None
     safety_identifier: Annotated[StrictStr, Field(max_length=256)] | None = None
     prompt_cache_key: Annotated[StrictStr, Field(max_length=256)] | None = None
@@ -484,7 +496,7 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: TopLogprobs | None = None
     tools: Annotated[list[Tool], Field(min_length=1, max_length=128)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: StrictBool = True
+    parallel_tool_calls: DefaultTrue = True
     functions: Unsupported = None
     function_call: Unsupported = None
     audio: Unsupported = None
