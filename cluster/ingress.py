@@ -25,7 +25,6 @@ from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from opentelemetry import trace
 from pydantic import BaseModel
 from ray import serve
 from ray.serve.handle import DeploymentHandle
@@ -956,7 +955,7 @@ class Ingress:
 
     def _caller(self, request: Request) -> Caller:
         header = self.cfg.flow.tenant_header
-        with tracing.tracer().start_as_current_span("tierserve.auth", record_exception=False):
+        with tracing.span("tierserve.auth"):
             caller = self.tiers.resolve(request.headers.get("authorization"),
                                         request.headers.get("x-tl-priority"),
                                         request.headers.get(header) if header else None)
@@ -1089,9 +1088,8 @@ class Ingress:
         try:
             if self.gate is not None:
                 try:
-                    with tracing.tracer().start_as_current_span(
-                            "tierserve.gate", attributes={"tierserve.tier": caller.tier.name},
-                            record_exception=False):
+                    with tracing.span("tierserve.gate",
+                                      {"tierserve.tier": caller.tier.name}):
                         route.ticket = await self.gate.enter(caller, len(call.ids) * call.n)
                 except Shed:
                     self._count_slo(route, failed=True)
@@ -1267,15 +1265,22 @@ class Ingress:
             span = tracing.tracer().start_span("tierserve.dispatch", attributes={
                 "tierserve.attempt": self.cfg.replica_retries - route.retries_left + 1,
                 "tierserve.avoided_replicas": len(route.avoid)})
-            stream = self.llm.generate.remote(GenerateRequest(
-                prompt_ids=tuple(call.ids), sampling=route.sampling, priority=caller.priority,
-                tier=caller.tier.name, queue_share=caller.tier.queue_share, n=call.n,
-                latency=caller.latency, prefix_hashes=prefixes,
-                avoid_replicas=tuple(route.avoid), ttft_target_s=caller.tier.ttft_target_s,
-                tpot_target_s=caller.tier.tpot_target_s,
-                waited_s=time.monotonic() - route.arrival, tenant=caller.tenant,
-                cache_partition=call.cache_partition, request_id=call.header_id,
-                traceparent=tracing.traceparent(span)))
+            try:
+                stream = self.llm.generate.remote(GenerateRequest(
+                    prompt_ids=tuple(call.ids), sampling=route.sampling,
+                    priority=caller.priority, tier=caller.tier.name,
+                    queue_share=caller.tier.queue_share, n=call.n, latency=caller.latency,
+                    prefix_hashes=prefixes, avoid_replicas=tuple(route.avoid),
+                    ttft_target_s=caller.tier.ttft_target_s,
+                    tpot_target_s=caller.tier.tpot_target_s,
+                    waited_s=time.monotonic() - route.arrival, tenant=caller.tenant,
+                    cache_partition=call.cache_partition, request_id=call.header_id,
+                    traceparent=tracing.traceparent(span)))
+            except BaseException as e:  # the handle refused it: nothing was sent
+                if isinstance(e, Exception):
+                    tracing.failed(span, e)
+                span.end()
+                raise
             try:
                 first = await self._next(stream)
                 if first is None:
@@ -1290,9 +1295,7 @@ class Ingress:
                 span.end()
                 return stream, first
             except ServingError as e:
-                span.set_status(trace.Status(trace.StatusCode.ERROR, e.code or "error"))
-                span.add_event("exception", {"exception.type": type(e).__name__,
-                                             "error.type": e.code or ""})
+                tracing.failed(span, e)
                 span.end()
                 stream.cancel()
                 if e.code != "replica_unavailable" or route.retries_left <= 0:
