@@ -252,7 +252,8 @@ class _SamplingFields(_Body):
     truncate_prompt_tokens: Annotated[Int, Field(ge=1)] | None = None
     prompt_logprobs: TopLogprobs | None = None
     return_tokens_as_token_ids: StrictBool | None = None
-    # The request's id (``X-Request-Id`` wins where both are sent): in the answer's ``id``.
+    # The request's id: in the answer's ``id`` (it wins over an ``X-Request-Id`` header sent
+    # besides, which then names only the request's logs and error bodies).
     request_id: RequestIdText | None = None
     # vLLM's scale (lower first, 0 the default): moves the request's priority within the caller's
     # tier (TierResolver.shifted).
