@@ -223,7 +223,7 @@ class RequestIds:
             return
         sent = [v for k, v in scope.get("headers", ()) if k.lower() == b"x-request-id"]
         given = sent[0].decode("latin-1") if sent else None
-        ok = given is not None and _REQUEST_ID.match(given) is not None
+        ok = given is not None and _REQUEST_ID.fullmatch(given) is not None
         rid = given if ok and given is not None else new_id("req")
         scope.setdefault("state", {})["request_id"] = rid
         started = False
