@@ -498,8 +498,13 @@ async def _joined_stream(streams: list[AsyncIterable[Any]], n: int, include_usag
             yield sse_event(json.dumps(tail))
         yield "data: [DONE]\n\n"
     finally:
+        # A pump is suspended inside its stream's ``async for``: cancelling only asks it to
+        # stop. Each is awaited until it has (its stream's own ``finally`` run: its place in
+        # flight released) before the streams are closed, or closing one still running would
+        # raise.
         for t in tasks:
             t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         for b in streams:
             await _close(b)
 
