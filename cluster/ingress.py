@@ -672,6 +672,7 @@ class Ingress:
             TokenizeChatRequest if "messages" in data else TokenizeCompletionRequest)
         body = validated(kind, data)
         self._known_model(body.model)
+        self._tokenize_bound(body)
         strs = body.return_token_strs
         context = self.prompt_bound.context
 
@@ -713,6 +714,20 @@ class Ingress:
         with self._utility(caller):
             out = await self.utility_tokenizing.run(len(ids), answer)
         return Response(out, media_type="application/json")
+
+    def _tokenize_bound(self, body: TokenizeChatRequest | TokenizeCompletionRequest) -> None:
+        """``/tokenize``'s input within ``max_tokenize_chars`` (a prompt's characters, or the
+        messages' texts'), else a 400 ``too_long``, before any tokenizer work."""
+        limit = self.cfg.max_tokenize_chars
+        if isinstance(body, TokenizeChatRequest):
+            size = sum(len(t) for t in message_texts([m.model_dump() for m in body.messages]))
+            param = "messages"
+        else:
+            size, param = len(body.prompt), "prompt"
+        if size > limit:
+            raise BadRequest(f"{param} has {size} characters; /tokenize counts at most {limit} "
+                             "(max_tokenize_chars): send it in parts",
+                             "too_long", param)
 
     @contextlib.contextmanager
     def _utility(self, caller: Caller) -> Iterator[None]:

@@ -188,6 +188,18 @@ def test_model_is_optional_on_tokenize_and_detokenize(stub: StubIngress) -> None
     assert e["code"] == "model_not_found" and e["param"] == "model"
 
 
+def test_tokenize_is_bounded_by_max_tokenize_chars() -> None:
+    small = StubIngress({"max_tokenize_chars": 100})
+    assert small.post("/tokenize", {"prompt": "x" * 100}).status == 200
+    e = error(small.post("/tokenize", {"prompt": "x" * 101}), 400)
+    assert e["code"] == "too_long" and e["param"] == "prompt" and "101" in e["message"]
+    messages = [{"role": "user", "content": "x" * 60},
+                {"role": "user", "content": [{"type": "text", "text": "y" * 41}]}]
+    e = error(small.post("/tokenize", {"messages": messages}), 400)
+    assert e["code"] == "too_long" and e["param"] == "messages"
+    assert small.post("/tokenize", {"messages": messages[:1]}).status == 200
+
+
 def test_tokenize_is_behind_the_body_limit() -> None:
     small = StubIngress({"max_request_bytes": 1024})
     e = error(small.post("/tokenize", {"model": small.model, "prompt": "x" * 2000}), 413)
