@@ -98,15 +98,28 @@ def _route_name(scope: Scope) -> str:
 def _template(scope: Scope) -> str | None:
     """The path template of the route that takes the request: the router's, where it has
     chosen one, else the first of the app's routes whose pattern matches the path (as the
-    router will try them); None where none does."""
+    router will try them; the routes of an included router too, as Serve's class-based app
+    holds them); None where none does."""
     chosen = getattr(scope.get("route"), "path", None)
     if isinstance(chosen, str):
         return chosen
-    path = get_route_path(scope)
-    for route in getattr(scope.get("app"), "routes", None) or ():
+    return _matching(getattr(scope.get("app"), "routes", None) or (), get_route_path(scope))
+
+
+def _matching(routes: Any, path: str, prefix: str = "") -> str | None:
+    for route in routes:
+        inner = getattr(route, "original_router", None)  # FastAPI's included router
+        if inner is not None:
+            more = str(getattr(getattr(route, "include_context", None), "prefix", "") or "")
+            if path.startswith(prefix + more):
+                found = _matching(getattr(inner, "routes", None) or (), path, prefix + more)
+                if found is not None:
+                    return found
+            continue
         pattern, template = getattr(route, "path_regex", None), getattr(route, "path", None)
-        if isinstance(template, str) and pattern is not None and pattern.match(path):
-            return template
+        if (isinstance(template, str) and pattern is not None and path.startswith(prefix)
+                and pattern.match(path[len(prefix):])):
+            return prefix + template
     return None
 
 

@@ -423,16 +423,21 @@ def test_span_names_are_bounded(method: str, path: str, root: str, name: str) ->
     a response's id, a path no route has) or an unknown method makes a new name. Before
     routing, from the app's routes (here an app with the ingress's route shapes); after, from
     the route the router chose."""
-    from fastapi import FastAPI
+    from fastapi import APIRouter, FastAPI
 
+    from tierserve.cluster import ingress
     from tierserve.cluster.access import _route_name
 
-    app = FastAPI()
+    app, router = FastAPI(), APIRouter()
     for template in ("/v1/models", "/v1/models/{model_id:path}", "/v1/chat/completions",
                      "/v1/responses/{response_id:path}"):
         app.add_api_route(template, lambda: None, methods=["GET", "POST", "DELETE"])
-    scope = {"type": "http", "method": method, "path": path, "root_path": root, "app": app}
-    assert _route_name(scope) == name
+        router.add_api_route(template, lambda: None, methods=["GET", "POST", "DELETE"])
+    included = FastAPI()
+    included.include_router(router)  # as Serve's class-based app holds its routes
+    for each in (app, included, ingress.app):
+        scope = {"type": "http", "method": method, "path": path, "root_path": root, "app": each}
+        assert _route_name(scope) == name
     routed = _route_name({**scope, "app": FastAPI(),
                           "route": types.SimpleNamespace(path="/v1/responses/{response_id:path}")})
     assert routed.endswith(f"{root}/v1/responses/{{response_id}}"), routed
