@@ -20,6 +20,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import sys
 import time
 from collections.abc import Mapping
@@ -31,6 +32,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from starlette.requests import ClientDisconnect
+from starlette.routing import get_route_path
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tierserve.cluster import tracing
@@ -72,11 +74,53 @@ def setup_access_log(enabled: bool, own_handler: bool) -> None:
         access_log.propagate = False
 
 
-def _route_name(path: str) -> str:
-    """The span's name for ``path`` (under the app's route prefix, if any): a model's id is not
-    part of it (bounded names)."""
-    head, sep, _ = path.partition("/v1/models/")
-    return f"{head}/v1/models/{{model}}" if sep else path
+# The methods a span is named by (OpenTelemetry's HTTP conventions); any other is "_OTHER".
+_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE",
+                      "PATCH"})
+# A path parameter's converter (``{model_id:path}``), left out of a span's name.
+_CONVERTER = re.compile(r"\{(\w+):\w+\}")
+
+
+def _route_name(scope: Scope) -> str:
+    """The server span's name: the method and the template of the app's route the path matches
+    (``POST /v1/chat/completions``, ``GET /v1/models/{model_id}``, ``DELETE
+    /v1/responses/{response_id}``), under the app's route prefix; a path no route matches is
+    ``unmatched`` and a method outside HTTP's own ``_OTHER``. Nothing the client chose beyond
+    that is in a name, so there are as many names as routes (bounded). Named at the start from
+    the app's routes, and again at the end from the route the router chose."""
+    method = str(scope.get("method", ""))
+    template = _template(scope)
+    name = ("unmatched" if template is None
+            else str(scope.get("root_path") or "") + _CONVERTER.sub(r"{\1}", template))
+    return f"{method if method in _METHODS else '_OTHER'} {name}"
+
+
+def _template(scope: Scope) -> str | None:
+    """The path template of the route that takes the request: the router's, where it has
+    chosen one, else the first of the app's routes whose pattern matches the path (as the
+    router will try them; the routes of an included router too, as Serve's class-based app
+    holds them); None where none does."""
+    chosen = getattr(scope.get("route"), "path", None)
+    if isinstance(chosen, str):
+        return chosen
+    return _matching(getattr(scope.get("app"), "routes", None) or (), get_route_path(scope))
+
+
+def _matching(routes: Any, path: str, prefix: str = "") -> str | None:
+    for route in routes:
+        inner = getattr(route, "original_router", None)  # FastAPI's included router
+        if inner is not None:
+            more = str(getattr(getattr(route, "include_context", None), "prefix", "") or "")
+            if path.startswith(prefix + more):
+                found = _matching(getattr(inner, "routes", None) or (), path, prefix + more)
+                if found is not None:
+                    return found
+            continue
+        pattern, template = getattr(route, "path_regex", None), getattr(route, "path", None)
+        if (isinstance(template, str) and pattern is not None and path.startswith(prefix)
+                and pattern.match(path[len(prefix):])):
+            return prefix + template
+    return None
 
 
 def _header(scope: Scope, name: bytes) -> str | None:
@@ -235,7 +279,7 @@ class AccessLog:
         parent = tracing.context_of(_header(scope, b"traceparent"),
                                     _header(scope, b"tracestate"))
         span = tracing.tracer().start_span(
-            f"{method} {_route_name(path)}", context=parent, kind=SpanKind.SERVER,
+            _route_name(scope), context=parent, kind=SpanKind.SERVER,
             attributes={"http.request.method": method, "url.path": path})
         client = scope.get("client")
         state = scope.setdefault("state", {})
@@ -266,6 +310,7 @@ class AccessLog:
             raise
         finally:
             otel_context.detach(token)
+            span.update_name(_route_name(scope))  # the route the router chose, now it has
             if not ended:  # its end never went out: the client hung up
                 ex.status = CLIENT_CLOSED
                 ex.error = ex.error or "client_closed"

@@ -228,6 +228,11 @@ class ClusterConfig(_Strict):
     body_timeout_s: float = Field(
         default=30.0, gt=0.0, le=3600.0,
         description="a body not all received this long after its headers gets 408")
+    max_tokenize_chars: int = Field(
+        default=1 << 18, gt=0, json_schema_extra={"doc_default": "262144"},
+        description="the most characters `/tokenize` counts in one request (a prompt, or the "
+                    "messages' texts); beyond, 400 `too_long`: it bounds the work and the answer "
+                    "(about 14 times the text with `return_token_strs`) one request holds")
     max_tokens_limit: int = Field(
         default=4096, gt=0,
         description="the largest `max_tokens` a request may ask for (and the default for chat)")

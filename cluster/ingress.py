@@ -19,13 +19,12 @@ import json
 import logging
 import re
 import time
-from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from opentelemetry import trace
 from pydantic import BaseModel
 from ray import serve
 from ray.serve.handle import DeploymentHandle
@@ -224,7 +223,7 @@ class RequestIds:
             return
         sent = [v for k, v in scope.get("headers", ()) if k.lower() == b"x-request-id"]
         given = sent[0].decode("latin-1") if sent else None
-        ok = given is not None and _REQUEST_ID.match(given) is not None
+        ok = given is not None and _REQUEST_ID.fullmatch(given) is not None
         rid = given if ok and given is not None else new_id("req")
         scope.setdefault("state", {})["request_id"] = rid
         started = False
@@ -257,6 +256,12 @@ class RequestIds:
             e = internal_error(exc)
             await error_response(e.status, e.message, e.code, request_id=rid)(
                 scope, receive, send_with_id)
+
+
+def _json_bytes(content: Any) -> bytes:
+    """``content`` as JSONResponse renders it (compact, UTF-8), to be made off the event loop."""
+    return json.dumps(content, ensure_ascii=False, allow_nan=False, indent=None,
+                      separators=(",", ":")).encode("utf-8")
 
 
 def error_event(error: ServingError, request_id: str | None = None) -> str:
@@ -493,8 +498,13 @@ async def _joined_stream(streams: list[AsyncIterable[Any]], n: int, include_usag
             yield sse_event(json.dumps(tail))
         yield "data: [DONE]\n\n"
     finally:
+        # A pump is suspended inside its stream's ``async for``: cancelling only asks it to
+        # stop. Each is awaited until it has (its stream's own ``finally`` run: its place in
+        # flight released) before the streams are closed, or closing one still running would
+        # raise.
         for t in tasks:
             t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         for b in streams:
             await _close(b)
 
@@ -574,6 +584,9 @@ class Ingress:
             context_length(self.cfg.engine, mcfg.max_position_embeddings),
             longest_token_bytes(self.tokenizer))
         self.tokenizing = Tokenizing()
+        # /tokenize's and /detokenize's own pool (one thread): their work never queues ahead of
+        # a generation route's prompt on ``tokenizing``.
+        self.utility_tokenizing = Tokenizing(workers=1)
         self.schemas = SchemaChecker(self.cfg.structured_limits)
         # A chat template that lists tools itself; else they go in the system prompt
         # (tierserve.cluster.tool_calls).
@@ -645,37 +658,45 @@ class Ingress:
         return dump(VersionResponse(version=__version__))
 
     @app.post("/tokenize", response_model=None)
-    async def tokenize(self, request: Request) -> JSONResponse:
+    async def tokenize(self, request: Request) -> Response:
         """vLLM's ``/tokenize``: a ``prompt``'s ids, or (with ``messages``) the ids the chat
-        template renders, exactly as the generation routes make them; behind the same key check
-        and body limits, a large input tokenized on the pool (``Tokenizing``). Not bounded by
-        the context (counting a long text's tokens is what it is for): ``max_model_len`` says
-        what fits."""
-        self._caller(request)
+        template renders, exactly as the generation routes make them; behind the same key check,
+        body limits and admission (``_utility``). Not bounded by the context (counting a long
+        text's tokens is what it is for): ``max_model_len`` says what fits. The tokenizing, the
+        token strings and the answer's JSON are made off the event loop when the input is large
+        (``utility_tokenizing``, a pool of its own)."""
+        caller = self._caller(request)
         data = await read_json(request.stream(), request.headers.get("content-length"),
                                self.cfg.max_request_bytes, self.cfg.body_timeout_s)
         kind: type[TokenizeChatRequest] | type[TokenizeCompletionRequest] = (
             TokenizeChatRequest if "messages" in data else TokenizeCompletionRequest)
         body = validated(kind, data)
         self._known_model(body.model)
-        if isinstance(body, TokenizeChatRequest):
-            ids = await self._render_chat(body, None, None)
-        else:
-            text, special = body.prompt, body.add_special_tokens
-            ids = (await self.tokenizing.run(len(text), lambda: list(
-                self.tokenizer.encode(text, add_special_tokens=special)))) if text else []
-        strs = None
-        if body.return_token_strs:
-            strs = list(self.tokenizer.convert_ids_to_tokens(ids))
-        return JSONResponse(dump(TokenizeResponse(
-            count=len(ids), max_model_len=self.prompt_bound.context, tokens=ids,
-            token_strs=strs)))
+        self._tokenize_bound(body)
+        strs = body.return_token_strs
+        context = self.prompt_bound.context
+
+        def answer(ids: list[int]) -> bytes:
+            names = list(self.tokenizer.convert_ids_to_tokens(ids)) if strs else None
+            return _json_bytes(dump(TokenizeResponse(
+                count=len(ids), max_model_len=context, tokens=ids, token_strs=names)))
+
+        with self._utility(caller):
+            if isinstance(body, TokenizeChatRequest):
+                ids = await self._render_chat(body, None, None, self.utility_tokenizing)
+                out = await self.utility_tokenizing.run(len(ids), lambda: answer(ids))
+            else:
+                text, special = body.prompt, body.add_special_tokens
+                out = await self.utility_tokenizing.run(len(text), lambda: answer(list(
+                    self.tokenizer.encode(text, add_special_tokens=special)) if text else []))
+        return Response(out, media_type="application/json")
 
     @app.post("/detokenize", response_model=None)
-    async def detokenize(self, request: Request) -> JSONResponse:
+    async def detokenize(self, request: Request) -> Response:
         """vLLM's ``/detokenize``: the text of ``tokens`` (special tokens kept); an id the
-        tokenizer cannot name is a 400 ``invalid_token`` naming its place."""
-        self._caller(request)
+        tokenizer cannot name is a 400 ``invalid_token`` naming its place. Admitted as
+        ``/tokenize`` is, its decoding and answer off the event loop when large."""
+        caller = self._caller(request)
         data = await read_json(request.stream(), request.headers.get("content-length"),
                                self.cfg.max_request_bytes, self.cfg.body_timeout_s)
         body = validated(DetokenizeRequest, data)
@@ -686,11 +707,43 @@ class Ingress:
                                  f"0 to {self.tokenizer_size - 1})", "invalid_token",
                                  f"tokens.{i}")
         ids = body.tokens
-        text = await self.tokenizing.run(len(ids), lambda: str(self.tokenizer.decode(ids)))
-        return JSONResponse(dump(DetokenizeResponse(prompt=text)))
 
-    def _known_model(self, model: str) -> None:
-        if model != self.cfg.model_name:
+        def answer() -> bytes:
+            return _json_bytes(dump(DetokenizeResponse(prompt=str(self.tokenizer.decode(ids)))))
+
+        with self._utility(caller):
+            out = await self.utility_tokenizing.run(len(ids), answer)
+        return Response(out, media_type="application/json")
+
+    def _tokenize_bound(self, body: TokenizeChatRequest | TokenizeCompletionRequest) -> None:
+        """``/tokenize``'s input within ``max_tokenize_chars`` (a prompt's characters, or the
+        messages' texts'), else a 400 ``too_long``, before any tokenizer work."""
+        limit = self.cfg.max_tokenize_chars
+        if isinstance(body, TokenizeChatRequest):
+            size = sum(len(t) for t in message_texts([m.model_dump() for m in body.messages]))
+            param = "messages"
+        else:
+            size, param = len(body.prompt), "prompt"
+        if size > limit:
+            raise BadRequest(f"{param} has {size} characters; /tokenize counts at most {limit} "
+                             "(max_tokenize_chars): send it in parts",
+                             "too_long", param)
+
+    @contextlib.contextmanager
+    def _utility(self, caller: Caller) -> Iterator[None]:
+        """``/tokenize``'s and ``/detokenize``'s work, admitted and counted in flight as a
+        generation request is (``_admit``: the caller's tier share of ``max_inflight_requests``;
+        beyond, a 429), so a tier cannot queue more of it than its share."""
+        self._admit(caller)
+        self.inflight += 1
+        try:
+            yield
+        finally:
+            self.inflight -= 1
+
+    def _known_model(self, model: str | None) -> None:
+        """``model`` names the served model; None (left out, as vLLM allows) is the served one."""
+        if model is not None and model != self.cfg.model_name:
             raise BadRequest(f"unknown model {model!r}; this server serves "
                              f"{self.cfg.model_name!r}", "model_not_found", "model")
 
@@ -856,10 +909,12 @@ class Ingress:
     # ------------------------------------------------------------------ helpers
 
     async def _render_chat(self, body: ChatCompletionRequest | TokenizeChatRequest,
-                           messages: list[dict[str, Any]] | None, tools: Any) -> list[int]:
+                           messages: list[dict[str, Any]] | None, tools: Any,
+                           pool: Tokenizing | None = None) -> list[int]:
         """The ids ``body``'s chat template renders (``messages``, ``tools``: as
-        ``render_messages`` made them; None: ``body``'s messages, no tools), on the pool when
-        the messages are large; a template that fails on them is a 400 ``bad_messages``."""
+        ``render_messages`` made them; None: ``body``'s messages, no tools), on the pool
+        (``pool``, else ``tokenizing``) when the messages are large; a template that fails on
+        them is a 400 ``bad_messages``."""
         if messages is None:
             try:
                 messages, tools = render_messages(body.messages, None, None,
@@ -878,7 +933,7 @@ class Ingress:
             return render_chat(self.tokenizer, rendered, tools, extra, body.add_special_tokens)
 
         try:
-            ids = await self.tokenizing.run(size, render)
+            ids = await (pool or self.tokenizing).run(size, render)
         except Exception as e:
             raise BadRequest(f"the chat template could not render these messages: {e}",
                              "bad_messages", "messages") from e
@@ -920,7 +975,7 @@ class Ingress:
 
     def _caller(self, request: Request) -> Caller:
         header = self.cfg.flow.tenant_header
-        with tracing.tracer().start_as_current_span("tierserve.auth", record_exception=False):
+        with tracing.span("tierserve.auth"):
             caller = self.tiers.resolve(request.headers.get("authorization"),
                                         request.headers.get("x-tl-priority"),
                                         request.headers.get(header) if header else None)
@@ -1053,9 +1108,8 @@ class Ingress:
         try:
             if self.gate is not None:
                 try:
-                    with tracing.tracer().start_as_current_span(
-                            "tierserve.gate", attributes={"tierserve.tier": caller.tier.name},
-                            record_exception=False):
+                    with tracing.span("tierserve.gate",
+                                      {"tierserve.tier": caller.tier.name}):
                         route.ticket = await self.gate.enter(caller, len(call.ids) * call.n)
                 except Shed:
                     self._count_slo(route, failed=True)
@@ -1231,15 +1285,22 @@ class Ingress:
             span = tracing.tracer().start_span("tierserve.dispatch", attributes={
                 "tierserve.attempt": self.cfg.replica_retries - route.retries_left + 1,
                 "tierserve.avoided_replicas": len(route.avoid)})
-            stream = self.llm.generate.remote(GenerateRequest(
-                prompt_ids=tuple(call.ids), sampling=route.sampling, priority=caller.priority,
-                tier=caller.tier.name, queue_share=caller.tier.queue_share, n=call.n,
-                latency=caller.latency, prefix_hashes=prefixes,
-                avoid_replicas=tuple(route.avoid), ttft_target_s=caller.tier.ttft_target_s,
-                tpot_target_s=caller.tier.tpot_target_s,
-                waited_s=time.monotonic() - route.arrival, tenant=caller.tenant,
-                cache_partition=call.cache_partition, request_id=call.header_id,
-                traceparent=tracing.traceparent(span)))
+            try:
+                stream = self.llm.generate.remote(GenerateRequest(
+                    prompt_ids=tuple(call.ids), sampling=route.sampling,
+                    priority=caller.priority, tier=caller.tier.name,
+                    queue_share=caller.tier.queue_share, n=call.n, latency=caller.latency,
+                    prefix_hashes=prefixes, avoid_replicas=tuple(route.avoid),
+                    ttft_target_s=caller.tier.ttft_target_s,
+                    tpot_target_s=caller.tier.tpot_target_s,
+                    waited_s=time.monotonic() - route.arrival, tenant=caller.tenant,
+                    cache_partition=call.cache_partition, request_id=call.header_id,
+                    traceparent=tracing.traceparent(span)))
+            except BaseException as e:  # the handle refused it: nothing was sent
+                if isinstance(e, Exception):
+                    tracing.failed(span, e)
+                span.end()
+                raise
             try:
                 first = await self._next(stream)
                 if first is None:
@@ -1254,9 +1315,7 @@ class Ingress:
                 span.end()
                 return stream, first
             except ServingError as e:
-                span.set_status(trace.Status(trace.StatusCode.ERROR, e.code or "error"))
-                span.add_event("exception", {"exception.type": type(e).__name__,
-                                             "error.type": e.code or ""})
+                tracing.failed(span, e)
                 span.end()
                 stream.cancel()
                 if e.code != "replica_unavailable" or route.retries_left <= 0:

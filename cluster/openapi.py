@@ -291,8 +291,10 @@ def _small_routes(doc: dict[str, Any], limits: dict[str, Any]) -> None:
         schemas["DetokenizeRequest"]["properties"]["tokens"]["items"]["maximum"] = vocab - 1
     if limits.get("model") is not None:
         for name in ("TokenizeCompletionRequest", "TokenizeChatRequest", "DetokenizeRequest"):
-            schemas[name]["properties"]["model"] = {"type": "string", "enum": [limits["model"]],
-                                                    "title": "Model"}
+            # Optional (vLLM's): left out or null, it is the served model.
+            schemas[name]["properties"]["model"] = {
+                "anyOf": [{"type": "string", "enum": [limits["model"]]}, {"type": "null"}],
+                "default": None, "title": "Model"}
     doc["paths"]["/version"]["get"]["responses"] = {
         "200": _json("VersionResponse", "tierserve's version.")}
     one = doc["paths"]["/v1/models/{model_id}"]["get"]

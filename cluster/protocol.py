@@ -54,6 +54,18 @@ def _refuse(value: Any) -> Any:
     return value
 
 
+def _null_is_true(value: Any) -> Any:
+    return True if value is None else value
+
+
+# A flag that defaults to true, where OpenAI's SDK types it optional: null is the default.
+DefaultTrue = Annotated[
+    StrictBool, BeforeValidator(_null_is_true),
+    WithJsonSchema({"type": ["boolean", "null"], "default": True,
+                    "description": "null is the default, true"}),
+]
+
+
 # An OpenAI field this server does not implement (tools, response formats, audio, ...): any value
 # but null is a clear 400 that names the field.
 Unsupported = Annotated[
@@ -240,7 +252,8 @@ class _SamplingFields(_Body):
     truncate_prompt_tokens: Annotated[Int, Field(ge=1)] | None = None
     prompt_logprobs: TopLogprobs | None = None
     return_tokens_as_token_ids: StrictBool | None = None
-    # The request's id (``X-Request-Id`` wins where both are sent): in the answer's ``id``.
+    # The request's id: in the answer's ``id`` (it wins over an ``X-Request-Id`` header sent
+    # besides, which then names only the request's logs and error bodies).
     request_id: RequestIdText | None = None
     # vLLM's scale (lower first, 0 the default): moves the request's priority within the caller's
     # tier (TierResolver.shifted).
@@ -261,9 +274,9 @@ class _SamplingFields(_Body):
     # is stored); ``store: true`` is refused (no stored completions yet); ``user``,
     # ``safety_identifier`` and ``prompt_cache_key`` are accepted and not used.
     metadata: Metadata | None = None
-    # Which tier runs it (docs/api.md): "flex" the lowest, "priority" the caller's own at its
-    # highest priority, the others the caller's own.
-    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    # Which tier runs it (docs/api.md): "flex" the lowest, "priority" (and "fast", its alias)
+    # the caller's own at its highest priority, the others the caller's own.
+    service_tier: Literal["auto", "default", "flex", "scale", "priority", "fast"] | None = None
     store: Annotated[StrictBool, AfterValidator(_no_store)] | None = None
     safety_identifier: Annotated[StrictStr, Field(max_length=256)] | None = None
     prompt_cache_key: Annotated[StrictStr, Field(max_length=256)] | None = None
@@ -484,7 +497,7 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: TopLogprobs | None = None
     tools: Annotated[list[Tool], Field(min_length=1, max_length=128)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: StrictBool = True
+    parallel_tool_calls: DefaultTrue = True
     functions: Unsupported = None
     function_call: Unsupported = None
     audio: Unsupported = None
@@ -690,7 +703,7 @@ class TokenizeCompletionRequest(_Body):
     """``POST /tokenize`` of a prompt (vLLM's shape): its ids, with the tokenizer's special
     tokens unless ``add_special_tokens`` is false; ``return_token_strs``: each id's token too."""
 
-    model: StrictStr
+    model: StrictStr | None = None  # None: the served model (vLLM's)
     prompt: StrictStr
     add_special_tokens: StrictBool = True
     return_token_strs: StrictBool = False
@@ -700,7 +713,7 @@ class TokenizeChatRequest(_Body):
     """``POST /tokenize`` of chat messages (vLLM's shape): the ids the chat template renders
     them to, as ``/v1/chat/completions`` would send them (no tools)."""
 
-    model: StrictStr
+    model: StrictStr | None = None  # None: the served model (vLLM's)
     messages: list[Message] = Field(min_length=1)
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
@@ -732,7 +745,7 @@ class TokenizeResponse(BaseModel):
 class DetokenizeRequest(_Body):
     """``POST /detokenize`` (vLLM's shape): the text of ``tokens``."""
 
-    model: StrictStr
+    model: StrictStr | None = None  # None: the served model (vLLM's)
     tokens: list[Annotated[Int, Field(ge=0)]]
 
 

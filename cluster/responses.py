@@ -45,6 +45,7 @@ from pydantic import (
 )
 
 from tierserve.cluster.protocol import (
+    DefaultTrue,
     FunctionName,
     Int,
     Metadata,
@@ -277,6 +278,15 @@ def _no_prompt_template(value: Any) -> Any:
     return value
 
 
+def _not_offered(name: str, why: str) -> Any:
+    def refuse(value: Any) -> Any:
+        if value is not None:
+            raise ValueError(f"{name} is not supported: {why}; omit it (or send null)")
+        return value
+
+    return AfterValidator(refuse)
+
+
 # The schema of a field refused unless null.
 _REFUSED = WithJsonSchema({"type": "null", "description": "not supported: omit it (or send null)"})
 
@@ -312,7 +322,7 @@ class ResponsesRequest(_Body):
     include: Annotated[list[StrictStr], AfterValidator(_known_includes)] | None = None
     tools: Annotated[list[FunctionTool], Field(max_length=128)] | None = None
     tool_choice: (Literal["none", "auto", "required"] | FunctionChoice | None) = None
-    parallel_tool_calls: StrictBool = True
+    parallel_tool_calls: DefaultTrue = True
     max_tool_calls: Annotated[Int, Field(ge=1)] | None = None  # of built-in tools: none here
     text: TextConfig | None = None
     stream: StrictBool = False
@@ -321,7 +331,9 @@ class ResponsesRequest(_Body):
     store: StrictBool | None = None
     metadata: Metadata | None = None
     user: StrictStr | None = None
-    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    # "fast" and "ultrafast" run as "priority" (``TierResolver.for_service_tier``).
+    service_tier: Literal["auto", "default", "flex", "scale", "priority", "fast",
+                          "ultrafast"] | None = None
     truncation: Literal["auto", "disabled"] | None = None
     reasoning: ReasoningConfig | None = None
     safety_identifier: Annotated[StrictStr, Field(max_length=256)] | None = None
@@ -332,6 +344,19 @@ class ResponsesRequest(_Body):
                                     _REFUSED] = None
     conversation: Annotated[Any, _nothing_stored("conversation"), _REFUSED] = None
     prompt: Annotated[Any, AfterValidator(_no_prompt_template), _REFUSED] = None
+    # Accepted, without effect: a cache hint (the prefix cache is automatic here), options for
+    # image inputs (none are taken) and OpenAI's access programs (there are none here).
+    prompt_cache_options: dict[StrictStr, Any] | None = None
+    image: dict[StrictStr, Any] | None = None
+    access_programs: dict[StrictStr, Any] | None = None
+    # Refused unless null: no moderation, no context compaction, no background runs here.
+    moderation: Annotated[Any, _not_offered("moderation", "no moderation model runs here"),
+                          _REFUSED] = None
+    context_management: Annotated[Any, _not_offered(
+        "context_management", "the context is never compacted here: send what fits"),
+        _REFUSED] = None
+    background_options: Annotated[Any, _not_offered(
+        "background_options", "background responses are not supported"), _REFUSED] = None
     # The chat route's sampling and vLLM's fields, as it takes them (docs/api.md).
     seed: Annotated[Int, Field(ge=0, le=2**63 - 1)] | None = None
     top_k: Annotated[Int, Field(ge=-1, le=2**31 - 1)] | None = None
@@ -550,6 +575,8 @@ class ResponsesCall:
             value = getattr(body, name)
             if value is not None:
                 chat[name] = value
+        if chat.get("service_tier") == "ultrafast":  # the chat route's alias of "priority"
+            chat["service_tier"] = "fast"
         if LOGPROBS in (body.include or ()):
             chat["logprobs"] = True
             chat["top_logprobs"] = body.top_logprobs or 0

@@ -79,6 +79,11 @@ def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
 
 
+# The ``service_tier`` values served as ``priority`` (OpenAI's ``fast`` is its alias there;
+# ``ultrafast``, a faster tier still at OpenAI, has nothing faster to run in here).
+PRIORITY_ALIASES = frozenset({"priority", "fast", "ultrafast"})
+
+
 class TierResolver:
     def __init__(self, config: ClusterConfig) -> None:
         self._tiers = {t.name: t for t in config.tiers}
@@ -120,9 +125,11 @@ class TierResolver:
         """OpenAI's ``service_tier`` on the tiers, never above what ``caller``'s key allows:
         ``flex`` runs in the lowest tier (at its base priority), ``priority`` in the caller's
         own tier at its highest priority, ``auto``, ``default`` and ``scale`` as the caller is.
-        Returns the caller it runs as and the ``service_tier`` the answer names. A priority
+        Returns the caller it runs as and the ``service_tier`` the answer names. ``fast`` and
+        ``ultrafast`` are ``priority`` (the answer says ``priority``, as OpenAI's does for
+        ``fast``: no tier runs faster than the caller's own at its highest priority). A priority
         asked for besides (``priority_given``) goes only with the last three (else a 400)."""
-        if asked in ("flex", "priority") and priority_given:
+        if (asked == "flex" or asked in PRIORITY_ALIASES) and priority_given:
             raise PriorityError(f"service_tier {asked!r} sets the priority itself: send it "
                                 "without priority or X-TL-Priority", param="service_tier")
         if asked == "flex":
@@ -132,7 +139,7 @@ class TierResolver:
                 low = caller.tier  # the caller's tier is the lowest already
             return Caller(low, low.base_priority, low.base_priority >= self.latency_floor,
                           caller.tenant, low.weight_of(caller.tenant)), "flex"
-        if asked == "priority":
+        if asked in PRIORITY_ALIASES:
             top = caller.tier.max_priority
             return Caller(caller.tier, top, top >= self.latency_floor, caller.tenant,
                           caller.weight), "priority"

@@ -155,10 +155,12 @@ class LLMServer:
         except ServingError as e:  # every refusal, its status and code its own
             if e.status == 503:  # this replica cannot serve it: the ingress tries another
                 e.replica = self.replica_id
-            log.info("request %s: refused, %d %s: %s", rid, e.status, e.code, e.message)
+            # The message as repr: it may quote the client's text (a grammar compiler's complaint
+            # about its regex), newlines included, and must not start a line of its own.
+            log.info("request %s: refused, %d %s: %r", rid, e.status, e.code, e.message)
             yield e.record()
         except ValueError as e:  # a last guard: a check that raised the plain kind
-            log.info("request %s: refused, 400 invalid_request: %s", rid, e)
+            log.info("request %s: refused, 400 invalid_request: %r", rid, str(e))
             yield ErrorRecord(400, "invalid_request", str(e))
         finally:
             self.load.answering(ticket)

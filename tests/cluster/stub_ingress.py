@@ -84,6 +84,11 @@ def _ingress_class() -> type:
 
 
 @dataclass
+class _Route:
+    path: str  # the route's path template
+
+
+@dataclass
 class Answer:
     status: int
     body: Any  # the JSON body; for a stream, the list of its events' JSON (without [DONE])
@@ -195,6 +200,7 @@ class StubIngress:
                     await asyncio.sleep(0)
 
         async def endpoint(scope: Any, receive_: Any, send_: Any) -> None:
+            scope["route"] = _Route(path)  # what the app's router notes of the route it chose
             request = Request(scope, receive_)
             if fail is not None:
                 raise fail

@@ -10,6 +10,7 @@ import pytest
 
 from tests.cluster.stub_ingress import StubIngress
 from tierserve import __version__
+from tierserve.cluster import ingress
 
 
 @pytest.fixture(scope="module")
@@ -61,30 +62,98 @@ def test_tokenize_messages_as_the_chat_route_renders_them(stub: StubIngress) -> 
 
 def test_a_large_prompt_is_tokenized_through_the_pool(stub: StubIngress,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """The work goes through ``Tokenizing.run`` with the input's size (past ``OFF_LOOP_CHARS``
+    """The work goes through ``Tokenizing.run`` of the routes' own pool (``utility_tokenizing``,
+    not the generation routes' ``tokenizing``) with the input's size (past ``OFF_LOOP_CHARS``
     it runs on the pool), and the same ids come back."""
     sizes: list[int] = []
-    run = stub.inst.tokenizing.run
+    run = stub.inst.utility_tokenizing.run
 
     async def counted(size: int, fn: Any) -> Any:
         sizes.append(size)
         return await run(size, fn)
 
-    monkeypatch.setattr(stub.inst.tokenizing, "run", counted)
+    async def generation_pool(size: int, fn: Any) -> Any:
+        raise AssertionError("/tokenize's work queued on the generation routes' pool")
+
+    monkeypatch.setattr(stub.inst.utility_tokenizing, "run", counted)
+    monkeypatch.setattr(stub.inst.tokenizing, "run", generation_pool)
     text = "word " * 1000
     answer = stub.post("/tokenize", {"model": stub.model, "prompt": text})
     assert answer.status == 200, answer.body
-    assert answer.body["tokens"] == list(stub.inst.tokenizer.encode(text))
+    ids = list(stub.inst.tokenizer.encode(text))
+    assert answer.body["tokens"] == ids
     assert sizes == [len(text)]
     answer = stub.post("/detokenize", {"model": stub.model, "tokens": answer.body["tokens"]})
-    assert answer.status == 200 and sizes[-1] == len(stub.inst.tokenizer.encode(text))
-    stub.post("/tokenize", {"model": stub.model, "messages": [{"role": "user", "content": text}]})
-    assert sizes[-1] == len(text)
+    assert answer.status == 200 and sizes[-1] == len(ids)
+    answer = stub.post("/tokenize", {"model": stub.model,
+                                     "messages": [{"role": "user", "content": text}]})
+    assert answer.status == 200, answer.body
+    assert sizes[-2:] == [len(text), answer.body["count"]]  # the render, then the answer
+
+
+def test_token_strings_and_the_answer_are_made_in_the_pools_job(
+        stub: StubIngress, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``return_token_strs``'s names and the answer's JSON are made inside the job
+    ``Tokenizing.run`` is given (on the pool for a large input), not on the event loop."""
+    inside = False
+    run = stub.inst.utility_tokenizing.run
+    names = stub.inst.tokenizer.convert_ids_to_tokens
+    calls: list[bool] = []
+
+    async def marked(size: int, fn: Any) -> Any:
+        def job() -> Any:
+            nonlocal inside
+            inside = True
+            try:
+                return fn()
+            finally:
+                inside = False
+        return await run(size, job)
+
+    def named(ids: Any) -> Any:
+        calls.append(inside)
+        return names(ids)
+
+    monkeypatch.setattr(stub.inst.utility_tokenizing, "run", marked)
+    monkeypatch.setattr(stub.inst.tokenizer, "convert_ids_to_tokens", named)
+    monkeypatch.setattr(ingress, "_json_bytes", _only_inside(lambda: inside, ingress._json_bytes))
+    for body in ({"prompt": "word " * 1000, "return_token_strs": True},
+                 {"messages": [{"role": "user", "content": "Hi"}], "return_token_strs": True}):
+        answer = stub.post("/tokenize", body)
+        assert answer.status == 200 and answer.body["token_strs"], answer.body
+    assert stub.post("/detokenize", {"tokens": [1, 2, 3]}).status == 200
+    assert calls == [True, True]
+
+
+def _only_inside(inside: Any, fn: Any) -> Any:
+    def checked(content: Any) -> Any:
+        assert inside(), "the answer's JSON was made outside the pool's job"
+        return fn(content)
+    return checked
+
+
+def test_tokenize_is_admitted_against_the_tier_share(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both routes count in flight as a generation request does: past the tier's share of
+    ``max_inflight_requests``, a 429 at once; a request answered (or refused) is released."""
+    small = StubIngress({"max_inflight_requests": 4})
+    # What the deployment sets at its start (the stub's instance sets it on another copy of app).
+    monkeypatch.setattr(ingress.app.state, "retry_after", 1, raising=False)
+    body = {"prompt": "Hello"}
+    assert small.post("/tokenize", body).status == 200
+    assert small.post("/tokenize", {"prompt": 3}).status == 400
+    assert small.post("/detokenize", {"tokens": [1]}).status == 200
+    assert small.inst.inflight == 0
+    small.inst.inflight = 4
+    for route, b in (("/tokenize", body), ("/detokenize", {"tokens": [1]}),
+                     ("/tokenize", {"messages": [{"role": "user", "content": "Hi"}]})):
+        e = error(small.post(route, b), 429)
+        assert e["code"] in ("queue_full", "shed") and "in flight" in e["message"]
+    assert small.inst.inflight == 4
 
 
 @pytest.mark.parametrize(("body", "param"), [
-    ({"model": None, "prompt": "x"}, "model"),
     ({"model": "other", "prompt": "x"}, "model"),
+    ({"model": 3, "prompt": "x"}, "model"),
     ({"model": None, "prompt": 3}, None),
     ({"prompt": "x", "frobnicate": 1}, "frobnicate"),
     ({"prompt": "x", "add_special_tokens": "yes"}, "add_special_tokens"),
@@ -102,6 +171,33 @@ def test_bad_tokenize_requests_are_a_400(stub: StubIngress, body: dict[str, Any]
     assert e["message"]
     if param is not None:
         assert e["param"] == param, e
+
+
+def test_model_is_optional_on_tokenize_and_detokenize(stub: StubIngress) -> None:
+    """vLLM's shape: left out or null, ``model`` is the served model."""
+    want = list(stub.inst.tokenizer.encode("Hello"))
+    for extra in ({}, {"model": None}):
+        answer = stub.post("/tokenize", {"prompt": "Hello", **extra})
+        assert answer.status == 200 and answer.body["tokens"] == want, answer.body
+        answer = stub.post("/tokenize", {"messages": [{"role": "user", "content": "Hi"}],
+                                         **extra})
+        assert answer.status == 200, answer.body
+        answer = stub.post("/detokenize", {"tokens": want, **extra})
+        assert answer.status == 200 and answer.body == {"prompt": "Hello"}, answer.body
+    e = error(stub.post("/detokenize", {"model": "other", "tokens": want}), 400)
+    assert e["code"] == "model_not_found" and e["param"] == "model"
+
+
+def test_tokenize_is_bounded_by_max_tokenize_chars() -> None:
+    small = StubIngress({"max_tokenize_chars": 100})
+    assert small.post("/tokenize", {"prompt": "x" * 100}).status == 200
+    e = error(small.post("/tokenize", {"prompt": "x" * 101}), 400)
+    assert e["code"] == "too_long" and e["param"] == "prompt" and "101" in e["message"]
+    messages = [{"role": "user", "content": "x" * 60},
+                {"role": "user", "content": [{"type": "text", "text": "y" * 41}]}]
+    e = error(small.post("/tokenize", {"messages": messages}), 400)
+    assert e["code"] == "too_long" and e["param"] == "messages"
+    assert small.post("/tokenize", {"messages": messages[:1]}).status == 200
 
 
 def test_tokenize_is_behind_the_body_limit() -> None:

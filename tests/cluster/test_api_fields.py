@@ -254,6 +254,7 @@ def keyed() -> StubIngress:
     ("k-batch", "flex", "batch", 0, "flex"),
     ("k-int", "priority", "interactive", 15, "priority"),
     ("k-std", "priority", "standard", 9, "priority"),  # never above the key's tier
+    ("k-std", "fast", "standard", 9, "priority"),  # OpenAI's alias: answered as "priority"
     ("k-batch", "priority", "batch", 4, "priority"),
     ("k-std", "auto", "standard", 5, "default"),
     ("k-std", "default", "standard", 5, "default"),
@@ -300,6 +301,14 @@ def test_service_tier_that_sets_the_priority_takes_no_other(
 def test_an_unknown_service_tier_is_a_400(keyed: StubIngress) -> None:
     answer = keyed.post(CHAT, chat(keyed, service_tier="turbo"), {"Authorization": "Bearer k-int"})
     assert answer.status == 400 and answer.body["error"]["param"] == "service_tier"
+    # "ultrafast" is the Responses API's alone (OpenAI's chat does not define it).
+    answer = keyed.post(CHAT, chat(keyed, service_tier="ultrafast"),
+                        {"Authorization": "Bearer k-int"})
+    assert answer.status == 400 and answer.body["error"]["param"] == "service_tier"
+    answer = keyed.post(CHAT, chat(keyed, service_tier="fast", priority=1),
+                        {"Authorization": "Bearer k-int"})
+    assert answer.status == 400 and "'fast' sets the priority itself" in answer.body["error"][
+        "message"]
     # Still behind the key: no key, no request.
     assert keyed.post(CHAT, chat(keyed, service_tier="priority")).status == 401
 
@@ -372,3 +381,20 @@ def test_a_bad_prompt_in_a_list_is_named_by_its_place(stub: StubIngress) -> None
     assert answer.status == 400
     assert answer.body["error"]["code"] == "only_special_tokens"
     assert answer.body["error"]["param"] == "prompt.1"
+
+
+# ------------------------------------------------------------------ parallel_tool_calls
+
+
+def test_parallel_tool_calls_null_is_the_default(stub: StubIngress) -> None:
+    """OpenAI's SDK types it optional: null is the default (true), a non-boolean a 400."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    sent = []
+    for flag in ({}, {"parallel_tool_calls": None}, {"parallel_tool_calls": True}):
+        answer = stub.post(CHAT, chat(stub, tools=tools, tool_choice="required", **flag))
+        assert answer.status == 200, answer.body
+        sent.append(stub.sent[-1])
+    assert sent[0].sampling == sent[1].sampling == sent[2].sampling
+    answer = stub.post(CHAT, chat(stub, tools=tools, parallel_tool_calls="yes"))
+    assert answer.status == 400 and answer.body["error"]["param"] == "parallel_tool_calls"

@@ -50,7 +50,8 @@ def test_an_id_is_made_when_none_is_sent(client: TestClient) -> None:
     assert a.text != b.text
 
 
-@pytest.mark.parametrize("bad", ["x" * 129, "has space", "tab\there", "é"])
+@pytest.mark.parametrize("bad", ["x" * 129, "has space", "tab\there", "é", "ends-in\n",
+                                 "ends-in\r\n"])
 def test_a_malformed_id_is_a_400_under_a_new_id(client: TestClient, bad: str) -> None:
     r = client.get("/ok", headers={b"X-Request-Id": bad.encode("utf-8")})
     assert r.status_code == 400

@@ -406,6 +406,11 @@ def test_unknown_fields_are_refused_by_name(stub: StubIngress) -> None:
     ({"conversation": "conv_1"}, "conversation", "stored responses"),
     ({"background": True}, "background", "background responses are not supported"),
     ({"prompt": {"id": "pmpt_1"}}, "prompt", "prompt templates"),
+    ({"moderation": {"model": "omni-moderation-latest"}}, "moderation", "not supported"),
+    ({"context_management": [{"type": "compaction"}]}, "context_management", "not supported"),
+    ({"background_options": {"completion_window": "2h"}}, "background_options",
+     "not supported"),
+    ({"image": "auto"}, "image", "dictionary"),
     ({"priority": 10**10}, "priority", ""),
     ({"request_id": "has space"}, "request_id", "pattern"),
 ])
@@ -453,6 +458,30 @@ def test_a_key_is_needed_where_keys_are_configured() -> None:
                         {"Authorization": "Bearer k-batch"}).body
     assert events[0]["response"]["service_tier"] == "priority"
     assert (keyed.sent[-1].tier, keyed.sent[-1].priority) == ("batch", 4)
+    # OpenAI's "fast" and "ultrafast" run as "priority", and the answer says so.
+    for asked in ("fast", "ultrafast"):
+        answer = keyed.post(ROUTE, body(keyed, service_tier=asked),
+                            {"Authorization": "Bearer k-batch"})
+        assert answer.status == 200 and answer.body["service_tier"] == "priority", answer.body
+        assert (keyed.sent[-1].tier, keyed.sent[-1].priority) == ("batch", 4)
+
+
+def test_the_sdks_other_parameters(stub: StubIngress) -> None:
+    """SDK 3.63's cache, image and access-program options are accepted without effect (the
+    chat request sent is the one without them); null for each refused one, and for
+    ``parallel_tool_calls`` (the default, true), is accepted."""
+    plain = stub.post(ROUTE, body(stub, tools=[WEATHER]))
+    assert plain.status == 200, plain.body
+    sent = stub.sent[-1]
+    extra = {"prompt_cache_options": {"mode": "implicit", "ttl": "30m"},
+             "image": {"context_compression": "auto"}, "access_programs": {"cyber": "standard"},
+             "moderation": None, "context_management": None, "background_options": None,
+             "parallel_tool_calls": None}
+    answer = stub.post(ROUTE, body(stub, tools=[WEATHER], **extra))
+    assert answer.status == 200, answer.body
+    assert answer.body["parallel_tool_calls"] is True
+    assert stub.sent[-1].sampling == sent.sampling
+    assert stub.sent[-1].prompt_ids == sent.prompt_ids
 
 
 # ------------------------------------------------------------------ the openai SDK

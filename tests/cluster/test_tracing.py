@@ -405,12 +405,79 @@ def test_under_serve_the_ingress_logs_one_line_per_request(main_app: Any) -> Non
     assert key not in json.dumps(line)
 
 
-def test_span_names_are_bounded() -> None:
+@pytest.mark.parametrize(("method", "path", "root", "name"), [
+    ("GET", "/v1/models/anything-a-client-sends", "", "GET /v1/models/{model_id}"),
+    ("GET", "/solo/v1/models/x", "/solo", "GET /solo/v1/models/{model_id}"),
+    ("GET", "/v1/models", "", "GET /v1/models"),
+    ("POST", "/v1/chat/completions", "", "POST /v1/chat/completions"),
+    ("GET", "/v1/responses/resp_anything", "", "GET /v1/responses/{response_id}"),
+    ("DELETE", "/v1/responses/resp_x", "", "DELETE /v1/responses/{response_id}"),
+    ("GET", "/v1/responses/resp_x/input_items", "", "GET /v1/responses/{response_id}"),
+    ("POST", "/v1/responses/resp_x/cancel", "", "POST /v1/responses/{response_id}"),
+    ("GET", "/any/path/a/client/makes/up", "", "GET unmatched"),
+    ("GET", "/solo/elsewhere", "/solo", "GET unmatched"),
+    ("FROBNICATE", "/v1/chat/completions", "", "_OTHER /v1/chat/completions"),
+])
+def test_span_names_are_bounded(method: str, path: str, root: str, name: str) -> None:
+    """A span is named by the route's template: nothing a client puts in a path (a model's or
+    a response's id, a path no route has) or an unknown method makes a new name. Before
+    routing, from the app's routes (here an app with the ingress's route shapes); after, from
+    the route the router chose."""
+    from fastapi import APIRouter, FastAPI
+
+    from tierserve.cluster import ingress
     from tierserve.cluster.access import _route_name
 
-    assert _route_name("/v1/models/anything-a-client-sends") == "/v1/models/{model}"
-    assert _route_name("/solo/v1/models/x") == "/solo/v1/models/{model}"
-    assert _route_name("/v1/chat/completions") == "/v1/chat/completions"
+    app, router = FastAPI(), APIRouter()
+    for template in ("/v1/models", "/v1/models/{model_id:path}", "/v1/chat/completions",
+                     "/v1/responses/{response_id:path}"):
+        app.add_api_route(template, lambda: None, methods=["GET", "POST", "DELETE"])
+        router.add_api_route(template, lambda: None, methods=["GET", "POST", "DELETE"])
+    included = FastAPI()
+    included.include_router(router)  # as Serve's class-based app holds its routes
+    for each in (app, included, ingress.app):
+        scope = {"type": "http", "method": method, "path": path, "root_path": root, "app": each}
+        assert _route_name(scope) == name
+    routed = _route_name({**scope, "app": FastAPI(),
+                          "route": types.SimpleNamespace(path="/v1/responses/{response_id:path}")})
+    assert routed.endswith(f"{root}/v1/responses/{{response_id}}"), routed
+
+
+def test_a_routed_requests_span_is_named_by_its_route(stub: StubIngress,
+                                                      spans: InMemorySpanExporter) -> None:
+    answer = stub.send("/v1/responses", {"model": stub.model, "input": "hi",
+                                         "max_output_tokens": 2}, KEY)
+    assert answer.status == 200, answer.body
+    assert "POST /v1/responses" in by_name(spans)
+
+
+def test_span_status_never_holds_an_error_message(stub: StubIngress,
+                                                  spans: InMemorySpanExporter) -> None:
+    """The auth span of a refused header: its status says the error's code, not its message
+    (which quotes the header)."""
+    answer = stub.send(CHAT, chat(stub), {**KEY, "X-TL-Priority": "secret-priority"})
+    assert answer.status == 400 and "secret-priority" in answer.body["error"]["message"]
+    auth = by_name(spans)["tierserve.auth"]
+    assert auth.status.status_code is StatusCode.ERROR
+    assert auth.status.description == "invalid_priority"
+    for s in spans.get_finished_spans():
+        assert "secret" not in str(s.status.description or "")
+        assert all("secret" not in str(dict(e.attributes or {})) for e in s.events)
+
+
+def test_the_dispatch_span_ends_when_the_send_is_refused(
+        stub: StubIngress, spans: InMemorySpanExporter, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``generate.remote`` raising (the handle refuses the call) still ends the dispatch span,
+    as an error."""
+    def refuse(request: Any) -> Any:
+        raise RuntimeError("secret: the handle is gone")
+
+    monkeypatch.setattr(stub.handle, "remote", refuse)
+    answer = stub.send(CHAT, chat(stub), KEY)
+    assert answer.status == 500
+    dispatch = by_name(spans)["tierserve.dispatch"]  # exported: it ended
+    assert dispatch.status.status_code is StatusCode.ERROR
+    assert dispatch.status.description == "RuntimeError"
 
 
 def test_the_access_log_can_be_turned_off(monkeypatch: pytest.MonkeyPatch,

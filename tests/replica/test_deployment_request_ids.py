@@ -5,11 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
-from tierserve.records import ErrorRecord, GenerateRequest, RequestOutput, SamplingParams
+from tierserve.records import (
+    BadRequest,
+    ErrorRecord,
+    GenerateRequest,
+    RequestOutput,
+    SamplingParams,
+)
 from tierserve.replica import deployment
 from tierserve.replica.deployment import LLMServer
 from tierserve.replica.models.embedded import EMBEDDED_MODEL
@@ -56,3 +62,20 @@ def test_a_refusal_is_logged_under_its_id(server: LLMServer,
         (first,) = collect(server, "trace-2")
     assert isinstance(first, ErrorRecord)
     assert any("trace-2" in line and "GPU fell off the bus" in line for line in lines(caplog))
+
+
+def test_a_refusals_message_cannot_forge_a_log_line(server: LLMServer,
+                                                    monkeypatch: pytest.MonkeyPatch,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """A refusal's message may quote the client (a grammar compiler's complaint about its
+    regex): it is logged as its repr, so its newlines cannot start a line of their own."""
+    async def refused(request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        raise BadRequest("bad regex 'a\nrequest x: forged line'", "invalid_structured_output")
+        yield  # an async generator, as the engine's stream is
+
+    monkeypatch.setattr(server.engine, "generate", refused)
+    with caplog.at_level(logging.INFO, logger="tierserve.replica"):
+        (first,) = collect(server, "trace-3")
+    assert isinstance(first, ErrorRecord) and first.code == "invalid_structured_output"
+    (line,) = [line for line in lines(caplog) if "trace-3" in line]
+    assert "\n" not in line and "invalid_structured_output" in line and "forged line" in line
