@@ -32,27 +32,24 @@ Windows and score capping are arguments of ``tierserve.kernels.attention.attenti
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tierserve.kernels import cpu_native, cpu_ops
-from tierserve.kernels.attention import Backend, attention
 from tierserve.kernels.metadata import AttentionMetadata
 from tierserve.replica.models.config import GEMMA_ARCHITECTURES, ModelConfig, ModelLoadError
 from tierserve.replica.models.layers import (
-    Linear,
     RMSNorm,
     RotaryEmbedding,
     SwiGLU,
     VocabEmbedding,
-    apply_rotary_,
 )
 from tierserve.replica.models.llama import (
     Decoder,
     KVCache,
+    LlamaAttention,
     LlamaForCausalLM,
     ModelOptions,
     Rope,
@@ -103,7 +100,7 @@ class GemmaRMSNorm(RMSNorm):
 
 
 def gemma_qk_norm_(
-    qkv: torch.Tensor, q_norm: GemmaRMSNorm, k_norm: GemmaRMSNorm, q_heads: int
+    qkv: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm, q_heads: int
 ) -> None:
     """Gemma 3's q/k norm: each q head of ``qkv`` ``[T, q_heads + 2 * kv_heads, D]`` normalized by
     ``q_norm`` and each k head by ``k_norm`` over ``D``, in place, as ``GemmaRMSNorm`` does a row;
@@ -141,13 +138,12 @@ class GeluMLP(SwiGLU):
         return self.down_proj(gelu_tanh_and_mul(self.gate_up_proj(x), self.deterministic))
 
 
-class GemmaAttention(nn.Module):
-    """Fused qkv projection, (Gemma 3) q/k head norms, rotary embeddings, paged GQA attention
-    within this layer's ``window`` (None: full) with scores scaled by
-    ``query_pre_attn_scalar ** -0.5`` and soft-capped by ``attn_logit_softcapping``, output
-    projection. The head norms run as their own pass (fp32 weight, ``gemma_qk_norm_``); the rotary
-    embedding and the KV store then run fused where ``LlamaAttention``'s do (the native
-    ``rope_store`` on CPU, the Triton ``rope_store`` on the fused triton path)."""
+class GemmaAttention(LlamaAttention):
+    """``LlamaAttention`` with Gemma's differences: scores scaled by
+    ``query_pre_attn_scalar ** -0.5`` and soft-capped by ``attn_logit_softcapping`` (Gemma 2), and
+    (Gemma 3) q/k head norms of Gemma's kind (``GemmaRMSNorm``: fp32 weight), which run as their
+    own pass (``gemma_qk_norm_``) on every path, the fused Triton one included (its in-kernel
+    norm is Llama's); the rotary embedding and the KV store then run fused where Llama's do."""
 
     def __init__(
         self,
@@ -157,66 +153,21 @@ class GemmaAttention(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        super().__init__()
-        self.num_heads = cfg.num_heads
-        self.num_kv_heads = cfg.num_kv_heads
-        self.head_dim = cfg.head_dim
+        super().__init__(cfg, opts, device, dtype, window)
         self.scale = float(cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
-        self.window = window
         self.softcap = cfg.attn_logit_softcapping
-        self.backend: Backend = opts.attention_backend
-        self.deterministic = opts.deterministic
-        self.fused = opts.fused
-        det = opts.deterministic
-        self.qkv_proj = Linear(
-            cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, cfg.qkv_bias, det, device, dtype
-        )
-        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, cfg.o_bias, det, device, dtype)
-        self.q_norm: GemmaRMSNorm | None = None
-        self.k_norm: GemmaRMSNorm | None = None
         if cfg.qk_norm:
+            det = opts.deterministic
             self.q_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps, det, device)
             self.k_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps, det, device)
-        self.attention_args: dict[str, Any] = {"window": self.window, "softcap": self.softcap}
 
-    def forward(
-        self, x: torch.Tensor, rope: Rope, kv_cache: KVCache, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        t = x.shape[0]
-        hq, hkv = self.num_heads, self.num_kv_heads
-        qkv = self.qkv_proj(x).view(t, hq + 2 * hkv, self.head_dim)
-        if self.deterministic:
-            cpu_native.require_fused(qkv, "rotary embedding")
+    def _norm_heads(self, qkv: torch.Tensor) -> None:
         if self.q_norm is not None and self.k_norm is not None:
-            gemma_qk_norm_(qkv, self.q_norm, self.k_norm, hq)
-        cos, sin = rope
-        stored = False
-        if self.backend == "torch" and cpu_native.fused_ok(qkv):
-            cpu_ops.rope_store(qkv, cos, sin, meta.slot_mapping, kv_cache[0], kv_cache[1], hq)
-            stored = True
-        elif self.fused:
-            from tierserve.kernels import (
-                fused,  # imported late: Triton reads TRITON_INTERPRET at import
-            )
+            gemma_qk_norm_(qkv, self.q_norm, self.k_norm, self.num_heads)
 
-            fused.rope_store(qkv, cos, sin, meta.slot_mapping, kv_cache[0], kv_cache[1], hq)
-            stored = True
-        else:
-            apply_rotary_(qkv[:, : hq + hkv], cos, sin)
-        out = attention(
-            qkv[:, :hq],
-            qkv[:, hq : hq + hkv],
-            qkv[:, hq + hkv :],
-            kv_cache[0],
-            kv_cache[1],
-            meta,
-            self.scale,
-            backend=self.backend,
-            deterministic=self.deterministic,
-            kv_stored=stored,
-            **self.attention_args,
-        )
-        return self.o_proj(out.reshape(t, hq * self.head_dim))
+    def _fused_norm(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+        self._norm_heads(qkv)
+        return None
 
 
 class GemmaDecoderLayer(nn.Module):

@@ -130,6 +130,7 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = cfg.num_kv_heads
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim**-0.5
+        self.softcap: float | None = None  # scores soft-capped (Gemma 2's), None: not
         self.backend: Backend = opts.attention_backend
         self.deterministic = opts.deterministic
         self.fused = opts.fused
@@ -155,6 +156,14 @@ class LlamaAttention(nn.Module):
                 self.deterministic,
             )
 
+    def _fused_norm(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+        """The q/k head norm for the fused Triton rotary + store, which normalizes inside the
+        kernel: its weights and eps (None: no head norm). A subclass whose norm the kernel cannot
+        do runs it on ``qkv`` here and returns None."""
+        if self.q_norm is not None and self.k_norm is not None:
+            return (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        return None
+
     def forward(
         self, x: torch.Tensor, rope: Rope, kv_cache: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
@@ -175,9 +184,7 @@ class LlamaAttention(nn.Module):
             )
 
             cos, sin = rope
-            norm = None
-            if self.q_norm is not None and self.k_norm is not None:
-                norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+            norm = self._fused_norm(qkv)
             fused.rope_store(
                 qkv, cos, sin, meta.slot_mapping, kv_cache[0], kv_cache[1], hq, qk_norm=norm
             )
@@ -197,6 +204,7 @@ class LlamaAttention(nn.Module):
             deterministic=self.deterministic,
             kv_stored=stored,
             window=self.window,
+            softcap=self.softcap,
         )
         return self.o_proj(out.reshape(t, hq * self.head_dim))
 

@@ -265,7 +265,7 @@ def test_the_deterministic_mode_refuses_a_final_logit_softcap() -> None:
 def test_a_context_past_the_window_is_served() -> None:
     model = gemma.GemmaForCausalLM(_tiny_config(), ModelOptions(max_model_len=128))
     assert model.max_model_len == 128
-    assert [layer.self_attn.attention_args["window"] for layer in model.model.layers] == [
+    assert [layer.self_attn.window for layer in model.model.layers] == [
         WINDOW, None, WINDOW]
 
 
