@@ -558,7 +558,12 @@ async def _api_error(request: Request, exc: ServingError) -> JSONResponse:
         ex.failed(exc)
     retry = exc.retry_after
     if retry is None and (exc.status == 429 or exc.code == "shed"):
-        retry = request.app.state.retry_after
+        # The config's least Retry-After, set at start on the app that serves the routes; the
+        # default where the serving app is not that object (the ASGI app the request came
+        # through may be a copy of the module's), so that a refusal never becomes a 500.
+        retry = getattr(request.app.state, "retry_after", None)
+        if retry is None:
+            retry = ClusterConfig.model_fields["retry_after_s"].default
     return error_response(exc.status, exc.message, exc.code, exc.param, retry,
                           request_id_of(request))
 

@@ -105,6 +105,14 @@ def test_an_api_error_is_answered_with_its_body(error: ServingError, retry: str 
     assert r.headers.get("retry-after") == retry
 
 
+def test_a_429_through_an_app_without_the_configs_retry_after_still_says_when() -> None:
+    """The app a request came through may not be the object the ingress set up at start (a copy
+    of the module's): its refusal keeps its 429 and the config's default Retry-After, never a 500."""
+    request: Any = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace()))
+    r = asyncio.run(ingress._api_error(request, ServingError("full", "queue_full", status=429)))
+    assert r.status_code == 429 and r.headers.get("retry-after") == "1"
+
+
 # ------------------------------------------------------------------ before/after the first token
 
 
