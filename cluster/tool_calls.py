@@ -523,7 +523,7 @@ class _JsonEnd:
     brackets are counted outside strings. Linear in the text, however it is split; the value
     found may still not be JSON (``json.loads`` decides)."""
 
-    __slots__ = ("_depth", "_escape", "_pos", "_string")
+    __slots__ = ("_depth", "_end", "_escape", "_pos", "_string")
 
     @property
     def pos(self) -> int:
@@ -532,13 +532,18 @@ class _JsonEnd:
 
     def __init__(self, start: int) -> None:
         self._pos = start
+        self._end: int | None = None
         self._depth = 0
         self._string = False
         self._escape = False
 
-    def find(self, text: str) -> int | None:
-        """The index just past the value's closing bracket, or None while it is open."""
-        i, n = self._pos, len(text)
+    def find(self, text: str, start: int = 0) -> int | None:
+        """The index just past the value's closing bracket, or None while it is open.
+        ``text`` is the answer from index ``start`` on: all of it, or only what came since the
+        last call (``start`` is then where the last call stopped); indices are the answer's."""
+        if self._end is not None:
+            return self._end
+        i, n = self._pos - start, len(text)
         while i < n:
             c = text[i]
             i += 1
@@ -556,9 +561,9 @@ class _JsonEnd:
             elif c in "}]":
                 self._depth -= 1
                 if self._depth <= 0:
-                    self._pos = i
-                    return i
-        self._pos = i
+                    self._pos = self._end = start + i
+                    return self._end
+        self._pos = start + i
         return None
 
 
@@ -587,6 +592,11 @@ class CallParser:
         # Characters read by the parser's scans so far: every scan resumes where the last one
         # stopped, so this grows with the answer's length, however it is split (tests check it).
         self.scanned = 0
+        self._buffer = ""  # the held text
+        # Pieces held after ``_buffer`` inside an open call (its value, or a hermes block),
+        # joined to it only when the call closes: appending is not copying what is held.
+        self._tail: list[str] = []
+        self._tail_len = 0
 
     @property
     def content(self) -> str:
@@ -610,12 +620,29 @@ class CallParser:
         self.scanned += j - i + 1
         return j
 
-    def _find_end(self, value: _JsonEnd, text: str) -> int | None:
-        """``value.find(text)``, counted."""
+    def _find_end(self, value: _JsonEnd, text: str, start: int = 0) -> int | None:
+        """``value.find(text, start)``, counted."""
         before = value.pos
-        end = value.find(text)
+        end = value.find(text, start)
         self.scanned += value.pos - before
         return end
+
+    def _held_in(self, value: _JsonEnd, text: str) -> bool:
+        """In an open call value (``value``): holds ``text`` in ``_tail`` and says True while
+        the value stays open; once it closes, the tail (``text`` too) joins ``_buffer``."""
+        start = len(self._buffer) + self._tail_len
+        self._tail.append(text)
+        self._tail_len += len(text)
+        if self._find_end(value, text, start) is None:
+            return True
+        self._untail()
+        return False
+
+    def _untail(self) -> None:
+        """The held pieces joined to ``_buffer`` (once)."""
+        if self._tail:
+            self._buffer += "".join(self._tail)
+            self._tail, self._tail_len = [], 0
 
     def _emit(self, pieces: list[str]) -> str:
         text = "".join(pieces)
@@ -639,26 +666,50 @@ class ToolCallParser(CallParser):
     content and tool calls.
 
     Text outside ``<tool_call>...</tool_call>`` is content, given out as soon as it cannot be the
-    beginning of ``<tool_call>``. A block's text is held until its ``</tool_call>``; then its JSON
-    (a list of calls or one call) is read: every element must be an object with a ``"name"``
-    among ``tool_names`` and ``"arguments"`` an object (or a JSON string of one). A block that
-    reads so gives its calls (each one as two deltas: id, type and name, then the arguments);
-    any other block is given out as content, tags and all, so nothing is lost.
+    beginning of ``<tool_call>``. A block's text is held (as its pieces) until its
+    ``</tool_call>``; then its JSON (a list of calls or one call) is read: every element must
+    be an object with a ``"name"`` among ``tool_names`` and ``"arguments"`` an object (or a
+    JSON string of one). A block that reads so gives its calls (each one as two deltas: id,
+    type and name, then the arguments); any other block is given out as content, tags and all,
+    so nothing is lost.
 
-    Splitting the same answer differently gives the same content and calls (but for the ids).
+    Splitting the same answer differently gives the same content and calls (but for the ids);
+    each piece is read once (``scanned``), with at most the tag's length before it.
     """
 
     def __init__(self, tool_names: Collection[str],
                  new_id: Callable[[], str] = new_call_id) -> None:
         super().__init__(tool_names, new_id)
-        self._buffer = ""
-        self._inside = False  # in a block: _buffer holds its text after the open tag
+        self._inside = False  # in a block: _buffer (and _tail) hold its text after the open tag
         self._scanned = 0  # in a block: _buffer[:_scanned] holds no close tag
+        self._edge = ""  # in a block: its last characters, which may begin the close tag
+
+    def _held(self, text: str) -> bool:
+        """In a block: holds ``text`` in ``_tail`` and says True while no close tag comes (only
+        ``text`` and the block's last characters are searched); else joins the tail to
+        ``_buffer``, the search to resume just before ``text``."""
+        probe = self._edge + text
+        found = probe.find(TOOL_CALL_CLOSE)
+        start = len(self._buffer) + self._tail_len - len(self._edge)
+        if found < 0:
+            self.scanned += len(probe)
+            self._tail.append(text)
+            self._tail_len += len(text)
+            self._edge = probe[max(0, len(probe) - len(TOOL_CALL_CLOSE) + 1):]
+            return True
+        self._untail()
+        self._buffer += text
+        self._scanned = start
+        return False
 
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
         """Takes the answer's next piece; returns the content that can go out now and the deltas
         of the calls completed now."""
-        self._buffer += text
+        if self._inside:
+            if self._held(text):
+                return "", []
+        else:
+            self._buffer += text
         out: list[str] = []
         deltas: list[ToolCallDelta] = []
         while True:
@@ -678,6 +729,7 @@ class ToolCallParser(CallParser):
                 self.scanned += (len(self._buffer) if end < 0 else end) - self._scanned
                 if end < 0:
                     self._scanned = max(0, len(self._buffer) - len(TOOL_CALL_CLOSE) + 1)
+                    self._edge = self._buffer[self._scanned:]
                     break
                 block = self._buffer[:end]
                 self._buffer = self._buffer[end + len(TOOL_CALL_CLOSE):]
@@ -689,13 +741,14 @@ class ToolCallParser(CallParser):
         """Ends the answer: held-back text is content; a block left open is read as if closed
         (its calls count if it reads as calls, else its text is content)."""
         deltas: list[ToolCallDelta] = []
+        self._untail()
         if self._inside:
             raw = TOOL_CALL_OPEN + self._buffer
             cut = _partial_tag(self._buffer, TOOL_CALL_CLOSE)  # an answer cut inside the tag
             text = self._block(self._buffer[:len(self._buffer) - cut], raw, deltas)
         else:
             text = self._buffer
-        self._buffer, self._inside, self._scanned = "", False, 0
+        self._buffer, self._inside, self._scanned, self._edge = "", False, 0, ""
         return self._emit([text]), deltas
 
     def _block(self, block: str, raw: str, deltas: list[ToolCallDelta]) -> str:
@@ -732,7 +785,6 @@ class Llama3JsonToolCallParser(CallParser):
     def __init__(self, tool_names: Collection[str],
                  new_id: Callable[[], str] = new_call_id) -> None:
         super().__init__(tool_names, new_id)
-        self._buffer = ""  # held text: the undecided beginning of a call, or a call's value
         self._state = "start"  # start, after (a call), value, content
         self._value: _JsonEnd | None = None
         self._lead = 0  # value: where the value opens in _buffer
@@ -743,13 +795,18 @@ class Llama3JsonToolCallParser(CallParser):
         self._open = 0  # list, object: where the value opens
 
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
-        self._buffer += text
+        if self._state == "value" and self._value is not None:
+            if self._held_in(self._value, text):  # the value stays open
+                return "", []
+        else:
+            self._buffer += text
         out: list[str] = []
         deltas: list[ToolCallDelta] = []
         self._run(out, deltas, final=False)
         return self._emit(out), deltas
 
     def finish(self) -> tuple[str, list[ToolCallDelta]]:
+        self._untail()
         out: list[str] = []
         deltas: list[ToolCallDelta] = []
         self._run(out, deltas, final=True)
@@ -853,7 +910,6 @@ class MistralToolCallParser(CallParser):
                  new_id: Callable[[], str] = new_mistral_call_id) -> None:
         super().__init__(tool_names, new_id)
         self._names = sorted(self.tool_names)
-        self._buffer = ""
         # start, after (a call; ``_bare``: a marker-less name form), marker (``_buffer`` opens
         # with one), value (the call's JSON opens at ``_lead``; ``_name``: the name form's),
         # content
@@ -872,13 +928,18 @@ class MistralToolCallParser(CallParser):
         self._found: str | None = None  # named, args, argued: the function's name
 
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
-        self._buffer += text
+        if self._state == "value" and self._value is not None:
+            if self._held_in(self._value, text):  # the value stays open
+                return "", []
+        else:
+            self._buffer += text
         out: list[str] = []
         deltas: list[ToolCallDelta] = []
         self._run(out, deltas, final=False)
         return self._emit(out), deltas
 
     def finish(self) -> tuple[str, list[ToolCallDelta]]:
+        self._untail()
         out: list[str] = []
         deltas: list[ToolCallDelta] = []
         self._run(out, deltas, final=True)
