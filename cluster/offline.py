@@ -5,7 +5,9 @@
 chat route makes it: the messages checked by the API's own message models
 (``tierserve.cluster.protocol``), rendered by ``tierserve.cluster.tool_calls.render_messages``
 and the shared ``tierserve.cluster.chat_template.render_chat``, with the route's defaults (the
-generation prompt, no special tokens beyond the template's). The answer is not parsed for
+generation prompt, no special tokens beyond the template's) and its tool-call format (the
+``tool_call_parser`` option, as the config's field, else the chat template's markers:
+``tierserve.cluster.tool_calls.resolve_tool_format``). The answer is not parsed for
 tool calls (the text comes back as the model wrote it, as vLLM's offline ``chat`` does).
 """
 
@@ -23,10 +25,15 @@ from tierserve.cluster.chat_template import (
     template_takes_tools,
 )
 from tierserve.cluster.protocol import Message, Tool
-from tierserve.cluster.tool_calls import render_messages
+from tierserve.cluster.tool_calls import (
+    check_tool_format,
+    render_messages,
+    resolve_tool_format,
+)
 from tierserve.records import SamplingParams
 from tierserve.replica.llm import LLM as ReplicaLLM
 from tierserve.replica.llm import RequestOutput
+from tierserve.replica.models.catalog import DEFAULT_MODEL
 
 Conversation = Sequence[Mapping[str, Any]]
 
@@ -43,7 +50,23 @@ def _first_error(e: ValidationError, what: str) -> str:
 
 class LLM(ReplicaLLM):
     """One engine in this process (options: ``EngineConfig``'s), vLLM's offline API:
-    ``generate`` (``tierserve.replica.llm.LLM``) and ``chat``."""
+    ``generate`` (``tierserve.replica.llm.LLM``) and ``chat``. ``tool_call_parser``: the
+    format of the model's tool calls (``hermes``, ``llama3_json``, ``mistral``), as the serving
+    config's field; None (the default): the chat template's (``ValueError`` for an unknown
+    name, before the engine is built)."""
+
+    def __init__(self, model: str = DEFAULT_MODEL, *, tool_call_parser: str | None = None,
+                 **options: Any) -> None:
+        self.tool_call_parser = (None if tool_call_parser is None
+                                 else check_tool_format(tool_call_parser))
+        super().__init__(model, **options)
+
+    @property
+    def tool_format(self) -> str:
+        """The format ``chat`` writes tools and earlier calls in: ``tool_call_parser``, else
+        the chat template's, as the HTTP route resolves it."""
+        return resolve_tool_format(self.tool_call_parser,
+                                   str(getattr(self.tokenizer, "chat_template", "") or ""))
 
     def chat(
         self,
@@ -62,7 +85,8 @@ class LLM(ReplicaLLM):
         template; ``add_generation_prompt`` / ``continue_final_message``: how the prompt ends
         (the last message left open instead of a new answer); ``tools``: function tools in the
         API's shape, rendered as the chat route renders them (into the template, or the system
-        prompt when the template takes none).
+        prompt when the template takes none), in the model's call format (``tool_format``; for
+        ``mistral`` the history's call ids mapped to 9 characters).
 
         Raises ``ValueError`` naming the conversation and message at fault (no role, an
         unknown role, bad content, a tool that is not a function tool, a template that cannot
@@ -81,10 +105,12 @@ class LLM(ReplicaLLM):
                                 continue_final_message=continue_final_message,
                                 chat_template_kwargs=chat_template_kwargs)
         takes_tools = template_takes_tools(self.tokenizer)
+        tool_format = self.tool_format
         ids_list: list[list[int]] = []
         for c, conversation in enumerate(conversations):
             checked = self._messages(c, conversation)
-            rendered, template_tools = render_messages(checked, api_tools, "auto", takes_tools)
+            rendered, template_tools = render_messages(checked, api_tools, "auto", takes_tools,
+                                                       tool_format)
             try:
                 ids_list.append(render_chat(self.tokenizer, rendered, template_tools, extra,
                                             add_special_tokens=False))

@@ -723,7 +723,10 @@ class ResponseEvents:
     """The Responses events of one chat stream, numbered in order (``sequence_number``).
 
     A chat chunk's text opens a ``message`` item (``response.output_item.added``,
-    ``response.content_part.added``) and goes out as ``response.output_text.delta``; a tool
+    ``response.content_part.added``) and goes out as ``response.output_text.delta``; logprobs
+    that come without text (a tool call's tokens, held by its parser) open no item: they go
+    with the next text, and an answer that ends with no item at all gets an empty message, as
+    ``ResponsesCall.response`` gives it. A tool
     call's first piece closes the open item and opens a ``function_call`` item, its argument
     fragments go out as ``response.function_call_arguments.delta``. At the end every open item
     is closed (``...done`` events with the whole text or arguments) and the final
@@ -740,6 +743,9 @@ class ResponseEvents:
         self.calls: dict[int, _Open] = {}  # the chat stream's tool-call index -> its item
         self.finish_reason: str | None = None
         self.usage: dict[str, Any] | None = None
+        # Logprobs that came with no text and no message open: they go with the next text, or
+        # with an empty message if the answer ends with no item (as ``response`` makes one).
+        self.pending: list[OutputLogprob] = []
 
     def _event(self, kind: str, **fields: Any) -> str:
         payload = {"type": kind, "sequence_number": self.seq, **fields}
@@ -784,6 +790,9 @@ class ResponseEvents:
                         return
                     for event in self._feed(chunk):
                         yield event
+            if not self.output:  # no text and no call: an empty message, as ``response``
+                for event in self._text("", self.pending):
+                    yield event
             for event in self._close():
                 yield event
             status: Literal["completed", "incomplete"] = (
@@ -800,10 +809,13 @@ class ResponseEvents:
         out: list[str] = []
         for choice in chunk.get("choices") or ():
             delta = choice.get("delta") or {}
-            text = delta.get("content")
+            text = delta.get("content") or ""
             lps = _logprobs((choice.get("logprobs") or {}).get("content"))
-            if text or lps:
-                out += self._text(text or "", lps)
+            if text or (lps and self.open is not None and self.open.kind == "message"):
+                out += self._text(text, self.pending + lps)
+                self.pending = []
+            elif lps:  # tokens with no text of their own (a tool call's, held by its parser)
+                self.pending += lps
             for piece in delta.get("tool_calls") or ():
                 out += self._call_piece(piece)
             if choice.get("finish_reason") is not None:
@@ -825,9 +837,10 @@ class ResponseEvents:
         o = self.open
         o.text += text
         o.logprobs += lps
-        out.append(self._event("response.output_text.delta", item_id=o.item_id,
-                               output_index=o.index, content_index=0, delta=text,
-                               logprobs=[lp.model_dump(mode="json") for lp in lps]))
+        if text or lps:
+            out.append(self._event("response.output_text.delta", item_id=o.item_id,
+                                   output_index=o.index, content_index=0, delta=text,
+                                   logprobs=[lp.model_dump(mode="json") for lp in lps]))
         return out
 
     def _call_piece(self, piece: dict[str, Any]) -> list[str]:

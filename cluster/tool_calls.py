@@ -36,6 +36,7 @@ model or a tokenizer.
 
 from __future__ import annotations
 
+import bisect
 import copy
 import hashlib
 import json
@@ -522,17 +523,27 @@ class _JsonEnd:
     brackets are counted outside strings. Linear in the text, however it is split; the value
     found may still not be JSON (``json.loads`` decides)."""
 
-    __slots__ = ("_depth", "_escape", "_pos", "_string")
+    __slots__ = ("_depth", "_end", "_escape", "_pos", "_string")
+
+    @property
+    def pos(self) -> int:
+        """Where the next ``find`` resumes: the text before it is read."""
+        return self._pos
 
     def __init__(self, start: int) -> None:
         self._pos = start
+        self._end: int | None = None
         self._depth = 0
         self._string = False
         self._escape = False
 
-    def find(self, text: str) -> int | None:
-        """The index just past the value's closing bracket, or None while it is open."""
-        i, n = self._pos, len(text)
+    def find(self, text: str, start: int = 0) -> int | None:
+        """The index just past the value's closing bracket, or None while it is open.
+        ``text`` is the answer from index ``start`` on: all of it, or only what came since the
+        last call (``start`` is then where the last call stopped); indices are the answer's."""
+        if self._end is not None:
+            return self._end
+        i, n = self._pos - start, len(text)
         while i < n:
             c = text[i]
             i += 1
@@ -550,41 +561,22 @@ class _JsonEnd:
             elif c in "}]":
                 self._depth -= 1
                 if self._depth <= 0:
-                    self._pos = i
-                    return i
-        self._pos = i
+                    self._pos = self._end = start + i
+                    return self._end
+        self._pos = start + i
         return None
 
 
 _BLANKS = " \t\r\n"
 _SKIPS = {_BLANKS: re.compile(r"[ \t\r\n]*"), _BLANKS + ";": re.compile(r"[ \t\r\n;]*")}
+# The characters of a function's name (as the protocol's ``FunctionName`` allows them).
+_NAME_CHARS = frozenset(string.ascii_letters + string.digits + "_-")
 
-
-def _skip(text: str, i: int, chars: str = _BLANKS) -> int:
-    """The index of the first character at or after ``i`` not among ``chars`` (blanks, or
-    blanks and ``;``)."""
-    m = _SKIPS[chars].match(text, i)
-    return m.end() if m is not None else i
-
-
-def _call_start(text: str, i: int) -> bool | None:
-    """Whether ``text[i:]`` may open a JSON call (``{"`` or ``[{"``, blanks between): True,
-    False, or None while too little of it is there to say."""
-    n = len(text)
-    if i >= n:
-        return None
-    if text[i] == "[":
-        i = _skip(text, i + 1)
-        if i >= n:
-            return None
-        if text[i] != "{":
-            return False
-    elif text[i] != "{":
-        return False
-    i = _skip(text, i + 1)
-    if i >= n:
-        return None
-    return text[i] == '"'
+# How many characters a parser holds without deciding whether they begin a call (blanks, a
+# ``<|python_tag|>``, a ``[TOOL_CALLS]``, a function's name, then the opening of the call's
+# JSON): when the first ``UNDECIDED_LIMIT`` characters of a would-be call do not decide it, they
+# are content. A call's own text (its JSON value) is not bounded by this.
+UNDECIDED_LIMIT = 256
 
 
 class CallParser:
@@ -597,6 +589,14 @@ class CallParser:
         self.calls: list[ToolCallOut] = []
         self._content: list[str] = []
         self._new_id = new_id
+        # Characters read by the parser's scans so far: every scan resumes where the last one
+        # stopped, so this grows with the answer's length, however it is split (tests check it).
+        self.scanned = 0
+        self._buffer = ""  # the held text
+        # Pieces held after ``_buffer`` inside an open call (its value, or a hermes block),
+        # joined to it only when the call closes: appending is not copying what is held.
+        self._tail: list[str] = []
+        self._tail_len = 0
 
     @property
     def content(self) -> str:
@@ -611,6 +611,38 @@ class CallParser:
     def finish(self) -> tuple[str, list[ToolCallDelta]]:
         """Ends the answer: returns the content and calls held back until now."""
         raise NotImplementedError
+
+    def _skip(self, text: str, i: int, end: int, chars: str = _BLANKS) -> int:
+        """The index of the first character of ``text[i:end]`` not among ``chars`` (blanks, or
+        blanks and ``;``), ``end`` if none."""
+        m = _SKIPS[chars].match(text, i, end)
+        j = m.end() if m is not None else i
+        self.scanned += j - i + 1
+        return j
+
+    def _find_end(self, value: _JsonEnd, text: str, start: int = 0) -> int | None:
+        """``value.find(text, start)``, counted."""
+        before = value.pos
+        end = value.find(text, start)
+        self.scanned += value.pos - before
+        return end
+
+    def _held_in(self, value: _JsonEnd, text: str) -> bool:
+        """In an open call value (``value``): holds ``text`` in ``_tail`` and says True while
+        the value stays open; once it closes, the tail (``text`` too) joins ``_buffer``."""
+        start = len(self._buffer) + self._tail_len
+        self._tail.append(text)
+        self._tail_len += len(text)
+        if self._find_end(value, text, start) is None:
+            return True
+        self._untail()
+        return False
+
+    def _untail(self) -> None:
+        """The held pieces joined to ``_buffer`` (once)."""
+        if self._tail:
+            self._buffer += "".join(self._tail)
+            self._tail, self._tail_len = [], 0
 
     def _emit(self, pieces: list[str]) -> str:
         text = "".join(pieces)
@@ -634,30 +666,55 @@ class ToolCallParser(CallParser):
     content and tool calls.
 
     Text outside ``<tool_call>...</tool_call>`` is content, given out as soon as it cannot be the
-    beginning of ``<tool_call>``. A block's text is held until its ``</tool_call>``; then its JSON
-    (a list of calls or one call) is read: every element must be an object with a ``"name"``
-    among ``tool_names`` and ``"arguments"`` an object (or a JSON string of one). A block that
-    reads so gives its calls (each one as two deltas: id, type and name, then the arguments);
-    any other block is given out as content, tags and all, so nothing is lost.
+    beginning of ``<tool_call>``. A block's text is held (as its pieces) until its
+    ``</tool_call>``; then its JSON (a list of calls or one call) is read: every element must
+    be an object with a ``"name"`` among ``tool_names`` and ``"arguments"`` an object (or a
+    JSON string of one). A block that reads so gives its calls (each one as two deltas: id,
+    type and name, then the arguments); any other block is given out as content, tags and all,
+    so nothing is lost.
 
-    Splitting the same answer differently gives the same content and calls (but for the ids).
+    Splitting the same answer differently gives the same content and calls (but for the ids);
+    each piece is read once (``scanned``), with at most the tag's length before it.
     """
 
     def __init__(self, tool_names: Collection[str],
                  new_id: Callable[[], str] = new_call_id) -> None:
         super().__init__(tool_names, new_id)
-        self._buffer = ""
-        self._inside = False  # in a block: _buffer holds its text after the open tag
+        self._inside = False  # in a block: _buffer (and _tail) hold its text after the open tag
         self._scanned = 0  # in a block: _buffer[:_scanned] holds no close tag
+        self._edge = ""  # in a block: its last characters, which may begin the close tag
+
+    def _held(self, text: str) -> bool:
+        """In a block: holds ``text`` in ``_tail`` and says True while no close tag comes (only
+        ``text`` and the block's last characters are searched); else joins the tail to
+        ``_buffer``, the search to resume just before ``text``."""
+        probe = self._edge + text
+        found = probe.find(TOOL_CALL_CLOSE)
+        start = len(self._buffer) + self._tail_len - len(self._edge)
+        if found < 0:
+            self.scanned += len(probe)
+            self._tail.append(text)
+            self._tail_len += len(text)
+            self._edge = probe[max(0, len(probe) - len(TOOL_CALL_CLOSE) + 1):]
+            return True
+        self._untail()
+        self._buffer += text
+        self._scanned = start
+        return False
 
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
         """Takes the answer's next piece; returns the content that can go out now and the deltas
         of the calls completed now."""
-        self._buffer += text
+        if self._inside:
+            if self._held(text):
+                return "", []
+        else:
+            self._buffer += text
         out: list[str] = []
         deltas: list[ToolCallDelta] = []
         while True:
             if not self._inside:
+                self.scanned += len(self._buffer)  # held: at most a piece of the tag
                 start = self._buffer.find(TOOL_CALL_OPEN)
                 if start < 0:
                     keep = _partial_tag(self._buffer, TOOL_CALL_OPEN)
@@ -669,8 +726,10 @@ class ToolCallParser(CallParser):
                 self._inside, self._scanned = True, 0
             else:
                 end = self._buffer.find(TOOL_CALL_CLOSE, self._scanned)
+                self.scanned += (len(self._buffer) if end < 0 else end) - self._scanned
                 if end < 0:
                     self._scanned = max(0, len(self._buffer) - len(TOOL_CALL_CLOSE) + 1)
+                    self._edge = self._buffer[self._scanned:]
                     break
                 block = self._buffer[:end]
                 self._buffer = self._buffer[end + len(TOOL_CALL_CLOSE):]
@@ -682,13 +741,14 @@ class ToolCallParser(CallParser):
         """Ends the answer: held-back text is content; a block left open is read as if closed
         (its calls count if it reads as calls, else its text is content)."""
         deltas: list[ToolCallDelta] = []
+        self._untail()
         if self._inside:
             raw = TOOL_CALL_OPEN + self._buffer
             cut = _partial_tag(self._buffer, TOOL_CALL_CLOSE)  # an answer cut inside the tag
             text = self._block(self._buffer[:len(self._buffer) - cut], raw, deltas)
         else:
             text = self._buffer
-        self._buffer, self._inside, self._scanned = "", False, 0
+        self._buffer, self._inside, self._scanned, self._edge = "", False, 0, ""
         return self._emit([text]), deltas
 
     def _block(self, block: str, raw: str, deltas: list[ToolCallDelta]) -> str:
@@ -713,9 +773,11 @@ class Llama3JsonToolCallParser(CallParser):
     anything else, and everything after it, is content as it was. An answer that begins with
     anything else is content from its first character: it goes out as it comes, but for
     blanks at its start (and what may be the beginning of ``<|python_tag|>``), held until
-    decided. Blanks and ``;`` between calls, and after the last, are dropped.
+    decided, ``UNDECIDED_LIMIT`` characters at most (then they are content). Blanks and ``;``
+    between calls, and after the last, are dropped.
 
-    Splitting the same answer differently gives the same content and calls (but for the ids).
+    Splitting the same answer differently gives the same content and calls (but for the ids);
+    each piece is read once (``scanned``), whatever was held before it.
     """
 
     _KEYS = ("parameters", "arguments")
@@ -723,63 +785,96 @@ class Llama3JsonToolCallParser(CallParser):
     def __init__(self, tool_names: Collection[str],
                  new_id: Callable[[], str] = new_call_id) -> None:
         super().__init__(tool_names, new_id)
-        self._buffer = ""  # held text: the undecided beginning of a call (or its separators)
         self._state = "start"  # start, after (a call), value, content
         self._value: _JsonEnd | None = None
         self._lead = 0  # value: where the value opens in _buffer
+        # start and after: how far the would-be call's beginning is read
+        self._phase = "blank"  # blank, tag (``_k`` of it matched), tagged, list, object
+        self._pos = 0  # _buffer[:_pos] is read
+        self._k = 0
+        self._open = 0  # list, object: where the value opens
 
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
-        self._buffer += text
+        if self._state == "value" and self._value is not None:
+            if self._held_in(self._value, text):  # the value stays open
+                return "", []
+        else:
+            self._buffer += text
         out: list[str] = []
         deltas: list[ToolCallDelta] = []
         self._run(out, deltas, final=False)
         return self._emit(out), deltas
 
     def finish(self) -> tuple[str, list[ToolCallDelta]]:
+        self._untail()
         out: list[str] = []
         deltas: list[ToolCallDelta] = []
         self._run(out, deltas, final=True)
-        if self._state == "after":  # nothing but separators after the last call
-            self._buffer = ""
         out.append(self._buffer)
         self._buffer, self._state, self._value = "", "content", None
         return self._emit(out), deltas
+
+    def _read_lead(self, buf: str, end: int) -> bool | None:
+        """Reads on, from ``_pos`` up to ``end``, the beginning of a call: blanks (after a call
+        ``;`` too), an optional ``<|python_tag|>`` and blanks, then ``{"`` or ``[{"`` (blanks
+        allowed between). True: it is one (its value opens at ``_open``); False: it is not;
+        None: not yet decided."""
+        after = self._state == "after"
+        while True:
+            i = self._pos
+            if self._phase == "tag":
+                while i < end and self._k < len(PYTHON_TAG):
+                    self.scanned += 1
+                    if buf[i] != PYTHON_TAG[self._k]:
+                        return False
+                    i, self._k = i + 1, self._k + 1
+                self._pos = i
+                if self._k < len(PYTHON_TAG):
+                    return None
+                self._phase = "tagged"
+                continue
+            seps = _BLANKS + ";" if after and self._phase == "blank" else _BLANKS
+            i = self._pos = self._skip(buf, i, end, seps)
+            if i >= end:
+                return None
+            c = buf[i]
+            if self._phase in ("blank", "tagged") and c in "[{":
+                self._open, self._pos = i, i + 1
+                self._phase = "list" if c == "[" else "object"
+            elif self._phase == "blank" and c == PYTHON_TAG[0]:
+                self._phase, self._k = "tag", 0
+            elif self._phase == "list" and c == "{":
+                self._phase, self._pos = "object", i + 1
+            else:
+                return self._phase == "object" and c == '"'
 
     def _run(self, out: list[str], deltas: list[ToolCallDelta], final: bool) -> None:
         while True:
             buf = self._buffer
             if self._state == "content":
+                self.scanned += len(buf)
                 out.append(buf)
                 self._buffer = ""
                 return
             if self._state in ("start", "after"):
-                after = self._state == "after"
-                i = _skip(buf, 0, _BLANKS + ";" if after else _BLANKS)
-                if buf.startswith(PYTHON_TAG, i):
-                    j = _skip(buf, i + len(PYTHON_TAG))
-                elif i < len(buf) and PYTHON_TAG.startswith(buf[i:]):
-                    if final:  # a piece of the tag at the end: content
-                        self._to_content(i if after else 0)
-                        continue
-                    return
-                else:
-                    j = i
-                opens = _call_start(buf, j) if j < len(buf) else None
+                if self._state == "after" and self._phase == "blank":
+                    i = self._skip(buf, 0, len(buf), _BLANKS + ";")
+                    if i:  # the separators go (whatever follows them)
+                        self._buffer = buf = buf[i:]
+                limit = min(len(buf), UNDECIDED_LIMIT)
+                opens = self._read_lead(buf, limit)
+                if opens is None and (final or len(buf) > limit):
+                    opens = False  # never decided: content (at the start, its blanks too)
                 if opens is None:
-                    if final:
-                        self._to_content(i if after else 0)
-                        continue
                     return
                 if not opens:
-                    self._to_content(i if after else 0)
+                    self._state = "content"
                     continue
-                if after:  # the separators go
-                    self._buffer, j = buf[i:], j - i
-                self._state, self._lead, self._value = "value", j, _JsonEnd(j)
+                self._state, self._lead, self._value = "value", self._open, _JsonEnd(self._open)
                 continue
             # value
             assert self._value is not None
-            end = self._value.find(buf)
+            end = self._find_end(self._value, buf)
             if end is None:
                 return  # final: the held text is content (``finish``)
             calls = _read_calls(buf[self._lead:end], self.tool_names, self._KEYS)
@@ -788,11 +883,7 @@ class Llama3JsonToolCallParser(CallParser):
                 continue
             self._add(calls, deltas)
             self._buffer, self._state, self._value = buf[end:], "after", None
-
-    def _to_content(self, start: int) -> None:
-        """The answer from ``_buffer[start:]`` on is content (what is before it is dropped)."""
-        self._buffer = self._buffer[start:]
-        self._state = "content"
+            self._phase, self._pos = "blank", 0
 
 
 class MistralToolCallParser(CallParser):
@@ -807,16 +898,18 @@ class MistralToolCallParser(CallParser):
     same, and so is another ``name{...}`` right after such a call. Calls must name declared
     functions with object arguments; a marked part that is not calls goes out as content as it
     was (its marker too), and so does a marker-less one. Content goes out as it comes, but for
-    what may be the beginning of a marker (or, at the start, of a call), held until decided.
-    Blanks between calls, and after the last, are dropped. Ids: ``new_mistral_call_id``.
+    what may be the beginning of a marker (or, at the start, of a call), held until decided,
+    ``UNDECIDED_LIMIT`` characters at most (then they are content). Blanks between calls, and
+    after the last, are dropped. Ids: ``new_mistral_call_id``.
 
-    Splitting the same answer differently gives the same content and calls (but for the ids).
+    Splitting the same answer differently gives the same content and calls (but for the ids);
+    each piece is read once (``scanned``), whatever was held before it.
     """
 
     def __init__(self, tool_names: Collection[str],
                  new_id: Callable[[], str] = new_mistral_call_id) -> None:
         super().__init__(tool_names, new_id)
-        self._buffer = ""
+        self._names = sorted(self.tool_names)
         # start, after (a call; ``_bare``: a marker-less name form), marker (``_buffer`` opens
         # with one), value (the call's JSON opens at ``_lead``; ``_name``: the name form's),
         # content
@@ -825,113 +918,166 @@ class MistralToolCallParser(CallParser):
         self._name: str | None = None
         self._lead = 0
         self._value: _JsonEnd | None = None
+        # start, after and marker: how far the would-be call's beginning is read
+        self._phase = "blank"  # blank, bracket, list, object, name, named, args, argued
+        self._pos = 0  # _buffer[:_pos] is read
+        self._k = 0  # bracket, args: how much of the marker matched
+        self._at = 0  # where the would-be call begins (after the blanks)
+        self._open = 0  # where its JSON opens, once found
+        self._lo, self._hi = 0, 0  # name: the declared names that begin with what is read
+        self._found: str | None = None  # named, args, argued: the function's name
 
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
-        self._buffer += text
+        if self._state == "value" and self._value is not None:
+            if self._held_in(self._value, text):  # the value stays open
+                return "", []
+        else:
+            self._buffer += text
         out: list[str] = []
         deltas: list[ToolCallDelta] = []
         self._run(out, deltas, final=False)
         return self._emit(out), deltas
 
     def finish(self) -> tuple[str, list[ToolCallDelta]]:
+        self._untail()
         out: list[str] = []
         deltas: list[ToolCallDelta] = []
         self._run(out, deltas, final=True)
-        if self._state == "after":
-            self._buffer = self._buffer.lstrip(_BLANKS)
         out.append(self._buffer)
         self._buffer, self._state, self._value = "", "content", None
         return self._emit(out), deltas
 
-    def _named(self, buf: str, i: int) -> tuple[str, int] | bool | None:
-        """A declared function's name at ``buf[i:]`` followed by (blanks, ``[ARGS]``, blanks)
-        ``{``: (name, where the ``{`` is); False when there is none; None while it may still
-        come."""
-        waiting = False
-        for name in self.tool_names:
-            if not buf.startswith(name, i):
-                waiting = waiting or (name.startswith(buf[i:]))
+    def _begin(self, state: str, pos: int = 0) -> None:
+        self._state, self._phase, self._pos, self._k = state, "blank", pos, 0
+
+    def _read_lead(self, buf: str, end: int) -> str | None:
+        """Reads on, from ``_pos`` up to ``end``, the beginning of a call: "marker" (a
+        ``[TOOL_CALLS]`` at ``_at``; not in state marker), "call" (its JSON opens at ``_open``;
+        ``_found``: the function's name in the name form), "content", or None while undecided.
+
+        After blanks: in state marker a ``[`` or ``{`` (the JSON), or a name; in start and
+        after a marker, at the start a call list (``[{"``, blanks allowed between), at the start
+        and after a marker-less call a name. A name (of a declared function) is followed by
+        blanks, optionally ``[ARGS]`` and blanks, then ``{``."""
+        state = self._state
+        while True:
+            phase, i = self._phase, self._pos
+            if phase == "name":  # narrowing the declared names that begin with what is read
+                names = self._names
+                while i < end and buf[i] in _NAME_CHARS:
+                    k, c = i - self._at, buf[i]
+                    self.scanned += 1
+
+                    def key(name: str, k: int = k) -> str:
+                        return name[k] if len(name) > k else ""
+
+                    self._lo = bisect.bisect_left(names, c, self._lo, self._hi, key=key)
+                    self._hi = bisect.bisect_right(names, c, self._lo, self._hi, key=key)
+                    if self._lo >= self._hi:
+                        return "content"
+                    i += 1
+                self._pos = i
+                if i >= end:
+                    return None
+                if len(names[self._lo]) != i - self._at:  # no name ends here
+                    return "content"
+                self._phase, self._found = "named", names[self._lo]
                 continue
-            j = _skip(buf, i + len(name))
-            if buf.startswith(MISTRAL_ARGS, j):
-                j = _skip(buf, j + len(MISTRAL_ARGS))
-            elif j < len(buf) and MISTRAL_ARGS.startswith(buf[j:]):
-                waiting = True
+            if phase in ("bracket", "args"):  # matching a marker
+                tag = MISTRAL_ARGS if phase == "args" else MISTRAL_CALLS
+                while i < end and self._k < len(tag):
+                    self.scanned += 1
+                    if buf[i] != tag[self._k]:
+                        if phase == "bracket" and self._k == 1 and state == "start" \
+                                and (buf[i] in _BLANKS or buf[i] == "{"):
+                            break  # a call list's bracket
+                        return "content"
+                    i, self._k = i + 1, self._k + 1
+                self._pos = i
+                if i >= end:
+                    return None
+                if self._k == len(tag):
+                    if phase == "bracket":
+                        return "marker"
+                    self._phase = "argued"
+                else:
+                    self._phase = "list"
                 continue
-            if j >= len(buf):
-                waiting = True
-            elif buf[j] == "{":
-                return name, j
-        return None if waiting else False
+            i = self._pos = self._skip(buf, i, end)
+            if i >= end:
+                return None
+            c = buf[i]
+            if phase == "blank":
+                self._at = i
+                if state == "marker" and c in "[{":
+                    self._open, self._found = i, None
+                    return "call"
+                if c == "[" and state != "marker":
+                    self._phase, self._pos, self._k = "bracket", i + 1, 1
+                elif c in _NAME_CHARS and (state != "after" or self._bare):
+                    self._phase, self._lo, self._hi = "name", 0, len(self._names)
+                else:
+                    return "content"
+            elif phase == "list" and c == "{":
+                self._phase, self._pos = "object", i + 1
+            elif phase == "object" and c == '"':
+                self._open, self._found = self._at, None
+                return "call"
+            elif phase == "named" and c == "[":
+                self._phase, self._pos, self._k = "args", i + 1, 1
+            elif phase in ("named", "argued") and c == "{":
+                self._open = i
+                return "call"
+            else:
+                return "content"
 
     def _run(self, out: list[str], deltas: list[ToolCallDelta], final: bool) -> None:
         while True:
             buf = self._buffer
             state = self._state
             if state == "content":
+                self.scanned += len(buf)  # held: at most a piece of the marker
                 start = buf.find(MISTRAL_CALLS)
                 if start >= 0:
                     out.append(buf[:start])
-                    self._buffer, self._state = buf[start:], "marker"
+                    self._buffer = buf[start:]
+                    self._begin("marker", len(MISTRAL_CALLS))
                     continue
                 keep = 0 if final else _partial_tag(buf, MISTRAL_CALLS)
                 out.append(buf[:len(buf) - keep])
                 self._buffer = buf[len(buf) - keep:]
                 return
-            if state in ("start", "after"):
-                i = _skip(buf, 0)
-                if i == len(buf) or (MISTRAL_CALLS.startswith(buf[i:]) and not final):
-                    if final:
-                        self._state = "content" if state == "start" else "after"
-                        return
+            if state in ("start", "after", "marker"):
+                if state == "after" and self._phase == "blank":
+                    i = self._skip(buf, 0, len(buf))
+                    if i:  # the blanks after a call go (whatever follows them)
+                        self._buffer = buf = buf[i:]
+                limit = min(len(buf), UNDECIDED_LIMIT)
+                got = self._read_lead(buf, limit)
+                if got is None and (final or len(buf) > limit):
+                    got = "content"  # never decided
+                if got is None:
                     return
-                if buf.startswith(MISTRAL_CALLS, i):
-                    if state == "start":
-                        out.append(buf[:i])
-                    self._buffer, self._state = buf[i:], "marker"
-                    continue
-                found: tuple[str, int] | bool | None = False
-                if state == "start" and buf[i] == "[":
-                    opens = _call_start(buf, i)
-                    if opens is None and not final:
-                        return
-                    if opens:
-                        self._open_value(i, None)
-                        continue
-                elif state == "start" or self._bare:
-                    found = self._named(buf, i)
-                    if found is None and not final:
-                        return
-                    if isinstance(found, tuple):
-                        self._buffer = buf[i:]
-                        self._open_value(found[1] - i, found[0], bare=True)
-                        continue
-                # content from here: at the start all of it, after a call without the blanks
-                self._buffer = buf if state == "start" else buf[i:]
-                self._state = "content"
-                continue
-            if state == "marker":
-                j = _skip(buf, len(MISTRAL_CALLS))
-                if j >= len(buf):
-                    if final:
-                        self._state = "content"
-                        self._fail(out, len(buf))
-                        continue
-                    return
-                if buf[j] in "[{":
-                    self._open_value(j, None)
-                    continue
-                found = self._named(buf, j)
-                if found is None and not final:
-                    return
-                if isinstance(found, tuple):
-                    self._open_value(found[1], found[0])
-                    continue
-                self._fail(out, len(MISTRAL_CALLS))
+                if state == "marker":
+                    if got == "call":
+                        self._open_value(self._open, self._found)
+                    else:  # the marker is content, and what follows it is read as such
+                        self._fail(out, len(MISTRAL_CALLS))
+                elif got == "marker":
+                    out.append(buf[:self._at])  # at the start, the blanks before it
+                    self._buffer = buf[self._at:]
+                    self._begin("marker", len(MISTRAL_CALLS))
+                elif got == "call" and self._found is None:  # a call list at the start
+                    self._open_value(self._open, None)
+                elif got == "call":  # a name form without its marker: the blanks go
+                    self._buffer = buf[self._at:]
+                    self._open_value(self._open - self._at, self._found, bare=True)
+                else:  # content: at the start all of it (after a call, its blanks went)
+                    self._state = "content"
                 continue
             # value
             assert self._value is not None
-            end = self._value.find(buf)
+            end = self._find_end(self._value, buf)
             if end is None:
                 if final:
                     self._fail(out, len(buf))
@@ -951,7 +1097,8 @@ class MistralToolCallParser(CallParser):
                 self._fail(out, end)
                 continue
             self._add(calls, deltas)
-            self._buffer, self._state, self._value = buf[end:], "after", None
+            self._buffer, self._value = buf[end:], None
+            self._begin("after")
             self._bare = self._bare and self._name is not None
 
     def _open_value(self, lead: int, name: str | None, bare: bool = False) -> None:

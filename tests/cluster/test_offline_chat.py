@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from tests.cluster.stub_ingress import StubIngress
+from tests.cluster.test_tool_calls_formats import MISTRAL_TEMPLATE, with_template
 from tierserve import LLM, SamplingParams
 from tierserve.replica.models.embedded import EMBEDDED_MODEL
 
@@ -55,6 +56,46 @@ def test_a_conversation_is_the_prompt_the_chat_route_sends(
     assert r.finished and len(r.outputs[0].token_ids) == 3
     if "tools" in options:
         assert "get_weather" in (r.prompt or "")
+
+
+# A history with a call (its id OpenAI's ``call_...``, not 9 characters) and its result.
+CALLED: list[dict[str, Any]] = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_0123456789abcdef01234567", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "call_0123456789abcdef01234567", "content": "sunny"},
+    {"role": "user", "content": "And tomorrow?"}]
+
+
+def test_a_mistral_template_renders_as_the_chat_route_renders_it(
+        llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a Mistral template, the history's ``call_...`` id is mapped to 9 characters (the
+    template refuses others) the same way offline as over HTTP: the same prompt."""
+    with_template(monkeypatch, MISTRAL_TEMPLATE)
+    served = StubIngress({"engine": {"model": EMBEDDED_MODEL}})
+    monkeypatch.setattr(llm.tokenizer, "chat_template", MISTRAL_TEMPLATE)
+    assert llm.tool_format == "mistral"
+    (r,) = llm.chat(CALLED, GREEDY, use_tqdm=False, tools=[TOOL])
+    assert r.prompt_token_ids == served_prompt(served, messages=CALLED, tools=[TOOL])
+    assert "call_0123" not in (r.prompt or "") and "[TOOL_CALLS]" in (r.prompt or "")
+
+
+@pytest.mark.parametrize("parser", ["llama3_json", "mistral", "hermes"])
+def test_the_tool_call_parser_option_is_the_config_field(parser: str) -> None:
+    """``tool_call_parser=`` writes the tools and earlier calls in that format over a plain
+    template, as the server configured with the same ``tool_call_parser`` does."""
+    llm = LLM(EMBEDDED_MODEL, num_kv_blocks=64, block_size=16, max_num_seqs=2,
+              max_model_len=2048, tool_call_parser=parser)
+    assert llm.tool_format == parser
+    served = StubIngress({"engine": {"model": EMBEDDED_MODEL}, "tool_call_parser": parser})
+    (r,) = llm.chat(CALLED, GREEDY, use_tqdm=False, tools=[TOOL])
+    assert r.prompt_token_ids == served_prompt(served, messages=CALLED, tools=[TOOL])
+
+
+def test_an_unknown_tool_call_parser_is_a_value_error() -> None:
+    with pytest.raises(ValueError, match=r"unknown tool_call_parser 'pythonic'.*hermes"):
+        LLM(EMBEDDED_MODEL, tool_call_parser="pythonic")
 
 
 def test_several_conversations_and_n_samples(llm: LLM) -> None:

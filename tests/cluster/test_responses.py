@@ -276,6 +276,32 @@ def test_a_streamed_function_call(stub: StubIngress, monkeypatch: pytest.MonkeyP
     assert final["output"][1] == events[11]["item"]
 
 
+def _no_ids(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Output items without the ids each answer draws afresh."""
+    return [{k: v for k, v in item.items() if k not in ("id", "call_id")} for item in output]
+
+
+@pytest.mark.parametrize("answer", [CALL, "", " ok"])
+def test_streamed_and_whole_outputs_match_with_logprobs(
+        stub: StubIngress, monkeypatch: pytest.MonkeyPatch, answer: str) -> None:
+    """With tools and the text's logprobs included, a call's tokens (held by the call parser,
+    streamed as logprobs with no text) open no message: the streamed ``output`` is the
+    non-streamed one (an answer with neither text nor call is one empty message in both)."""
+    monkeypatch.setattr(stub_ingress, "ANSWER", answer)
+    ask = {"tools": [WEATHER], "include": ["message.output_text.logprobs"], "top_logprobs": 1}
+    whole = ok(stub, **ask)["output"]
+    events = ok(stub, stream=True, **ask)
+    streamed = events[-1]["response"]["output"]
+    assert _no_ids(streamed) == _no_ids(whole)
+    kinds = [i["type"] for i in whole]
+    assert kinds == (["function_call"] if answer == CALL else ["message"])
+    added = [e["item"]["type"] for e in events if e["type"] == "response.output_item.added"]
+    assert added == kinds
+    if answer == " ok":
+        lps = whole[0]["content"][0]["logprobs"]
+        assert len(lps) == len(stub.inst.tokenizer.encode(answer)) and lps[0]["logprob"] == -0.5
+
+
 # ------------------------------------------------------------------ the stream
 
 

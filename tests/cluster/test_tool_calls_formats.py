@@ -36,6 +36,7 @@ from tierserve.cluster.tool_calls import (
     PYTHON_TAG,
     TOOL_CALL_OPEN,
     TOOL_FORMATS,
+    UNDECIDED_LIMIT,
     CallParser,
     Llama3JsonToolCallParser,
     MistralToolCallParser,
@@ -428,6 +429,105 @@ def test_a_long_unclosed_value_is_content_at_the_end() -> None:
     pieces = ['{"name": "get_time", "parameters": {"x": "'] + ["[{ab\\\" "] * 5000
     out, deltas = run(parser, pieces)
     assert "".join(out) == "".join(pieces) and deltas == []
+
+
+# Answers that stay undecided (or held) piece after piece, in every state a parser can wait in:
+# (format, what comes first, the piece repeated).
+LONG_NAMES = ["a" * 60 + f"{k:03d}" for k in range(128)]  # 128 names sharing 60 characters
+UNDECIDED = [
+    (HERMES, "", " "),
+    (HERMES, TOOL_CALL_OPEN, " "),
+    (HERMES, TOOL_CALL_OPEN + "</tool_cal", "l"),
+    (LLAMA3_JSON, "", " "),
+    (LLAMA3_JSON, "", "\n"),
+    (LLAMA3_JSON, PYTHON_TAG, " "),
+    (LLAMA3_JSON, "[", " "),
+    (LLAMA3_JSON, "{", " "),
+    (LLAMA3_JSON, L_T, " "),
+    (LLAMA3_JSON, L_T, ";"),
+    (LLAMA3_JSON, L_T + ";{", " "),
+    (LLAMA3_JSON, '{"name": "get_time", "parameters": {"x": "', " "),
+    (MISTRAL, "", " "),
+    (MISTRAL, "[", " "),
+    (MISTRAL, "[{", " "),
+    (MISTRAL, MISTRAL_CALLS, " "),
+    (MISTRAL, "get_weather", " "),
+    (MISTRAL, "get_weather[ARGS]", " "),
+    (MISTRAL, MISTRAL_CALLS + "get_weather", " "),
+    (MISTRAL, "get_time{}", " "),
+    (MISTRAL, MISTRAL_CALLS + "[" + M_T + "]", " "),
+    (MISTRAL, "x", " "),
+    (MISTRAL, MISTRAL_CALLS + '[{"name": "get_time", "arguments": {"x": "', " "),
+]
+
+
+@pytest.mark.parametrize(("fmt", "lead", "piece"), UNDECIDED)
+def test_parsers_read_each_piece_once(fmt: str, lead: str, piece: str) -> None:
+    """However long an answer stays undecided, fed a character at a time, each feed reads only
+    the new text (and a bounded tail): the characters the parser scans grow linearly with the
+    answer, not with the square of it; and the text a feed copies (the held string it appends
+    to) stays short: a long held call is kept as its pieces. Counted (``scanned``), never
+    timed."""
+    for names in (NAMES, NAMES + LONG_NAMES):
+        parser = make_parser(fmt, names)
+        pieces = [lead] + [piece] * 20_000
+        out = [parser.feed(lead)[0]]
+        for p in pieces[1:]:
+            out.append(parser.feed(p)[0])
+            assert len(parser._buffer) <= UNDECIDED_LIMIT + len(lead) + len(p)
+        out.append(parser.finish()[0])
+        answer = "".join(pieces)
+        assert parser.scanned <= 4 * len(answer) + 16 * len(pieces), (fmt, lead, piece)
+        assert len("".join(out)) <= len(answer)
+
+
+def test_a_long_declared_name_is_read_a_character_at_a_time() -> None:
+    """A Mistral name form whose name shares most of its characters with 127 other declared
+    names, fed a character at a time: still a call, still read once."""
+    name = LONG_NAMES[77]
+    answer = name + '[ARGS]{"x": 1}'
+    for pieces in (list(answer), [answer]):
+        parser = make_parser(MISTRAL, LONG_NAMES)
+        out, _ = run(parser, pieces)
+        assert "".join(out) == "" and got_calls(parser) == [(name, {"x": 1})]
+        assert parser.scanned <= 4 * len(answer) + 16 * len(pieces)
+    parser = make_parser(MISTRAL, LONG_NAMES)
+    wrong = "a" * 60 + "999{}"  # shares their 60 characters, names none of them
+    out, _ = run(parser, list(wrong))
+    assert "".join(out) == wrong and parser.calls == []
+
+
+BLANKS = " " * (UNDECIDED_LIMIT + 44)
+HELD_TOO_LONG = [
+    # (format, answer, content, calls): past UNDECIDED_LIMIT undecided characters, content
+    (LLAMA3_JSON, BLANKS + L_T, BLANKS + L_T, []),
+    (LLAMA3_JSON, "{" + BLANKS + '"name": "get_time", "parameters": {}}',
+     "{" + BLANKS + '"name": "get_time", "parameters": {}}', []),
+    (LLAMA3_JSON, L_T + ";" + PYTHON_TAG + BLANKS + L_T, PYTHON_TAG + BLANKS + L_T,
+     [("get_time", {})]),
+    (MISTRAL, BLANKS + "get_time{}", BLANKS + "get_time{}", []),
+    (MISTRAL, "get_time" + BLANKS + "{}", "get_time" + BLANKS + "{}", []),
+    (MISTRAL, MISTRAL_CALLS + BLANKS + "[" + M_T + "]", MISTRAL_CALLS + BLANKS + "[" + M_T + "]",
+     []),
+    # a marker is read wherever it comes, content before it or not
+    (MISTRAL, BLANKS + MISTRAL_CALLS + "[" + M_T + "]", BLANKS, [("get_time", {})]),
+    # just under the bound: still calls
+    (LLAMA3_JSON, " " * (UNDECIDED_LIMIT - 2) + L_T, "", [("get_time", {})]),
+    (MISTRAL, "get_time" + " " * (UNDECIDED_LIMIT - 9) + "{}", "", [("get_time", {})]),
+]
+
+
+@pytest.mark.parametrize(("fmt", "answer", "content", "expected"), HELD_TOO_LONG)
+def test_an_undecided_beginning_is_held_only_so_long(fmt: str, answer: str, content: str,
+                                                      expected: Calls) -> None:
+    """Nothing is held past ``UNDECIDED_LIMIT`` characters without a decision: the would-be
+    call is content from there, the same however the answer is cut."""
+    splits = [[answer], list(answer)] + [[answer[:k], answer[k:]]
+                                         for k in range(0, len(answer) + 1, 7)]
+    for pieces in splits:
+        parser = make_parser(fmt, NAMES)
+        out, _ = run(parser, pieces)
+        assert "".join(out) == content and got_calls(parser) == expected, pieces
 
 
 # ---------------------------------------------------------------------------------------------
