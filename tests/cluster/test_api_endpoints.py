@@ -84,7 +84,6 @@ def test_a_large_prompt_is_tokenized_through_the_pool(stub: StubIngress,
 
 @pytest.mark.parametrize(("body", "param"), [
     ({"model": None, "prompt": "x"}, "model"),
-    ({"model": "other", "prompt": "x"}, "model"),
     ({"model": None, "prompt": 3}, None),
     ({"prompt": "x", "frobnicate": 1}, "frobnicate"),
     ({"prompt": "x", "add_special_tokens": "yes"}, "add_special_tokens"),
@@ -148,8 +147,10 @@ def test_detokenize_refuses_ids_outside_the_vocabulary(stub: StubIngress) -> Non
     e = error(stub.post("/detokenize", {"model": stub.model, "tokens": [1, size]}), 400)
     assert e["code"] == "invalid_token" and e["param"] == "tokens.1"
     assert str(size) in e["message"]
-    e = error(stub.post("/detokenize", {"model": "other", "tokens": [1]}), 400)
-    assert e["code"] == "model_not_found"
+    e = error(stub.post("/detokenize", {"model": "other", "tokens": [1]}), 404)
+    assert e["code"] == "model_not_found" and e["param"] == "model"
+    e = error(stub.post("/tokenize", {"model": "other", "prompt": "x"}), 404)
+    assert e["code"] == "model_not_found" and e["param"] == "model"
 
 
 def test_version(stub: StubIngress) -> None:

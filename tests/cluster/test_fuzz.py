@@ -117,8 +117,8 @@ def test_fuzzed_requests_get_documented_answers(api_schema: Any, fuzz_app: Serve
     assert all(s < 500 for s in statuses), statuses
     if mode is GenerationMode.POSITIVE and method == "POST":
         assert statuses[200] > 0, f"no generated request was served: {statuses}"
-    if mode is GenerationMode.NEGATIVE:
-        assert set(statuses) <= {400, 413}, statuses
+    if mode is GenerationMode.NEGATIVE:  # a model outside the enum: 404 model_not_found
+        assert set(statuses) <= {400, 404, 413}, statuses
 
 
 def test_after_fuzzing_the_cluster_serves_and_no_block_leaked(fuzz_app: ServeApp) -> None:
