@@ -314,13 +314,13 @@ def test_requests_are_counted_per_model(stub: StubIngress,
     ({CHAT: 1, "tiny": 0}, 503, "model 'tiny': no engine replica can take work yet"),
     ({CHAT: 0, "tiny": 0}, 503, f"model '{CHAT}': no engine replica"),
 ])
-def test_ready_only_when_every_model_has_a_replica(running: dict[str, int], status: int,
-                                                    says: str) -> None:
-    ing = StubIngress({"models": MODELS})
+def test_ready_only_when_every_model_has_a_replica(
+        stub: StubIngress, monkeypatch: pytest.MonkeyPatch, running: dict[str, int],
+        status: int, says: str) -> None:
     for name, n in running.items():
-        ing.inst.served[name].readiness = Readiness(
-            lambda n=n: ReplicaCensus("HEALTHY" if n else "UPDATING", n))
-    answer = ing.get("/ready")
+        monkeypatch.setattr(stub.inst.served[name], "readiness", Readiness(
+            lambda n=n: ReplicaCensus("HEALTHY" if n else "UPDATING", n)))
+    answer = stub.get("/ready")
     assert answer.status == status, answer.body
     assert says in answer.body["reason"]
     assert answer.body["replicas_ready"] == sum(running.values())
