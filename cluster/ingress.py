@@ -90,7 +90,7 @@ from tierserve.cluster.protocol import (
     now,
     usage,
 )
-from tierserve.cluster.readiness import Readiness, ReadyState, serve_census
+from tierserve.cluster.readiness import Readiness, serve_census, together
 from tierserve.cluster.responses import (
     ResponsesCall,
     ResponsesRequest,
@@ -410,19 +410,6 @@ class _Call:
         return None if self.tools is None else make_parser(self.tool_format, self.tools)
 
 
-def _together(states: dict[str, ReadyState]) -> ReadyState:
-    """The readiness of several models' deployments: ready while every one is, else naming
-    those that are not (``replicas_ready``: their running replicas, summed)."""
-    running = sum(s.running for s in states.values())
-    missing = {name: s for name, s in states.items() if not s.ready}
-    if not missing:
-        return ReadyState(True, "ready", running)
-    if len(states) == 1:
-        return next(iter(missing.values()))
-    why = "; ".join(f"model {name!r}: {s.reason}" for name, s in missing.items())
-    return ReadyState(False, f"not every model can take work: {why}", running)
-
-
 def _finish_reason(reason: str | None, called: bool) -> str | None:
     """An answer that stopped on its own after calling a tool finished for ``tool_calls``."""
     return "tool_calls" if reason == "stop" and called else reason
@@ -735,7 +722,7 @@ class Ingress:
         """Readiness (``tierserve.cluster.readiness``): 200 once every engine replica of the
         config can take work, then while at least one can; else 503 saying what is missing."""
         states = {name: await m.readiness.current() for name, m in self.served.items()}
-        state = _together(states)
+        state = together(states)
         body: dict[str, Any] = {"status": "ready" if state.ready else "not_ready",
                                 "reason": state.reason, "replicas_ready": state.running}
         if len(states) > 1:
