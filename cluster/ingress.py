@@ -1,13 +1,15 @@
 """The HTTP front door: FastAPI under ``@serve.ingress``, an OpenAI-compatible subset.
 
 One request: validate the body (pydantic, strict), resolve the caller's tier, priority and
-tenant, tokenize, pass the flow-control gate (``tierserve.cluster.gate``: held while no replica can start
-it, fair between tenants, shed from the lowest tier first), then call the engine deployment's
-streaming ``generate`` through a handle whose router is
+tenant, pick the model it names (``_Served``: one record per served model, each on its own engine
+deployment; a model that is not served, or not to the caller's key, is a 404 ``model_not_found``),
+tokenize, pass that model's flow-control gate (``tierserve.cluster.gate``: held while no replica
+can start it, fair between tenants, shed from the lowest tier first), then call its engine
+deployment's streaming ``generate`` through a handle whose router is
 ``tierserve.router.free_blocks_router.FreeKVBlocksRouter``. When it ends, whether it met its tier's targets
 is counted (goodput). Errors are OpenAI-shaped JSON, every one built by
 ``tierserve.cluster.protocol.error_body`` (``{"error": {"message", "type", "code", "param"}}``):
-400 bad input, 401 bad key, 413 body too large, 429 full queue or shed load (with
+400 bad input, 401 bad key, 404 unknown model, 413 body too large, 429 full queue or shed load (with
 ``Retry-After``), 503 no replica can serve; inside a stream, the same body as its last event.
 """
 
