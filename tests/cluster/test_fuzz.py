@@ -53,7 +53,8 @@ def test_the_document_lists_every_field_and_error(fuzz_app: ServeApp) -> None:
                         ("/v1/chat/completions", "ChatCompletionRequest")):
         op = doc["paths"][path]["post"]
         assert op["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith(model)
-        assert set(op["responses"]) == {"200", "400", "401", "408", "413", "429", "500", "503"}
+        assert set(op["responses"]) == {"200", "400", "401", "404", "408", "413", "429", "500",
+                                       "503"}
         assert "Retry-After" in op["responses"]["429"]["headers"]
         assert set(op["responses"]["200"]["content"]) == {"application/json", "text/event-stream"}
         props = doc["components"]["schemas"][model]["properties"]
