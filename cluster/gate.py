@@ -87,11 +87,16 @@ class Ticket:
 
 class FlowGate:
     """``replicas``: how many replicas the router sees (sizes the window); ``ready``: whether
-    the replicas can take work (runs the hold clock)."""
+    the replicas can take work (runs the hold clock). With several models, each model's
+    replicas are their own capacity: the ingress keeps one gate per model (``model``: its
+    name, in the gauges; ``policy``: its engine's ``scheduling_policy``, else the config's
+    ``engine``'s), so the config's ``flow`` settings (``max_held``, the window) are per model."""
 
     def __init__(self, cfg: ClusterConfig, metrics: IngressMetrics,
-                 replicas: Callable[[], int], ready: Callable[[], bool] = lambda: True) -> None:
+                 replicas: Callable[[], int], ready: Callable[[], bool] = lambda: True,
+                 policy: str | None = None, model: str | None = None) -> None:
         self.cfg = cfg.flow
+        self.model = model or cfg.model_name
         self.metrics = metrics
         self._replicas = replicas
         self._ready = ready
@@ -113,7 +118,7 @@ class FlowGate:
         self.starting_by = [0] * len(tiers)  # per band
         # Whether a replica admits a higher tier's request ahead of a lower tier's (priority
         # scheduling): then a tier's window counts only its band and those above it.
-        self._passes_lower = cfg.engine.scheduling_policy == "priority"
+        self._passes_lower = (policy or cfg.engine.scheduling_policy) == "priority"
         self.replicas = 1
         self._wake: asyncio.Event | None = None
         self._pump_task: asyncio.Task[None] | None = None
@@ -263,7 +268,7 @@ class FlowGate:
             with contextlib.suppress(Exception):  # a metric never stops the pump
                 self.metrics.flow(
                     {t.name: self.queues.held(i) for i, t in enumerate(self.tiers)},
-                    self.starting, self.window())
+                    self.starting, self.window(), self.model)
             self.queues.forget_idle()
         clock = self.tick(now)
         for held, reason in self.queues.overdue(clock, now):

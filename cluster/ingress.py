@@ -1,13 +1,15 @@
 """The HTTP front door: FastAPI under ``@serve.ingress``, an OpenAI-compatible subset.
 
 One request: validate the body (pydantic, strict), resolve the caller's tier, priority and
-tenant, tokenize, pass the flow-control gate (``tierserve.cluster.gate``: held while no replica can start
-it, fair between tenants, shed from the lowest tier first), then call the engine deployment's
-streaming ``generate`` through a handle whose router is
+tenant, pick the model it names (``_Served``: one record per served model, each on its own engine
+deployment; a model that is not served, or not to the caller's key, is a 404 ``model_not_found``),
+tokenize, pass that model's flow-control gate (``tierserve.cluster.gate``: held while no replica
+can start it, fair between tenants, shed from the lowest tier first), then call its engine
+deployment's streaming ``generate`` through a handle whose router is
 ``tierserve.router.free_blocks_router.FreeKVBlocksRouter``. When it ends, whether it met its tier's targets
 is counted (goodput). Errors are OpenAI-shaped JSON, every one built by
 ``tierserve.cluster.protocol.error_body`` (``{"error": {"message", "type", "code", "param"}}``):
-400 bad input, 401 bad key, 413 body too large, 429 full queue or shed load (with
+400 bad input, 401 bad key, 404 unknown model, 413 body too large, 429 full queue or shed load (with
 ``Retry-After``), 503 no replica can serve; inside a stream, the same body as its last event.
 """
 
@@ -42,7 +44,7 @@ from tierserve.cluster.access import (
     setup_access_log,
 )
 from tierserve.cluster.chat_template import render_chat, template_kwargs, template_takes_tools
-from tierserve.cluster.config import ClusterConfig
+from tierserve.cluster.config import ClusterConfig, ModelConfig, deployment_of
 from tierserve.cluster.edge import (
     PromptBound,
     Tokenizing,
@@ -89,7 +91,7 @@ from tierserve.cluster.protocol import (
     now,
     usage,
 )
-from tierserve.cluster.readiness import Readiness, serve_census
+from tierserve.cluster.readiness import Readiness, serve_census, together
 from tierserve.cluster.responses import (
     ResponsesCall,
     ResponsesRequest,
@@ -129,7 +131,7 @@ from tierserve.records import (
     share_of,
     targets_kept,
 )
-from tierserve.replica.config import context_length
+from tierserve.replica.config import EngineConfig, context_length
 from tierserve.replica.detokenizer import bad_words_ids
 from tierserve.replica.models.meta import load_model_config, load_tokenizer
 from tierserve.replica.prefix_cache import block_hashes, partition_root
@@ -330,12 +332,68 @@ def validated(model: type[_M], data: dict[str, Any]) -> _M:
 
 
 @dataclass(slots=True)
+class _Served:
+    """One served model as the ingress holds it: its name and engine deployment (the handle
+    requests go through), what tokenizing, rendering and checking its requests takes (its
+    tokenizer, chat template, tool-call format, prompt bound, prefix-cache root, limits), and
+    its own readiness and flow-control gate (its replicas are their own capacity). Only the
+    tokenizer and the model's config are loaded here, never its weights: a model costs the
+    ingress its tokenizer's memory."""
+
+    name: str
+    deployment: str
+    llm: Any  # its engine deployment's handle, streaming
+    engine: EngineConfig
+    tokenizer: Any
+    special_ids: frozenset[int]
+    vocab_size: int
+    tokenizer_size: int  # the ids the tokenizer can name: what /detokenize takes
+    prompt_bound: PromptBound
+    template_takes_tools: bool  # its chat template lists tools itself
+    token_text: TokenText
+    tool_format: str
+    max_tokens_limit: int
+    prefix_root: Any  # the replicas' prefix-cache names for prefix affinity (None: cache off)
+    readiness: Readiness
+    gate: FlowGate | None = None
+
+    @classmethod
+    def load(cls, cfg: ClusterConfig, model: ModelConfig, deployment: str, handle: Any
+             ) -> "_Served":
+        """``model``'s record (its gate is the caller's to add)."""
+        engine = model.engine
+        tokenizer = load_tokenizer(engine.model, engine.trust_remote_code)
+        mcfg = load_model_config(engine.model, engine.trust_remote_code)
+        llm = handle.options(stream=True)
+        return cls(
+            name=model.name, deployment=deployment, llm=llm, engine=engine,
+            tokenizer=tokenizer, special_ids=frozenset(tokenizer.all_special_ids),
+            vocab_size=mcfg.vocab_size, tokenizer_size=len(tokenizer),
+            prompt_bound=PromptBound(context_length(engine, mcfg.max_position_embeddings),
+                                     longest_token_bytes(tokenizer)),
+            template_takes_tools=template_takes_tools(tokenizer),
+            token_text=TokenText(tokenizer),
+            # The format of the model's tool calls: the config's, else its template's markers.
+            tool_format=resolve_tool_format(
+                model.tool_call_parser, str(getattr(tokenizer, "chat_template", "") or "")),
+            max_tokens_limit=model.max_tokens_limit or cfg.max_tokens_limit,
+            prefix_root=engine.prefix_root() if engine.enable_prefix_caching else None,
+            readiness=Readiness(lambda: serve_census(llm.app_name, llm.deployment_name)))
+
+    def replica_count(self) -> int:
+        """The engine replicas this process's router sees (1 before it has seen any)."""
+        views = registry.routers(self.llm.app_name, self.llm.deployment_name)
+        return max((v.replica_count() for v in views), default=1)
+
+
+@dataclass(slots=True)
 class _Call:
     """What the ingress needs to answer one request: its shape, not its sampling."""
 
     chat: bool
     n: int
     ids: list[int]
+    served: _Served  # the model it is for
     echo: str | None = None  # completions: the prompt text to return before the completion
     logprobs: bool = False
     include_usage: bool = False
@@ -382,6 +440,7 @@ class _Route:
     last: float | None = None
     tokens: int = 0
     ticket: Ticket | None = None
+    gate: FlowGate | None = None  # its model's flow-control gate (None: flow control off)
     counted: bool = False
     # The HTTP request's record (its server span, its access-log line); None outside AccessLog.
     exchange: Exchange | None = None
@@ -571,55 +630,103 @@ async def _api_error(request: Request, exc: ServingError) -> JSONResponse:
 @serve.deployment(name="Ingress", max_ongoing_requests=1024)
 @serve.ingress(app)
 class Ingress:
-    def __init__(self, llm: DeploymentHandle, config: dict[str, Any]) -> None:
+    def __init__(self, llm: DeploymentHandle | Sequence[DeploymentHandle],
+                 config: dict[str, Any]) -> None:
+        """``llm``: the engine deployments' handles, one per served model in the config's
+        order (``ClusterConfig.served_models``); one handle for a one-model config."""
         self.cfg = ClusterConfig(**config)
         # Tracing (off unless OTEL_TRACES_EXPORTER asks) and the access log, from this process's
         # environment: a bad value fails the start, saying which (tierserve.cluster.access).
         tracing.setup()
         setup_access_log(access_log_enabled(), own_handler=_under_serve())
         self.tiers = TierResolver(self.cfg)
-        self.llm = llm.options(stream=True)
-        self.tokenizer = load_tokenizer(self.cfg.engine.model, self.cfg.engine.trust_remote_code)
-        self.special_ids = frozenset(self.tokenizer.all_special_ids)
-        mcfg = load_model_config(self.cfg.engine.model, self.cfg.engine.trust_remote_code)
-        self.vocab_size = mcfg.vocab_size
-        # The ids the tokenizer can name (its vocabulary and added tokens): what /detokenize takes.
-        self.tokenizer_size = len(self.tokenizer)
-        self.prompt_bound = PromptBound(
-            context_length(self.cfg.engine, mcfg.max_position_embeddings),
-            longest_token_bytes(self.tokenizer))
+        handles = list(llm) if isinstance(llm, (list, tuple)) else [llm]
+        models = self.cfg.served_models()
+        if len(handles) != len(models):
+            raise ValueError(f"the ingress got {len(handles)} engine deployment handle(s) for "
+                             f"{len(models)} served model(s)")
         self.tokenizing = Tokenizing()
         # /tokenize's and /detokenize's own pool (one thread): their work never queues ahead of
         # a generation route's prompt on ``tokenizing``.
         self.utility_tokenizing = Tokenizing(workers=1)
         self.schemas = SchemaChecker(self.cfg.structured_limits)
-        # A chat template that lists tools itself; else they go in the system prompt
-        # (tierserve.cluster.tool_calls).
-        self.template_takes_tools = template_takes_tools(self.tokenizer)
-        self.token_text = TokenText(self.tokenizer)
-        self.metrics = IngressMetrics([t.name for t in self.cfg.tiers])
-        # The format of the model's tool calls: the config's, else its template's markers.
-        self.tool_format = resolve_tool_format(
-            self.cfg.tool_call_parser, str(getattr(self.tokenizer, "chat_template", "") or ""))
-        self.readiness = Readiness(
-            lambda: serve_census(self.llm.app_name, self.llm.deployment_name))
-        self.gate = (FlowGate(self.cfg, self.metrics, self._replica_count,
-                              self.readiness.holds_count)
-                     if self.cfg.flow.enabled else None)
+        self.metrics = IngressMetrics([t.name for t in self.cfg.tiers], [m.name for m in models])
+        # Every served model, by the name clients send (in the config's order).
+        self.served: dict[str, _Served] = {}
+        for i, (m, h) in enumerate(zip(models, handles, strict=True)):
+            served = _Served.load(self.cfg, m, deployment_of(m, i), h)
+            if self.cfg.flow.enabled:  # each model's replicas are their own capacity
+                served.gate = FlowGate(self.cfg, self.metrics, served.replica_count,
+                                       served.readiness.holds_count,
+                                       policy=m.engine.scheduling_policy, model=m.name)
+            self.served[m.name] = served
         self.inflight = 0  # requests between admission and their last byte
         # Per tier, the bytes its open streams have sent (``TierConfig.max_stream_bytes``).
         self.stream_bytes: dict[str, int] = {t.name: 0 for t in self.cfg.tiers}
         self.created = now()
+        every = list(self.served.values())
+        # The served names are in the (keyless) document only where no key is limited to some
+        # models: else it would tell a caller of models it may not use.
+        limited = any(t.models is not None or any(n.models is not None for n in t.tenants)
+                      for t in self.cfg.tiers)
         self.openapi_doc = openapi_schema(app, {
-            "model": self.cfg.model_name, "max_tokens": self.cfg.max_tokens_limit,
-            "vocab_size": self.vocab_size, "max_stop_strings": self.cfg.max_stop_strings,
+            "model": None if limited else [m.name for m in every],
+            "max_tokens": max(m.max_tokens_limit for m in every),
+            "vocab_size": max(m.vocab_size for m in every),
+            "max_stop_strings": self.cfg.max_stop_strings,
             "max_request_bytes": self.cfg.max_request_bytes, "max_n": self.cfg.max_n,
-            "tokenizer_size": self.tokenizer_size})
+            "tokenizer_size": max(m.tokenizer_size for m in every)})
         app.state.retry_after = self.cfg.retry_after_s
         self._limits: dict[str, Any] | None = None
-        # The replicas' prefix-cache names for the router's prefix affinity (None: cache off).
-        engine = self.cfg.engine
-        self.prefix_root = engine.prefix_root() if engine.enable_prefix_caching else None
+
+    @property
+    def first(self) -> _Served:
+        """The first (or only) served model."""
+        return next(iter(self.served.values()))
+
+    # The first model's parts, by their one-model names (tools and tests of one model).
+    @property
+    def tokenizer(self) -> Any:
+        return self.first.tokenizer
+
+    @property
+    def tokenizer_size(self) -> int:
+        return self.first.tokenizer_size
+
+    @property
+    def prompt_bound(self) -> PromptBound:
+        return self.first.prompt_bound
+
+    @property
+    def special_ids(self) -> frozenset[int]:
+        return self.first.special_ids
+
+    @property
+    def token_text(self) -> TokenText:
+        return self.first.token_text
+
+    @property
+    def tool_format(self) -> str:
+        return self.first.tool_format
+
+    @property
+    def template_takes_tools(self) -> bool:
+        return self.first.template_takes_tools
+
+    def _model(self, caller: Caller, name: str | None) -> _Served:
+        """The served model ``name`` if ``caller`` may use it; else a 404 ``model_not_found``
+        (OpenAI's answer): a model that is not served and one the caller's key may not use get
+        the same answer, naming only the models it may use, so that a key learns nothing of
+        the others. None (where a route lets ``model`` out, as vLLM's ``/tokenize`` does): the
+        first configured model the caller may use."""
+        if name is None:
+            name = next((m for m in self.served if caller.may_use(m)), "")
+        served = self.served.get(name)
+        if served is None or not caller.may_use(name):
+            mine = [m for m in self.served if caller.may_use(m)]
+            raise NotFound(f"model {name[:256]!r} does not exist or this key may not use it; "
+                           f"the models it may use: {mine}", "model_not_found", "model")
+        return served
 
     # ------------------------------------------------------------------ routes
 
@@ -637,25 +744,32 @@ class Ingress:
     async def ready(self) -> JSONResponse:
         """Readiness (``tierserve.cluster.readiness``): 200 once every engine replica of the
         config can take work, then while at least one can; else 503 saying what is missing."""
-        state = await self.readiness.current()
-        body = {"status": "ready" if state.ready else "not_ready", "reason": state.reason,
-                "replicas_ready": state.running}
+        states = {name: await m.readiness.current() for name, m in self.served.items()}
+        state = together(states)
+        body: dict[str, Any] = {"status": "ready" if state.ready else "not_ready",
+                                "reason": state.reason, "replicas_ready": state.running}
+        if len(states) > 1:
+            body["models"] = {name: {"ready": s.ready, "reason": s.reason,
+                                     "replicas_ready": s.running}
+                              for name, s in states.items()}
         return JSONResponse(body, status_code=200 if state.ready else 503)
 
     @app.get("/v1/models")
-    async def models(self) -> dict[str, Any]:
-        return dump(ModelList(data=[self._model_card()]))
+    async def models(self, request: Request) -> dict[str, Any]:
+        """The served models the caller may use (behind the key check)."""
+        caller = self._caller(request)
+        return dump(ModelList(data=[self._model_card(m) for m in self.served
+                                    if caller.may_use(m)]))
 
     @app.get("/v1/models/{model_id:path}", response_model=None)
-    async def model(self, model_id: str) -> JSONResponse:
-        """The served model's object; any other id a 404 ``model_not_found`` (OpenAI's)."""
-        if model_id != self.cfg.model_name:
-            raise NotFound(f"model {model_id[:256]!r} does not exist; this server serves "
-                           f"{self.cfg.model_name!r}", "model_not_found", "model")
-        return JSONResponse(dump(self._model_card()))
+    async def model(self, request: Request, model_id: str) -> JSONResponse:
+        """A served model's object; an id that is not served, or not to this caller, a 404
+        ``model_not_found`` (OpenAI's)."""
+        served = self._model(self._caller(request), model_id)
+        return JSONResponse(dump(self._model_card(served.name)))
 
-    def _model_card(self) -> ModelCard:
-        return ModelCard(id=self.cfg.model_name, created=self.created)
+    def _model_card(self, name: str) -> ModelCard:
+        return ModelCard(id=name, created=self.created)
 
     @app.get("/version")
     async def version(self) -> dict[str, Any]:
@@ -676,24 +790,25 @@ class Ingress:
         kind: type[TokenizeChatRequest] | type[TokenizeCompletionRequest] = (
             TokenizeChatRequest if "messages" in data else TokenizeCompletionRequest)
         body = validated(kind, data)
-        self._known_model(body.model)
+        served = self._model(caller, body.model)
         self._tokenize_bound(body)
         strs = body.return_token_strs
-        context = self.prompt_bound.context
+        context = served.prompt_bound.context
+        tok = served.tokenizer
 
         def answer(ids: list[int]) -> bytes:
-            names = list(self.tokenizer.convert_ids_to_tokens(ids)) if strs else None
+            names = list(tok.convert_ids_to_tokens(ids)) if strs else None
             return _json_bytes(dump(TokenizeResponse(
                 count=len(ids), max_model_len=context, tokens=ids, token_strs=names)))
 
         with self._utility(caller):
             if isinstance(body, TokenizeChatRequest):
-                ids = await self._render_chat(body, None, None, self.utility_tokenizing)
+                ids = await self._render_chat(served, body, None, None, self.utility_tokenizing)
                 out = await self.utility_tokenizing.run(len(ids), lambda: answer(ids))
             else:
                 text, special = body.prompt, body.add_special_tokens
                 out = await self.utility_tokenizing.run(len(text), lambda: answer(list(
-                    self.tokenizer.encode(text, add_special_tokens=special)) if text else []))
+                    tok.encode(text, add_special_tokens=special)) if text else []))
         return Response(out, media_type="application/json")
 
     @app.post("/detokenize", response_model=None)
@@ -705,16 +820,18 @@ class Ingress:
         data = await read_json(request.stream(), request.headers.get("content-length"),
                                self.cfg.max_request_bytes, self.cfg.body_timeout_s)
         body = validated(DetokenizeRequest, data)
-        self._known_model(body.model)
+        served = self._model(caller, body.model)
+        size = served.tokenizer_size
         for i, t in enumerate(body.tokens):
-            if t >= self.tokenizer_size:
+            if t >= size:
                 raise BadRequest(f"tokens.{i}: token id {t} is outside the vocabulary (ids "
-                                 f"0 to {self.tokenizer_size - 1})", "invalid_token",
-                                 f"tokens.{i}")
+                                 f"0 to {size - 1})", "invalid_token", f"tokens.{i}")
         ids = body.tokens
 
+        tok = served.tokenizer
+
         def answer() -> bytes:
-            return _json_bytes(dump(DetokenizeResponse(prompt=str(self.tokenizer.decode(ids)))))
+            return _json_bytes(dump(DetokenizeResponse(prompt=str(tok.decode(ids)))))
 
         with self._utility(caller):
             out = await self.utility_tokenizing.run(len(ids), answer)
@@ -746,28 +863,23 @@ class Ingress:
         finally:
             self.inflight -= 1
 
-    def _known_model(self, model: str | None) -> None:
-        """``model`` names the served model; None (left out, as vLLM allows) is the served one."""
-        if model is not None and model != self.cfg.model_name:
-            raise BadRequest(f"unknown model {model!r}; this server serves "
-                             f"{self.cfg.model_name!r}", "model_not_found", "model")
-
     @app.post("/v1/completions", response_model=None)
     async def completions(self, request: Request) -> Response:
         caller = self._caller(request)
         body = await self._body(request, CompletionRequest)
         assert isinstance(body, CompletionRequest)
+        served = self._model(caller, body.model)
         caller, tier_named = self._asked(request, caller, body)
         prompts = body.prompts()
-        calls = [await self._prompt_call(caller, body, prompt, tier_named,
+        calls = [await self._prompt_call(served, caller, body, prompt, tier_named,
                                           "prompt" if len(prompts) == 1 else f"prompt.{j}")
                  for j, prompt in enumerate(prompts)]
         if len(calls) == 1:
             return await self._serve(request, body, calls[0], caller)
         return await self._serve_batch(request, body, calls, caller)
 
-    async def _prompt_call(self, caller: Caller, body: CompletionRequest, prompt: str | list[int],
-                           tier_named: str | None, param: str) -> _Call:
+    async def _prompt_call(self, served: _Served, caller: Caller, body: CompletionRequest,
+                           prompt: str | list[int], tier_named: str | None, param: str) -> _Call:
         """One prompt of a completions request, tokenized and checked (``param``: where it is
         in the request)."""
         # An empty prompt and ids outside the vocabulary are the replica's to refuse (its
@@ -775,28 +887,29 @@ class Ingress:
         # takes the tokenizer to know), and so is one that cannot fit the context (known before
         # it is tokenized: it is refused before any work).
         keep = body.truncate_prompt_tokens
+        tok = served.tokenizer
         if isinstance(prompt, str):
             text = prompt
             if keep is None:  # a prompt cut to its last tokens may be longer than the context
-                self._fits(caller, len(text.encode("utf-8")), None, param)
+                self._fits(served, caller, len(text.encode("utf-8")), None, param)
             special = body.add_special_tokens
             ids = (await self.tokenizing.run(len(text), lambda: list(
-                self.tokenizer.encode(text, add_special_tokens=special)))) if text else []
+                tok.encode(text, add_special_tokens=special)))) if text else []
         else:
             ids = list(prompt)
         truncated = keep is not None and len(ids) > keep
         if keep is not None:
             ids = ids[-keep:]
-        self._fits(caller, None, len(ids), param)
-        if ids and all(t in self.special_ids for t in ids):
+        self._fits(served, caller, None, len(ids), param)
+        if ids and all(t in served.special_ids for t in ids):
             raise BadRequest("the prompt has only special tokens "
-                             f"({self.tokenizer.decode(ids[:8])!r}...): nothing to complete",
+                             f"({tok.decode(ids[:8])!r}...): nothing to complete",
                              "only_special_tokens", param)
         echo = None
         if body.echo:
             echo = (prompt if isinstance(prompt, str) and not truncated
-                    else self.tokenizer.decode(ids))
-        return _Call(chat=False, n=body.n, ids=ids, echo=echo,
+                    else tok.decode(ids))
+        return _Call(chat=False, n=body.n, ids=ids, served=served, echo=echo,
                      logprobs=body.logprobs is not None,
                      include_usage=body.include_usage, continuous_usage=body.continuous_usage,
                      prompt_logprobs=body.prompt_logprobs is not None,
@@ -846,16 +959,17 @@ class Ingress:
                     body: ChatCompletionRequest) -> Response:
         """A chat completion request, validated, from key check to answer (the chat route's
         and, translated, the Responses route's)."""
-        if not getattr(self.tokenizer, "chat_template", None):
+        served = self._model(caller, body.model)
+        if not getattr(served.tokenizer, "chat_template", None):
             raise BadRequest(
-                f"model {self.cfg.model_name!r} has no chat template (a base model, which continues "
+                f"model {served.name!r} has no chat template (a base model, which continues "
                 "text): send a prompt to /v1/completions instead",
                 "no_chat_template", "messages")
         caller, tier_named = self._asked(request, caller, body)
         try:
             mode = await self.schemas.tool_mode(body)
             messages, tools = render_messages(body.messages, body.tools, body.tool_choice,
-                                              self.template_takes_tools, self.tool_format)
+                                              served.template_takes_tools, served.tool_format)
         except StructuredError as e:  # in a chat, a tool's schema is the request's to mend
             raise ToolMessageError(str(e), e.param) from None
         except SchemaCheckBusy:
@@ -863,18 +977,19 @@ class Ingress:
             raise
         texts = message_texts(messages)
         if body.truncate_prompt_tokens is None:
-            self._fits(caller, sum(len(t.encode("utf-8")) for t in texts), None, "messages")
-        ids = await self._render_chat(body, messages, tools)
+            self._fits(served, caller, sum(len(t.encode("utf-8")) for t in texts), None,
+                       "messages")
+        ids = await self._render_chat(served, body, messages, tools)
         if body.truncate_prompt_tokens is not None:
             ids = list(ids)[-body.truncate_prompt_tokens:]
-        self._fits(caller, None, len(ids), "messages")
+        self._fits(served, caller, None, len(ids), "messages")
         if body.max_completion_tokens is not None:
             body.max_tokens = body.max_completion_tokens
         names = (frozenset(t.function.name for t in body.tools or ())
                  if mode != "none" else None)
-        call = _Call(chat=True, n=body.n, ids=list(ids), logprobs=body.logprobs,
+        call = _Call(chat=True, n=body.n, ids=list(ids), served=served, logprobs=body.logprobs,
                      include_usage=body.include_usage, continuous_usage=body.continuous_usage,
-                     tool_mode=mode, tools=names, tool_format=self.tool_format,
+                     tool_mode=mode, tools=names, tool_format=served.tool_format,
                      prompt_logprobs=body.prompt_logprobs is not None,
                      token_ids=bool(body.return_tokens_as_token_ids),
                      request_id=body.request_id or "", service_tier=tier_named)
@@ -913,7 +1028,8 @@ class Ingress:
 
     # ------------------------------------------------------------------ helpers
 
-    async def _render_chat(self, body: ChatCompletionRequest | TokenizeChatRequest,
+    async def _render_chat(self, served: _Served,
+                           body: ChatCompletionRequest | TokenizeChatRequest,
                            messages: list[dict[str, Any]] | None, tools: Any,
                            pool: Tokenizing | None = None) -> list[int]:
         """The ids ``body``'s chat template renders (``messages``, ``tools``: as
@@ -923,19 +1039,20 @@ class Ingress:
         if messages is None:
             try:
                 messages, tools = render_messages(body.messages, None, None,
-                                                  self.template_takes_tools, self.tool_format)
+                                                  served.template_takes_tools, served.tool_format)
             except StructuredError as e:
                 raise ToolMessageError(str(e), e.param) from None
-        if not getattr(self.tokenizer, "chat_template", None):
+        tok = served.tokenizer
+        if not getattr(tok, "chat_template", None):
             raise BadRequest(
-                f"model {self.cfg.model_name!r} has no chat template (a base model, which "
+                f"model {served.name!r} has no chat template (a base model, which "
                 "continues text): send a prompt instead", "no_chat_template", "messages")
         rendered = messages
         size = sum(len(t) for t in message_texts(rendered))
-        extra = self._template_kwargs(body)
+        extra = self._template_kwargs(tok, body)
 
         def render() -> list[int]:
-            return render_chat(self.tokenizer, rendered, tools, extra, body.add_special_tokens)
+            return render_chat(tok, rendered, tools, extra, body.add_special_tokens)
 
         try:
             ids = await (pool or self.tokenizing).run(size, render)
@@ -950,12 +1067,13 @@ class Ingress:
                                self.cfg.max_request_bytes, self.cfg.body_timeout_s)
         return validated(model, data)
 
-    def _template_kwargs(self, body: ChatCompletionRequest | TokenizeChatRequest
+    @staticmethod
+    def _template_kwargs(tokenizer: Any, body: ChatCompletionRequest | TokenizeChatRequest
                          ) -> dict[str, Any]:
         """What the chat template is rendered with besides the messages and tools
         (``tierserve.cluster.chat_template.template_kwargs``: a name the renderer takes itself
         is a 400)."""
-        return template_kwargs(self.tokenizer, add_generation_prompt=body.add_generation_prompt,
+        return template_kwargs(tokenizer, add_generation_prompt=body.add_generation_prompt,
                                continue_final_message=body.continue_final_message,
                                documents=body.documents,
                                chat_template_kwargs=body.chat_template_kwargs)
@@ -976,7 +1094,7 @@ class Ingress:
 
     def _names(self, call: _Call) -> TokenNames:
         """How ``call``'s log-probabilities name tokens."""
-        return TokenIdNames() if call.token_ids else self.token_text
+        return TokenIdNames() if call.token_ids else call.served.token_text
 
     def _caller(self, request: Request) -> Caller:
         header = self.cfg.flow.tenant_header
@@ -989,38 +1107,35 @@ class Ingress:
             ex.caller(caller.tenant, caller.tier.name)
         return caller
 
-    def _fits(self, caller: Caller, nbytes: int | None, ntokens: int | None, param: str) -> None:
+    def _fits(self, served: _Served, caller: Caller, nbytes: int | None, ntokens: int | None,
+              param: str) -> None:
         """400 ``too_long`` (counted) for a prompt of ``nbytes`` of text or ``ntokens`` ids that
-        cannot fit the context (``PromptBound``)."""
+        cannot fit ``served``'s context (``PromptBound``)."""
         try:
             if nbytes is not None:
-                self.prompt_bound.check_text(nbytes, param)
+                served.prompt_bound.check_text(nbytes, param)
             if ntokens is not None:
-                self.prompt_bound.check_ids(ntokens, param)
+                served.prompt_bound.check_ids(ntokens, param)
         except ServingError:
             self.metrics.rejected("too_long", caller.tier.name)
             raise
 
-    def _replica_count(self) -> int:
-        """The engine replicas this process's router sees (1 before it has seen any)."""
-        views = registry.routers(self.llm.app_name, self.llm.deployment_name)
-        return max((v.replica_count() for v in views), default=1)
-
     def _sampling(self, body: CompletionRequest | ChatCompletionRequest,
-                  structured: Structured | None = None) -> SamplingParams:
-        if body.model != self.cfg.model_name:
-            raise BadRequest(f"unknown model {body.model!r}; this server serves "
-                             f"{self.cfg.model_name!r}", "model_not_found", "model")
+                  structured: Structured | None = None, served: _Served | None = None,
+                  ) -> SamplingParams:
+        """The request's sampling parameters, checked against the limits (``served``: the
+        model it is for, whose ``max_tokens_limit`` applies; None: the config's)."""
         stops = body.stop_list()
         if len(stops) > self.cfg.max_stop_strings:
             raise BadRequest(f"stop has {len(stops)} strings; at most "
                              f"{self.cfg.max_stop_strings} are allowed", "too_many_stops", "stop")
-        max_tokens = body.max_tokens if body.max_tokens is not None else self.cfg.max_tokens_limit
+        limit = served.max_tokens_limit if served is not None else self.cfg.max_tokens_limit
+        max_tokens = body.max_tokens if body.max_tokens is not None else limit
         if "max_tokens" not in body.model_fields_set:  # a default (completions: 16) is no ask
-            max_tokens = min(max_tokens, self.cfg.max_tokens_limit)
-        if max_tokens > self.cfg.max_tokens_limit:
+            max_tokens = min(max_tokens, limit)
+        if max_tokens > limit:
             raise BadRequest(f"max_tokens {max_tokens} is above this server's limit "
-                             f"({self.cfg.max_tokens_limit})", "max_tokens_too_large", "max_tokens")
+                             f"({limit})", "max_tokens_too_large", "max_tokens")
         if body.n > self.cfg.max_n:
             raise BadRequest(f"n {body.n} is above this server's limit ({self.cfg.max_n})",
                              "n_too_large", "n")
@@ -1063,7 +1178,8 @@ class Ingress:
                 repetition_penalty=float(body.repetition_penalty),
                 logit_bias=bias or None,
                 allowed_token_ids=body.allowed_token_ids,
-                bad_words_ids=self._bad_words_ids(body.bad_words) if body.bad_words else None,
+                bad_words_ids=(self._bad_words_ids(served, body.bad_words)
+                               if body.bad_words else None),
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
                 structured=structured.output if structured is not None else None,
@@ -1075,10 +1191,10 @@ class Ingress:
         except ValueError as e:  # the request models bound every field alone; a last guard
             raise BadRequest(str(e), "invalid_sampling") from None
 
-    def _bad_words_ids(self, words: Sequence[str]) -> list[list[int]]:
-        """The token sequences of ``bad_words`` (``tierserve.replica.detokenizer.
-        bad_words_ids``: a word of no token or too many is a 400 naming it)."""
-        return bad_words_ids(self.tokenizer, words)
+    def _bad_words_ids(self, served: _Served | None, words: Sequence[str]) -> list[list[int]]:
+        """The token sequences of ``bad_words`` in ``served``'s tokenizer (``tierserve.replica.
+        detokenizer.bad_words_ids``: a word of no token or too many is a 400 naming it)."""
+        return bad_words_ids((served or self.first).tokenizer, words)
 
     async def _serve(self, request: Request, body: CompletionRequest | ChatCompletionRequest,
                      call: _Call, caller: Caller) -> Response:
@@ -1093,29 +1209,31 @@ class Ingress:
         except SchemaCheckBusy:
             self.metrics.rejected("busy", caller.tier.name)
             raise
-        sampling = self._sampling(body, structured)
+        served = call.served
+        sampling = self._sampling(body, structured, served)
         if structured is not None:
             self.metrics.structured(caller.tier.name, structured.kind)
         call.cache_partition = cache_partition(caller, body.cache_salt,
                                                self.cfg.prefix_cache_scope)
-        route = _Route(sampling, caller, self.cfg.replica_retries)
+        route = _Route(sampling, caller, self.cfg.replica_retries, gate=served.gate)
         route.exchange = exchange_of(request)
         if route.exchange is not None:  # as it runs (service_tier may have moved it)
             route.exchange.caller(caller.tenant, caller.tier.name)
             route.exchange.requested(body.model, len(call.ids))
         try:
-            self._admit(caller)
+            self._admit(caller, served.gate)
         except ServingError:
             self._count_slo(route, failed=True)
             raise
+        self.metrics.model_request(served.name, caller.tier.name)
         self.inflight += 1
         handed_off = False
         try:
-            if self.gate is not None:
+            if served.gate is not None:
                 try:
                     with tracing.span("tierserve.gate",
                                       {"tierserve.tier": caller.tier.name}):
-                        route.ticket = await self.gate.enter(caller, len(call.ids) * call.n)
+                        route.ticket = await served.gate.enter(caller, len(call.ids) * call.n)
                 except Shed:
                     self._count_slo(route, failed=True)
                     raise
@@ -1129,10 +1247,11 @@ class Ingress:
             if not handed_off:
                 self.inflight -= 1
 
-    def _admit(self, caller: Caller) -> None:
+    def _admit(self, caller: Caller, gate: FlowGate | None = None) -> None:
         """Bound the requests in flight through this ingress (``max_inflight_requests``; a tier
         may use its ``queue_share`` of it) and the bytes a tier's open streams have sent
-        (``max_stream_bytes``): beyond, 429 at once, before any replica is asked."""
+        (``max_stream_bytes``): beyond, 429 at once, before any replica is asked (all models
+        together; ``gate``: the request's model's, which estimates its ``Retry-After``)."""
         tier = caller.tier
         if self.stream_bytes.get(tier.name, 0) >= tier.max_stream_bytes:
             self.metrics.rejected("stream_budget", tier.name)
@@ -1144,8 +1263,8 @@ class Ingress:
         if self.inflight >= tier_inflight_limit:
             reason = "shed" if caller.tier.queue_share < 1.0 else "queue_full"
             self.metrics.rejected(reason, caller.tier.name)
-            retry = (self.gate.retry_after(self.gate.band_of[caller.tier.name])
-                     if self.gate is not None else None)
+            retry = (gate.retry_after(gate.band_of[caller.tier.name])
+                     if gate is not None else None)
             raise TooManyRequests(f"the server is busy: {self.inflight} requests in flight; tier "
                                   f"{caller.tier.name!r} may have at most {tier_inflight_limit}",
                                   reason, retry_after=retry)
@@ -1187,8 +1306,8 @@ class Ingress:
 
     def _release(self, route: _Route) -> None:
         """The request's dispatch-window slot, if it still holds one."""
-        if self.gate is not None and route.ticket is not None:
-            self.gate.started(route.ticket)
+        if route.gate is not None and route.ticket is not None:
+            route.gate.started(route.ticket)
 
     async def _generate(self, stream_out: bool, call: _Call, route: _Route) -> Response:
         try:
@@ -1222,13 +1341,13 @@ class Ingress:
         out: Any
         if call.chat:
             out = ChatCompletionResponse(
-                id=rid, created=now(), model=self.cfg.model_name, usage=u,
+                id=rid, created=now(), model=call.served.name, usage=u,
                 choices=[self._chat_choice(call, i, c) for i, c in enumerate(choices)],
                 prompt_logprobs=self._prompt_logprobs(call, choices[0]),
                 service_tier=call.service_tier)
         else:
             out = CompletionResponse(
-                id=rid, created=now(), model=self.cfg.model_name, usage=u,
+                id=rid, created=now(), model=call.served.name, usage=u,
                 choices=[CompletionChoice(index=i, text=(call.echo or "") + c.text,
                                           finish_reason=c.finish_reason,
                                           logprobs=self._completion_logprobs(call, c, 0, True),
@@ -1279,10 +1398,12 @@ class Ingress:
         request, so the request is sent again while ``route`` allows (Serve's router drops a dead
         actor; a replica whose engine failed names itself and is avoided). A refusal
         (``ErrorRecord``) is raised as the HTTP error it names."""
+        served = call.served
         prefixes: tuple[int, ...] = ()
-        if self.prefix_root is not None and route.sampling.prompt_logprobs is None:
-            prefixes = tuple(block_hashes(call.ids, self.cfg.engine.block_size,
-                                          partition_root(self.prefix_root, call.cache_partition)))
+        if served.prefix_root is not None and route.sampling.prompt_logprobs is None:
+            prefixes = tuple(block_hashes(call.ids, served.engine.block_size,
+                                          partition_root(served.prefix_root,
+                                                         call.cache_partition)))
         caller = route.caller
         while True:
             # The send, until its first delta (the router picks the replica inside the handle
@@ -1291,7 +1412,7 @@ class Ingress:
                 "tierserve.attempt": self.cfg.replica_retries - route.retries_left + 1,
                 "tierserve.avoided_replicas": len(route.avoid)})
             try:
-                stream = self.llm.generate.remote(GenerateRequest(
+                stream = served.llm.generate.remote(GenerateRequest(
                     prompt_ids=tuple(call.ids), sampling=route.sampling,
                     priority=caller.priority, tier=caller.tier.name,
                     queue_share=caller.tier.queue_share, n=call.n, latency=caller.latency,
@@ -1393,8 +1514,8 @@ class Ingress:
                 route.tokens = 0
             route.last = now
             route.tokens += n
-        if self.gate is not None and route.ticket is not None:
-            self.gate.charge(route.ticket, n)
+        if route.gate is not None and route.ticket is not None:
+            route.gate.charge(route.ticket, n)
 
     async def _resend(self, call: _Call, route: _Route, stream: Any, why: str
                       ) -> tuple[Any, RequestOutput]:
@@ -1428,7 +1549,7 @@ class Ingress:
         ``continuous_usage_stats``, in a last chunk with ``include_usage``. Until the first of
         them goes out, a failed replica's request may be sent again (``_items``)."""
         created = now()
-        model = self.cfg.model_name
+        model = call.served.name
         choices = [_Choice() for _ in range(call.n)]
         parsers = [call.parser() for _ in range(call.n)]
         try:

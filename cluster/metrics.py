@@ -30,7 +30,7 @@ class IngressMetrics:
     them apart), so a dashboard's ``sum by (reason)`` counts every refusal once.
     """
 
-    def __init__(self, tiers: Sequence[str] = ()) -> None:
+    def __init__(self, tiers: Sequence[str] = (), models: Sequence[str] = ()) -> None:
         from ray.serve.metrics import Counter, Gauge
 
         doc, tags = COUNTERS["tierserve_rejections"]
@@ -52,6 +52,8 @@ class IngressMetrics:
                 _zero(self.counters["tierserve_flow_shed"], {"tier": tier, "reason": reason})
             for kind in STRUCTURED_KINDS:
                 _zero(self.counters["tierserve_structured_requests"], {"tier": tier, "kind": kind})
+            for model in models:
+                _zero(self.counters["tierserve_model_requests"], {"model": model, "tier": tier})
 
     def rejected(self, reason: str, tier: str) -> None:
         self.rejections.inc(1, tags={"reason": reason, "tier": tier or NO_TIER})
@@ -71,6 +73,10 @@ class IngressMetrics:
         """A request whose output is constrained (``kind``: one of ``STRUCTURED_KINDS``)."""
         self.counters["tierserve_structured_requests"].inc(1, tags={"tier": tier, "kind": kind})
 
+    def model_request(self, model: str, tier: str) -> None:
+        """A request admitted for ``model`` (a configured name: the label's values are bounded)."""
+        self.counters["tierserve_model_requests"].inc(1, tags={"model": model, "tier": tier})
+
     def shed(self, tier: str, reason: str) -> None:
         self.counters["tierserve_flow_shed"].inc(1, tags={"tier": tier, "reason": reason})
         self.rejected("shed", tier)
@@ -80,8 +86,9 @@ class IngressMetrics:
             self.counters["tierserve_tenant_tokens"].inc(tokens,
                                                          tags={"tier": tier, "tenant": tenant})
 
-    def flow(self, held: dict[str, int], starting: int, window: int) -> None:
+    def flow(self, held: dict[str, int], starting: int, window: int, model: str = "") -> None:
+        """One model's gate's gauges (``model``: its served name)."""
         for tier, n in held.items():
-            self.gauges["tierserve_flow_held"].set(n, tags={"tier": tier})
-        self.gauges["tierserve_flow_starting"].set(starting)
-        self.gauges["tierserve_flow_window"].set(window)
+            self.gauges["tierserve_flow_held"].set(n, tags={"tier": tier, "model": model})
+        self.gauges["tierserve_flow_starting"].set(starting, tags={"model": model})
+        self.gauges["tierserve_flow_window"].set(window, tags={"model": model})

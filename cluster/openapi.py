@@ -43,10 +43,12 @@ REF = "#/components/schemas/{model}"
 
 # status -> when a route answers it
 _ERRORS: dict[int, str] = {
-    400: "Bad input: not JSON, unknown field, wrong type, out-of-range value, unknown model, "
+    400: "Bad input: not JSON, unknown field, wrong type, out-of-range value, "
     "empty or too long prompt, a request that can never fit a replica's KV pool, a bad "
     "X-TL-Priority or X-Request-Id header.",
     401: "A missing (when keys are configured and no anonymous tier) or unknown API key.",
+    404: "The model is not served, or not to this key (code model_not_found: the same answer "
+    "either way).",
     408: "The body did not all arrive within body_timeout_s of the headers.",
     413: "The body is larger than max_request_bytes.",
     429: "The waiting queue is full for this tier, or lower tiers are shed under load. Retry "
@@ -112,7 +114,7 @@ def _limit(schemas: dict[str, Any], limits: dict[str, Any]) -> None:
             _set_in_any_of(props["n"], "integer", {"maximum": max_n})
 
         if model is not None:
-            props["model"] = {"type": "string", "enum": [model], "title": "Model"}
+            props["model"] = {"type": "string", "enum": _names(model), "title": "Model"}
         if max_tokens is not None:
             for key in ("max_tokens", "max_completion_tokens"):
                 if key in props:
@@ -158,6 +160,11 @@ def _json_schema_keywords(node: Any) -> Any:
     return node
 
 
+def _names(model: str | list[str]) -> list[str]:
+    """The served model names a ``model`` limit stands for (one name, or a list of them)."""
+    return [model] if isinstance(model, str) else list(model)
+
+
 def _set_in_any_of(prop: dict[str, Any], type_: str, values: dict[str, Any]) -> None:
     options = prop.get("anyOf", [prop])
     for option in options:
@@ -168,7 +175,8 @@ def _set_in_any_of(prop: dict[str, Any], type_: str, values: dict[str, Any]) -> 
 def openapi_schema(app: FastAPI, limits: dict[str, Any] | None = None) -> dict[str, Any]:
     """The complete document for ``app`` (the ingress's FastAPI app) under ``limits``.
 
-    limits: ``model`` (the served name), ``max_tokens``, ``vocab_size``, ``max_stop_strings``,
+    limits: ``model`` (the served name, or a list of them: every served model; None: no enum,
+    where keys are limited to some models), ``max_tokens``, ``vocab_size``, ``max_stop_strings``,
     ``max_request_bytes``, ``max_n``, ``tokenizer_size`` (the ids ``/detokenize`` takes); any
     may be missing.
     """
@@ -222,10 +230,11 @@ def openapi_schema(app: FastAPI, limits: dict[str, Any] | None = None) -> dict[s
             **{str(status): _error(status) for status in _ERRORS},
         }
     models = doc["paths"]["/v1/models"]["get"]
+    models["security"] = [{"bearer": []}, {}]
     models["responses"] = {"200": {
-        "description": "The served model.",
+        "description": "The served models the caller may use.",
         "content": {"application/json": {"schema": {"$ref": REF.format(model="ModelList")}}},
-    }}
+    }, "401": _error(401)}
     _small_routes(doc, limits)
     _responses_route(doc, limits)
     _request_ids(doc)
@@ -264,7 +273,7 @@ def _small_routes(doc: dict[str, Any], limits: dict[str, Any]) -> None:
     routes' are), ``/version`` and ``/v1/models/{model_id}``."""
     size = limits.get("max_request_bytes")
     body_note = f" At most {size} bytes." if size else ""
-    errors = {str(status): _error(status) for status in (400, 401, 408, 413, 500)}
+    errors = {str(status): _error(status) for status in (400, 401, 404, 408, 413, 500)}
     tokenize = doc["paths"]["/tokenize"]["post"]
     tokenize["requestBody"] = {
         "required": True,
@@ -291,19 +300,23 @@ def _small_routes(doc: dict[str, Any], limits: dict[str, Any]) -> None:
         schemas["DetokenizeRequest"]["properties"]["tokens"]["items"]["maximum"] = vocab - 1
     if limits.get("model") is not None:
         for name in ("TokenizeCompletionRequest", "TokenizeChatRequest", "DetokenizeRequest"):
-            # Optional (vLLM's): left out or null, it is the served model.
+            # Optional (vLLM's): left out or null, it is the served model (the first one the
+            # caller may use where there are several).
             schemas[name]["properties"]["model"] = {
-                "anyOf": [{"type": "string", "enum": [limits["model"]]}, {"type": "null"}],
+                "anyOf": [{"type": "string", "enum": _names(limits["model"])}, {"type": "null"}],
                 "default": None, "title": "Model"}
     doc["paths"]["/version"]["get"]["responses"] = {
         "200": _json("VersionResponse", "tierserve's version.")}
     one = doc["paths"]["/v1/models/{model_id}"]["get"]
     one["responses"] = {
         "200": _json("ModelCard", "The served model."),
-        "404": {"description": "No model of that id is served (code model_not_found).",
+        "404": {"description": "No model of that id is served, or not to this key (code "
+                               "model_not_found).",
                 "content": {"application/json": {"schema": {
                     "$ref": REF.format(model="ErrorResponse")}}}},
+        "401": _error(401),
     }
+    one["security"] = [{"bearer": []}, {}]
 
 
 def _responses_route(doc: dict[str, Any], limits: dict[str, Any]) -> None:
@@ -357,7 +370,7 @@ def _responses_route(doc: dict[str, Any], limits: dict[str, Any]) -> None:
             "401": _error(401)}
     props = doc["components"]["schemas"]["ResponsesRequest"]["properties"]
     if limits.get("model") is not None:
-        props["model"] = {"type": "string", "enum": [limits["model"]], "title": "Model"}
+        props["model"] = {"type": "string", "enum": _names(limits["model"]), "title": "Model"}
     if limits.get("max_tokens") is not None:
         _set_in_any_of(props["max_output_tokens"], "integer",
                        {"maximum": limits["max_tokens"]})

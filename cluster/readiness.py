@@ -6,7 +6,9 @@ through its step path: what a first step builds is built then), so a running rep
 work. The cluster is ready once every replica of the config runs (Serve reports the engine
 deployment healthy: as many running as it targets); after that, while at least one runs (a
 replica restarting after a fault does not take the whole endpoint out of a load balancer).
-``GET /health`` stays liveness: the ingress answers.
+With several models (``args.models``) each model's deployment has its own ``Readiness``, and the
+application is ready only while every model is (``together``: ``GET /ready`` names the models
+that are not). ``GET /health`` stays liveness: the ingress answers.
 """
 
 from __future__ import annotations
@@ -107,6 +109,20 @@ class Readiness:
         with contextlib.suppress(RuntimeError):  # no running loop: nothing to watch from
             self.ensure()
         return self.state.ready or self.probe_failed
+
+
+def together(states: dict[str, ReadyState]) -> ReadyState:
+    """The readiness of an application of several models, each on its own engine deployment
+    (``states``: each model's, by name): ready while every one is, else naming those that are
+    not; ``running``: the running replicas of all of them."""
+    running = sum(s.running for s in states.values())
+    missing = {name: s for name, s in states.items() if not s.ready}
+    if not missing:
+        return ReadyState(True, "ready", running)
+    if len(states) == 1:
+        return next(iter(missing.values()))
+    why = "; ".join(f"model {name!r}: {s.reason}" for name, s in missing.items())
+    return ReadyState(False, f"not every model can take work: {why}", running)
 
 
 def serve_census(app_name: str, deployment_name: str) -> ReplicaCensus:

@@ -19,7 +19,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from tierserve.cluster.autoscaling import AutoscalePolicyConfig
-from tierserve.cluster.config import ClusterConfig, TenantConfig, TierConfig
+from tierserve.cluster.config import ClusterConfig, ModelConfig, TenantConfig, TierConfig
 from tierserve.router.routing import RouterSettings
 
 # Nested models whose fields are listed one by one under the field's name.
@@ -74,12 +74,13 @@ def _meaning(info: FieldInfo, where: str) -> str:
     return info.description.replace("](docs/", "](")
 
 
-def rows(model: type[BaseModel], prefix: str = "") -> Iterator[tuple[str, str, str]]:
-    """Every field of ``model`` (nested models of ``_EXPANDED`` field by field), in order."""
+def rows(model: type[BaseModel], prefix: str = "", expand: frozenset[str] = _EXPANDED
+         ) -> Iterator[tuple[str, str, str]]:
+    """Every field of ``model`` (nested models of ``expand`` field by field), in order."""
     for name, info in model.model_fields.items():
         path = prefix + name
         nested = info.annotation
-        if name in _EXPANDED and isinstance(nested, type) and issubclass(nested, BaseModel):
+        if name in expand and isinstance(nested, type) and issubclass(nested, BaseModel):
             yield from rows(nested, path + ".")
             continue
         yield path, _default(info), _meaning(info, f"{model.__name__}.{name}")
@@ -91,6 +92,9 @@ def tables() -> list[Table]:
     tier += [(f"tenants[].{f}", d, m) for f, d, m in rows(TenantConfig)]
     return [
         Table("docs/config.md", "| `args` field | default | meaning |", list(rows(ClusterConfig))),
+        # A model's engine is the same fields as the top-level ``engine``: one row for them.
+        Table("docs/config.md", "| `models[]` field | default | meaning |",
+              list(rows(ModelConfig, "models[].", frozenset()))),
         Table("docs/config.md", "| `request_router_kwargs` field | default | meaning |",
               list(rows(RouterSettings))),
         Table("docs/tiers.md", "| tier field | default | meaning |", tier),

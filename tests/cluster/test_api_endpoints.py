@@ -244,8 +244,10 @@ def test_detokenize_refuses_ids_outside_the_vocabulary(stub: StubIngress) -> Non
     e = error(stub.post("/detokenize", {"model": stub.model, "tokens": [1, size]}), 400)
     assert e["code"] == "invalid_token" and e["param"] == "tokens.1"
     assert str(size) in e["message"]
-    e = error(stub.post("/detokenize", {"model": "other", "tokens": [1]}), 400)
-    assert e["code"] == "model_not_found"
+    e = error(stub.post("/detokenize", {"model": "other", "tokens": [1]}), 404)
+    assert e["code"] == "model_not_found" and e["param"] == "model"
+    e = error(stub.post("/tokenize", {"model": "other", "prompt": "x"}), 404)
+    assert e["code"] == "model_not_found" and e["param"] == "model"
 
 
 def test_version(stub: StubIngress) -> None:

@@ -8,14 +8,20 @@ import pytest
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
-from tierserve.cluster.app import POLICY, check_serve_config, load_config
+from tierserve.cluster.app import POLICY, check_serve_config, deployment_names, load_config
 
 ROOT = Path(__file__).resolve().parents[2] / "configs"
 CPU, GPU = ROOT / "cluster.yaml", ROOT / "cluster-gpu.yaml"
 CPU_ONE = ROOT / "cpu-one-replica.yaml"
 AUTOSCALE = ROOT / "cluster-autoscale.yaml"
 GEMMA3 = ROOT / "cluster-gemma3.yaml"
-CONFIGS = [CPU, GPU, CPU_ONE, AUTOSCALE, GEMMA3]
+MULTI = ROOT / "cluster-multi.yaml"
+CONFIGS = [CPU, GPU, CPU_ONE, AUTOSCALE, GEMMA3, MULTI]
+
+
+def test_every_config_in_configs_is_checked() -> None:
+    """Each Serve config shipped in configs/ is one of those ``test_config_is_valid`` checks."""
+    assert sorted(ROOT.glob("*.yaml")) == sorted(CONFIGS)
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
@@ -25,11 +31,27 @@ def test_config_is_valid(path: Path) -> None:
     app = schema.applications[0]
     cfg = load_config(app.args)
     names = {d.name for d in app.deployments}
-    assert names == {"LLMServer", "Ingress"}
-    llm = next(d for d in app.deployments if d.name == "LLMServer")
-    assert llm.request_router_config is not None
-    assert cfg.engine.model
+    assert names == set(deployment_names(cfg))  # every model's engine deployment, the ingress
+    for name in names - {"Ingress"}:
+        llm = next(d for d in app.deployments if d.name == name)
+        assert llm.request_router_config is not None, name
+    assert all(m.engine.model for m in cfg.served_models())
     check_serve_config(raw)
+
+
+def test_the_multi_model_config_serves_smollm2_and_gemma_on_a_cpu_replica_each() -> None:
+    raw = yaml.safe_load(MULTI.read_text())
+    cfg = load_config(raw["applications"][0]["args"])
+    assert [(m.name, m.engine.model) for m in cfg.served_models()] == [
+        ("smollm2-135m-instruct", "smollm2-135m-instruct"), ("gemma-3-270m", "gemma-3-270m")]
+    assert deployment_names(cfg) == ["LLMServer", "LLMServer-gemma-3-270m", "Ingress"]
+    for dep in raw["applications"][0]["deployments"]:
+        if dep["name"] != "Ingress":
+            assert dep["num_replicas"] == 1 and dep["ray_actor_options"] == {"num_cpus": 1}
+    # ``make serve CONFIG=...`` installs and prepares both (``prepare --install --config``).
+    from tierserve.replica.models.prepare import config_models
+
+    assert config_models(raw) == ["smollm2-135m-instruct", "gemma-3-270m"]
 
 
 def test_autoscaling_is_one_block_of_the_default_config() -> None:

@@ -238,7 +238,8 @@ def test_a_stream_that_fails_in_the_server_s_code_ends_with_an_error_event_and_d
     items = Items()
 
     async def go() -> list[str]:
-        call = _Call(chat=False, n=1, ids=[1], continuous_usage=True)
+        served: Any = SimpleNamespace(name=ing.cfg.model_name)  # what _sse reads of its model
+        call = _Call(chat=False, n=1, ids=[1], served=served, continuous_usage=True)
         return [e async for e in ing._sse(items, "cmpl-1", call, route)]
 
     out = asyncio.run(go())

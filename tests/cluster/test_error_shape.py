@@ -257,8 +257,10 @@ def test_chat_with_a_base_model_says_to_use_completions() -> None:
     cls: Any = ingress.Ingress.func_or_class
     cfg = load_config({"engine": {"model": "gemma-3-270m"}})
     # The ingress's own methods over only what they read (no deployment is built).
-    inst = SimpleNamespace(cfg=cfg, tiers=TierResolver(cfg), tokenizer=SimpleNamespace(chat_template=None))
+    served = SimpleNamespace(name="gemma-3-270m", tokenizer=SimpleNamespace(chat_template=None))
+    inst = SimpleNamespace(cfg=cfg, tiers=TierResolver(cfg), served={served.name: served})
     inst._caller = MethodType(cls._caller, inst)
+    inst._model = MethodType(cls._model, inst)
     inst._body = MethodType(cls._body, inst)
     inst._chat = MethodType(cls._chat, inst)
     body = json.dumps({"model": "gemma-3-270m", "messages": [{"role": "user", "content": "hi"}]})

@@ -117,8 +117,6 @@ BAD_BODIES: list[tuple[str, dict[str, Any], str, str | None]] = [
      "messages.0.role"),
     (CHAT, chat(max_completion_tokens=0), "invalid_request", "max_completion_tokens"),
     # unknown model, unknown or unsupported fields
-    (C, comp(model="gpt-4o"), "model_not_found", "model"),
-    (CHAT, chat(model="tierserve-huge"), "model_not_found", "model"),
     (C, comp(suffix="x"), "invalid_request", "suffix"),
     (CHAT, chat(tools=[]), "invalid_request", "tools"),
     (CHAT, chat(tool_choice="auto"), "invalid_request", "tool_choice"),
@@ -178,6 +176,14 @@ RAW_BODIES: list[tuple[bytes | None, bytes, str]] = [
 ]
 
 
+@pytest.mark.parametrize(("path", "body"), [(C, comp(model="gpt-4o")),
+                                            (CHAT, chat(model="tierserve-huge"))])
+def test_an_unknown_model_is_404_model_not_found(http: httpx.Client, path: str,
+                                                 body: dict[str, Any]) -> None:
+    err = assert_error(http.post(path, json=body), 404, "model_not_found")
+    assert err["type"] == "not_found_error" and err["param"] == "model"
+
+
 @pytest.mark.parametrize(("text", "tail", "code"), RAW_BODIES)
 @pytest.mark.parametrize("path", [C, CHAT])
 def test_malformed_bodies_are_400(http: httpx.Client, path: str, text: bytes | None,
@@ -224,7 +230,7 @@ def test_the_openai_client_sees_typed_errors(main_app: ServeApp) -> None:
     with pytest.raises(openai.BadRequestError) as bad:
         client.completions.create(model=MODEL, prompt="", max_tokens=4)
     assert bad.value.code == "empty" and bad.value.param == "prompt"
-    with pytest.raises(openai.BadRequestError) as unknown:
+    with pytest.raises(openai.NotFoundError) as unknown:  # OpenAI's answer: 404
         client.chat.completions.create(model="gpt-4o", messages=USER)  # type: ignore[arg-type]
     assert unknown.value.code == "model_not_found"
     with pytest.raises(openai.BadRequestError) as long:

@@ -407,7 +407,7 @@ class FakeMetrics:
     def tenant_tokens(self, tier: str, tenant: str, tokens: int) -> None:
         self.tokens[(tier, tenant)] = self.tokens.get((tier, tenant), 0) + tokens
 
-    def flow(self, held: dict[str, int], starting: int, window: int) -> None:
+    def flow(self, held: dict[str, int], starting: int, window: int, model: str = "") -> None:
         pass
 
 

@@ -61,3 +61,15 @@ def test_ready_probes_the_controller_at_most_once_a_period_however_often_asked()
         assert all(s.ready for s in states)
         assert 1 <= len(calls) <= 2  # this caller's one probe, and the watcher's first
     asyncio.run(go())
+
+
+def test_several_models_are_ready_only_together() -> None:
+    from tierserve.cluster.readiness import ReadyState, together
+
+    a, b = ReadyState(True, "ready", 2), ReadyState(False, "no engine replica can take work yet", 0)
+    assert together({"a": a}) == a and together({"b": b}) == b  # one model: its own state
+    assert together({"a": a, "c": ReadyState(True, "ready", 1)}) == ReadyState(True, "ready", 3)
+    both = together({"a": a, "b": b})
+    assert not both.ready and both.running == 2
+    assert both.reason == ("not every model can take work: model 'b': no engine replica can "
+                           "take work yet")

@@ -98,7 +98,7 @@ def test_the_id_reaches_the_replica_and_names_the_answer(stub: StubIngress, rout
 def test_an_error_body_carries_the_id(stub: StubIngress) -> None:
     answer = stub.post("/v1/completions", {"model": "nope", "prompt": "x"},
                        {"X-Request-Id": "trace-9"})
-    assert answer.status == 400
+    assert answer.status == 404
     assert answer.body["error"]["request_id"] == "trace-9"
     assert answer.headers["x-request-id"] == "trace-9"
 

@@ -82,12 +82,15 @@ def ingress(handle: FakeHandle, retries: int = 2) -> Any:
     cls = next(c for c in ingress_mod.Ingress.func_or_class.__mro__ if "_generate" in c.__dict__)
     self = object.__new__(cls)
     self.cfg = ClusterConfig(replica_retries=retries)
-    self.llm = handle
-    self.prefix_root = None
-    self.token_text = None
-    self.gate = None  # flow control is the gate's tests' (tests/cluster/test_flow_queues.py)
     self.metrics = SimpleNamespace(slo=lambda *args: None)
     return self
+
+
+def served(handle: FakeHandle) -> Any:
+    """The model's record as the sends read it (no gate: flow control is the gate's tests',
+    tests/cluster/test_flow_queues.py)."""
+    return SimpleNamespace(name=ClusterConfig().model_name, llm=handle, prefix_root=None,
+                           token_text=None, gate=None)
 
 
 CALLER = Caller(tier=ClusterConfig().tiers[0], priority=0)
@@ -96,7 +99,7 @@ CALLER = Caller(tier=ClusterConfig().tiers[0], priority=0)
 def generate(handle: FakeHandle, stream: bool, retries: int = 2) -> Any:
     async def go() -> Any:
         ing = ingress(handle, retries)
-        call = _Call(chat=False, n=1, ids=[1, 2, 3])
+        call = _Call(chat=False, n=1, ids=[1, 2, 3], served=served(handle))
         route = ingress_mod._Route(SamplingParams(max_tokens=4), CALLER, retries)
         response = await ing._generate(stream, call, route)
         if isinstance(response, StreamingResponse):

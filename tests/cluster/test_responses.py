@@ -374,7 +374,6 @@ def test_unknown_fields_are_refused_by_name(stub: StubIngress) -> None:
 
 
 @pytest.mark.parametrize(("extra", "param", "says"), [
-    ({"model": "gpt-4o"}, "model", "unknown model"),
     ({"input": 5}, "input", "a string or a list of items"),
     ({"input": []}, "input", "1 to"),
     ({"input": [{"role": "robot", "content": "x"}]}, "input.0", "role"),
@@ -443,6 +442,15 @@ def test_unknown_fields_are_refused_by_name(stub: StubIngress) -> None:
 def test_bad_input_is_a_400_naming_the_field(stub: StubIngress, extra: dict[str, Any],
                                              param: str, says: str) -> None:
     refused(stub, body(stub, **extra), param, says)
+
+
+def test_an_unknown_model_is_a_404_model_not_found(stub: StubIngress) -> None:
+    answer = stub.post(ROUTE, body(stub, model="gpt-4o"))
+    assert answer.status == 404, answer.body
+    error = answer.body["error"]
+    assert (error["code"], error["param"], error["type"]) == (
+        "model_not_found", "model", "not_found_error")
+    assert "'gpt-4o' does not exist" in error["message"]
 
 
 def test_a_chat_refusal_names_the_responses_field(stub: StubIngress) -> None:
@@ -616,8 +624,8 @@ def test_stored_responses_are_behind_the_key() -> None:
 @pytest.mark.parametrize("mode", ["positive", "negative"])
 def test_generated_requests_get_documented_answers(stub: StubIngress, mode: str) -> None:
     """Bodies and headers generated from the route's OpenAPI document (schemathesis), sent to
-    the stub: never a 5xx; a request that breaks the document is a 400; some valid ones are
-    served. (The live fuzz of ``test_fuzz.py`` covers the other routes against a cluster.)"""
+    the stub: never a 5xx; a request that breaks the document is a 400 (a 404
+    ``model_not_found`` where the model is outside its enum); some valid ones are served. (The live fuzz of ``test_fuzz.py`` covers the other routes against a cluster.)"""
     import schemathesis
     from hypothesis import HealthCheck, given, settings
     from schemathesis import GenerationMode
@@ -642,7 +650,7 @@ def test_generated_requests_get_documented_answers(stub: StubIngress, mode: str)
     if mode == "positive":
         assert 200 in statuses, statuses
     else:
-        assert set(statuses) <= {400}, statuses
+        assert set(statuses) <= {400, 404}, statuses
 
 
 # ------------------------------------------------------------------ helpers

@@ -690,9 +690,9 @@ def ask(stub: StubIngress, **kw: Any) -> dict[str, Any]:
 
 
 def with_template(monkeypatch: pytest.MonkeyPatch, template: str) -> None:
-    """The ingress's tokenizer gets ``template`` as its chat template (Serve's decorator
-    copied the class, its methods' globals with it: they are patched where its code reads)."""
-    names = stub_ingress._ingress_class().__init__.__globals__
+    """The ingress's tokenizer gets ``template`` as its chat template (patched where the
+    ingress's per-model record, ``_Served.load``, reads it)."""
+    names = stub_ingress.ingress._Served.load.__func__.__globals__
     load = names["load_tokenizer"]
 
     def load_with(model: str, trust_remote_code: bool = False) -> Any:

@@ -113,6 +113,17 @@ def test_config_models_lists_each_applications_model() -> None:
     assert prepare.config_models(raw) == ["gemma-3-270m", catalog.DEFAULT_MODEL]
 
 
+
+def test_config_models_lists_every_model_of_a_models_list() -> None:
+    """A several-model application (``args.models``) names each entry's model, the default
+    for an entry that names none."""
+    raw = {"applications": [{"import_path": prepare.BUILDER, "args": {"models": [
+        {"name": "a", "engine": {"model": catalog.DEFAULT_MODEL}},
+        {"name": "b", "engine": {"model": "gemma-3-270m"}},
+        {"name": "c"}]}}]}
+    assert prepare.config_models(raw) == [catalog.DEFAULT_MODEL, "gemma-3-270m"]
+
+
 def test_prepare_install_installs_what_a_config_names(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
