@@ -35,7 +35,7 @@ from tierserve.records import (
 from tierserve.replica.config import EngineConfig
 from tierserve.replica.detokenizer import IncrementalDetokenizer
 from tierserve.replica.engine_config import build_engine_parts
-from tierserve.replica.lora import LoRAManager
+from tierserve.replica.lora import LoRAError, LoRAManager
 from tierserve.replica.runner import ForwardBatch, PromptRows, StepLogits
 from tierserve.replica.sampler import (
     SamplerState,
@@ -244,8 +244,8 @@ class Engine:
         if lora is None:
             return None
         if self.lora is None:
-            raise ValueError(f"this engine serves no LoRA adapters (enable_lora is off): the "
-                             f"request names adapter {lora.lora_name!r}")
+            raise LoRAError(f"this engine serves no LoRA adapters (enable_lora is off): the "
+                            f"request names adapter {lora.lora_name!r}", "lora_disabled")
         self.lora.load(lora.lora_name, lora.lora_path, lora.lora_int_id)
         return lora.lora_name
 
@@ -332,8 +332,8 @@ class Engine:
         lora = sched.lora
         if lora is not None:
             if self.lora is None or request.lora is None:
-                raise ValueError(f"this engine serves no LoRA adapters (enable_lora is off): "
-                                 f"the request names adapter {lora!r}")
+                raise LoRAError(f"this engine serves no LoRA adapters (enable_lora is off): "
+                                f"the request names adapter {lora!r}", "lora_disabled")
             # Held (never evicted nor unloaded) until the request ends; loaded again where the
             # adapter cache dropped it since the request was checked.
             self.lora.load(lora, request.lora.lora_path, request.lora.lora_int_id, acquire=True)
@@ -391,7 +391,8 @@ class Engine:
 
     def _adapters(self) -> LoRAManager:
         if self.lora is None:
-            raise ValueError("this engine serves no LoRA adapters (enable_lora is off)")
+            raise LoRAError("this engine serves no LoRA adapters (enable_lora is off)",
+                            "lora_disabled")
         return self.lora
 
     def load_lora(self, lora: LoRARequest) -> None:
@@ -399,12 +400,13 @@ class Engine:
         no-op when it is loaded from that path already. ``ValueError`` (``LoRAError``): no
         adapters here, a bad adapter, or the cache full of adapters in use."""
         if not lora.lora_path:
-            raise ValueError(f"load_lora needs the adapter's path (lora {lora.lora_name!r})")
+            raise LoRAError(f"load_lora needs the adapter's path (lora {lora.lora_name!r})")
         self._adapters().load(lora.lora_name, lora.lora_path, lora.lora_int_id)
 
     def unload_lora(self, name: str) -> None:
-        """Forget adapter ``name``. Refused (``LoRAError``) while requests, running or waiting,
-        use it, or when it is not loaded: the caller retries once they finish."""
+        """Forget adapter ``name``. Refused while requests, running or waiting, use it
+        (``LoRAInUse``, 409: the caller retries once they finish; not deferred, so that it knows
+        when the adapter is gone), or when it is not loaded (``LoRANotFound``, 404)."""
         self._adapters().unload(name)
 
     def loras(self) -> list[LoRARequest]:

@@ -40,6 +40,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from tierserve.records import LoRACacheFull, LoRAError, LoRAInUse, LoRANotFound
+
 # The projections an adapter may target (PEFT's module names) -> (our fused module, part).
 # The part indexes the fused module's row blocks: qkv_proj's [q | k | v], gate_up_proj's
 # [gate | up]; o_proj and down_proj are one block.
@@ -58,16 +60,6 @@ _KEY = re.compile(
 )
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
-
-
-class LoRAError(ValueError):
-    """An adapter that cannot be loaded or used, and why (a 4xx over HTTP, a ``ValueError``
-    offline)."""
-
-
-class LoRACacheFull(LoRAError):
-    """Every one of the ``max_cpu_loras`` loaded adapters is in use by a request: another
-    adapter can be loaded once one of them drains (the offline ``LLM`` waits for that)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -413,7 +405,8 @@ class LoRAManager:
                 self._cpu.move_to_end(name)
                 return have
         if not path:
-            raise LoRAError(f"LoRA adapter {name!r} is not loaded and the request gives no path")
+            raise LoRANotFound(f"LoRA adapter {name!r} is not loaded and the request gives no "
+                               "path")
         adapter = load_adapter(name, path, self.shapes, self.max_rank, self.dtype, int_id)
         with self._lock:
             if name in self._cpu:  # loaded meanwhile by another caller
@@ -437,9 +430,9 @@ class LoRAManager:
         gone."""
         with self._lock:
             if name not in self._cpu:
-                raise LoRAError(f"LoRA adapter {name!r} is not loaded")
+                raise LoRANotFound(f"LoRA adapter {name!r} is not loaded")
             if self._users.get(name):
-                raise LoRAError(f"LoRA adapter {name!r} is in use by {self._users[name]} "
+                raise LoRAInUse(f"LoRA adapter {name!r} is in use by {self._users[name]} "
                                 "request(s): unload it once they finish")
             self._drop(name)
 
@@ -467,7 +460,7 @@ class LoRAManager:
         """A request now uses ``name`` (loaded): it is not evicted nor unloaded until released."""
         with self._lock:
             if name not in self._cpu:
-                raise LoRAError(f"LoRA adapter {name!r} is not loaded")
+                raise LoRANotFound(f"LoRA adapter {name!r} is not loaded")
             self._users[name] = self._users.get(name, 0) + 1
             self._cpu.move_to_end(name)
 
@@ -551,3 +544,9 @@ class LoRAManager:
             h.remove()
         self._hooks.clear()
 
+
+
+__all__ = [
+    "LoRABatch", "LoRACacheFull", "LoRAError", "LoRAInUse", "LoRAManager", "LoRANotFound",
+    "ModelShapes", "apply_lora", "load_adapter", "read_adapter_config",
+]

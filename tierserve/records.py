@@ -174,6 +174,37 @@ class InvalidSamplingParam(BadRequest, ValueError):
         super().__init__(message, param=param)
 
 
+class LoRAError(BadRequest, ValueError):
+    """A LoRA adapter that cannot be loaded or used, and why: a bad or missing adapter folder,
+    a rank above ``max_lora_rank``, what the server does not apply (DoRA, embeddings,
+    ``modules_to_save``), shapes of another base model, or adapters off (``enable_lora``)."""
+
+    code = "invalid_lora_adapter"
+
+
+class LoRANotFound(LoRAError):
+    """404: the adapter named is not loaded (and the request gives no path to load it)."""
+
+    status = 404
+    code = "lora_not_found"
+
+
+class LoRAInUse(LoRAError):
+    """409: the adapter to unload has requests running or waiting on it: unload it once they
+    finish (refused, not deferred, so that the caller knows when it is gone)."""
+
+    status = 409
+    code = "lora_in_use"
+
+
+class LoRACacheFull(LoRAError):
+    """429: every one of the ``max_cpu_loras`` loaded adapters is in use by a request; another
+    adapter can be loaded once one of them drains (the offline ``LLM`` waits for that)."""
+
+    status = 429
+    code = "lora_cache_full"
+
+
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 

@@ -305,3 +305,45 @@ def test_a_step_holds_at_most_max_loras_adapters_and_none_starves() -> None:
             if hasattr(e, "reason"):
                 left.discard(e.id)
     assert not left  # every adapter's requests ran to their end
+
+
+# ---------------------------------------------------------------------- the deployment
+
+
+def test_the_deployment_loads_lists_unloads_and_reports_adapters(
+        ckpt: tuple[Path, dict[str, Path], Any], tmp_path: Path) -> None:
+    import asyncio
+
+    from tierserve.records import ErrorRecord, RequestOutput, RoutingStats
+    from tierserve.replica.deployment import LLMServer
+
+    base, paths, ref = ckpt
+    server = LLMServer(engine={"model": str(base), "device": "cpu", "num_kv_blocks": 32,
+                               "max_num_seqs": 4, "num_threads": 1, "max_model_len": 64,
+                               "enable_lora": True, "max_loras": 2, "max_lora_rank": 8})
+    try:
+        assert server.load_lora_adapter("beta", str(paths["beta"]), 2) is None
+        assert [r.lora_name for r in server.list_lora_adapters()] == ["beta"]
+        stats = RoutingStats.from_dict(server.record_routing_stats())
+        assert stats is not None and stats.lora_adapters == ("beta",)
+        bad = server.load_lora_adapter("bad", str(tmp_path / "nope"))
+        assert isinstance(bad, ErrorRecord) and bad.status == 400
+        assert bad.code == "invalid_lora_adapter" and "no such directory" in bad.message
+        missing = server.unload_lora_adapter("nope")
+        assert isinstance(missing, ErrorRecord) and missing.status == 404
+
+        prompt = [5, 9, 14, 20]
+
+        async def run(lora: LoRARequest) -> list[RequestOutput | ErrorRecord]:
+            request = GenerateRequest.of(prompt, GREEDY, lora=lora)
+            return [item async for item in server.generate(request)]
+
+        items = asyncio.run(asyncio.wait_for(run(LoRARequest("beta", 2)), timeout=60))
+        tokens = [t for i in items if isinstance(i, RequestOutput) for t in i.token_ids]
+        assert tokens == greedy(ref, "beta", prompt, NEW)
+        (refused,) = asyncio.run(asyncio.wait_for(run(LoRARequest("ghost", 4)), timeout=60))
+        assert isinstance(refused, ErrorRecord) and refused.status == 404
+        assert server.unload_lora_adapter("beta") is None
+        assert server.list_lora_adapters() == []
+    finally:
+        server.engine.shutdown()
