@@ -26,6 +26,7 @@ A step without adapter rows runs the model's code unchanged: the hooks return at
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -298,6 +299,12 @@ class LoRABatch:
     row_slots: torch.Tensor
     segments: list[tuple[int, torch.Tensor]]
     names: dict[int, str] = field(default_factory=dict)  # slot -> adapter name
+    # The same segments as the Triton kernels take them (``tierserve.kernels.lora``): every
+    # segment's rows in one int32 tensor, where each starts (``[S + 1]``), each one's slot.
+    rows: torch.Tensor | None = None
+    seg_start: torch.Tensor | None = None
+    seg_slot: torch.Tensor | None = None
+    triton: bool = False  # the Triton kernels apply it (else torch ops)
 
 
 @dataclass(slots=True)
@@ -329,7 +336,17 @@ class _ModuleLoRA:
 def apply_lora(x: torch.Tensor, out: torch.Tensor, parts: Sequence[_Part],
                batch: LoRABatch) -> None:
     """``out[rows, part] += (x[rows] @ A_slot^T) @ B_slot^T`` for every slot's rows and every
-    part its adapter targets (torch ops: one small matmul pair per adapter and part)."""
+    part its adapter targets: on CUDA by the Triton kernels (``tierserve.kernels.lora``: one
+    shrink and one expand per part over every segment); elsewhere by torch ops, one small
+    matmul pair per adapter and part."""
+    if batch.triton and batch.rows is not None:
+        from tierserve.kernels import lora as tlora  # Triton: the GPU path only
+
+        assert batch.seg_start is not None and batch.seg_slot is not None
+        for p in parts:
+            tlora.lora_add(x, out, p.a, p.b, p.offset, batch.rows, batch.seg_start,
+                           batch.seg_slot)
+        return
     for slot, rows in batch.segments:
         xs = x.index_select(0, rows)
         for p in parts:
@@ -350,7 +367,9 @@ class LoRAManager:
     while the model runs (``running``)."""
 
     def __init__(self, model: nn.Module, max_loras: int, max_rank: int, max_cpu_loras: int,
-                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                 use_triton: bool | None = None) -> None:
+        """``use_triton``: apply the adapters by the Triton kernels; None: on CUDA."""
         if max_cpu_loras < max_loras:
             raise ValueError(f"max_cpu_loras ({max_cpu_loras}) must be at least max_loras "
                              f"({max_loras})")
@@ -360,6 +379,7 @@ class LoRAManager:
         self.max_cpu_loras = max_cpu_loras
         self.device = torch.device(device)
         self.dtype = dtype
+        self.use_triton = self.device.type == "cuda" if use_triton is None else use_triton
         self._lock = threading.RLock()
         self._cpu: OrderedDict[str, LoRAAdapter] = OrderedDict()
         self._users: dict[str, int] = {}
@@ -497,9 +517,15 @@ class LoRAManager:
             slot_of = dict(self._slot_of)
         slots = [-1 if n is None else slot_of[n] for n in row_adapters]
         row_slots = torch.tensor(slots, dtype=torch.int64)
-        segments = [(slot_of[n], torch.nonzero(row_slots == slot_of[n]).flatten()
-                     .to(self.device)) for n in present]
-        return LoRABatch(row_slots.to(self.device), segments, {slot_of[n]: n for n in present})
+        host = [(slot_of[n], torch.nonzero(row_slots == slot_of[n]).flatten()) for n in present]
+        segments = [(slot, rows.to(self.device)) for slot, rows in host]
+        flat = torch.cat([rows for _, rows in host]).to(torch.int32)
+        start = torch.tensor([0, *itertools.accumulate(r.numel() for _, r in host)],
+                             dtype=torch.int32)
+        seg_slot = torch.tensor([slot for slot, _ in host], dtype=torch.int32)
+        return LoRABatch(row_slots.to(self.device), segments, {slot_of[n]: n for n in present},
+                         flat.to(self.device), start.to(self.device), seg_slot.to(self.device),
+                         self.use_triton)
 
     def _fill(self, name: str, keep: Sequence[str]) -> None:
         adapter = self._cpu.get(name)
