@@ -17,7 +17,8 @@ Three parts:
 
 Our model fuses q/k/v into ``qkv_proj`` (rows ``[q | k | v]``) and gate/up into
 ``gate_up_proj`` (rows ``[gate | up]``): a LoRA on ``q_proj`` adds into the q rows of
-``qkv_proj``'s output, and so on. With partial rotary (Phi-3) the q/k rows of each head are in
+``qkv_proj``'s output, and so on; an adapter of a checkpoint fused already (Phi-3's
+``qkv_proj``, ``gate_up_proj``) adds into the whole module's output. With partial rotary (Phi-3) the q/k rows of each head are in
 ``layers.rotary_permutation``'s order: the adapter's ``B`` rows are permuted the same way.
 
 A step without adapter rows runs the model's code unchanged: the hooks return at once. With
@@ -54,6 +55,9 @@ TARGETS: dict[str, tuple[str, int]] = {
     "gate_proj": ("mlp.gate_up_proj", 0),
     "up_proj": ("mlp.gate_up_proj", 1),
     "down_proj": ("mlp.down_proj", 0),
+    # Checkpoints whose projections are fused already (Phi-3): the whole module.
+    "qkv_proj": ("self_attn.qkv_proj", 0),
+    "gate_up_proj": ("mlp.gate_up_proj", 0),
 }
 _EMBEDDINGS = ("embed_tokens", "lm_head", "wte", "word_embeddings")
 _KEY = re.compile(
@@ -72,7 +76,9 @@ class ProjShape:
     in_features: int
     out_features: int
     offset: int
-    rotary_heads: int = 0  # q or k under partial rotary: heads whose rows are permuted
+    # Under partial rotary: the (first, end, heads) row ranges of B (q or k heads) whose rows
+    # are permuted within each head as the model's are.
+    rotary: tuple[tuple[int, int, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,11 +109,14 @@ class ModelShapes:
             qkv = mods.get("self_attn.qkv_proj")
             if isinstance(qkv, Linear) and qkv.out_features == q + 2 * kv:
                 h = qkv.in_features
-                rq = cfg.num_heads if perm is not None else 0
-                rk = cfg.num_kv_heads if perm is not None else 0
+                rq = ((0, q, cfg.num_heads),) if perm is not None else ()
+                rk = ((0, kv, cfg.num_kv_heads),) if perm is not None else ()
+                rqk = ((0, q, cfg.num_heads), (q, q + kv, cfg.num_kv_heads)) if perm is not None \
+                    else ()
                 shapes["q_proj"] = ProjShape("self_attn.qkv_proj", h, q, 0, rq)
                 shapes["k_proj"] = ProjShape("self_attn.qkv_proj", h, kv, q, rk)
                 shapes["v_proj"] = ProjShape("self_attn.qkv_proj", h, kv, q + kv)
+                shapes["qkv_proj"] = ProjShape("self_attn.qkv_proj", h, q + 2 * kv, 0, rqk)
             o = mods.get("self_attn.o_proj")
             if isinstance(o, Linear):
                 shapes["o_proj"] = ProjShape("self_attn.o_proj", o.in_features, o.out_features, 0)
@@ -116,6 +125,8 @@ class ModelShapes:
                 inter = gu.out_features // 2
                 shapes["gate_proj"] = ProjShape("mlp.gate_up_proj", gu.in_features, inter, 0)
                 shapes["up_proj"] = ProjShape("mlp.gate_up_proj", gu.in_features, inter, inter)
+                shapes["gate_up_proj"] = ProjShape("mlp.gate_up_proj", gu.in_features,
+                                                   gu.out_features, 0)
             d = mods.get("mlp.down_proj")
             if isinstance(d, Linear):
                 shapes["down_proj"] = ProjShape("mlp.down_proj", d.in_features, d.out_features, 0)
@@ -275,11 +286,12 @@ def load_adapter(name: str, path: str, shapes: ModelShapes, max_rank: int,
                       f"model's {shape.in_features} -> {shape.out_features} projection (an "
                       "adapter of another base model?)")
         b = b.to(torch.float32) * scaling
-        if shape.rotary_heads and shapes.rotary_perm is not None:
+        if shape.rotary and shapes.rotary_perm is not None:
             from tierserve.replica.models.layers import permute_rotary_rows_
 
             b = b.contiguous()
-            permute_rotary_rows_(b, shape.rotary_heads, shapes.rotary_perm)
+            for first, end, heads in shape.rotary:
+                permute_rotary_rows_(b[first:end], heads, shapes.rotary_perm)
         weights[(layer, proj)] = (a.to(dtype).contiguous(), b.to(dtype).contiguous())
     base = cfg.get("base_model_name_or_path")
     return LoRAAdapter(name, path, r, scaling, None if base is None else str(base), weights,

@@ -347,3 +347,29 @@ def test_the_deployment_loads_lists_unloads_and_reports_adapters(
         assert server.list_lora_adapters() == []
     finally:
         server.engine.shutdown()
+
+
+def test_fused_targets_under_partial_rotary_match_peft(tmp_path: Path) -> None:
+    """Phi-3 (partial rotary) fuses q/k/v and gate/up in its checkpoint: an adapter on
+    ``qkv_proj`` and ``gate_up_proj`` adds into the whole module, its q/k rows permuted as the
+    model's are."""
+    hf = tiny_hf_model("phi3-partial")
+    from tests.replica.models.helpers import save_checkpoint
+
+    base = save_checkpoint(hf, tmp_path / "base")
+    paths = {"fused": make_adapter(hf, tmp_path / "fused", 4, r=4, lora_alpha=8,
+                                   target_modules=["qkv_proj", "o_proj", "gate_up_proj"])}
+    ref = reference(base, paths)
+    model, _, _ = load_model(str(base), dtype=torch.float32, device="cpu")
+    lora = LoRAManager(model, max_loras=1, max_rank=8, max_cpu_loras=1)
+    lora.load("fused", str(paths["fused"]))
+    prompts = _prompts((6, 5), seed=11)
+    names: list[str | None] = ["fused", None]
+    rows = [n for n, p in zip(names, prompts, strict=True) for _ in p]
+    with lora.running(lora.batch(rows)):
+        got = PagedHarness(model, len(prompts), 32).step(
+            [Work(i, 0, p) for i, p in enumerate(prompts)], all_rows=True)
+    for p, n, lg in zip(prompts, names, got, strict=True):
+        torch.testing.assert_close(lg, logits(ref, n, p), rtol=0, atol=1e-4)
+    assert not torch.allclose(logits(ref, "fused", prompts[0]), logits(ref, None, prompts[0]))
+    lora.close()
