@@ -24,7 +24,7 @@ from tierserve.cluster.chat_template import (
 )
 from tierserve.cluster.protocol import Message, Tool
 from tierserve.cluster.tool_calls import render_messages
-from tierserve.records import SamplingParams
+from tierserve.records import LoRARequest, SamplingParams
 from tierserve.replica.llm import LLM as ReplicaLLM
 from tierserve.replica.llm import RequestOutput
 
@@ -55,6 +55,7 @@ class LLM(ReplicaLLM):
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Answer one conversation (a list of ``{"role", "content"}`` dicts, as the HTTP chat
         route takes them) or a list of them; one ``RequestOutput`` per conversation, its
@@ -62,7 +63,8 @@ class LLM(ReplicaLLM):
         template; ``add_generation_prompt`` / ``continue_final_message``: how the prompt ends
         (the last message left open instead of a new answer); ``tools``: function tools in the
         API's shape, rendered as the chat route renders them (into the template, or the system
-        prompt when the template takes none).
+        prompt when the template takes none). ``lora_request``: as ``generate``'s, per
+        conversation.
 
         Raises ``ValueError`` naming the conversation and message at fault (no role, an
         unknown role, bad content, a tool that is not a function tool, a template that cannot
@@ -94,7 +96,8 @@ class LLM(ReplicaLLM):
         texts: list[str | None] = [
             str(self.tokenizer.decode(ids, skip_special_tokens=False)) for ids in ids_list]
         params = self._per_prompt(sampling_params, len(ids_list))
-        return self._run(ids_list, texts, params, None, use_tqdm)
+        loras = self._per_prompt_lora(lora_request, len(ids_list))
+        return self._run(ids_list, texts, params, None, use_tqdm, loras)
 
     @staticmethod
     def _conversations(messages: Conversation | Sequence[Conversation]

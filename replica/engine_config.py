@@ -91,10 +91,15 @@ def warm_kernels(cfg: EngineConfig, mcfg: Any, device: torch.device, backend: st
 def build_lora(cfg: EngineConfig, model: Any, device: torch.device,
                dtype: torch.dtype) -> LoRAManager | None:
     """With ``enable_lora``: the adapter slots and hooks on ``model`` and the static adapters of
-    ``lora_modules`` loaded (a bad one fails the start, saying which); else None."""
+    ``lora_modules`` loaded (a bad one fails the start, saying which); else None. On a GPU the
+    LoRA kernels are compiled here, for the model's shapes (``LoRAManager.warm_up``)."""
     if not cfg.enable_lora:
         return None
     lora = LoRAManager(model, cfg.max_loras, cfg.max_lora_rank, cfg.cpu_loras, device, dtype)
+    if lora.use_triton:
+        t0 = time.perf_counter()
+        lora.warm_up()
+        log.info("compiled the LoRA kernels in %.1f s", time.perf_counter() - t0)
     for i, m in enumerate(cfg.lora_modules or (), start=1):
         try:
             lora.load(m.name, m.path, int_id=i)
@@ -140,6 +145,8 @@ def build_engine_parts(cfg: EngineConfig) -> EngineParts:
         dtype=dtype,
     )
     warm_kernels(cfg, mcfg, device, backend, dtype)
+    # The adapters' slots before the pool is sized: on a GPU they are memory the pool must leave.
+    lora = build_lora(cfg, model, device, dtype)
     sizing = PoolSizing(cfg.num_kv_blocks, cfg.kv_cache_memory_bytes, cfg.gpu_memory_utilization)
     step = step_bound(cfg, max_len)
     measure = activation_meter(model, shape, step, device, mcfg.vocab_size, sizing)
@@ -154,7 +161,6 @@ def build_engine_parts(cfg: EngineConfig) -> EngineParts:
     pool = KVPool(shape, plan.num_blocks, device)
     root = cfg.prefix_root() if cfg.enable_prefix_caching else None
     scheduler = Scheduler(cfg, pool.new_block_space(root), max_model_len=max_len)
-    lora = build_lora(cfg, model, device, dtype)
     runner = ModelRunner(
         model,
         pool,

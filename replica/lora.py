@@ -562,6 +562,31 @@ class LoRAManager:
         self._slot_of[name] = slot
         self._cpu.move_to_end(name)
 
+    def warm_up(self) -> int:
+        """Run the Triton kernels once on one row of every distinct projection part (input
+        width, output rows, fused module width), so that no serving step compiles them;
+        the output is discarded. Returns the launches made (0 on the torch path)."""
+        if not self.use_triton:
+            return 0
+        from tierserve.kernels import lora as tlora
+
+        dev = self.device
+        rows = torch.zeros(1, dtype=torch.int32, device=dev)
+        start = torch.tensor([0, 1], dtype=torch.int32, device=dev)
+        slot = torch.zeros(1, dtype=torch.int32, device=dev)
+        seen: set[tuple[int, int, int]] = set()
+        for part in self._parts.values():
+            k = part.a.shape[2]
+            width = part.offset + part.out_features
+            key = (k, part.out_features, width)
+            if key in seen:
+                continue
+            seen.add(key)
+            x = torch.zeros(1, k, device=dev, dtype=self.dtype)
+            out = torch.zeros(1, width, device=dev, dtype=self.dtype)
+            tlora.lora_add(x, out, part.a, part.b, part.offset, rows, start, slot)
+        return len(seen)
+
     def slot_names(self) -> list[str | None]:
         """Which adapter each slot holds (None: empty)."""
         with self._lock:

@@ -80,6 +80,9 @@ def test_the_model_with_adapters_on_the_kernels_matches_torch(tmp_path: Path) ->
                            use_triton=triton_path)
         for name, path in paths.items():
             lora.load(name, str(path))
+        # On the kernels, one warm-up launch per distinct part (q and o alike here; k, v, the
+        # fused qkv, gate, up, the fused gate_up, down): none on the torch path.
+        assert lora.warm_up() == (8 if triton_path else 0)
         with lora.running(lora.batch(rows)):
             got.append(PagedHarness(model, len(prompts), 32).step(
                 [Work(i, 0, p) for i, p in enumerate(prompts)], all_rows=True))
