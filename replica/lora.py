@@ -317,6 +317,16 @@ class LoRABatch:
     seg_start: torch.Tensor | None = None
     seg_slot: torch.Tensor | None = None
     triton: bool = False  # the Triton kernels apply it (else torch ops)
+    # The torch path's layout: segments padded to the longest (``length`` rows each, padding
+    # repeats a segment's first row), ``padded`` ``[S * length]`` their rows; ``valid`` the
+    # positions in it that are real rows (None: all are) and ``valid_rows`` those rows;
+    # ``slot_index`` the slots to gather ``A``/``B`` of, in segment order (None: every slot in
+    # order, no gather needed).
+    length: int = 0
+    padded: torch.Tensor | None = None
+    valid: torch.Tensor | None = None
+    valid_rows: torch.Tensor | None = None
+    slot_index: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -349,8 +359,9 @@ def apply_lora(x: torch.Tensor, out: torch.Tensor, parts: Sequence[_Part],
                batch: LoRABatch) -> None:
     """``out[rows, part] += (x[rows] @ A_slot^T) @ B_slot^T`` for every slot's rows and every
     part its adapter targets: on CUDA by the Triton kernels (``tierserve.kernels.lora``: one
-    shrink and one expand per part over every segment); elsewhere by torch ops, one small
-    matmul pair per adapter and part."""
+    shrink and one expand per part over every segment); elsewhere by torch ops over the segments
+    padded to one length, one batched matmul pair and one ``index_add_`` per part whatever the
+    number of adapters (a part no adapter of the step targets is skipped)."""
     if batch.triton and batch.rows is not None:
         from tierserve.kernels import lora as tlora  # Triton: the GPU path only
 
@@ -359,13 +370,24 @@ def apply_lora(x: torch.Tensor, out: torch.Tensor, parts: Sequence[_Part],
             tlora.lora_add(x, out, p.a, p.b, p.offset, batch.rows, batch.seg_start,
                            batch.seg_slot)
         return
-    for slot, rows in batch.segments:
-        xs = x.index_select(0, rows)
-        for p in parts:
-            if not p.used[slot]:
-                continue
-            delta = (xs @ p.a[slot].t()) @ p.b[slot].t()
-            out[:, p.offset : p.offset + p.out_features].index_add_(0, rows, delta.to(out.dtype))
+    if batch.padded is None:
+        raise ValueError("a LoRABatch for the torch path has its padded layout "
+                         "(LoRAManager.batch builds it)")
+    slots = [slot for slot, _ in batch.segments]
+    segs, length = len(slots), batch.length
+    xs = x.index_select(0, batch.padded).view(segs, length, x.shape[1])
+    rows = batch.padded if batch.valid_rows is None else batch.valid_rows
+    for p in parts:
+        if not any(p.used[s] for s in slots):
+            continue
+        a, b = p.a, p.b
+        if batch.slot_index is not None:
+            a, b = a.index_select(0, batch.slot_index), b.index_select(0, batch.slot_index)
+        delta = torch.bmm(torch.bmm(xs, a.transpose(1, 2)), b.transpose(1, 2))
+        delta = delta.view(segs * length, p.out_features)
+        if batch.valid is not None:
+            delta = delta.index_select(0, batch.valid)
+        out[:, p.offset : p.offset + p.out_features].index_add_(0, rows, delta)
 
 
 class LoRAManager:
@@ -535,9 +557,29 @@ class LoRAManager:
         start = torch.tensor([0, *itertools.accumulate(r.numel() for _, r in host)],
                              dtype=torch.int32)
         seg_slot = torch.tensor([slot for slot, _ in host], dtype=torch.int32)
-        return LoRABatch(row_slots.to(self.device), segments, {slot_of[n]: n for n in present},
-                         flat.to(self.device), start.to(self.device), seg_slot.to(self.device),
-                         self.use_triton)
+        batch = LoRABatch(row_slots.to(self.device), segments, {slot_of[n]: n for n in present},
+                          flat.to(self.device), start.to(self.device), seg_slot.to(self.device),
+                          self.use_triton)
+        if not self.use_triton:
+            self._pad(batch, host)
+        return batch
+
+    def _pad(self, batch: LoRABatch, host: list[tuple[int, torch.Tensor]]) -> None:
+        """The torch path's padded layout of ``batch``'s segments (see ``LoRABatch``)."""
+        length = max(rows.numel() for _, rows in host)
+        padded = torch.stack([torch.cat([rows, rows[:1].expand(length - rows.numel())])
+                              for _, rows in host])
+        dev = self.device
+        batch.length = length
+        batch.padded = padded.flatten().to(dev)
+        if any(rows.numel() < length for _, rows in host):
+            valid = torch.cat([torch.arange(rows.numel()) + i * length
+                               for i, (_, rows) in enumerate(host)])
+            batch.valid = valid.to(dev)
+            batch.valid_rows = torch.cat([rows for _, rows in host]).to(dev)
+        slots = [slot for slot, _ in host]
+        if slots != list(range(self.max_loras)):
+            batch.slot_index = torch.tensor(slots, dtype=torch.int64, device=dev)
 
     def _fill(self, name: str, keep: Sequence[str]) -> None:
         adapter = self._cpu.get(name)
