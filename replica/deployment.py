@@ -25,6 +25,7 @@ from tierserve.records import (
     EngineStats,
     ErrorRecord,
     GenerateRequest,
+    LoRAError,
     LoRARequest,
     RoutingStats,
     ServingError,
@@ -183,7 +184,7 @@ class LLMServer:
         adapters in use), for the ingress to answer."""
         try:
             self.engine.load_lora(LoRARequest(lora_name, lora_int_id, lora_path))
-        except ServingError as e:
+        except LoRAError as e:
             return e.record()
         except ValueError as e:
             return ErrorRecord(400, "invalid_lora_adapter", str(e))
@@ -195,7 +196,7 @@ class LLMServer:
         409 requests still use it: see ``Engine.unload_lora``)."""
         try:
             self.engine.unload_lora(lora_name)
-        except ServingError as e:
+        except LoRAError as e:
             return e.record()
         log.info("LoRA adapter %r unloaded", lora_name)
         return None
