@@ -208,6 +208,23 @@ def test_refusals(shapes: ModelShapes, ckpt: tuple[Path, dict[str, Path], Any],
         bad = _copy(alpha, tmp_path / name)
         edit_config(bad, **changes)
         refused(bad, match)
+    # Tensors edited by hand: a layer the model lacks, an A without its B, a stray tensor.
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(alpha / "adapter_model.safetensors"))
+    key = next(k for k in weights if ".layers.1.self_attn.q_proj.lora_A" in k)
+    for name, edit, match in [
+        ("deep", lambda w: w.__setitem__(key.replace("layers.1.", "layers.7."), w.pop(key)),
+         "layer 7 is beyond the model's 2 layers"),
+        ("half", lambda w: w.pop(key.replace("lora_A", "lora_B")), "without its pair"),
+        ("stray", lambda w: w.__setitem__("base_model.model.lm_head.weight", w[key].clone()),
+         "embeddings or the output head"),
+    ]:
+        bad = _copy(alpha, tmp_path / name)
+        edited = dict(weights)
+        edit(edited)
+        save_file(edited, str(bad / "adapter_model.safetensors"))
+        refused(bad, match)
     # An adapter of another base (hidden size 32): its shapes do not fit.
     other = tiny_hf_model("llama", hidden_size=32, intermediate_size=64)
     refused(make_adapter(other, tmp_path / "other", 1, r=4, target_modules=["q_proj"]),
