@@ -304,7 +304,8 @@ def load_adapter(name: str, path: str, shapes: ModelShapes, max_rank: int,
 @dataclass(slots=True)
 class LoRABatch:
     """One step's rows by adapter slot: ``row_slots`` ``[T]`` int (-1: the base model);
-    ``segments``: per slot present, the indices ``[n]`` of its rows (int64, on the device).
+    ``segments``: per slot present, the indices ``[n]`` of its rows (int64; on the device for
+    the torch path, on the host for the kernels').
     Built by ``LoRAManager.batch`` beside the runner's ``ForwardBatch``; None there when no row
     has an adapter."""
 
@@ -552,7 +553,8 @@ class LoRAManager:
         slots = [-1 if n is None else slot_of[n] for n in row_adapters]
         row_slots = torch.tensor(slots, dtype=torch.int64)
         host = [(slot_of[n], torch.nonzero(row_slots == slot_of[n]).flatten()) for n in present]
-        segments = [(slot, rows.to(self.device)) for slot, rows in host]
+        # The kernels read ``rows``/``seg_start``/``seg_slot``: the segments stay on the host.
+        segments = host if self.use_triton else [(slot, r.to(self.device)) for slot, r in host]
         flat = torch.cat([rows for _, rows in host]).to(torch.int32)
         start = torch.tensor([0, *itertools.accumulate(r.numel() for _, r in host)],
                              dtype=torch.int32)
