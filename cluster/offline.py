@@ -30,7 +30,7 @@ from tierserve.cluster.tool_calls import (
     render_messages,
     resolve_tool_format,
 )
-from tierserve.records import SamplingParams
+from tierserve.records import LoRARequest, SamplingParams
 from tierserve.replica.llm import LLM as ReplicaLLM
 from tierserve.replica.llm import RequestOutput
 from tierserve.replica.models.catalog import DEFAULT_MODEL
@@ -78,6 +78,7 @@ class LLM(ReplicaLLM):
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Answer one conversation (a list of ``{"role", "content"}`` dicts, as the HTTP chat
         route takes them) or a list of them; one ``RequestOutput`` per conversation, its
@@ -86,7 +87,8 @@ class LLM(ReplicaLLM):
         (the last message left open instead of a new answer); ``tools``: function tools in the
         API's shape, rendered as the chat route renders them (into the template, or the system
         prompt when the template takes none), in the model's call format (``tool_format``; for
-        ``mistral`` the history's call ids mapped to 9 characters).
+        ``mistral`` the history's call ids mapped to 9 characters). ``lora_request``: as
+        ``generate``'s, per conversation.
 
         Raises ``ValueError`` naming the conversation and message at fault (no role, an
         unknown role, bad content, a tool that is not a function tool, a template that cannot
@@ -120,7 +122,8 @@ class LLM(ReplicaLLM):
         texts: list[str | None] = [
             str(self.tokenizer.decode(ids, skip_special_tokens=False)) for ids in ids_list]
         params = self._per_prompt(sampling_params, len(ids_list))
-        return self._run(ids_list, texts, params, None, use_tqdm)
+        loras = self._per_prompt_lora(lora_request, len(ids_list))
+        return self._run(ids_list, texts, params, None, use_tqdm, loras)
 
     @staticmethod
     def _conversations(messages: Conversation | Sequence[Conversation]

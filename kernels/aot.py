@@ -13,6 +13,8 @@ not; an attention window is a runtime argument and adds none):
   norm where the model has one, per model shape).
 - ``moe_variants(dtype)``: the mixture-of-experts grouped GEMMs' (``tierserve.kernels.moe``:
   gate/up with SiLU and down with the routing weight, in a decode and a prefill tiling).
+- ``lora_variants(dtype, rank_block)``: the batched LoRA kernels' (``tierserve.kernels.lora``:
+  shrink and expand over the rows grouped by adapter).
 - ``launch_key(kernel, args, kwargs)``: the key Triton's launcher computes for one launch, in the
   same form as ``Variant.key()``, so a test can check that real launches stay inside the set.
 - ``warmup(config, device)``: at start-up on a GPU, compiles the whole set into Triton's in-memory
@@ -53,6 +55,7 @@ import torch
 import triton
 
 from tierserve.kernels import fused
+from tierserve.kernels import lora as tlora
 from tierserve.kernels import moe as tmoe
 from tierserve.kernels import triton_attention as ta
 from tierserve.kernels import triton_kv as tkv
@@ -68,6 +71,8 @@ KERNELS: dict[str, Any] = {
     "rope_store": fused._rope_store_kernel,
     "moe_gate_up": tmoe._moe_gate_up_kernel,
     "moe_down": tmoe._moe_down_kernel,
+    "lora_shrink": tlora._lora_shrink_kernel,
+    "lora_expand": tlora._lora_expand_kernel,
 }
 _ARG_TYPES: dict[str, dict[str, str]] = {
     "paged_attn": {
@@ -130,6 +135,22 @@ _ARG_TYPES: dict[str, dict[str, str]] = {
         "sorted_ptr": "*i32",
         "block_expert_ptr": "*i32",
     },
+}
+_ARG_TYPES["lora_shrink"] = {
+    "x_ptr": "*model",
+    "a_ptr": "*model",
+    "buf_ptr": "*model",
+    "rows_ptr": "*i32",
+    "seg_start_ptr": "*i32",
+    "seg_slot_ptr": "*i32",
+}
+_ARG_TYPES["lora_expand"] = {
+    "buf_ptr": "*model",
+    "b_ptr": "*model",
+    "out_ptr": "*model",
+    "rows_ptr": "*i32",
+    "seg_start_ptr": "*i32",
+    "seg_slot_ptr": "*i32",
 }
 # The fused kernels' shapes: (hidden size, query heads, KV heads, head_dim, q/k norm) of models
 # the GPU configs serve or name (SmolLM2-135M, Qwen2.5-0.5B, Llama-3.2-1B, Llama-3-8B), and of
@@ -364,6 +385,26 @@ def moe_variants(dtype: torch.dtype) -> list[Variant]:
     ]
 
 
+def lora_variants(dtype: torch.dtype, rank_block: int) -> list[Variant]:
+    """The batched LoRA kernels' variants (``tierserve.kernels.lora``) in ``dtype`` for slots of
+    ``R_BLOCK`` ``rank_block`` (``tlora.rank_block(max_lora_rank)``): the shrink and the expand.
+    The model's sizes, the rank and the output offset are runtime arguments."""
+    if dtype not in _DTYPE_NAMES:
+        raise ValueError(f"unsupported dtype {dtype}")
+    return [
+        _variant(f"lora_{kernel}", f"lora {kernel} r{rank_block}", dtype,
+                 tlora.kernel_constexprs(kernel, rank_block, dtype), tlora.NUM_WARPS,
+                 tlora.NUM_STAGES)
+        for kernel in ("shrink", "expand")
+    ]
+
+
+def ci_lora_variants() -> list[Variant]:
+    """The batched LoRA kernels' variants of the CI dtypes and ``tlora.CI_RANK_BLOCKS``."""
+    return [v for dtype in CI_DTYPES for r in tlora.CI_RANK_BLOCKS
+            for v in lora_variants(dtype, r)]
+
+
 def ci_moe_variants() -> list[Variant]:
     """The mixture-of-experts kernels' variants of the CI dtypes."""
     return [v for dtype in CI_DTYPES for v in moe_variants(dtype)]
@@ -407,7 +448,7 @@ def ci_work() -> list[tuple[Variant, int]]:
     fused kernels' of the CI model shapes, and the mixture-of-experts kernels' per dtype."""
     return [(v, arch) for arch in CI_ARCHS
             for v in [*variants_for(ci_configs(), arch), *ci_fused_variants(),
-                      *ci_moe_variants()]]
+                      *ci_moe_variants(), *ci_lora_variants()]]
 
 
 # -- launch keys ------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from tierserve.records import DEFAULT_BLOCK_SIZE
 from tierserve.replica.models.catalog import DEFAULT_MODEL
@@ -22,6 +22,17 @@ BlockSize = Literal[8, 16, 32, 64, 128]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 Backend = Literal["auto", "torch", "triton"]
 CONTEXT_CAP = 8192  # max_model_len's default: the model's, at most this
+
+
+class LoRAModule(BaseModel):
+    """One static adapter of ``lora_modules``: its name (what requests call it) and its PEFT
+    folder."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:/-]+$",
+                      description="the adapter's name, as requests give it")
+    path: str = Field(min_length=1, description="the PEFT adapter folder")
 
 
 class EngineConfig(BaseModel):
@@ -149,6 +160,49 @@ class EngineConfig(BaseModel):
         default=4, gt=0,
         description="grammar compiles a tenant may have queued or running in a replica; one more "
                     "is refused (429 `too_many_compiles`)")
+    enable_lora: bool = Field(
+        default=False,
+        description="serve LoRA adapters (PEFT's format) beside the base model, requests of "
+                    "different adapters batched in one step ([lora.md](docs/lora.md)); false: a "
+                    "request naming an adapter is refused")
+    max_loras: int = Field(
+        default=1, gt=0,
+        description="distinct adapters in one step (device slots); requests of more wait their "
+                    "turn")
+    max_lora_rank: int = Field(
+        default=16, gt=0, le=512,
+        description="the highest adapter rank accepted (slots are padded to it)")
+    max_cpu_loras: int | None = Field(
+        default=None, gt=0,
+        description="adapters kept loaded in host memory, least recently used evicted when no "
+                    "request uses it; `null`: `max_loras`")
+    lora_modules: tuple[LoRAModule, ...] | None = Field(
+        default=None,
+        description="adapters loaded at start: a list of `{name, path}` (a PEFT adapter "
+                    "folder); `null`: none")
+
+    @model_validator(mode="after")
+    def _check_lora(self) -> EngineConfig:
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras "
+                             f"({self.max_loras})")
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules needs enable_lora: true")
+        names = [m.name for m in self.lora_modules or ()]
+        if len(set(names)) != len(names):
+            raise ValueError(f"lora_modules names an adapter twice: {names}")
+        if len(names) > self.cpu_loras:
+            raise ValueError(f"lora_modules lists {len(names)} adapters, more than max_cpu_loras "
+                             f"({self.cpu_loras}) keeps loaded")
+        if self.enable_lora and self.deterministic:
+            raise ValueError("enable_lora is not available in the deterministic mode (the "
+                             "adapters' matmuls run outside its batch-invariant kernels)")
+        return self
+
+    @property
+    def cpu_loras(self) -> int:
+        """``max_cpu_loras``, or ``max_loras`` when unset."""
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
 
     @classmethod
     def from_options(cls, model: str, **options: Any) -> EngineConfig:

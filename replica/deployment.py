@@ -25,6 +25,8 @@ from tierserve.records import (
     EngineStats,
     ErrorRecord,
     GenerateRequest,
+    LoRAError,
+    LoRARequest,
     RoutingStats,
     ServingError,
     StreamItem,
@@ -168,8 +170,43 @@ class LLMServer:
 
     def record_routing_stats(self) -> dict[str, Any]:
         """What the router ranks replicas by (``tierserve.records.RoutingStats``, as Serve wants it:
-        a dict)."""
-        return RoutingStats.from_engine(self.stats(), time.time(), self.engine.alive).to_dict()
+        a dict), with the names of the LoRA adapters this replica holds loaded."""
+        stats = RoutingStats.from_engine(self.stats(), time.time(), self.engine.alive)
+        if self.engine.lora is not None:
+            stats = replace(stats, lora_adapters=tuple(self.engine.lora.names()))
+        return stats.to_dict()
+
+    # ------------------------------------------------------------------ LoRA adapters
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str,
+                          lora_int_id: int = 1) -> ErrorRecord | None:
+        """Load the PEFT adapter at ``lora_path`` as ``lora_name`` in this replica (a no-op when
+        it is loaded from there already). None when done, else the refusal as an
+        ``ErrorRecord`` (400 a bad adapter or adapters off, 429 the adapter cache full of
+        adapters in use), for the ingress to answer."""
+        try:
+            self.engine.load_lora(LoRARequest(lora_name, lora_int_id, lora_path))
+        except LoRAError as e:
+            return e.record()
+        except ValueError as e:
+            return ErrorRecord(400, "invalid_lora_adapter", str(e))
+        log.info("LoRA adapter %r loaded from %s", lora_name, lora_path)
+        return None
+
+    def unload_lora_adapter(self, lora_name: str) -> ErrorRecord | None:
+        """Forget adapter ``lora_name`` here: None when done, else the refusal (404 not loaded,
+        409 requests still use it: see ``Engine.unload_lora``)."""
+        try:
+            self.engine.unload_lora(lora_name)
+        except LoRAError as e:
+            return e.record()
+        log.info("LoRA adapter %r unloaded", lora_name)
+        return None
+
+    def list_lora_adapters(self) -> list[LoRARequest]:
+        """The adapters this replica holds loaded, least recently used first (empty without
+        ``enable_lora``)."""
+        return self.engine.loras()
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """What Serve's autoscaler hands the policy for this replica

@@ -28,12 +28,14 @@ from tierserve.records import (
     GenerateRequest,
     InvalidSamplingParam,
     InvalidToken,
+    LoRARequest,
     RequestId,
     RequestOutput,
 )
 from tierserve.replica.config import EngineConfig
 from tierserve.replica.detokenizer import IncrementalDetokenizer
 from tierserve.replica.engine_config import build_engine_parts
+from tierserve.replica.lora import LoRAError, LoRAManager
 from tierserve.replica.runner import ForwardBatch, PromptRows, StepLogits
 from tierserve.replica.sampler import (
     SamplerState,
@@ -118,6 +120,7 @@ class _Live:
     first_token: float | None = None
     generated: int = 0
     preemptions: int = 0  # times the scheduler preempted it (its trace's decode span)
+    lora: str | None = None  # its LoRA adapter (held in the adapter cache until it ends)
 
     def times(self, reason: str, now: float) -> RequestTimes:
         tpot = None
@@ -163,6 +166,7 @@ class Engine:
         self.tokenizer = parts.tokenizer
         self.scheduler = parts.scheduler
         self.runner = parts.runner
+        self.lora = parts.runner.lora  # the adapters (None without enable_lora)
         self.max_model_len = parts.max_model_len
         self.vocab_size = parts.model_config.vocab_size
         self.eos_ids = frozenset(parts.model_config.eos_token_ids)
@@ -196,6 +200,7 @@ class Engine:
         checked when they were made."""
         params = request.sampling
         self._check_tokens(request.prompt_ids, params)
+        self._lora_of(request)
         with self._lock:
             self.scheduler.check(self._request(request, params))
         if params.structured is not None:
@@ -227,7 +232,22 @@ class Engine:
         return Request(request.prompt_ids, max(params.max_tokens, 1), request.priority,
                        reuse_cache=params.prompt_logprobs is None,
                        tpot_target_s=request.tpot_target_s, ttft_left_s=request.ttft_left_s,
-                       cache_partition=request.cache_partition)
+                       cache_partition=request.cache_partition,
+                       lora=None if request.lora is None else request.lora.lora_name)
+
+    def _lora_of(self, request: GenerateRequest) -> str | None:
+        """The name of ``request``'s adapter, loaded (by its path, on first use) so that a
+        request of it may be queued; None for the base model. ``ValueError`` where the engine
+        serves no adapters (``enable_lora`` off) and ``LoRAError`` (a ``ValueError``) where the
+        adapter cannot be loaded."""
+        lora = request.lora
+        if lora is None:
+            return None
+        if self.lora is None:
+            raise LoRAError(f"this engine serves no LoRA adapters (enable_lora is off): the "
+                            f"request names adapter {lora.lora_name!r}", "lora_disabled")
+        self.lora.load(lora.lora_name, lora.lora_path, lora.lora_int_id)
+        return lora.lora_name
 
     def _check_ids(self, field: str, ids: Iterable[int]) -> None:
         bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
@@ -275,6 +295,7 @@ class Engine:
         scheduler record when the caller made it already (to check it)."""
         if not validated:
             self._check_tokens(list(request.prompt_ids), params)
+            self._lora_of(request)
         try:
             grammar = None
             sched = scheduled or self._request(request, params)
@@ -308,10 +329,23 @@ class Engine:
         # Each sample its own matcher (max_tokens 0 samples nothing to constrain).
         constraint = (self.grammars.constraint(params.structured)
                       if params.structured is not None and params.max_tokens else None)
+        lora = sched.lora
+        if lora is not None:
+            if self.lora is None or request.lora is None:
+                raise LoRAError(f"this engine serves no LoRA adapters (enable_lora is off): "
+                                f"the request names adapter {lora!r}", "lora_disabled")
+            # Held (never evicted nor unloaded) until the request ends; loaded again where the
+            # adapter cache dropped it since the request was checked.
+            self.lora.load(lora, request.lora.lora_path, request.lora.lora_int_id, acquire=True)
         with self._lock:
-            if self.error is not None:
-                raise EngineDead(f"the engine's step loop died: {self.error!r}")
-            rid = self.scheduler.add(sched)
+            try:
+                if self.error is not None:
+                    raise EngineDead(f"the engine's step loop died: {self.error!r}")
+                rid = self.scheduler.add(sched)
+            except BaseException:
+                if lora is not None and self.lora is not None:
+                    self.lora.release(lora)
+                raise
             self._live[rid] = _Live(
                 id=rid,
                 prompt=ids,
@@ -329,6 +363,7 @@ class Engine:
                 prompt_lp={} if params.prompt_logprobs is not None else None,
                 held=None if stream_text or params.stop else [],
                 arrival=arrival,
+                lora=lora,
             )
             self._wake.notify()
         return rid
@@ -338,12 +373,47 @@ class Engine:
         with self._lock:
             live = self._live.pop(rid, None)
             found = self.scheduler.abort(rid)
+            if live is not None:
+                self._release(live)
         if live is not None:
             if self.observer is not None:
                 self.observer.request_done(live.times("abort", time.monotonic()))
             if live.sink is not None:
                 live.sink(self._final(live, "abort"))
         return found
+
+    def _release(self, live: _Live) -> None:
+        """``live`` has ended: its adapter may be evicted or unloaded again."""
+        if live.lora is not None and self.lora is not None:
+            self.lora.release(live.lora)
+
+    # ------------------------------------------------------------------ adapters
+
+    def _adapters(self) -> LoRAManager:
+        if self.lora is None:
+            raise LoRAError("this engine serves no LoRA adapters (enable_lora is off)",
+                            "lora_disabled")
+        return self.lora
+
+    def load_lora(self, lora: LoRARequest) -> None:
+        """Load adapter ``lora`` (from its ``lora_path``) so that requests may name it; a
+        no-op when it is loaded from that path already. ``ValueError`` (``LoRAError``): no
+        adapters here, a bad adapter, or the cache full of adapters in use."""
+        if not lora.lora_path:
+            raise LoRAError(f"load_lora needs the adapter's path (lora {lora.lora_name!r})")
+        self._adapters().load(lora.lora_name, lora.lora_path, lora.lora_int_id)
+
+    def unload_lora(self, name: str) -> None:
+        """Forget adapter ``name``. Refused while requests, running or waiting, use it
+        (``LoRAInUse``, 409: the caller retries once they finish; not deferred, so that it knows
+        when the adapter is gone), or when it is not loaded (``LoRANotFound``, 404)."""
+        self._adapters().unload(name)
+
+    def loras(self) -> list[LoRARequest]:
+        """The loaded adapters, least recently used first (empty without ``enable_lora``)."""
+        if self.lora is None:
+            return []
+        return [LoRARequest(a.name, max(a.int_id, 1), a.path) for a in self.lora.adapters()]
 
     def count_rejection(self, reason: str, tier: str = "") -> None:
         """Report a request refused before it reached the scheduler (e.g. ``shed``)."""
@@ -381,7 +451,15 @@ class Engine:
                 for c in plan.prefill
                 if (live := self._live.get(c.id)) is not None and live.prompt_lp is not None
             ]
-            batch = self.runner.build_batch(plan, scoring)
+            adapters = None
+            if self.lora is not None:
+                ids = [d.id for d in plan.decodes] + [c.id for c in plan.prefill]
+                adapters = {rid: name for rid in ids
+                            if (name := self._live[rid].lora) is not None}
+            if adapters:
+                batch = self.runner.build_batch(plan, scoring, adapters)
+            else:  # the base model's step, as without adapters
+                batch = self.runner.build_batch(plan, scoring)
             prompt_targets = [(rows, self._live[rows.id].prompt) for rows in batch.prompt_rows]
             states = [self._live[rid] for rid in batch.sampled]
             now = time.monotonic()
@@ -500,6 +578,8 @@ class Engine:
             for e in events:
                 if isinstance(e, FinishedEvent):
                     live_done = self._live.pop(e.id, None)
+                    if live_done is not None:
+                        self._release(live_done)
                     out = deltas.get(e.id)
                     if live_done is None or out is None:
                         continue
@@ -620,6 +700,7 @@ class Engine:
             self._live.clear()
             for live in lives:
                 self.scheduler.abort(live.id)
+                self._release(live)
         for live in lives:
             if live.sink is not None:
                 live.sink(self._final(live, "error", f"the replica's engine failed: {e!r}"))
@@ -659,6 +740,7 @@ class Engine:
             raise ValueError(f"n must be a positive integer, got {n!r}")
         params = request.sampling
         self._check_tokens(list(request.prompt_ids), params)  # once for the n samples
+        self._lora_of(request)
         first = self._request(request, params)
         grammar = None
         if params.structured is not None:

@@ -29,6 +29,7 @@ from tierserve.replica.kv_pool import (
     estimate_activation_bytes,
     plan_kv_pool,
 )
+from tierserve.replica.lora import LoRAError, LoRAManager
 from tierserve.replica.models.loader import ModelOptions, load_model
 from tierserve.replica.runner import ModelRunner
 from tierserve.replica.scheduler import Scheduler
@@ -87,6 +88,27 @@ def warm_kernels(cfg: EngineConfig, mcfg: Any, device: torch.device, backend: st
     return done
 
 
+def build_lora(cfg: EngineConfig, model: Any, device: torch.device,
+               dtype: torch.dtype) -> LoRAManager | None:
+    """With ``enable_lora``: the adapter slots and hooks on ``model`` and the static adapters of
+    ``lora_modules`` loaded (a bad one fails the start, saying which); else None. On a GPU the
+    LoRA kernels are compiled here, for the model's shapes (``LoRAManager.warm_up``)."""
+    if not cfg.enable_lora:
+        return None
+    lora = LoRAManager(model, cfg.max_loras, cfg.max_lora_rank, cfg.cpu_loras, device, dtype)
+    if lora.use_triton:
+        t0 = time.perf_counter()
+        lora.warm_up()
+        log.info("compiled the LoRA kernels in %.1f s", time.perf_counter() - t0)
+    for i, m in enumerate(cfg.lora_modules or (), start=1):
+        try:
+            lora.load(m.name, m.path, int_id=i)
+        except LoRAError as e:
+            lora.close()
+            raise LoRAError(f"lora_modules[{i - 1}] ({m.name!r}): {e}") from None
+    return lora
+
+
 def build_engine_parts(cfg: EngineConfig) -> EngineParts:
     """Load the model, size the KV pool, and wire the scheduler and runner over one free list."""
     device = resolve_device(cfg)
@@ -123,6 +145,8 @@ def build_engine_parts(cfg: EngineConfig) -> EngineParts:
         dtype=dtype,
     )
     warm_kernels(cfg, mcfg, device, backend, dtype)
+    # The adapters' slots before the pool is sized: on a GPU they are memory the pool must leave.
+    lora = build_lora(cfg, model, device, dtype)
     sizing = PoolSizing(cfg.num_kv_blocks, cfg.kv_cache_memory_bytes, cfg.gpu_memory_utilization)
     step = step_bound(cfg, max_len)
     measure = activation_meter(model, shape, step, device, mcfg.vocab_size, sizing)
@@ -144,5 +168,6 @@ def build_engine_parts(cfg: EngineConfig) -> EngineParts:
         enforce_eager=cfg.enforce_eager,
         max_model_len=max_len,
         cuda_graph_max_batch=cfg.max_num_seqs,
+        lora=lora,
     )
     return EngineParts(mcfg, tokenizer, scheduler, runner, max_len, plan)

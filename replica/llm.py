@@ -18,11 +18,18 @@ from typing import Any, cast
 
 from tqdm.auto import tqdm
 
-from tierserve.records import EngineStats, GenerateRequest, SamplingParams, TokenLogprob
+from tierserve.records import (
+    EngineStats,
+    GenerateRequest,
+    LoRARequest,
+    SamplingParams,
+    TokenLogprob,
+)
 from tierserve.records import RequestOutput as EngineOutput
 from tierserve.replica.config import EngineConfig
 from tierserve.replica.detokenizer import bad_words_ids
 from tierserve.replica.engine import Engine, sample_params
+from tierserve.replica.lora import LoRACacheFull
 from tierserve.replica.models.catalog import DEFAULT_MODEL
 from tierserve.replica.scheduler import AdmitError, QueueFull
 
@@ -185,11 +192,14 @@ class LLM:
         use_tqdm: bool = True,
         *,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Answer every prompt (a string, a list of token ids, ``{"prompt": text}`` or
         ``{"prompt_token_ids": ids}``, or a list of them), ``sampling_params.n`` samples each;
         one ``RequestOutput`` per prompt, in the prompts' order. ``sampling_params``: one for
         all or one per prompt (None: the defaults); its ``bad_words`` are tokenized here.
+        ``lora_request``: the LoRA adapter (``LoRARequest``) of every prompt, or a list of one
+        per prompt (None for the base model); an engine without ``enable_lora`` refuses it.
 
         Raises ``ValueError`` (or an ``AdmitError``) naming the first bad prompt before any
         work is done (its parameters were checked when they were made); the engine stays
@@ -200,7 +210,8 @@ class LLM:
         encoded = [self._encode(i, p) for i, p in enumerate(prompt_list)]
         texts = [p if isinstance(p, str) else p.get("prompt") if isinstance(p, Mapping) else None
                  for p in prompt_list]
-        return self._run(encoded, texts, params_list, priority, use_tqdm)
+        loras = self._per_prompt_lora(lora_request, len(prompt_list))
+        return self._run(encoded, texts, params_list, priority, use_tqdm, loras)
 
     # ------------------------------------------------------------------ helpers
 
@@ -234,9 +245,28 @@ class LLM:
                              f"{type(out[bad]).__name__}")
         return out
 
+    @staticmethod
+    def _per_prompt_lora(lora: LoRARequest | Sequence[LoRARequest | None] | None,
+                         n: int) -> list[LoRARequest | None]:
+        if lora is None or isinstance(lora, LoRARequest):
+            return [lora] * n
+        if not isinstance(lora, Sequence) or isinstance(lora, str):
+            raise ValueError("lora_request must be a LoRARequest, a list of one per prompt "
+                             f"(None for the base model) or None, got {type(lora).__name__}")
+        out = list(lora)
+        if len(out) != n:
+            raise ValueError(f"{len(out)} LoRA requests for {n} prompts")
+        bad = next((i for i, r in enumerate(out)
+                    if r is not None and not isinstance(r, LoRARequest)), None)
+        if bad is not None:
+            raise ValueError(f"lora_request {bad} must be a LoRARequest or None, got "
+                             f"{type(out[bad]).__name__}")
+        return out
+
     def _run(self, prompt_ids: list[list[int]], texts: list[str | None],
              params_list: list[SamplingParams], priority: Sequence[int] | None,
-             use_tqdm: bool) -> list[RequestOutput]:
+             use_tqdm: bool, loras: Sequence[LoRARequest | None] | None = None
+             ) -> list[RequestOutput]:
         """Check every prompt, then run their samples to the end: each sample is an engine
         request of its own on the prompt (the prefix cache shares the prompt's blocks among
         them), sample ``i`` with ``sample_params(params, i)``'s seed."""
@@ -245,8 +275,10 @@ class LLM:
         if len(prios) != n:
             raise ValueError(f"{len(prios)} priorities for {n} prompts")
         params_list = self._with_bad_words(params_list)
-        requests = [GenerateRequest.of(ids, sp, priority=pr)
-                    for ids, sp, pr in zip(prompt_ids, params_list, prios, strict=True)]
+        loras = list(loras) if loras is not None else [None] * n
+        requests = [GenerateRequest.of(ids, sp, priority=pr, lora=lo)
+                    for ids, sp, pr, lo in zip(prompt_ids, params_list, prios, loras,
+                                               strict=True)]
         # Every prompt is checked here, before any work; add_request below does not scan its
         # tokens again, and the scheduler's add applies its admission rules as it queues
         # (where a full queue is found).
@@ -275,8 +307,10 @@ class LLM:
                     try:
                         rid = self.engine.add_request(request, stream_text=False, index=j,
                                                       validated=True)
-                    except QueueFull:
-                        break
+                    except (QueueFull, LoRACacheFull):
+                        if not self.engine.has_unfinished():
+                            raise
+                        break  # room comes as the queued requests finish
                     owner[rid] = (i, j)
                     queued += 1
                 for out in self.engine.step():

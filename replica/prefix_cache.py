@@ -30,6 +30,7 @@ import array
 import hashlib
 import heapq
 import itertools
+import json
 import sys
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
@@ -54,6 +55,18 @@ def partition_root(root: int, partition: str | None) -> int:
     shared one, ``root`` itself): blocks of two partitions never share a name, so a request
     never finds, nor learns from ``cached_tokens`` about, another partition's prompts."""
     return root if partition is None else model_key(root, "partition", partition)
+
+
+def adapter_partition(partition: str | None, adapter: str | None) -> str | None:
+    """The prefix-cache partition of a request of cache partition ``partition`` run under the
+    LoRA adapter ``adapter`` (None: the base model, ``partition`` itself). K/V computed under an
+    adapter differ from the base's and another adapter's, so each adapter has partitions of its
+    own: ``lora=`` and a JSON pair, which no partition the ingress makes starts with
+    (``tierserve.cluster.tiers.cache_partition``: ``tenant=``, ``salt=``), so a client's salt
+    cannot name an adapter's blocks."""
+    if adapter is None:
+        return partition
+    return "lora=" + json.dumps([adapter, partition], ensure_ascii=True)
 
 
 def _chain(prev: int, block: Sequence[int]) -> int:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +25,7 @@ from tierserve.records import RequestId
 from tierserve.replica.config import CONTEXT_CAP
 from tierserve.replica.cuda_graph import DecodeGraphs, GraphStep
 from tierserve.replica.kv_pool import KVPool, StepModel
+from tierserve.replica.lora import LoRABatch, LoRAManager
 from tierserve.replica.scheduler import StepPlan
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,9 @@ class ForwardBatch:
     # A pure-decode step staged in ``DecodeGraphs``' static buffers (the tensors above are views
     # of them, valid until the next step is built); None: an eager step.
     graph: GraphStep | None = None
+    # The rows' LoRA adapters by slot (``tierserve.replica.lora.LoRABatch``); None: every row
+    # runs the base model (the model's code runs unchanged).
+    lora: LoRABatch | None = None
 
 
 @dataclass(slots=True)
@@ -114,8 +118,10 @@ class ModelRunner:
         max_model_len: int | None = None,
         cuda_graph_max_batch: int | None = None,
         graphs: DecodeGraphs | None = None,
+        lora: LoRAManager | None = None,
     ) -> None:
         self.model = model
+        self.lora = lora
         self.pool = pool
         self.device = torch.device(device)
         self.packer = StepPacker(self.device)
@@ -160,11 +166,14 @@ class ModelRunner:
         self,
         plan: StepPlan,
         prompt_logits_for: Collection[RequestId] = (),
+        adapters: Mapping[RequestId, str] | None = None,
     ) -> ForwardBatch:
         """The flat batch of ``plan``, from what the plan carries alone: decodes, then chunks;
         raises on an empty plan. For the requests in ``prompt_logits_for``, the rows of their
         prompt tokens in this step's chunks reach the output head too (each but the prompt's
-        last, which is sampled)."""
+        last, which is sampled). ``adapters``: the LoRA adapter of each request that runs under
+        one (the runner's ``lora`` puts them in slots); a step with adapter rows runs eagerly,
+        never as a CUDA graph (the graphs hold the base model's step)."""
         decodes = plan.decodes
         ids = [d.token for d in decodes]
         specs = [SeqSpec(d.position, 1, d.block_table) for d in decodes]
@@ -184,7 +193,13 @@ class ModelRunner:
                 if count > 0:
                     extra.extend(range(base, base + count))
                     prompt_rows.append(PromptRows(c.id, c.start, count))
-        if self.graphs is not None and not plan.prefill:
+        lora = None
+        if adapters and self.lora is not None:
+            rows_of: list[str | None] = [adapters.get(d.id) for d in decodes]
+            for c in plan.prefill:
+                rows_of.extend([adapters.get(c.id)] * c.len)
+            lora = self.lora.batch(rows_of)
+        if self.graphs is not None and not plan.prefill and lora is None:
             staged = self.graphs.stage(ids, specs)
             if staged is not None:
                 packed, step = staged
@@ -198,6 +213,7 @@ class ModelRunner:
             logits_indices=packed.logits_indices,
             sampled=sampled,
             prompt_rows=prompt_rows,
+            lora=lora,
         )
 
     @torch.inference_mode()
@@ -208,13 +224,20 @@ class ModelRunner:
             if logits.data_ptr() == out.data_ptr():
                 logits = logits.clone()  # fp32: the graph's output is overwritten next replay
             return StepLogits(batch.sampled, logits)
-        logits = self.model(
-            batch.input_ids,
-            batch.meta.positions,
-            self.pool.kv_caches,
-            batch.meta,
-            batch.logits_indices,
-        ).float()
+        if batch.lora is not None and self.lora is not None:
+            with self.lora.running(batch.lora):
+                logits = self.model(
+                    batch.input_ids, batch.meta.positions, self.pool.kv_caches, batch.meta,
+                    batch.logits_indices,
+                ).float()
+        else:
+            logits = self.model(
+                batch.input_ids,
+                batch.meta.positions,
+                self.pool.kv_caches,
+                batch.meta,
+                batch.logits_indices,
+            ).float()
         n = len(batch.sampled)
         if not batch.prompt_rows:
             return StepLogits(batch.sampled, logits)

@@ -464,6 +464,8 @@ class Scheduler:
             admit = step.admissible(head, shape, fed, out.preempted)
             if admit is None:
                 break  # it would take the step, or the decodes to come, past the limit
+            if admit.lora is not None and not self._adapter_fits(admit.lora):
+                break  # max_loras adapters run: it waits, first in line, for one to drain
             alloc = self._allocate(admit)
             while alloc is None and (victim := step.seat_victim(admit)) is not None:
                 self._preempt(victim, out, fed)
@@ -515,6 +517,15 @@ class Scheduler:
         return SloLimit(limit, min(self._targets), self.cost, self._running, self._waiting,
                         self._policy, self.cfg.max_num_batched_tokens, self._blocks.block_size,
                         self._burst_limit)
+
+    def _adapter_fits(self, lora: str) -> bool:
+        """Whether a request of adapter ``lora`` may run beside the running ones: its adapter
+        runs already, or fewer than ``max_loras`` distinct adapters do (the base not counted).
+        Running requests keep their adapter's slot until they finish or are preempted; the
+        waiting queue is not passed (admission stays in rank order), so the head's adapter gets
+        a slot as soon as one drains: no adapter starves."""
+        running = {s.lora for s in self._running if s.lora is not None}
+        return lora in running or len(running) < self.cfg.max_loras
 
     def _allocate(self, seq: Seq) -> Allocation | None:
         """Blocks for every position of ``seq`` (all or nothing, §2) while fewer than

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tierserve.records import RequestId
+from tierserve.replica.prefix_cache import adapter_partition
 
 if TYPE_CHECKING:
     from tierserve.replica.lazy_heap import Handle
@@ -39,6 +40,9 @@ class Request:
     # The prefix-cache partition its blocks are shared in (``BlockSpace.allocate``); None: the
     # shared one.
     cache_partition: str | None = None
+    # The LoRA adapter it runs under (its name; None: the base model): a step holds the rows of
+    # at most ``max_loras`` adapters, and its prefix-cache blocks are the adapter's own.
+    lora: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
@@ -86,6 +90,7 @@ class Seq:
         "first_at",
         "handle",
         "id",
+        "lora",
         "max_tokens",
         "partition",
         "priority",
@@ -104,7 +109,8 @@ class Seq:
         self.max_tokens = req.max_tokens
         self.priority = req.priority
         self.reuse = req.reuse_cache
-        self.partition = req.cache_partition
+        self.lora = req.lora
+        self.partition = adapter_partition(req.cache_partition, req.lora)
         self.target = req.tpot_target_s
         self.rank = rank  # ascending = better; fixed at arrival, kept across preemption
         self.status = WAITING

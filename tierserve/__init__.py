@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from tierserve.cluster.offline import LLM
-    from tierserve.records import SamplingParams
+    from tierserve.records import LoRARequest, SamplingParams
     from tierserve.replica.config import EngineConfig
     from tierserve.replica.llm import CompletionOutput, Logprob, RequestOutput
 
@@ -56,10 +56,11 @@ _OFFLINE = {
     "Logprob": "tierserve.replica.llm",
     "RequestOutput": "tierserve.replica.llm",
     "SamplingParams": "tierserve.records",
+    "LoRARequest": "tierserve.records",
     "EngineConfig": "tierserve.replica.config",
 }
 
-__all__ = ["LLM", "CompletionOutput", "EngineConfig", "Logprob", "RequestOutput",
+__all__ = ["LLM", "CompletionOutput", "EngineConfig", "LoRARequest", "Logprob", "RequestOutput",
            "SamplingParams", "__version__"]
 
 

@@ -174,6 +174,37 @@ class InvalidSamplingParam(BadRequest, ValueError):
         super().__init__(message, param=param)
 
 
+class LoRAError(BadRequest, ValueError):
+    """A LoRA adapter that cannot be loaded or used, and why: a bad or missing adapter folder,
+    a rank above ``max_lora_rank``, what the server does not apply (DoRA, embeddings,
+    ``modules_to_save``), shapes of another base model, or adapters off (``enable_lora``)."""
+
+    code = "invalid_lora_adapter"
+
+
+class LoRANotFound(LoRAError):
+    """404: the adapter named is not loaded (and the request gives no path to load it)."""
+
+    status = 404
+    code = "lora_not_found"
+
+
+class LoRAInUse(LoRAError):
+    """409: the adapter to unload has requests running or waiting on it: unload it once they
+    finish (refused, not deferred, so that the caller knows when it is gone)."""
+
+    status = 409
+    code = "lora_in_use"
+
+
+class LoRACacheFull(LoRAError):
+    """429: every one of the ``max_cpu_loras`` loaded adapters is in use by a request; another
+    adapter can be loaded once one of them drains (the offline ``LLM`` waits for that)."""
+
+    status = 429
+    code = "lora_cache_full"
+
+
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
@@ -434,6 +465,27 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True, slots=True)
+class LoRARequest:
+    """A LoRA adapter a request runs under, in vLLM's fields: ``lora_name`` (what it is called,
+    the key of a replica's loaded adapters and of its prefix-cache blocks), ``lora_int_id`` (a
+    positive id, vLLM's; kept for its users, the engine keys by name) and ``lora_path`` (the
+    PEFT adapter folder, read on first use where the adapter is not loaded yet)."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.lora_name, str) or not self.lora_name:
+            raise ValueError(f"lora_name must be a non-empty string, got {self.lora_name!r}")
+        if (isinstance(self.lora_int_id, bool) or not isinstance(self.lora_int_id, int)
+                or self.lora_int_id < 1):
+            raise ValueError(f"lora_int_id must be a positive integer, got {self.lora_int_id!r}")
+        if not isinstance(self.lora_path, str):
+            raise ValueError(f"lora_path must be a string, got {self.lora_path!r}")
+
+
+@dataclass(frozen=True, slots=True)
 class GenerateRequest:
     """One request from the ingress to a replica: ``n`` samples of ``prompt_ids``.
 
@@ -456,7 +508,8 @@ class GenerateRequest:
     empty from an in-process caller): the replica's log lines about this request carry it.
     ``traceparent``: the W3C trace context of the ingress's span that sent it ("" when tracing
     is off or from an in-process caller): the replica's spans join that trace
-    (``tierserve.cluster.tracing``).
+    (``tierserve.cluster.tracing``). ``lora``: the adapter it runs under (None: the base model);
+    a replica without ``enable_lora`` refuses it.
     """
 
     prompt_ids: tuple[int, ...]
@@ -475,6 +528,7 @@ class GenerateRequest:
     cache_partition: str | None = None
     request_id: str = ""
     traceparent: str = ""
+    lora: LoRARequest | None = None
 
     @classmethod
     def of(cls, prompt_ids: Sequence[int], sampling: SamplingParams | None = None,
@@ -698,6 +752,9 @@ class RoutingStats:
     slo_steps: int = 0
     # Prompt positions a second that target's prompts get within the step limit (0: no limit).
     target_prefill_per_s: int = 0
+    # The LoRA adapters the replica holds loaded (names; empty without enable_lora): the router
+    # may prefer a replica that holds a request's adapter.
+    lora_adapters: tuple[str, ...] = ()
 
     @classmethod
     def from_engine(cls, stats: EngineStats, report_time: float, alive: bool) -> RoutingStats:
@@ -727,8 +784,10 @@ class RoutingStats:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-serialisable dict (ints and one float)."""
-        return asdict(self)
+        """A JSON-serialisable dict (ints, one float, and the adapters' names as a list)."""
+        out = asdict(self)
+        out["lora_adapters"] = list(self.lora_adapters)
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> RoutingStats | None:
@@ -748,6 +807,12 @@ class RoutingStats:
             if f.name not in data:
                 continue
             raw = data[f.name]
+            if f.name == "lora_adapters":
+                if not isinstance(raw, (list, tuple)) or not all(isinstance(n, str) for n in raw):
+                    raise ValueError(f"routing stats field lora_adapters must be a list of "
+                                     f"names, got {raw!r}")
+                values[f.name] = tuple(raw)
+                continue
             if isinstance(raw, bool) or not isinstance(raw, (int, float)):
                 raise ValueError(f"routing stats field {f.name} must be a number, got {raw!r}")
             if f.name == "report_time":

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tierserve.kernels import aot, fused, triton_attention, triton_kv
+from tierserve.kernels import lora as tlora
 from tierserve.kernels import moe as tmoe
 
 CAN_COMPILE, WHY_NOT = aot.can_compile()
@@ -36,7 +37,7 @@ def test_matrix_covers_every_kernel_of_the_gpu_path() -> None:
     ``aot.KERNELS`` and in the CI work (a new kernel cannot skip the compile check)."""
     defined = {
         obj
-        for module in (triton_attention, triton_kv, fused, tmoe)
+        for module in (triton_attention, triton_kv, fused, tmoe, tlora)
         for _, obj in inspect.getmembers(module)
         if type(obj).__name__ in ("JITFunction", "InterpretedFunction")
     }
@@ -67,6 +68,16 @@ def test_matrix_covers_every_kernel_of_the_gpu_path() -> None:
     assert len(normed) == sum(s[4] for s in shapes) * 2 * 2 > 0
     # The mixture-of-experts kernels: gate/up and down, in two tilings, per dtype.
     assert len(aot.ci_moe_variants()) == 2 * 2 * len(aot.CI_DTYPES)
+    # The batched LoRA kernels: shrink and expand per rank block, per dtype.
+    assert len(aot.ci_lora_variants()) == 2 * len(tlora.CI_RANK_BLOCKS) * len(aot.CI_DTYPES)
+
+
+def test_the_lora_kernels_compile_cleanly_for_sm90_and_sm80() -> None:
+    """Shrink and expand at both CI rank blocks, bf16, on both CI architectures: no spills."""
+    work = [v for r in tlora.CI_RANK_BLOCKS for v in aot.lora_variants(torch.bfloat16, r)]
+    reports = aot.compile_all(work, list(aot.CI_ARCHS), jobs=JOBS)
+    print("\n" + aot.summarize(reports))
+    _assert_clean(reports)
 
 
 def test_the_moe_kernels_compile_cleanly_for_sm90_and_sm80() -> None:
@@ -111,6 +122,6 @@ def test_every_variant_compiles_without_spills_within_shared_memory(
 ) -> None:
     reports = [r for r in matrix if r.arch == arch]
     assert len(reports) == len(aot.variants_for(aot.ci_configs(), arch)) + len(
-        aot.ci_fused_variants()) + len(aot.ci_moe_variants())
+        aot.ci_fused_variants()) + len(aot.ci_moe_variants()) + len(aot.ci_lora_variants())
     print("\n" + aot.summarize(reports))
     _assert_clean(reports)

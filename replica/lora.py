@@ -1,0 +1,659 @@
+"""LoRA adapters in PEFT's format, held in a replica and applied to mixed batches.
+
+Three parts:
+
+- ``load_adapter``: reads a PEFT adapter folder (``adapter_config.json`` and
+  ``adapter_model.safetensors``) into a ``LoRAAdapter``: per layer and projection its ``A``
+  ``[r, in]`` and ``B`` ``[out, r]`` (``B`` already times the scaling, ``alpha / r`` or
+  ``alpha / sqrt(r)`` with rsLoRA). Whatever it cannot apply exactly is refused with a
+  ``LoRAError`` (a ``ValueError``) saying what, before anything is kept: nothing half-loaded.
+- ``LoRASlots``: the device tensors of one step's adapters, per layer and projection ``A``
+  ``[slots, max_rank, in]`` and ``B`` ``[slots, out, max_rank]``, zero-padded to
+  ``max_lora_rank`` (a rank below it adds zeros), filled from the CPU-side cache when a step needs
+  an adapter that is in no slot.
+- ``LoRAManager``: the CPU-side cache (``max_cpu_loras`` adapters, least recently used evicted
+  when no request holds it), the slots (``max_loras``), and the hooks on the model's linear
+  layers that add ``(x_rows @ A_slot^T) @ B_slot^T`` into each adapter's rows of the output.
+
+Our model fuses q/k/v into ``qkv_proj`` (rows ``[q | k | v]``) and gate/up into
+``gate_up_proj`` (rows ``[gate | up]``): a LoRA on ``q_proj`` adds into the q rows of
+``qkv_proj``'s output, and so on; an adapter of a checkpoint fused already (Phi-3's
+``qkv_proj``, ``gate_up_proj``) adds into the whole module's output. With partial rotary (Phi-3) the q/k rows of each head are in
+``layers.rotary_permutation``'s order: the adapter's ``B`` rows are permuted the same way.
+
+A step without adapter rows runs the model's code unchanged: the hooks return at once. With
+``enable_lora`` off there are no hooks at all.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from tierserve.records import LoRACacheFull, LoRAError, LoRAInUse, LoRANotFound
+
+# The projections an adapter may target (PEFT's module names) -> (our fused module, part).
+# The part indexes the fused module's row blocks: qkv_proj's [q | k | v], gate_up_proj's
+# [gate | up]; o_proj and down_proj are one block.
+TARGETS: dict[str, tuple[str, int]] = {
+    "q_proj": ("self_attn.qkv_proj", 0),
+    "k_proj": ("self_attn.qkv_proj", 1),
+    "v_proj": ("self_attn.qkv_proj", 2),
+    "o_proj": ("self_attn.o_proj", 0),
+    "gate_proj": ("mlp.gate_up_proj", 0),
+    "up_proj": ("mlp.gate_up_proj", 1),
+    "down_proj": ("mlp.down_proj", 0),
+    # Checkpoints whose projections are fused already (Phi-3): the whole module.
+    "qkv_proj": ("self_attn.qkv_proj", 0),
+    "gate_up_proj": ("mlp.gate_up_proj", 0),
+}
+_EMBEDDINGS = ("embed_tokens", "lm_head", "wte", "word_embeddings")
+_KEY = re.compile(
+    r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[A-Za-z0-9_-]+)?\.weight$"
+)
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+
+
+@dataclass(frozen=True, slots=True)
+class ProjShape:
+    """One projection PEFT names (``q_proj``...): its input width, output rows, and where its
+    rows start in the fused module's output."""
+
+    module: str  # our module under the layer: "self_attn.qkv_proj"
+    in_features: int
+    out_features: int
+    offset: int
+    # Under partial rotary: the (first, end, heads) row ranges of B (q or k heads) whose rows
+    # are permuted within each head as the model's are.
+    rotary: tuple[tuple[int, int, int], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShapes:
+    """What an adapter must match: per layer, the projections it may target."""
+
+    num_layers: int
+    layers: tuple[dict[str, ProjShape], ...]
+    rotary_perm: torch.Tensor | None = None  # partial rotary's q/k row order within a head
+
+    @classmethod
+    def of(cls, model: nn.Module) -> ModelShapes:
+        """The targetable projections of ``model`` (a Llama-family ``LlamaForCausalLM``): the
+        fused modules each layer has, split by the config's sizes. A layer without a module
+        (a mixture-of-experts MLP) has none of its projections."""
+        from tierserve.replica.models.layers import Linear, rotary_permutation
+
+        cfg: Any = model.config
+        q, kv = cfg.q_size, cfg.kv_size
+        perm = None
+        if cfg.rope_dim != cfg.head_dim:
+            perm = rotary_permutation(cfg.head_dim, cfg.rope_dim)
+        layers: list[dict[str, ProjShape]] = []
+        decoder: Any = model.model
+        for layer in decoder.layers:
+            mods = dict(layer.named_modules())
+            shapes: dict[str, ProjShape] = {}
+            qkv = mods.get("self_attn.qkv_proj")
+            if isinstance(qkv, Linear) and qkv.out_features == q + 2 * kv:
+                h = qkv.in_features
+                rq = ((0, q, cfg.num_heads),) if perm is not None else ()
+                rk = ((0, kv, cfg.num_kv_heads),) if perm is not None else ()
+                rqk = ((0, q, cfg.num_heads), (q, q + kv, cfg.num_kv_heads)) if perm is not None \
+                    else ()
+                shapes["q_proj"] = ProjShape("self_attn.qkv_proj", h, q, 0, rq)
+                shapes["k_proj"] = ProjShape("self_attn.qkv_proj", h, kv, q, rk)
+                shapes["v_proj"] = ProjShape("self_attn.qkv_proj", h, kv, q + kv)
+                shapes["qkv_proj"] = ProjShape("self_attn.qkv_proj", h, q + 2 * kv, 0, rqk)
+            o = mods.get("self_attn.o_proj")
+            if isinstance(o, Linear):
+                shapes["o_proj"] = ProjShape("self_attn.o_proj", o.in_features, o.out_features, 0)
+            gu = mods.get("mlp.gate_up_proj")
+            if isinstance(gu, Linear):
+                inter = gu.out_features // 2
+                shapes["gate_proj"] = ProjShape("mlp.gate_up_proj", gu.in_features, inter, 0)
+                shapes["up_proj"] = ProjShape("mlp.gate_up_proj", gu.in_features, inter, inter)
+                shapes["gate_up_proj"] = ProjShape("mlp.gate_up_proj", gu.in_features,
+                                                   gu.out_features, 0)
+            d = mods.get("mlp.down_proj")
+            if isinstance(d, Linear):
+                shapes["down_proj"] = ProjShape("mlp.down_proj", d.in_features, d.out_features, 0)
+            layers.append(shapes)
+        return cls(len(layers), tuple(layers), perm)
+
+
+@dataclass(frozen=True, slots=True)
+class LoRAAdapter:
+    """One adapter in host memory. ``weights[(layer, proj)]``: ``(A [r, in], B [out, r])`` with
+    the scaling folded into ``B`` (and partial rotary's row order applied)."""
+
+    name: str
+    path: str
+    rank: int
+    scaling: float
+    base_model: str | None
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    int_id: int = 0  # the id its LoRARequest gave (vLLM's lora_int_id)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.numel() * a.element_size() + b.numel() * b.element_size()
+                   for a, b in self.weights.values())
+
+
+def _config_error(path: str, what: str) -> LoRAError:
+    return LoRAError(f"LoRA adapter at {path!r}: {what}")
+
+
+def read_adapter_config(path: str, max_rank: int) -> dict[str, Any]:
+    """``adapter_config.json`` of the adapter folder ``path``, checked: a PEFT LoRA (not DoRA,
+    no bias, no ``modules_to_save``, no per-module ranks or alphas, no embedding targets), a
+    rank up to ``max_rank``. Raises ``LoRAError`` naming what is wrong."""
+    if not os.path.isdir(path):
+        raise _config_error(path, "no such directory")
+    cfg_path = os.path.join(path, CONFIG_FILE)
+    if not os.path.isfile(cfg_path):
+        raise _config_error(path, f"not a PEFT adapter: no {CONFIG_FILE}")
+    try:
+        with open(cfg_path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, ValueError) as e:
+        raise _config_error(path, f"{CONFIG_FILE} is not readable JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise _config_error(path, f"{CONFIG_FILE} is not a JSON object")
+    kind = cfg.get("peft_type", "LORA")
+    if str(kind).upper() != "LORA":
+        raise _config_error(path, f"peft_type {kind!r} is not supported (LORA only)")
+    if cfg.get("use_dora"):
+        raise _config_error(path, "DoRA (use_dora) is not supported")
+    r = cfg.get("r")
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        raise _config_error(path, f"r must be a positive integer, got {r!r}")
+    if r > max_rank:
+        raise _config_error(path, f"rank {r} is above max_lora_rank {max_rank}")
+    alpha = cfg.get("lora_alpha", r)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+        raise _config_error(path, f"lora_alpha must be a number, got {alpha!r}")
+    bias = cfg.get("bias", "none")
+    if bias not in (None, "none"):
+        raise _config_error(path, f"bias {bias!r} is not supported (only 'none')")
+    if cfg.get("modules_to_save"):
+        raise _config_error(
+            path, f"modules_to_save {cfg['modules_to_save']!r} is not supported (full copies of "
+                  "modules, e.g. a new head or embedding, are not applied per request)")
+    for key in ("rank_pattern", "alpha_pattern"):
+        if cfg.get(key):
+            raise _config_error(path, f"{key} (per-module ranks or alphas) is not supported")
+    for key in ("layers_to_transform", "layer_replication", "target_parameters", "lora_bias",
+                "trainable_token_indices", "alora_invocation_tokens", "use_qalora"):
+        if cfg.get(key):
+            raise _config_error(path, f"{key} is not supported")
+    targets = cfg.get("target_modules")
+    names: list[str] = []
+    if isinstance(targets, str):
+        names = [targets]
+    elif isinstance(targets, list):
+        names = [str(t) for t in targets]
+    elif targets is not None:
+        raise _config_error(path, f"target_modules must be a list or a string, got {targets!r}")
+    for t in names:
+        short = t.rsplit(".", 1)[-1]
+        if any(e in t for e in _EMBEDDINGS):
+            raise _config_error(path, f"target module {t!r}: LoRA on embeddings or the output "
+                                      "head is not supported")
+        if isinstance(targets, list) and short not in TARGETS:
+            raise _config_error(path, f"target module {t!r} is not one this model has (supported: "
+                                      f"{', '.join(TARGETS)})")
+    return cfg
+
+
+def _read_weights(path: str) -> dict[str, torch.Tensor]:
+    weights = os.path.join(path, WEIGHTS_FILE)
+    if not os.path.isfile(weights):
+        if os.path.isfile(os.path.join(path, "adapter_model.bin")):
+            raise _config_error(path, "adapter_model.bin (a pickle) is not loaded: save the "
+                                      "adapter as adapter_model.safetensors (PEFT's default)")
+        raise _config_error(path, f"not a PEFT adapter: no {WEIGHTS_FILE}")
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(weights, device="cpu")
+    except (SafetensorError, OSError, ValueError) as e:
+        raise _config_error(path, f"{WEIGHTS_FILE} is not readable ({e})") from None
+
+
+def load_adapter(name: str, path: str, shapes: ModelShapes, max_rank: int,
+                 dtype: torch.dtype = torch.float32, int_id: int = 0) -> LoRAAdapter:
+    """Read and check the PEFT adapter at ``path`` against a model of ``shapes``: every tensor a
+    ``lora_A``/``lora_B`` of a projection the layer has, of its input width and output rows, of
+    the config's rank. Raises ``LoRAError`` for the first thing wrong; returns a whole adapter
+    or nothing."""
+    cfg = read_adapter_config(path, max_rank)
+    r = int(cfg["r"])
+    alpha = float(cfg.get("lora_alpha", r))
+    scaling = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
+    tensors = _read_weights(path)
+    halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        if "lora_magnitude_vector" in key:
+            raise _config_error(path, "DoRA weights (lora_magnitude_vector) are not supported")
+        if "lora_embedding" in key or any(f".{e}." in key for e in _EMBEDDINGS):
+            raise _config_error(path, f"tensor {key!r}: LoRA on embeddings or the output head is "
+                                      "not supported")
+        m = _KEY.search(key)
+        if m is None:
+            raise _config_error(path, f"tensor {key!r} is not a LoRA A/B weight of a decoder "
+                                      "layer's projection (modules_to_save and biases are not "
+                                      "supported)")
+        layer, proj, half = int(m.group(1)), m.group(2), m.group(3)
+        if layer >= shapes.num_layers:
+            raise _config_error(path, f"tensor {key!r}: layer {layer} is beyond the model's "
+                                      f"{shapes.num_layers} layers")
+        if proj not in shapes.layers[layer]:
+            raise _config_error(path, f"tensor {key!r}: layer {layer} has no {proj} this server "
+                                      "applies LoRA to")
+        halves.setdefault((layer, proj), {})[half] = t
+    if not halves:
+        raise _config_error(path, f"{WEIGHTS_FILE} holds no LoRA weights")
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+    for (layer, proj), pair in sorted(halves.items()):
+        where = f"layer {layer} {proj}"
+        if set(pair) != {"A", "B"}:
+            raise _config_error(path, f"{where} has lora_{next(iter(pair))} without its pair")
+        a, b = pair["A"], pair["B"]
+        shape = shapes.layers[layer][proj]
+        if a.dim() != 2 or b.dim() != 2:
+            raise _config_error(path, f"{where}: A and B must be matrices")
+        if a.shape[0] != r or b.shape[1] != r:
+            raise _config_error(path, f"{where}: rank {a.shape[0]}/{b.shape[1]} is not the "
+                                      f"config's r {r}")
+        if a.shape[1] != shape.in_features or b.shape[0] != shape.out_features:
+            raise _config_error(
+                path, f"{where}: A {tuple(a.shape)} and B {tuple(b.shape)} do not fit the base "
+                      f"model's {shape.in_features} -> {shape.out_features} projection (an "
+                      "adapter of another base model?)")
+        b = b.to(torch.float32) * scaling
+        if shape.rotary and shapes.rotary_perm is not None:
+            from tierserve.replica.models.layers import permute_rotary_rows_
+
+            b = b.contiguous()
+            for first, end, heads in shape.rotary:
+                permute_rotary_rows_(b[first:end], heads, shapes.rotary_perm)
+        weights[(layer, proj)] = (a.to(dtype).contiguous(), b.to(dtype).contiguous())
+    base = cfg.get("base_model_name_or_path")
+    return LoRAAdapter(name, path, r, scaling, None if base is None else str(base), weights,
+                       int_id)
+
+
+# ---------------------------------------------------------------------- the step's adapters
+
+
+@dataclass(slots=True)
+class LoRABatch:
+    """One step's rows by adapter slot: ``row_slots`` ``[T]`` int (-1: the base model);
+    ``segments``: per slot present, the indices ``[n]`` of its rows (int64; on the device for
+    the torch path, on the host for the kernels').
+    Built by ``LoRAManager.batch`` beside the runner's ``ForwardBatch``; None there when no row
+    has an adapter."""
+
+    row_slots: torch.Tensor
+    segments: list[tuple[int, torch.Tensor]]
+    names: dict[int, str] = field(default_factory=dict)  # slot -> adapter name
+    # The same segments as the Triton kernels take them (``tierserve.kernels.lora``): every
+    # segment's rows in one int32 tensor, where each starts (``[S + 1]``), each one's slot.
+    rows: torch.Tensor | None = None
+    seg_start: torch.Tensor | None = None
+    seg_slot: torch.Tensor | None = None
+    triton: bool = False  # the Triton kernels apply it (else torch ops)
+    # The torch path's layout: segments padded to the longest (``length`` rows each, padding
+    # repeats a segment's first row), ``padded`` ``[S * length]`` their rows; ``valid`` the
+    # positions in it that are real rows (None: all are) and ``valid_rows`` those rows;
+    # ``slot_index`` the slots to gather ``A``/``B`` of, in segment order (None: every slot in
+    # order, no gather needed).
+    length: int = 0
+    padded: torch.Tensor | None = None
+    valid: torch.Tensor | None = None
+    valid_rows: torch.Tensor | None = None
+    slot_index: torch.Tensor | None = None
+
+
+@dataclass(slots=True)
+class _Part:
+    """One projection's slots in one fused module: A ``[slots, R, in]``, B ``[slots, out, R]``."""
+
+    offset: int
+    out_features: int
+    a: torch.Tensor
+    b: torch.Tensor
+    used: list[bool]  # per slot: whether the slot's adapter targets this projection
+
+
+class _ModuleLoRA:
+    """The forward hook of one fused linear module: adds each slot's rows' LoRA output."""
+
+    def __init__(self, manager: LoRAManager, parts: list[_Part]) -> None:
+        self.manager = manager
+        self.parts = parts
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> None:
+        batch = self.manager.active
+        if batch is None:
+            return
+        x = args[0]
+        apply_lora(x, out, self.parts, batch)
+
+
+def apply_lora(x: torch.Tensor, out: torch.Tensor, parts: Sequence[_Part],
+               batch: LoRABatch) -> None:
+    """``out[rows, part] += (x[rows] @ A_slot^T) @ B_slot^T`` for every slot's rows and every
+    part its adapter targets: on CUDA by the Triton kernels (``tierserve.kernels.lora``: one
+    shrink and one expand per part over every segment); elsewhere by torch ops over the segments
+    padded to one length, one batched matmul pair and one ``index_add_`` per part whatever the
+    number of adapters (a part no adapter of the step targets is skipped)."""
+    if batch.triton and batch.rows is not None:
+        from tierserve.kernels import lora as tlora  # Triton: the GPU path only
+
+        assert batch.seg_start is not None and batch.seg_slot is not None
+        for p in parts:
+            tlora.lora_add(x, out, p.a, p.b, p.offset, batch.rows, batch.seg_start,
+                           batch.seg_slot)
+        return
+    if batch.padded is None:
+        raise ValueError("a LoRABatch for the torch path has its padded layout "
+                         "(LoRAManager.batch builds it)")
+    slots = [slot for slot, _ in batch.segments]
+    segs, length = len(slots), batch.length
+    xs = x.index_select(0, batch.padded).view(segs, length, x.shape[1])
+    rows = batch.padded if batch.valid_rows is None else batch.valid_rows
+    for p in parts:
+        if not any(p.used[s] for s in slots):
+            continue
+        a, b = p.a, p.b
+        if batch.slot_index is not None:
+            a, b = a.index_select(0, batch.slot_index), b.index_select(0, batch.slot_index)
+        delta = torch.bmm(torch.bmm(xs, a.transpose(1, 2)), b.transpose(1, 2))
+        delta = delta.view(segs * length, p.out_features)
+        if batch.valid is not None:
+            delta = delta.index_select(0, batch.valid)
+        out[:, p.offset : p.offset + p.out_features].index_add_(0, rows, delta)
+
+
+class LoRAManager:
+    """The adapters of one replica: a CPU-side cache of ``max_cpu_loras`` adapters (least
+    recently used evicted, never one a request holds), ``max_loras`` device slots, and hooks
+    on the model's fused projections. Thread-safe: the engine's loop and its callers share it.
+
+    ``acquire(name)``/``release(name)`` count the requests that use an adapter: such an adapter
+    stays loaded (``unload`` refuses it). ``batch(rows)`` puts the step's adapters in slots
+    (copying any not there yet) and returns the step's ``LoRABatch``; ``active`` is that batch
+    while the model runs (``running``)."""
+
+    def __init__(self, model: nn.Module, max_loras: int, max_rank: int, max_cpu_loras: int,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                 use_triton: bool | None = None) -> None:
+        """``use_triton``: apply the adapters by the Triton kernels; None: on CUDA."""
+        if max_cpu_loras < max_loras:
+            raise ValueError(f"max_cpu_loras ({max_cpu_loras}) must be at least max_loras "
+                             f"({max_loras})")
+        self.shapes = ModelShapes.of(model)
+        self.max_loras = max_loras
+        self.max_rank = max_rank
+        self.max_cpu_loras = max_cpu_loras
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.use_triton = self.device.type == "cuda" if use_triton is None else use_triton
+        self._lock = threading.RLock()
+        self._cpu: OrderedDict[str, LoRAAdapter] = OrderedDict()
+        self._users: dict[str, int] = {}
+        self._slots: list[str | None] = [None] * max_loras
+        self._slot_of: dict[str, int] = {}
+        self._parts: dict[tuple[int, str], _Part] = {}
+        self.active: LoRABatch | None = None
+        self._hooks: list[Any] = []
+        decoder: Any = model.model
+        for i, (layer, shapes) in enumerate(zip(decoder.layers, self.shapes.layers, strict=True)):
+            by_module: dict[str, list[_Part]] = {}
+            mods = dict(layer.named_modules())
+            for proj, shape in shapes.items():
+                part = _Part(
+                    shape.offset, shape.out_features,
+                    torch.zeros(max_loras, max_rank, shape.in_features, device=self.device,
+                                dtype=dtype),
+                    torch.zeros(max_loras, shape.out_features, max_rank, device=self.device,
+                                dtype=dtype),
+                    [False] * max_loras)
+                self._parts[(i, proj)] = part
+                by_module.setdefault(shape.module, []).append(part)
+            for module, parts in by_module.items():
+                hook = mods[module].register_forward_hook(_ModuleLoRA(self, parts))
+                self._hooks.append(hook)
+
+    # ------------------------------------------------------------------ the CPU-side cache
+
+    def load(self, name: str, path: str, int_id: int = 0, acquire: bool = False) -> LoRAAdapter:
+        """The adapter ``name``, read from ``path`` if not loaded (evicting the least recently
+        used one no request holds when ``max_cpu_loras`` are loaded); ``acquire``: and count one
+        more request using it, in the same step (it cannot be evicted in between).
+        ``LoRAError``: the adapter is bad or ``name`` is loaded from another path;
+        ``LoRACacheFull``: every loaded adapter is in use."""
+        with self._lock:
+            have = self._cpu.get(name)
+            if have is not None:
+                if path and os.path.abspath(have.path) != os.path.abspath(path):
+                    raise LoRAError(f"LoRA adapter {name!r} is loaded from {have.path!r}, not "
+                                    f"{path!r}: unload it first")
+                if acquire:
+                    self._users[name] = self._users.get(name, 0) + 1
+                self._cpu.move_to_end(name)
+                return have
+        if not path:
+            raise LoRANotFound(f"LoRA adapter {name!r} is not loaded and the request gives no "
+                               "path")
+        adapter = load_adapter(name, path, self.shapes, self.max_rank, self.dtype, int_id)
+        with self._lock:
+            if name in self._cpu:  # loaded meanwhile by another caller
+                if acquire:
+                    self._users[name] = self._users.get(name, 0) + 1
+                return self._cpu[name]
+            if len(self._cpu) >= self.max_cpu_loras:
+                victim = next((n for n in self._cpu if not self._users.get(n)), None)
+                if victim is None:
+                    raise LoRACacheFull(f"cannot load LoRA adapter {name!r}: all max_cpu_loras "
+                                    f"({self.max_cpu_loras}) loaded adapters are in use")
+                self._drop(victim)
+            self._cpu[name] = adapter
+            if acquire:
+                self._users[name] = self._users.get(name, 0) + 1
+            return adapter
+
+    def unload(self, name: str) -> None:
+        """Forget adapter ``name``. ``LoRAError`` when it is not loaded or requests (running
+        or waiting) use it: it is refused, not deferred, so that the caller knows when it is
+        gone."""
+        with self._lock:
+            if name not in self._cpu:
+                raise LoRANotFound(f"LoRA adapter {name!r} is not loaded")
+            if self._users.get(name):
+                raise LoRAInUse(f"LoRA adapter {name!r} is in use by {self._users[name]} "
+                                "request(s): unload it once they finish")
+            self._drop(name)
+
+    def _drop(self, name: str) -> None:
+        del self._cpu[name]
+        self._users.pop(name, None)
+        slot = self._slot_of.pop(name, None)
+        if slot is not None:
+            self._slots[slot] = None
+
+    def names(self) -> list[str]:
+        """The loaded adapters, least recently used first."""
+        with self._lock:
+            return list(self._cpu)
+
+    def adapters(self) -> list[LoRAAdapter]:
+        with self._lock:
+            return list(self._cpu.values())
+
+    def get(self, name: str) -> LoRAAdapter | None:
+        with self._lock:
+            return self._cpu.get(name)
+
+    def acquire(self, name: str) -> None:
+        """A request now uses ``name`` (loaded): it is not evicted nor unloaded until released."""
+        with self._lock:
+            if name not in self._cpu:
+                raise LoRANotFound(f"LoRA adapter {name!r} is not loaded")
+            self._users[name] = self._users.get(name, 0) + 1
+            self._cpu.move_to_end(name)
+
+    def release(self, name: str) -> None:
+        with self._lock:
+            n = self._users.get(name, 0) - 1
+            if n > 0:
+                self._users[name] = n
+            else:
+                self._users.pop(name, None)
+
+    def in_use(self, name: str) -> int:
+        with self._lock:
+            return self._users.get(name, 0)
+
+    # ------------------------------------------------------------------ the step
+
+    def batch(self, row_adapters: Sequence[str | None]) -> LoRABatch | None:
+        """The slots of one step whose row ``i`` runs under adapter ``row_adapters[i]`` (None:
+        the base). None when no row has one (the model runs unchanged). Puts each adapter in a
+        slot, evicting only adapters absent from this step; ``LoRAError`` when the step has more
+        distinct adapters than ``max_loras`` (the scheduler never plans one) or one is not
+        loaded."""
+        present = list(dict.fromkeys(n for n in row_adapters if n is not None))
+        if not present:
+            return None
+        if len(present) > self.max_loras:
+            raise LoRAError(f"a step holds {len(present)} adapters, above max_loras "
+                            f"{self.max_loras}")
+        with self._lock:
+            for name in present:
+                if name not in self._slot_of:
+                    self._fill(name, keep=present)
+            slot_of = dict(self._slot_of)
+        slots = [-1 if n is None else slot_of[n] for n in row_adapters]
+        row_slots = torch.tensor(slots, dtype=torch.int64)
+        host = [(slot_of[n], torch.nonzero(row_slots == slot_of[n]).flatten()) for n in present]
+        # The kernels read ``rows``/``seg_start``/``seg_slot``: the segments stay on the host.
+        segments = host if self.use_triton else [(slot, r.to(self.device)) for slot, r in host]
+        flat = torch.cat([rows for _, rows in host]).to(torch.int32)
+        start = torch.tensor([0, *itertools.accumulate(r.numel() for _, r in host)],
+                             dtype=torch.int32)
+        seg_slot = torch.tensor([slot for slot, _ in host], dtype=torch.int32)
+        batch = LoRABatch(row_slots.to(self.device), segments, {slot_of[n]: n for n in present},
+                          flat.to(self.device), start.to(self.device), seg_slot.to(self.device),
+                          self.use_triton)
+        if not self.use_triton:
+            self._pad(batch, host)
+        return batch
+
+    def _pad(self, batch: LoRABatch, host: list[tuple[int, torch.Tensor]]) -> None:
+        """The torch path's padded layout of ``batch``'s segments (see ``LoRABatch``)."""
+        length = max(rows.numel() for _, rows in host)
+        padded = torch.stack([torch.cat([rows, rows[:1].expand(length - rows.numel())])
+                              for _, rows in host])
+        dev = self.device
+        batch.length = length
+        batch.padded = padded.flatten().to(dev)
+        if any(rows.numel() < length for _, rows in host):
+            valid = torch.cat([torch.arange(rows.numel()) + i * length
+                               for i, (_, rows) in enumerate(host)])
+            batch.valid = valid.to(dev)
+            batch.valid_rows = torch.cat([rows for _, rows in host]).to(dev)
+        slots = [slot for slot, _ in host]
+        if slots != list(range(self.max_loras)):
+            batch.slot_index = torch.tensor(slots, dtype=torch.int64, device=dev)
+
+    def _fill(self, name: str, keep: Sequence[str]) -> None:
+        adapter = self._cpu.get(name)
+        if adapter is None:
+            raise LoRAError(f"LoRA adapter {name!r} is not loaded")
+        slot = next((i for i, n in enumerate(self._slots) if n is None), None)
+        if slot is None:
+            slot = next(i for i, n in enumerate(self._slots) if n not in keep)
+            old = self._slots[slot]
+            if old is not None:
+                del self._slot_of[old]
+        r = adapter.rank
+        for key, part in self._parts.items():
+            w = adapter.weights.get(key)
+            part.a[slot].zero_()
+            part.b[slot].zero_()
+            part.used[slot] = w is not None
+            if w is not None:
+                part.a[slot, :r].copy_(w[0])
+                part.b[slot, :, :r].copy_(w[1])
+        self._slots[slot] = name
+        self._slot_of[name] = slot
+        self._cpu.move_to_end(name)
+
+    def warm_up(self) -> int:
+        """Run the Triton kernels once on one row of every distinct projection part (input
+        width, output rows, fused module width), so that no serving step compiles them;
+        the output is discarded. Returns the launches made (0 on the torch path)."""
+        if not self.use_triton:
+            return 0
+        from tierserve.kernels import lora as tlora
+
+        dev = self.device
+        rows = torch.zeros(1, dtype=torch.int32, device=dev)
+        start = torch.tensor([0, 1], dtype=torch.int32, device=dev)
+        slot = torch.zeros(1, dtype=torch.int32, device=dev)
+        seen: set[tuple[int, int, int]] = set()
+        for part in self._parts.values():
+            k = part.a.shape[2]
+            width = part.offset + part.out_features
+            key = (k, part.out_features, width)
+            if key in seen:
+                continue
+            seen.add(key)
+            x = torch.zeros(1, k, device=dev, dtype=self.dtype)
+            out = torch.zeros(1, width, device=dev, dtype=self.dtype)
+            tlora.lora_add(x, out, part.a, part.b, part.offset, rows, start, slot)
+        return len(seen)
+
+    def slot_names(self) -> list[str | None]:
+        """Which adapter each slot holds (None: empty)."""
+        with self._lock:
+            return list(self._slots)
+
+    @contextmanager
+    def running(self, batch: LoRABatch | None) -> Iterator[None]:
+        """``batch`` is the active one while the model runs within."""
+        self.active = batch
+        try:
+            yield
+        finally:
+            self.active = None
+
+    def close(self) -> None:
+        """Remove the hooks (the model runs as it did before)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+
+
+__all__ = [
+    "LoRABatch", "LoRACacheFull", "LoRAError", "LoRAInUse", "LoRAManager", "LoRANotFound",
+    "ModelShapes", "apply_lora", "load_adapter", "read_adapter_config",
+]

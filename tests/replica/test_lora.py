@@ -1,0 +1,392 @@
+"""Multi-LoRA in one replica (docs/lora.md): PEFT adapters on a tiny random Llama, mixed with the
+base model in one batch, against transformers + PEFT prompt by prompt; fewer slots than
+adapters; a preemption; the prefix cache keyed by adapter; every refusal."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.replica.lora_helpers import (
+    ADAPTERS,
+    edit_config,
+    greedy,
+    logits,
+    make_adapter,
+    reference,
+    write_checkpoint,
+)
+from tests.replica.models.helpers import PagedHarness, Work, tiny_hf_model
+from tierserve import LLM, LoRARequest, SamplingParams
+from tierserve.records import GenerateRequest
+from tierserve.replica.block_space import FreeListBlocks
+from tierserve.replica.config import EngineConfig
+from tierserve.replica.lora import LoRACacheFull, LoRAError, LoRAManager, ModelShapes, load_adapter
+from tierserve.replica.models.loader import load_model
+from tierserve.replica.scheduler import Request, SampledToken, Scheduler
+
+pytest.importorskip("peft")
+
+NEW = 8
+GREEDY = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Path], Any]:
+    root = tmp_path_factory.mktemp("lora")
+    base, paths = write_checkpoint(root)
+    return base, paths, reference(base, paths)
+
+
+@pytest.fixture(scope="module")
+def llm(ckpt: tuple[Path, dict[str, Path], Any]) -> LLM:
+    base, paths, _ = ckpt
+    return LLM(str(base), enable_lora=True, max_loras=2, max_lora_rank=8, max_cpu_loras=3,
+               num_kv_blocks=64, max_num_seqs=8, max_model_len=128,
+               lora_modules=[{"name": "alpha", "path": str(paths["alpha"])}])
+
+
+def _prompts(lengths: tuple[int, ...], seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 260, (n,), generator=gen).tolist() for n in lengths]
+
+
+def _req(name: str | None, paths: dict[str, Path]) -> LoRARequest | None:
+    return None if name is None else LoRARequest(name, list(ADAPTERS).index(name) + 1,
+                                                 str(paths[name]))
+
+
+def _check_tokens(llm: LLM, ckpt: tuple[Path, dict[str, Path], Any], names: list[str | None],
+                  prompts: list[list[int]]) -> list[Any]:
+    _, paths, ref = ckpt
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False,
+                        lora_request=[_req(n, paths) for n in names])
+    for i, (p, n, o) in enumerate(zip(prompts, names, outs, strict=True)):
+        assert o.outputs[0].token_ids == greedy(ref, n, p, NEW), f"prompt {i} under {n}"
+    return outs
+
+
+def test_two_adapters_and_the_base_in_one_batch_match_peft(
+        llm: LLM, ckpt: tuple[Path, dict[str, Path], Any]) -> None:
+    names: list[str | None] = ["alpha", "beta", None, "alpha", "beta", None]
+    prompts = _prompts((5, 9, 17, 3, 12, 7))
+    _check_tokens(llm, ckpt, names, prompts)
+    # The adapters change the answer (else the comparison above would prove nothing).
+    _, _, ref = ckpt
+    p = prompts[0]
+    assert len({tuple(greedy(ref, n, p, NEW)) for n in ("alpha", "beta", None)}) == 3
+
+
+def test_prefill_logits_match_peft(ckpt: tuple[Path, dict[str, Path], Any]) -> None:
+    base, paths, ref = ckpt
+    model, _, _ = load_model(str(base), dtype=torch.float32, device="cpu")
+    lora = LoRAManager(model, max_loras=3, max_rank=8, max_cpu_loras=3)
+    for name, path in paths.items():
+        lora.load(name, str(path))
+    prompts = _prompts((6, 11, 4, 9), seed=3)
+    names: list[str | None] = ["beta", None, "gamma", "alpha"]
+    rows = [n for n, p in zip(names, prompts, strict=True) for _ in p]
+    with lora.running(lora.batch(rows)):
+        got = PagedHarness(model, len(prompts), 64).step(
+            [Work(i, 0, p) for i, p in enumerate(prompts)], all_rows=True)
+    for p, n, lg in zip(prompts, names, got, strict=True):
+        torch.testing.assert_close(lg, logits(ref, n, p), rtol=0, atol=1e-4)
+    lora.close()
+
+
+def test_fewer_slots_than_adapters(ckpt: tuple[Path, dict[str, Path], Any]) -> None:
+    """One slot, three adapters and the base, two adapters kept loaded: each step holds one
+    adapter; adapters rotate through the slot and the host cache; every answer is its own."""
+    base, _, _ = ckpt
+    one = LLM(str(base), enable_lora=True, max_loras=1, max_lora_rank=8, max_cpu_loras=2,
+              num_kv_blocks=64, max_num_seqs=8, max_model_len=128)
+    assert one.engine.lora is not None
+    seen: list[set[str]] = []
+    batch = one.engine.lora.batch
+
+    def spy(rows: Any) -> Any:
+        seen.append({n for n in rows if n is not None})
+        return batch(rows)
+
+    one.engine.lora.batch = spy  # type: ignore[method-assign]
+    names: list[str | None] = ["alpha", "beta", "gamma", None, "beta", "alpha", "gamma"]
+    _check_tokens(one, ckpt, names, _prompts((4, 7, 5, 6, 9, 3, 8), seed=5))
+    assert seen and all(len(s) <= 1 for s in seen)
+    assert {n for s in seen for n in s} == {"alpha", "beta", "gamma"}
+    assert len(one.engine.loras()) <= 2
+
+
+def test_answers_survive_a_preemption(ckpt: tuple[Path, dict[str, Path], Any]) -> None:
+    base, _, _ = ckpt
+    small = LLM(str(base), enable_lora=True, max_loras=2, max_lora_rank=8, max_cpu_loras=3,
+                num_kv_blocks=6, block_size=8, max_num_seqs=4, max_model_len=48,
+                enable_prefix_caching=False)
+    names: list[str | None] = ["alpha", "beta", None, "beta"]
+    _check_tokens(small, ckpt, names, _prompts((10, 9, 11, 8), seed=7))
+    assert small.engine.stats().preemptions > 0
+    assert small.engine.lora is not None
+    assert all(small.engine.lora.in_use(n) == 0 for n in small.engine.lora.names())
+
+
+def test_prefix_cache_is_keyed_by_adapter(llm: LLM, ckpt: tuple[Path, dict[str, Path], Any]
+                                          ) -> None:
+    _, paths, ref = ckpt
+    prompt = _prompts((40,), seed=9)[0]
+    cached = []
+    for name in ("alpha", "beta", None, "alpha", None):
+        (out,) = llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False,
+                              lora_request=_req(name, paths))
+        assert out.outputs[0].token_ids == greedy(ref, name, prompt, NEW)
+        cached.append(out.num_cached_tokens)
+    # Another adapter or the base never finds a prefix computed under an adapter; the same
+    # adapter (or the base again) does.
+    assert cached[:3] == [0, 0, 0] and cached[3] > 0 and cached[4] > 0
+
+
+def test_adapters_loaded_listed_unloaded(llm: LLM, ckpt: tuple[Path, dict[str, Path], Any]
+                                         ) -> None:
+    _, paths, _ = ckpt
+    engine = llm.engine
+    engine.load_lora(LoRARequest("gamma", 3, str(paths["gamma"])))
+    assert "gamma" in [r.lora_name for r in engine.loras()]
+    engine.unload_lora("gamma")
+    assert "gamma" not in [r.lora_name for r in engine.loras()]
+    with pytest.raises(LoRAError, match="not loaded"):
+        engine.unload_lora("gamma")
+    # In use (a queued request holds it): refused, not deferred.
+    rid = engine.add_request(GenerateRequest.of([5, 6, 7], GREEDY,
+                                                lora=_req("alpha", paths)))
+    with pytest.raises(LoRAError, match="in use"):
+        engine.unload_lora("alpha")
+    engine.abort(rid)
+    assert engine.lora is not None and engine.lora.in_use("alpha") == 0
+
+
+# ---------------------------------------------------------------------- refusals
+
+
+@pytest.fixture(scope="module")
+def shapes(ckpt: tuple[Path, dict[str, Path], Any]) -> ModelShapes:
+    model, _, _ = load_model(str(ckpt[0]), dtype=torch.float32, device="cpu")
+    return ModelShapes.of(model)
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_refusals(shapes: ModelShapes, ckpt: tuple[Path, dict[str, Path], Any],
+                  tmp_path: Path) -> None:
+    _, paths, _ = ckpt
+    alpha, beta = paths["alpha"], paths["beta"]
+
+    def refused(path: Path, match: str, max_rank: int = 8) -> None:
+        with pytest.raises(LoRAError, match=match):
+            load_adapter("x", str(path), shapes, max_rank)
+
+    refused(tmp_path / "nowhere", "no such directory")
+    (tmp_path / "empty").mkdir()
+    refused(tmp_path / "empty", "not a PEFT adapter: no adapter_config.json")
+    refused(beta, "rank 8 is above max_lora_rank 4", max_rank=4)
+    binary = _copy(alpha, tmp_path / "bin")
+    (binary / "adapter_model.safetensors").rename(binary / "adapter_model.bin")
+    refused(binary, r"adapter_model.bin \(a pickle\) is not loaded")
+    for name, changes, match in [
+        ("dora", {"use_dora": True}, "DoRA"),
+        ("save", {"modules_to_save": ["lm_head"]}, "modules_to_save"),
+        ("embed", {"target_modules": ["embed_tokens", "q_proj"]}, "embeddings"),
+        ("lacks", {"target_modules": ["c_attn"]}, "not one this model has"),
+        ("bias", {"bias": "all"}, "bias 'all'"),
+        ("prefix", {"peft_type": "PREFIX_TUNING"}, "PREFIX_TUNING"),
+        ("pattern", {"rank_pattern": {"q_proj": 2}}, "rank_pattern"),
+    ]:
+        bad = _copy(alpha, tmp_path / name)
+        edit_config(bad, **changes)
+        refused(bad, match)
+    # Tensors edited by hand: a layer the model lacks, an A without its B, a stray tensor.
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(alpha / "adapter_model.safetensors"))
+    key = next(k for k in weights if ".layers.1.self_attn.q_proj.lora_A" in k)
+    for name, edit, match in [
+        ("deep", lambda w: w.__setitem__(key.replace("layers.1.", "layers.7."), w.pop(key)),
+         "layer 7 is beyond the model's 2 layers"),
+        ("half", lambda w: w.pop(key.replace("lora_A", "lora_B")), "without its pair"),
+        ("stray", lambda w: w.__setitem__("base_model.model.lm_head.weight", w[key].clone()),
+         "embeddings or the output head"),
+    ]:
+        bad = _copy(alpha, tmp_path / name)
+        edited = dict(weights)
+        edit(edited)
+        save_file(edited, str(bad / "adapter_model.safetensors"))
+        refused(bad, match)
+    # An adapter of another base (hidden size 32): its shapes do not fit.
+    other = tiny_hf_model("llama", hidden_size=32, intermediate_size=64)
+    refused(make_adapter(other, tmp_path / "other", 1, r=4, target_modules=["q_proj"]),
+            "do not fit the base model")
+
+
+def test_refusals_leave_nothing_loaded(llm: LLM, tmp_path: Path) -> None:
+    before = llm.engine.loras()
+    with pytest.raises(ValueError, match="no such directory"):
+        llm.generate("hi", GREEDY, use_tqdm=False,
+                     lora_request=LoRARequest("ghost", 9, str(tmp_path / "ghost")))
+    with pytest.raises(ValueError, match="not loaded and the request gives no path"):
+        llm.generate("hi", GREEDY, use_tqdm=False, lora_request=LoRARequest("ghost", 9))
+    with pytest.raises(ValueError, match="2 LoRA requests for 1 prompts"):
+        llm.generate("hi", GREEDY, use_tqdm=False, lora_request=[None, None])
+    assert llm.engine.loras() == before
+    assert not llm.engine.has_unfinished()
+
+
+def test_engine_without_lora_refuses_an_adapter(ckpt: tuple[Path, dict[str, Path], Any]) -> None:
+    base, paths, _ = ckpt
+    plain = LLM(str(base), num_kv_blocks=16, max_num_seqs=2, max_model_len=64)
+    assert plain.engine.lora is None and plain.engine.loras() == []
+    with pytest.raises(ValueError, match="enable_lora is off"):
+        plain.generate("hi", GREEDY, use_tqdm=False, lora_request=_req("alpha", paths))
+    with pytest.raises(ValueError, match="enable_lora is off"):
+        plain.engine.load_lora(LoRARequest("alpha", 1, str(paths["alpha"])))
+
+
+def test_a_bad_static_adapter_fails_the_start(ckpt: tuple[Path, dict[str, Path], Any],
+                                              tmp_path: Path) -> None:
+    base, _, _ = ckpt
+    with pytest.raises(LoRAError, match=r"lora_modules\[0\] \('bad'\).*no such directory"):
+        LLM(str(base), enable_lora=True, num_kv_blocks=16, max_model_len=64,
+            lora_modules=[{"name": "bad", "path": str(tmp_path / "nope")}])
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"enable_lora": True, "max_loras": 2, "max_cpu_loras": 1}, "at least max_loras"),
+    ({"lora_modules": [{"name": "a", "path": "/x"}]}, "needs enable_lora"),
+    ({"enable_lora": True, "deterministic": True}, "deterministic mode"),
+    ({"enable_lora": True, "max_cpu_loras": 2,
+      "lora_modules": [{"name": "a", "path": "/x"}, {"name": "a", "path": "/y"}]}, "twice"),
+    ({"enable_lora": True, "lora_modules": [{"name": "a b", "path": "/x"}]}, "name"),
+    ({"enable_lora": True, "max_lora_rank": 0}, "max_lora_rank"),
+])
+def test_bad_lora_settings(options: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        EngineConfig.from_options("tierserve-tiny", **options)
+
+
+def test_lora_request_fields() -> None:
+    with pytest.raises(ValueError, match="lora_name"):
+        LoRARequest("", 1, "/x")
+    with pytest.raises(ValueError, match="lora_int_id"):
+        LoRARequest("a", 0, "/x")
+
+
+def test_a_full_adapter_cache_refuses_another(ckpt: tuple[Path, dict[str, Path], Any]) -> None:
+    base, paths, _ = ckpt
+    model, _, _ = load_model(str(base), dtype=torch.float32, device="cpu")
+    lora = LoRAManager(model, max_loras=1, max_rank=8, max_cpu_loras=1)
+    lora.load("alpha", str(paths["alpha"]), acquire=True)
+    with pytest.raises(LoRACacheFull, match="in use"):
+        lora.load("beta", str(paths["beta"]))
+    assert lora.names() == ["alpha"]
+    lora.release("alpha")
+    lora.load("beta", str(paths["beta"]))  # evicts alpha, unused now
+    assert lora.names() == ["beta"]
+    with pytest.raises(LoRAError, match="above max_loras"):
+        lora.batch(["beta", "alpha"])
+    lora.close()
+
+
+# ---------------------------------------------------------------------- the scheduler
+
+
+def test_a_step_holds_at_most_max_loras_adapters_and_none_starves() -> None:
+    cfg = EngineConfig(enable_lora=True, max_loras=2, max_num_seqs=16, max_model_len=256,
+                       prefill_chunk_tokens=None)
+    s = Scheduler(cfg, FreeListBlocks(4, range(200)))
+    names = [None, "a", "b", "c", "a", "d", None, "c", "b", "d", "e"]
+    ids = {s.add(Request([1, 2, 3, 4, 5], 3 + i % 4, lora=n)): n for i, n in enumerate(names)}
+    left = set(ids)
+    for _ in range(200):
+        if not left:
+            break
+        plan = s.schedule()
+        rows = [d.id for d in plan.decodes] + [c.id for c in plan.prefill]
+        assert len({ids[r] for r in rows if ids[r] is not None}) <= 2
+        running = {seq.lora for seq in s._running if seq.lora is not None}
+        assert len(running) <= 2
+        sampled = [d.id for d in plan.decodes] + [c.id for c in plan.prefill if c.last]
+        for e in s.on_step([SampledToken(r, 7) for r in sampled]):
+            if hasattr(e, "reason"):
+                left.discard(e.id)
+    assert not left  # every adapter's requests ran to their end
+
+
+# ---------------------------------------------------------------------- the deployment
+
+
+def test_the_deployment_loads_lists_unloads_and_reports_adapters(
+        ckpt: tuple[Path, dict[str, Path], Any], tmp_path: Path) -> None:
+    import asyncio
+
+    from tierserve.records import ErrorRecord, RequestOutput, RoutingStats
+    from tierserve.replica.deployment import LLMServer
+
+    base, paths, ref = ckpt
+    server = LLMServer(engine={"model": str(base), "device": "cpu", "num_kv_blocks": 32,
+                               "max_num_seqs": 4, "num_threads": 1, "max_model_len": 64,
+                               "enable_lora": True, "max_loras": 2, "max_lora_rank": 8})
+    try:
+        assert server.load_lora_adapter("beta", str(paths["beta"]), 2) is None
+        assert [r.lora_name for r in server.list_lora_adapters()] == ["beta"]
+        stats = RoutingStats.from_dict(server.record_routing_stats())
+        assert stats is not None and stats.lora_adapters == ("beta",)
+        bad = server.load_lora_adapter("bad", str(tmp_path / "nope"))
+        assert isinstance(bad, ErrorRecord) and bad.status == 400
+        assert bad.code == "invalid_lora_adapter" and "no such directory" in bad.message
+        missing = server.unload_lora_adapter("nope")
+        assert isinstance(missing, ErrorRecord) and missing.status == 404
+
+        prompt = [5, 9, 14, 20]
+
+        async def run(lora: LoRARequest) -> list[RequestOutput | ErrorRecord]:
+            request = GenerateRequest.of(prompt, GREEDY, lora=lora)
+            return [item async for item in server.generate(request)]
+
+        items = asyncio.run(asyncio.wait_for(run(LoRARequest("beta", 2)), timeout=60))
+        tokens = [t for i in items if isinstance(i, RequestOutput) for t in i.token_ids]
+        assert tokens == greedy(ref, "beta", prompt, NEW)
+        (refused,) = asyncio.run(asyncio.wait_for(run(LoRARequest("ghost", 4)), timeout=60))
+        assert isinstance(refused, ErrorRecord) and refused.status == 404
+        assert server.unload_lora_adapter("beta") is None
+        assert server.list_lora_adapters() == []
+    finally:
+        server.engine.shutdown()
+
+
+def test_fused_targets_under_partial_rotary_match_peft(tmp_path: Path) -> None:
+    """Phi-3 (partial rotary) fuses q/k/v and gate/up in its checkpoint: an adapter on
+    ``qkv_proj`` and ``gate_up_proj`` adds into the whole module, its q/k rows permuted as the
+    model's are."""
+    hf = tiny_hf_model("phi3-partial")
+    from tests.replica.models.helpers import save_checkpoint
+
+    base = save_checkpoint(hf, tmp_path / "base")
+    paths = {"fused": make_adapter(hf, tmp_path / "fused", 4, r=4, lora_alpha=8,
+                                   target_modules=["qkv_proj", "o_proj", "gate_up_proj"])}
+    ref = reference(base, paths)
+    model, _, _ = load_model(str(base), dtype=torch.float32, device="cpu")
+    lora = LoRAManager(model, max_loras=1, max_rank=8, max_cpu_loras=1)
+    lora.load("fused", str(paths["fused"]))
+    prompts = _prompts((6, 5), seed=11)
+    names: list[str | None] = ["fused", None]
+    rows = [n for n, p in zip(names, prompts, strict=True) for _ in p]
+    with lora.running(lora.batch(rows)):
+        got = PagedHarness(model, len(prompts), 32).step(
+            [Work(i, 0, p) for i, p in enumerate(prompts)], all_rows=True)
+    for p, n, lg in zip(prompts, names, got, strict=True):
+        torch.testing.assert_close(lg, logits(ref, n, p), rtol=0, atol=1e-4)
+    assert not torch.allclose(logits(ref, "fused", prompts[0]), logits(ref, None, prompts[0]))
+    lora.close()
