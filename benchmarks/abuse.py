@@ -1049,6 +1049,21 @@ async def probe_huge_prompt(ctx: Context) -> Outcome:
                    details={"body_bytes": len(body)})
 
 
+async def probe_tokenize_flood(ctx: Context) -> Outcome:
+    """``/tokenize`` is not bounded by the context: 16 prompts of 200,000 characters at once, each
+    asking for its token strings (work and a large answer, on the ingress), then 4 past
+    ``max_tokenize_chars``: admitted against the tier's share (200 or 429), refused fast (400)."""
+    text = " ".join(f"w{i % 997}" for i in range(40_000))[:200_000]
+    body = encode({"model": ctx.model, "prompt": text, "return_token_strs": True})
+    over = encode({"model": ctx.model, "prompt": "x" * 1_000_000})
+    got = await post_all(ctx, "/tokenize", [body] * 16, ctx.attacker)
+    past = await post_all(ctx, "/tokenize", [over] * 4, ctx.attacker)
+    return Outcome([*got, *past], [
+        expect("200,000 characters: answered, or 429 past the tier's share", got, {200, 429}),
+        expect("1,000,000 characters: a fast 400 too_long", past, {400}, "too_long", FAST_S),
+    ], details={"body_bytes": len(body), "answers": status_counts(got)})
+
+
 def cached_tokens(data: Any) -> int | None:
     """``usage.prompt_tokens_details.cached_tokens`` of an answer (None: not reported)."""
     try:
@@ -1106,6 +1121,8 @@ PROBES: tuple[ProbeDef, ...] = (
     ProbeDef("huge_prompt", "4 prompts of 1 MiB at once", probe_huge_prompt),
     ProbeDef("cache_probe", "tenant B sends tenant A's long prompt", probe_cache_probe,
              needs_keys=True),
+    ProbeDef("tokenize_flood", "16 /tokenize of 200,000 characters with their token strings "
+             "at once, then 4 of 1,000,000", probe_tokenize_flood),
 )
 BY_NAME = {p.name: p for p in PROBES}
 

@@ -294,7 +294,7 @@ def test_the_keyed_config_puts_a_key_on_every_tier_and_requires_one() -> None:
 def test_probes_are_selected_by_name_in_the_bench_order() -> None:
     assert [p.name for p in abuse.select_probes("huge_prompt,deep_json")] == \
         ["deep_json", "huge_prompt"]
-    assert len(abuse.select_probes(None)) == 14
+    assert len(abuse.select_probes(None)) == 15
     with pytest.raises(ValueError, match="unknown probe 'nope'"):
         abuse.select_probes("deep_json,nope")
     assert {p.name for p in abuse.PROBES if p.needs_keys} == {"no_key", "cache_probe"}
