@@ -59,6 +59,15 @@ _ERRORS: dict[int, str] = {
 }
 
 
+def priority_header() -> dict[str, Any]:
+    """The ``X-TL-Priority`` header parameter every generation route takes."""
+    return {
+        "name": "X-TL-Priority", "in": "header", "required": False,
+        "description": "a priority within the caller's tier (an integer between the tier's "
+                       "base_priority and max_priority)",
+        "schema": {"type": "string", "pattern": PRIORITY_PATTERN},
+    }
+
 def _error(status: int) -> dict[str, Any]:
     out: dict[str, Any] = {
         "description": _ERRORS[status],
@@ -204,12 +213,7 @@ def openapi_schema(app: FastAPI, limits: dict[str, Any] | None = None) -> dict[s
             "description": "An OpenAI-style request." + body_note,
             "content": {"application/json": {"schema": {"$ref": REF.format(model=req)}}},
         }
-        op["parameters"] = [{
-            "name": "X-TL-Priority", "in": "header", "required": False,
-            "description": "a priority within the caller's tier (an integer between the tier's "
-                           "base_priority and max_priority)",
-            "schema": {"type": "string", "pattern": PRIORITY_PATTERN},
-        }]
+        op["parameters"] = [priority_header()]
         op["security"] = [{"bearer": []}, {}]
         op["responses"] = {
             "200": {
@@ -332,12 +336,7 @@ def _responses_route(doc: dict[str, Any], limits: dict[str, Any]) -> None:
         "content": {"application/json": {"schema": {
             "$ref": REF.format(model="ResponsesRequest")}}},
     }
-    op["parameters"] = [{
-        "name": "X-TL-Priority", "in": "header", "required": False,
-        "description": "a priority within the caller's tier (an integer between the tier's "
-                       "base_priority and max_priority)",
-        "schema": {"type": "string", "pattern": PRIORITY_PATTERN},
-    }]
+    op["parameters"] = [priority_header()]
     op["security"] = [{"bearer": []}, {}]
     op["responses"] = {
         "200": {

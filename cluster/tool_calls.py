@@ -764,7 +764,42 @@ class ToolCallParser(CallParser):
 HermesToolCallParser = ToolCallParser
 
 
-class Llama3JsonToolCallParser(CallParser):
+class _StateParser(CallParser):
+    """A parser run by states over ``_buffer`` (``_run``): the JSON formats' (``llama3_json``,
+    ``mistral``). While a call's value is open (state ``value``), a piece is held in the tail
+    until the value closes; ``finish`` gives out what is still held as content."""
+
+    def __init__(self, tool_names: Collection[str],
+                 new_id: Callable[[], str] = new_call_id) -> None:
+        super().__init__(tool_names, new_id)
+        self._state = "start"
+        self._value: _JsonEnd | None = None
+
+    def _run(self, out: list[str], deltas: list[ToolCallDelta], final: bool) -> None:
+        raise NotImplementedError
+
+    def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
+        if self._state == "value" and self._value is not None:
+            if self._held_in(self._value, text):  # the value stays open
+                return "", []
+        else:
+            self._buffer += text
+        out: list[str] = []
+        deltas: list[ToolCallDelta] = []
+        self._run(out, deltas, final=False)
+        return self._emit(out), deltas
+
+    def finish(self) -> tuple[str, list[ToolCallDelta]]:
+        self._untail()
+        out: list[str] = []
+        deltas: list[ToolCallDelta] = []
+        self._run(out, deltas, final=True)
+        out.append(self._buffer)
+        self._buffer, self._state, self._value = "", "content", None
+        return self._emit(out), deltas
+
+
+class Llama3JsonToolCallParser(_StateParser):
     """The ``llama3_json`` format's parser: an answer that begins (after blanks and an optional
     ``<|python_tag|>``) with a JSON object ``{"name": ..., "parameters": {...}}`` (or
     ``"arguments"``), or a JSON list of them, is calls; more may follow, each after blanks or
@@ -793,26 +828,6 @@ class Llama3JsonToolCallParser(CallParser):
         self._pos = 0  # _buffer[:_pos] is read
         self._k = 0
         self._open = 0  # list, object: where the value opens
-
-    def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
-        if self._state == "value" and self._value is not None:
-            if self._held_in(self._value, text):  # the value stays open
-                return "", []
-        else:
-            self._buffer += text
-        out: list[str] = []
-        deltas: list[ToolCallDelta] = []
-        self._run(out, deltas, final=False)
-        return self._emit(out), deltas
-
-    def finish(self) -> tuple[str, list[ToolCallDelta]]:
-        self._untail()
-        out: list[str] = []
-        deltas: list[ToolCallDelta] = []
-        self._run(out, deltas, final=True)
-        out.append(self._buffer)
-        self._buffer, self._state, self._value = "", "content", None
-        return self._emit(out), deltas
 
     def _read_lead(self, buf: str, end: int) -> bool | None:
         """Reads on, from ``_pos`` up to ``end``, the beginning of a call: blanks (after a call
@@ -886,7 +901,7 @@ class Llama3JsonToolCallParser(CallParser):
             self._phase, self._pos = "blank", 0
 
 
-class MistralToolCallParser(CallParser):
+class MistralToolCallParser(_StateParser):
     """The ``mistral`` format's parser.
 
     ``[TOOL_CALLS]`` opens calls anywhere in the answer; the text before it is content. After
@@ -926,26 +941,6 @@ class MistralToolCallParser(CallParser):
         self._open = 0  # where its JSON opens, once found
         self._lo, self._hi = 0, 0  # name: the declared names that begin with what is read
         self._found: str | None = None  # named, args, argued: the function's name
-
-    def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
-        if self._state == "value" and self._value is not None:
-            if self._held_in(self._value, text):  # the value stays open
-                return "", []
-        else:
-            self._buffer += text
-        out: list[str] = []
-        deltas: list[ToolCallDelta] = []
-        self._run(out, deltas, final=False)
-        return self._emit(out), deltas
-
-    def finish(self) -> tuple[str, list[ToolCallDelta]]:
-        self._untail()
-        out: list[str] = []
-        deltas: list[ToolCallDelta] = []
-        self._run(out, deltas, final=True)
-        out.append(self._buffer)
-        self._buffer, self._state, self._value = "", "content", None
-        return self._emit(out), deltas
 
     def _begin(self, state: str, pos: int = 0) -> None:
         self._state, self._phase, self._pos, self._k = state, "blank", pos, 0
