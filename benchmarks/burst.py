@@ -124,13 +124,21 @@ async def burst(url: str, model: str, n: int, seed: int, rnd: Round) -> None:
     rnd.failed = dict(Counter(str(v) for kind, v in outcomes if kind == "error"))
 
 
+def first_model(args: dict[str, Any]) -> str:
+    """The first model an application's ``args`` serve: the first of ``models``, else the one
+    ``engine`` (its ``served_model_name``, else ``engine.model``). Read from the raw YAML, so
+    that a config of an older checkout (before ``models``) reads the same."""
+    if args.get("models"):
+        return str(args["models"][0]["name"])
+    return str(args.get("served_model_name") or args["engine"]["model"])
+
+
 def run_round(code: Path, config: str, cache: str, wait: str, n: int, seed: int,
               log: Path) -> Round:
     raw = yaml.safe_load((code / config).read_text())
     port = int((raw.get("http_options") or {}).get("port", 8000))
     url = f"http://127.0.0.1:{port}"
-    model = raw["applications"][0]["args"].get("served_model_name") or \
-        raw["applications"][0]["args"]["engine"]["model"]
+    model = first_model(raw["applications"][0]["args"])
     rnd = Round(str(code), cache, wait, n)
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env["PYTHONPATH"] = os.pathsep.join([str(code), *filter(None, [env.get("PYTHONPATH")])])

@@ -5,8 +5,12 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from benchmarks.burst import Round, burst, fmt
+import yaml
+
+from benchmarks.burst import Round, burst, first_model, fmt
 from tests.fake_api import MODEL, Behaviour, FakeApi
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_a_burst_counts_answers_attempts_and_refusals() -> None:
@@ -23,3 +27,13 @@ def test_a_burst_counts_answers_attempts_and_refusals() -> None:
     line = fmt(r)
     assert "answered 0/1" in line and "first tries refused: 3" in line
     assert Path(r.code).name in line
+
+
+def test_the_first_model_is_read_from_either_config_shape() -> None:
+    # One engine (with and without a served name) and a models list (the multi-model config).
+    assert first_model({"engine": {"model": "smollm2-135m-instruct"}}) == \
+        "smollm2-135m-instruct"
+    assert first_model({"served_model_name": "m", "engine": {"model": "x"}}) == "m"
+    multi = yaml.safe_load((ROOT / "configs" / "cluster-multi.yaml").read_text())
+    args = multi["applications"][0]["args"]
+    assert first_model(args) == args["models"][0]["name"]

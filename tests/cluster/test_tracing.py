@@ -20,6 +20,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 from tests.cluster.stub_ingress import StubIngress
+from tests.spans import recorded_spans
 from tierserve.cluster import launch, tracing
 from tierserve.cluster.access import AccessLogConfigError, access_log_enabled
 
@@ -44,12 +45,8 @@ def stub() -> StubIngress:
 
 @pytest.fixture
 def spans() -> Iterator[InMemorySpanExporter]:
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    with tracing.use_provider(provider):
+    with recorded_spans() as exporter:
         yield exporter
-    provider.shutdown()
 
 
 def chat(stub: StubIngress, **kw: Any) -> dict[str, Any]:

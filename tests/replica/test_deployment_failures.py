@@ -3,36 +3,25 @@ replica, so the ingress sends the request elsewhere and the router avoids this o
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 
 import pytest
 
+from tests.replica.llm_server import collect as run
+from tests.replica.llm_server import llm_server
 from tierserve.records import ErrorRecord, GenerateRequest, RequestOutput, SamplingParams
-from tierserve.replica import deployment
 from tierserve.replica.deployment import LLMServer
-from tierserve.replica.models.embedded import EMBEDDED_MODEL
 
 
 @pytest.fixture
-def server(monkeypatch: pytest.MonkeyPatch) -> Iterator[LLMServer]:
-    monkeypatch.setattr(deployment, "_replica_id", lambda: "replica-7")
-    # num_threads given: the replica does not ask Ray for its CPU share (no Ray here).
-    s = LLMServer(engine={"model": EMBEDDED_MODEL, "device": "cpu", "num_kv_blocks": 32,
-                          "max_num_seqs": 4, "num_threads": 1}, fault_injection=True)
-    try:
+def server() -> Iterator[LLMServer]:
+    with llm_server() as s:
         yield s
-    finally:
-        s.engine.shutdown()
 
 
 def collect(server: LLMServer, max_tokens: int = 4) -> list[RequestOutput | ErrorRecord]:
-    async def go() -> list[RequestOutput | ErrorRecord]:
-        request = GenerateRequest((1, 2, 3), SamplingParams(max_tokens=max_tokens,
-                                                            ignore_eos=True))
-        return [item async for item in server.generate(request)]
-
-    return asyncio.run(asyncio.wait_for(go(), timeout=60))
+    return run(server, GenerateRequest((1, 2, 3), SamplingParams(max_tokens=max_tokens,
+                                                                 ignore_eos=True)))
 
 
 def test_a_healthy_replica_streams_deltas(server: LLMServer) -> None:

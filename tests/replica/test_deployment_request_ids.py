@@ -3,12 +3,13 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
+from tests.replica.llm_server import collect as run
+from tests.replica.llm_server import llm_server
 from tierserve.records import (
     BadRequest,
     ErrorRecord,
@@ -16,29 +17,18 @@ from tierserve.records import (
     RequestOutput,
     SamplingParams,
 )
-from tierserve.replica import deployment
 from tierserve.replica.deployment import LLMServer
-from tierserve.replica.models.embedded import EMBEDDED_MODEL
 
 
 @pytest.fixture
-def server(monkeypatch: pytest.MonkeyPatch) -> Iterator[LLMServer]:
-    monkeypatch.setattr(deployment, "_replica_id", lambda: "replica-7")
-    s = LLMServer(engine={"model": EMBEDDED_MODEL, "device": "cpu", "num_kv_blocks": 32,
-                          "max_num_seqs": 4, "num_threads": 1}, fault_injection=True)
-    try:
+def server() -> Iterator[LLMServer]:
+    with llm_server() as s:
         yield s
-    finally:
-        s.engine.shutdown()
 
 
 def collect(server: LLMServer, request_id: str) -> list[RequestOutput | ErrorRecord]:
-    async def go() -> list[RequestOutput | ErrorRecord]:
-        request = GenerateRequest((1, 2, 3), SamplingParams(max_tokens=2, ignore_eos=True),
-                                  request_id=request_id)
-        return [item async for item in server.generate(request)]
-
-    return asyncio.run(asyncio.wait_for(go(), timeout=60))
+    return run(server, GenerateRequest((1, 2, 3), SamplingParams(max_tokens=2, ignore_eos=True),
+                                       request_id=request_id))
 
 
 def lines(caplog: pytest.LogCaptureFixture) -> list[str]:

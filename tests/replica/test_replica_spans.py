@@ -8,14 +8,15 @@ import asyncio
 from collections.abc import Iterator
 
 import pytest
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
+from tests.replica.llm_server import collect as run
+from tests.replica.llm_server import llm_server
+from tests.spans import recorded_spans
 from tierserve.cluster import tracing
 from tierserve.records import ErrorRecord, GenerateRequest, RequestOutput, SamplingParams
-from tierserve.replica import deployment
 from tierserve.replica.deployment import LLMServer
 from tierserve.replica.models.embedded import EMBEDDED_MODEL
 
@@ -25,34 +26,21 @@ PARENT_ID = "00f067aa0ba902b7"
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[LLMServer]:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(deployment, "_replica_id", lambda: "replica-7")
-        s = LLMServer(engine={"model": EMBEDDED_MODEL, "device": "cpu", "num_kv_blocks": 32,
-                              "max_num_seqs": 4, "num_threads": 1}, fault_injection=True)
-    try:
+    with llm_server() as s:
         yield s
-    finally:
-        s.engine.shutdown()
 
 
 @pytest.fixture
 def spans() -> Iterator[InMemorySpanExporter]:
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    with tracing.use_provider(provider):
+    with recorded_spans() as exporter:
         yield exporter
-    provider.shutdown()
 
 
 def collect(server: LLMServer, n: int = 1, traceparent: str = ""
             ) -> list[RequestOutput | ErrorRecord]:
-    async def go() -> list[RequestOutput | ErrorRecord]:
-        request = GenerateRequest((1, 2, 3), SamplingParams(max_tokens=3, ignore_eos=True), n=n,
-                                  request_id="span-1", tier="paid", traceparent=traceparent)
-        return [item async for item in server.generate(request)]
-
-    return asyncio.run(asyncio.wait_for(go(), timeout=60))
+    return run(server, GenerateRequest((1, 2, 3), SamplingParams(max_tokens=3, ignore_eos=True),
+                                       n=n, request_id="span-1", tier="paid",
+                                       traceparent=traceparent))
 
 
 def named(exporter: InMemorySpanExporter, name: str) -> list[ReadableSpan]:
