@@ -755,6 +755,9 @@ class RoutingStats:
     # The LoRA adapters the replica holds loaded (names; empty without enable_lora): the router
     # may prefer a replica that holds a request's adapter.
     lora_adapters: tuple[str, ...] = ()
+    # The adapters one step may hold (the engine's max_loras); 0: the replica serves no LoRA
+    # adapters (enable_lora off), and the router ranks it last for an adapter's request.
+    max_loras: int = 0
 
     @classmethod
     def from_engine(cls, stats: EngineStats, report_time: float, alive: bool) -> RoutingStats:
