@@ -917,6 +917,8 @@ class Scheduler:
             target_prefill=self.strictest_prefill(),
             target_prefill_per_s=self.strictest_prefill_rate(),
             slo_steps=self.slo_steps,
+            lora_adapters_running=(len({q.lora for q in self._running if q.lora is not None})
+                                   if self.cfg.enable_lora else 0),
         )
 
     def observe_step(self, shape: StepShape, seconds: float) -> None:

@@ -676,6 +676,10 @@ class EngineStats:
     kv_pool_bytes: int = 0
     gpu_memory_used_bytes: int = 0
     gpu_memory_total_bytes: int = 0
+    # LoRA (0 without enable_lora): the adapters held loaded in host memory, and the distinct
+    # adapters of the running requests (at most max_loras: the slots in use).
+    lora_adapters_loaded: int = 0
+    lora_adapters_running: int = 0
 
 
 class EngineDead(Unavailable, RuntimeError):

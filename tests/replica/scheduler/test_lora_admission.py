@@ -140,3 +140,21 @@ def test_aborting_a_passed_request_leaves_nothing_behind() -> None:
 def test_bypass_steps_must_not_be_negative() -> None:
     with pytest.raises(ValueError, match="lora_bypass_steps"):
         EngineConfig(enable_lora=True, lora_bypass_steps=-1)
+
+
+def test_the_stats_count_the_running_adapters() -> None:
+    s = _scheduler(bypass=4, max_loras=2)
+    assert s.engine_stats().lora_adapters_running == 0
+    s.add(Request(PROMPT, 5, lora="a"))
+    s.add(Request(PROMPT, 5, lora="a"))
+    s.add(Request(PROMPT, 5, lora="b"))
+    s.add(Request(PROMPT, 5, lora="c"))
+    s.add(Request(PROMPT, 5))
+    _step(s)
+    assert s.engine_stats().lora_adapters_running == 2  # a and b; c waits, the base not counted
+    # Without enable_lora the count is not taken (always 0).
+    plain = Scheduler(EngineConfig(max_model_len=256, prefill_chunk_tokens=None),
+                      FreeListBlocks(4, range(50)))
+    plain.add(Request(PROMPT, 5))
+    _step(plain)
+    assert plain.engine_stats().lora_adapters_running == 0
