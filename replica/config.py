@@ -180,6 +180,12 @@ class EngineConfig(BaseModel):
         default=None,
         description="adapters loaded at start: a list of `{name, path}` (a PEFT adapter "
                     "folder); `null`: none")
+    lora_bypass_steps: int = Field(
+        default=32, ge=0,
+        description="steps during which requests of the running adapters (and of the base "
+                    "model) may be admitted past a waiting request whose adapter has no slot; "
+                    "then admission waits for that adapter's slot (no starvation); 0: strict "
+                    "rank order")
 
     @model_validator(mode="after")
     def _check_lora(self) -> EngineConfig:

@@ -173,7 +173,8 @@ class LLMServer:
         a dict), with the names of the LoRA adapters this replica holds loaded."""
         stats = RoutingStats.from_engine(self.stats(), time.time(), self.engine.alive)
         if self.engine.lora is not None:
-            stats = replace(stats, lora_adapters=tuple(self.engine.lora.names()))
+            stats = replace(stats, lora_adapters=tuple(self.engine.lora.names()),
+                            max_loras=self.engine.config.max_loras)
         return stats.to_dict()
 
     # ------------------------------------------------------------------ LoRA adapters

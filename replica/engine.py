@@ -435,6 +435,8 @@ class Engine:
         with self._lock:
             stats = self.scheduler.engine_stats(self.times.overhead)
             compiling = self.grammars.waiting
+            if self.lora is not None:
+                stats = replace(stats, lora_adapters_loaded=len(self.lora.names()))
         return replace(stats, waiting=stats.waiting + compiling) if compiling else stats
 
     # ------------------------------------------------------------------ the step

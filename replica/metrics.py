@@ -50,6 +50,11 @@ GAUGES = {
         "The SLO-aware step's limit: the strictest TPOT target present times the headroom "
         "(0: no target present)."),
     "tierserve_requests_paused": "Running requests the last step left out to keep its limit.",
+    "tierserve_lora_adapters_loaded": (
+        "LoRA adapters the replica holds loaded in host memory (0 without enable_lora)."),
+    "tierserve_lora_adapters_running": (
+        "Distinct LoRA adapters of the replica's running requests: the device slots in use, at "
+        "most max_loras."),
 }
 MEMORY_GAUGES = {
     "tierserve_kv_pool_bytes": "Bytes of the replica's KV pool.",
@@ -226,6 +231,8 @@ def gauge_values(s: EngineStats) -> dict[str, float]:
         "tierserve_kv_blocks_cached": s.cached_blocks,
         "tierserve_step_limit_seconds": s.step_limit_s,
         "tierserve_requests_paused": s.paused,
+        "tierserve_lora_adapters_loaded": s.lora_adapters_loaded,
+        "tierserve_lora_adapters_running": s.lora_adapters_running,
         "tierserve_kv_pool_bytes": s.kv_pool_bytes,
         "tierserve_gpu_memory_used_bytes": s.gpu_memory_used_bytes,
         "tierserve_gpu_memory_total_bytes": s.gpu_memory_total_bytes,

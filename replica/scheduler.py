@@ -454,6 +454,7 @@ class Scheduler:
         # Phase 3: admissions in rank order, all or nothing, no skipping ahead (a protected
         # request may pass a head the limit refuses, once a step).
         waiting = self._waiting
+        passed: list[Seq] = []  # requests set aside: their adapter has no slot (LoRA only)
         while waiting and budget > 0:
             head = waiting.peek()
             assert head is not None
@@ -465,7 +466,16 @@ class Scheduler:
             if admit is None:
                 break  # it would take the step, or the decodes to come, past the limit
             if admit.lora is not None and not self._adapter_fits(admit.lora):
-                break  # max_loras adapters run: it waits, first in line, for one to drain
+                # max_loras adapters run: it waits for one to drain, first in line, or, while
+                # it has not waited lora_bypass_steps, set aside for the requests behind it
+                # whose adapter runs (or the base's) to pass it.
+                if not self._may_pass(admit, passed):
+                    break
+                assert admit.handle is not None
+                waiting.remove(admit.handle)
+                admit.handle = None
+                passed.append(admit)
+                continue
             alloc = self._allocate(admit)
             while alloc is None and (victim := step.seat_victim(admit)) is not None:
                 self._preempt(victim, out, fed)
@@ -490,6 +500,8 @@ class Scheduler:
             fed.append((admit, take))
             budget -= take
             shape = shape.plus(take, 1, chunk_attention(cached, take))
+        for seq in passed:  # back in the queue, their rank unchanged
+            self._enqueue(seq)
 
         # Progress: when nothing fits the limit (a target below what one decode takes here),
         # the best-ranked request left out runs anyway, so the replica never stalls.
@@ -527,6 +539,21 @@ class Scheduler:
         running = {s.lora for s in self._running if s.lora is not None}
         return lora in running or len(running) < self.cfg.max_loras
 
+    def _may_pass(self, seq: Seq, passed: list[Seq]) -> bool:
+        """Whether admission may go on past ``seq``, a waiting request whose adapter has no slot
+        (``_adapter_fits`` is false): only while it has stood so for fewer than
+        ``lora_bypass_steps`` steps (counted from the first step admission found it without a
+        slot), and while fewer than ``max_num_seqs`` requests were set aside in this step (a
+        bound on the scan). Requests behind it can then only be of the base model or of an
+        adapter already running (the running adapters fill every slot), so the slots stay as
+        they are. Past the bound admission stops at it again, as with ``lora_bypass_steps``
+        0: nothing new of the running adapters starts, they drain, and it gets the first slot
+        freed (no starvation)."""
+        if seq.lora_blocked_at is None:
+            seq.lora_blocked_at = self._step
+        return (self._step - seq.lora_blocked_at < self.cfg.lora_bypass_steps
+                and len(passed) < self.cfg.max_num_seqs)
+
     def _allocate(self, seq: Seq) -> Allocation | None:
         """Blocks for every position of ``seq`` (all or nothing, §2) while fewer than
         ``max_num_seqs`` run; None: no seat or no room."""
@@ -547,6 +574,7 @@ class Scheduler:
             waiting.remove(seq.handle)
         seq.handle = None
         seq.status = RUNNING
+        seq.lora_blocked_at = None
         seq.computed = cached
         if seq.cached is None:
             seq.cached = cached
@@ -889,6 +917,8 @@ class Scheduler:
             target_prefill=self.strictest_prefill(),
             target_prefill_per_s=self.strictest_prefill_rate(),
             slo_steps=self.slo_steps,
+            lora_adapters_running=(len({q.lora for q in self._running if q.lora is not None})
+                                   if self.cfg.enable_lora else 0),
         )
 
     def observe_step(self, shape: StepShape, seconds: float) -> None:

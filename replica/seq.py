@@ -91,6 +91,7 @@ class Seq:
         "handle",
         "id",
         "lora",
+        "lora_blocked_at",
         "max_tokens",
         "partition",
         "priority",
@@ -123,6 +124,9 @@ class Seq:
         self.first_at: float | None = None
         # When its first token is due (the scheduler's clock; set by ``add``); None: no target.
         self.deadline: float | None = None
+        # The step in which admission first found it waiting without a slot for its adapter
+        # (None: not so since its last admission): how long requests may pass it.
+        self.lora_blocked_at: int | None = None
 
 
 def rank_of(seq: Seq) -> tuple[int, int]:

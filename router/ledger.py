@@ -72,10 +72,13 @@ class InFlightLedger(Generic[R]):
         request_id: Hashable,
         now: float,
         holder: object = None,
+        lora: str | None = None,
     ) -> None:
-        """Charge the request (routing ``key``) to the replica ranked first, as of ``now``."""
+        """Charge the request (routing ``key``, of LoRA adapter ``lora``: None for the base
+        model) to the replica ranked first, as of ``now``."""
         self.tentative[key] = Tentative(
-            best.key, request_id, Charge(best.need, now, best.full, best.own_prefill), holder
+            best.key, request_id, Charge(best.need, now, best.full, best.own_prefill, lora),
+            holder,
         )
 
     def drop_tentative(self, key: Hashable) -> None:

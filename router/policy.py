@@ -37,6 +37,19 @@ than ``Affinity.balance_abs`` requests outstanding beyond the least loaded one a
 ``Affinity.balance_rel`` times its count. Then both rankings fall back to load alone (prefix hits
 only break ties): affinity must not pile a popular prefix onto one replica while others idle.
 
+LoRA adapters (``RequestShape.lora``: the request's adapter, None for the base model): a
+replica holds an adapter when its last report lists it loaded (``RoutingStats.lora_adapters``)
+or this router sent it a request of that adapter since the report (an unseen charge's
+``Charge.lora``: the replica loads it on first use). Where it does not, the request would pay
+the load first: ``Affinity.adapter_load_tokens`` prefill positions, added to the prefill ahead
+of it in the latency ranking and, in the throughput ranking, a tie-break after the requests
+outstanding (a replica holding the adapter wins between equally loaded ones). Imbalanced, both
+rankings leave it to break ties after the prefix hits, as the balance rule wants: affinity must
+not pile one tenant's adapter onto one replica while others idle. A replica whose report says
+it serves no adapters (``RoutingStats.max_loras`` 0 and none loaded) would refuse an adapter's
+request: it ranks last for one, below a failed one. A base-model request's ranking is what it
+was without adapters (no load, no such replica).
+
 A replica that has not reported yet while another has (one that autoscaling or a restart just
 added) ranks after every reported one: its pool and room are not known until it reports, so a
 burst is not sent to it on a guess; only a replica whose engine has failed ranks below it.
@@ -93,6 +106,9 @@ class RequestShape:
     # The time per output token its tier promises (None: none): a replica whose SLO-aware step
     # has no seat left for it ranks after those that have one.
     tpot_target_s: float | None = None
+    # The LoRA adapter it runs under (its name; None: the base model): a replica holding it
+    # loaded is preferred over one that would have to load it.
+    lora: str | None = None
 
     @classmethod
     def from_request(cls, request: GenerateRequest) -> RequestShape:
@@ -104,6 +120,7 @@ class RequestShape:
             prefix=request.prefix_hashes,
             samples=max(request.n, 1),
             tpot_target_s=request.tpot_target_s,
+            lora=request.lora.lora_name if request.lora is not None else None,
         )
 
     def usable_prefix(self, block_size: int) -> int:
@@ -128,6 +145,9 @@ class Charge:
     # A latency request's uncached prompt positions (0 for others): prefill ahead of the next
     # latency request there until the report shows it.
     prefill: int = 0
+    # Its LoRA adapter (None: the base model): loaded there from then on, until the report
+    # shows it.
+    lora: str | None = None
 
     @property
     def full_blocks(self) -> int:
@@ -154,6 +174,9 @@ class Affinity:
     balance_rel: float = 1.5
     # Throughput-tier affinity only when the best replica has this share of the prompt cached.
     min_hit_fraction: float = 0.25
+    # What loading a request's LoRA adapter costs a replica that does not hold it, in prefill
+    # positions (latency ranking; a tie-break in the throughput ranking).
+    adapter_load_tokens: int = 256
 
     def __post_init__(self) -> None:
         if self.balance_abs < 0:
@@ -162,6 +185,9 @@ class Affinity:
             raise ValueError(f"balance_rel must be >= 1, got {self.balance_rel}")
         if not 0.0 <= self.min_hit_fraction <= 1.0:
             raise ValueError(f"min_hit_fraction must be in [0, 1], got {self.min_hit_fraction}")
+        if self.adapter_load_tokens < 0:
+            raise ValueError(
+                f"adapter_load_tokens must be >= 0, got {self.adapter_load_tokens}")
 
     def imbalanced(self, outstanding: Sequence[int]) -> bool:
         if len(outstanding) < 2:
@@ -204,6 +230,11 @@ class Ranked(Generic[K]):
     unconstrained: bool = False
     # It has not reported yet, while another replica has: ranked after the reported ones.
     unreported: bool = False
+    # Prefill positions that loading the request's adapter would cost there (0: it holds the
+    # adapter, or a base-model request).
+    adapter_load: int = 0
+    # Its report says it serves no LoRA adapters, and the request names one: ranked last.
+    no_lora: bool = False
 
 
 def charged_since_report(stats: RoutingStats | None, charges: Sequence[Charge]) -> list[Charge]:
@@ -211,6 +242,20 @@ def charged_since_report(stats: RoutingStats | None, charges: Sequence[Charge]) 
     if stats is None:
         return list(charges)
     return [c for c in charges if c.routed_at >= stats.report_time]
+
+
+def holds_adapter(stats: RoutingStats | None, unseen: Sequence[Charge], lora: str) -> bool:
+    """Whether a replica probably holds adapter ``lora`` loaded: its report lists it, or this
+    router sent it a request of that adapter since the report."""
+    if stats is not None and lora in stats.lora_adapters:
+        return True
+    return any(c.lora == lora for c in unseen)
+
+
+def serves_no_adapters(stats: RoutingStats | None) -> bool:
+    """Whether a replica's report says it serves no LoRA adapters (``max_loras`` 0 and none
+    loaded); a replica without a report is not known to refuse them."""
+    return stats is not None and stats.max_loras == 0 and not stats.lora_adapters
 
 
 def target_work(stats: RoutingStats | None, request: RequestShape,
@@ -254,7 +299,8 @@ def rank_replicas(
 ) -> list[Ranked[K]]:
     """Best replica first (see the module docstring for the two rankings and the balance rule).
 
-    Before either ranking: replicas whose engine has failed go last, then those whose pool can
+    Before either ranking: for a request of a LoRA adapter, replicas that serve no adapters go
+    last; then replicas whose engine has failed, then those whose pool can
     never hold ``prompt + max_tokens``, then saturated ones (the estimated free blocks cannot
     hold the request and the estimated queue is at least ``saturation_waiting``), then, for a
     request with a TPOT target, those whose SLO-aware step has no seat left for it
@@ -301,6 +347,9 @@ def rank_replicas(
         ahead = target_work(stats, request, unseen)
         keeps_target = (request.tpot_target_s is not None and stats is not None
                         and stats.tpot_target_ms == round(request.tpot_target_s * 1000))
+        lora = request.lora
+        load_cost = (affinity.adapter_load_tokens
+                     if lora is not None and not holds_adapter(stats, unseen, lora) else 0)
         entries.append(Ranked(
             key=load.key,
             est_free=est_free,
@@ -325,6 +374,8 @@ def rank_replicas(
                 and not (latency and ahead is not None
                          and ahead >= GATHER_PREFILL_S * stats.target_prefill_per_s)),
             unreported=stats is None and bool(reported),
+            adapter_load=load_cost,
+            no_lora=lora is not None and serves_no_adapters(stats),
         ))
 
     eligible = [r for r in entries if not (r.dead or r.never_fits or r.saturated)]
@@ -335,15 +386,23 @@ def rank_replicas(
     )
 
     def order(r: Ranked[K]) -> tuple[Any, ...]:
-        head = (r.dead, r.unreported, r.never_fits, r.saturated, r.no_seat)
+        # For a base-model request no_lora and adapter_load are False and 0 everywhere: the
+        # order is the one without adapters.
+        head = (r.no_lora, r.dead, r.unreported, r.never_fits, r.saturated, r.no_seat)
         gather = balanced and r.unconstrained  # never past the balance rule
         if latency:
             if balanced:
-                return (*head, r.short, gather, r.prefill_ahead, -r.est_free, rng.random())
-            return (*head, r.short, r.pending, -r.est_free, -r.cached, rng.random())
-        if sticky:
-            return (*head, r.room < r.full, -r.cached, gather, r.outstanding, -r.room,
+                return (*head, r.short, gather, r.prefill_ahead + r.adapter_load, -r.est_free,
+                        rng.random())
+            return (*head, r.short, r.pending, -r.est_free, -r.cached, r.adapter_load,
                     rng.random())
-        return (*head, r.room < r.full, gather, r.outstanding, -r.cached, -r.room, rng.random())
+        if sticky:
+            return (*head, r.room < r.full, -r.cached, gather, r.outstanding, r.adapter_load,
+                    -r.room, rng.random())
+        if balanced:
+            return (*head, r.room < r.full, gather, r.outstanding, r.adapter_load, -r.cached,
+                    -r.room, rng.random())
+        return (*head, r.room < r.full, gather, r.outstanding, -r.cached, r.adapter_load,
+                -r.room, rng.random())
 
     return sorted(entries, key=order)

@@ -77,6 +77,11 @@ class RouterSettings(BaseModel):
     min_hit_fraction: float = Field(
         default=_AFFINITY.min_hit_fraction, ge=0.0, le=1.0, description="the lower tiers "
         "follow their prefix only where this share of the prompt is cached")
+    adapter_load_tokens: int = Field(
+        default=_AFFINITY.adapter_load_tokens, ge=0, description="what loading a request's "
+        "LoRA adapter costs a replica that does not hold it, in prefill tokens: the top tier "
+        "weighs it against the queues, the lower tiers prefer a replica holding the adapter "
+        "between equally loaded ones; 0: no adapter affinity")
 
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any]) -> RouterSettings:
@@ -92,7 +97,8 @@ class RouterSettings(BaseModel):
                              + describe(e)) from None
 
     def affinity(self) -> Affinity:
-        return Affinity(self.balance_abs, self.balance_rel, self.min_hit_fraction)
+        return Affinity(self.balance_abs, self.balance_rel, self.min_hit_fraction,
+                        adapter_load_tokens=self.adapter_load_tokens)
 
 
 class RouterState(Generic[R]):
@@ -156,7 +162,7 @@ class RouterState(Generic[R]):
         self.ledger.expire(now, self.settings.tentative_ttl_s)
         ranked = self.rank(reports, request, skip=key)
         if ranked:
-            self.ledger.charge_tentatively(key, ranked[0], request_id, now, holder)
+            self.ledger.charge_tentatively(key, ranked[0], request_id, now, holder, request.lora)
             self._record(ranked[0].key, request)
         return ranked
 
@@ -180,7 +186,7 @@ class RouterState(Generic[R]):
             bt = stats.block_size if stats else self.settings.default_block_size
             return Charge(charge_blocks(shape.prompt_tokens, bt), now,
                           full_blocks(shape.prompt_tokens, shape.max_tokens, bt),
-                          shape.prompt_tokens if shape.latency else 0)
+                          shape.prompt_tokens if shape.latency else 0, shape.lora)
 
         self.ledger.confirm(key, replica, request_id, now, recharge, holder=holder)
         for shape in moved:

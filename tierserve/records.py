@@ -676,6 +676,10 @@ class EngineStats:
     kv_pool_bytes: int = 0
     gpu_memory_used_bytes: int = 0
     gpu_memory_total_bytes: int = 0
+    # LoRA (0 without enable_lora): the adapters held loaded in host memory, and the distinct
+    # adapters of the running requests (at most max_loras: the slots in use).
+    lora_adapters_loaded: int = 0
+    lora_adapters_running: int = 0
 
 
 class EngineDead(Unavailable, RuntimeError):
@@ -755,6 +759,9 @@ class RoutingStats:
     # The LoRA adapters the replica holds loaded (names; empty without enable_lora): the router
     # may prefer a replica that holds a request's adapter.
     lora_adapters: tuple[str, ...] = ()
+    # The adapters one step may hold (the engine's max_loras); 0: the replica serves no LoRA
+    # adapters (enable_lora off), and the router ranks it last for an adapter's request.
+    max_loras: int = 0
 
     @classmethod
     def from_engine(cls, stats: EngineStats, report_time: float, alive: bool) -> RoutingStats:

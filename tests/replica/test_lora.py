@@ -120,6 +120,33 @@ def test_fewer_slots_than_adapters(ckpt: tuple[Path, dict[str, Path], Any]) -> N
     assert len(one.engine.loras()) <= 2
 
 
+def test_running_adapters_pass_a_request_without_a_slot_and_match_peft(
+        ckpt: tuple[Path, dict[str, Path], Any]) -> None:
+    """Two slots, three adapters and the base, the bypass on: requests of the running adapters
+    and of the base are admitted past gamma's while it has no slot; every answer is its own
+    adapter's and no block stays held."""
+    base, _, _ = ckpt
+    two = LLM(str(base), enable_lora=True, max_loras=2, max_lora_rank=8, max_cpu_loras=3,
+              num_kv_blocks=64, max_num_seqs=8, max_model_len=128, lora_bypass_steps=4)
+    scheduler = two.engine.scheduler
+    may_pass = scheduler._may_pass
+    passes: list[bool] = []
+
+    def spy(seq: Any, passed: Any) -> bool:
+        passes.append(may_pass(seq, passed))
+        return passes[-1]
+
+    scheduler._may_pass = spy  # type: ignore[method-assign]
+    names: list[str | None] = ["alpha", "beta", "gamma", "alpha", None, "beta", "gamma", None]
+    _check_tokens(two, ckpt, names, _prompts((6, 9, 5, 7, 4, 8, 3, 10), seed=11))
+    assert True in passes  # gamma was passed
+    stats = two.engine.stats()
+    assert stats.running == stats.waiting == 0
+    assert stats.free_blocks == stats.total_blocks
+    assert two.engine.lora is not None
+    assert all(two.engine.lora.in_use(n) == 0 for n in two.engine.lora.names())
+
+
 def test_answers_survive_a_preemption(ckpt: tuple[Path, dict[str, Path], Any]) -> None:
     base, _, _ = ckpt
     small = LLM(str(base), enable_lora=True, max_loras=2, max_lora_rank=8, max_cpu_loras=3,
@@ -343,6 +370,8 @@ def test_the_deployment_loads_lists_unloads_and_reports_adapters(
         assert [r.lora_name for r in server.list_lora_adapters()] == ["beta"]
         stats = RoutingStats.from_dict(server.record_routing_stats())
         assert stats is not None and stats.lora_adapters == ("beta",)
+        assert stats.max_loras == 2  # the router's sign that this replica serves adapters
+        assert server.engine.stats().lora_adapters_loaded == 1
         bad = server.load_lora_adapter("bad", str(tmp_path / "nope"))
         assert isinstance(bad, ErrorRecord) and bad.status == 400
         assert bad.code == "invalid_lora_adapter" and "no such directory" in bad.message

@@ -147,3 +147,13 @@ def test_the_replicas_stats_carry_its_memory(monkeypatch: pytest.MonkeyPatch, de
         assert (s.gpu_memory_used_bytes, s.gpu_memory_total_bytes) == (0, 0)
     else:
         assert (s.gpu_memory_used_bytes, s.gpu_memory_total_bytes) == (50 * GiB, 80 * GiB)
+
+
+def test_the_lora_gauges_carry_the_adapter_counts_without_names() -> None:
+    from dataclasses import replace
+
+    values = gauge_values(replace(STATS, lora_adapters_loaded=3, lora_adapters_running=2))
+    assert values["tierserve_lora_adapters_loaded"] == 3
+    assert values["tierserve_lora_adapters_running"] == 2
+    assert gauge_values(STATS)["tierserve_lora_adapters_loaded"] == 0
+    assert {"ray_tierserve_lora_adapters_loaded", "ray_tierserve_lora_adapters_running"} <= EXPORTED
