@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 from pathlib import Path
 
 import numpy as np
@@ -229,6 +230,11 @@ def test_the_dashboard_covers_every_metric_and_is_importable() -> None:
         for t in p["targets"]:
             assert t["datasource"]["uid"] == "${datasource}"
             assert balanced(t["expr"]), t["expr"]
+            # Legends name labels as Grafana writes them: {{label}}, nothing doubled.
+            legend = t.get("legendFormat", "")
+            assert all(re.fullmatch(r"[a-zA-Z_]\w*", x)
+                       for x in re.findall(r"\{\{(.*?)\}\}", legend)), (p["title"], legend)
+            assert "{{{" not in legend and "}}}" not in legend, (p["title"], legend)
             if "histogram_quantile" in t["expr"]:
                 assert "_bucket" in t["expr"] and "le)" in t["expr"], t["expr"]
     titles = {p["title"] for p in promql.panels(dash)}
