@@ -697,7 +697,8 @@ class Ingress:
         limited = any(t.models is not None or any(n.models is not None for n in t.tenants)
                       for t in self.cfg.tiers)
         self.openapi_doc = openapi_schema(app, {
-            "model": None if limited else [m.name for m in every],
+            # Nor where adapters may be named (an admin may load one at any time).
+            "model": None if limited or self.adapters.enabled else [m.name for m in every],
             "max_tokens": max(m.max_tokens_limit for m in every),
             "vocab_size": max(m.vocab_size for m in every),
             "max_stop_strings": self.cfg.max_stop_strings,

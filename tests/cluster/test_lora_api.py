@@ -467,3 +467,22 @@ def test_an_admin_key_must_be_a_tier_s_key(roots: dict[str, Path]) -> None:
     assert not resolver.resolve(f"Bearer {PAID}", None).admin
     assert not resolver.resolve(None, None).admin
     assert resolver.shifted(resolver.resolve(f"Bearer {ADMIN}", None), 1).admin
+
+
+# ------------------------------------------------------------------ the OpenAPI document
+
+
+def test_the_openapi_document_has_the_adapter_routes(stub: StubIngress) -> None:
+    doc = stub.inst.openapi_doc
+    for path, errors in (("/v1/load_lora_adapter", {"400", "403", "404", "429", "503"}),
+                         ("/v1/unload_lora_adapter", {"400", "403", "404"})):
+        op = doc["paths"][path]["post"]
+        assert errors <= set(op["responses"]) and "200" in op["responses"]
+        assert "permission_denied" in op["responses"]["403"]["description"]
+        assert op["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith(
+            "LoRAAdapterRequest")
+    card = doc["components"]["schemas"]["ModelCard"]["properties"]
+    assert {"parent", "root"} <= set(card)
+    # Adapters may be named as the model: no enum of the served models' names.
+    assert "enum" not in json.dumps(doc["components"]["schemas"]["CompletionRequest"][
+        "properties"]["model"])
