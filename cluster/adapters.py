@@ -132,6 +132,9 @@ class DynamicAdapters:
         self.version = 0
         self._entries: dict[str, Adapter] = {}
         self._ids: dict[str, int] = {}
+        # The path each name was first loaded from: a name never names other weights while this
+        # state lives (replicas key an adapter's cached prefix blocks by its name).
+        self._paths: dict[str, str] = {}
         self._next_id = first_id
 
     def snapshot(self) -> tuple[int, list[Adapter]]:
@@ -161,6 +164,12 @@ class DynamicAdapters:
             raise BadRequest(f"LoRA adapter {name!r} is loaded already from another path or "
                              "for another model: unload it first", "lora_adapter_exists",
                              "lora_name")
+        was = self._paths.get(name)
+        if was is not None and was != path:
+            raise BadRequest(f"LoRA adapter name {name!r} was loaded from another path before: "
+                             "replicas may still hold that adapter or prefix-cache blocks "
+                             "computed under it by that name; load these weights under a new "
+                             "name", "lora_name_reused", "lora_name")
         if len(self._entries) >= self.max_dynamic:
             raise BadRequest(f"{len(self._entries)} LoRA adapters are loaded, the most "
                              f"max_dynamic_loras ({self.max_dynamic}) allows: unload one first",
@@ -173,6 +182,7 @@ class DynamicAdapters:
         if have is not None:
             return have
         entry = Adapter(name, parent, path, self.id_for(name))
+        self._paths.setdefault(name, path)
         self._entries[name] = entry
         self.version += 1
         return entry

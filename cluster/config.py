@@ -44,8 +44,9 @@ class TenantConfig(_Strict):
         description="its keys, written as a tier's are")
     models: list[str] | None = Field(
         default=None,
-        description="the served model names its keys may use (within its tier's `models`); "
-                    "`null`: all its tier may use ([security.md](docs/security.md))")
+        description="the served model (or LoRA adapter) names its keys may use (within its "
+                    "tier's `models`); `null`: all its tier may use "
+                    "([security.md](docs/security.md))")
 
 
 class TierConfig(_Strict):
@@ -104,7 +105,9 @@ class TierConfig(_Strict):
         default=None,
         description="the served model names its callers may use (keys and anonymous callers "
                     "alike); any other model is a 404 `model_not_found` to them and is not in "
-                    "their `/v1/models`; `null`: every model ([security.md](docs/security.md))")
+                    "their `/v1/models`; LoRA adapters are named here as models are "
+                    "([lora.md](docs/lora.md)); `null`: every model "
+                    "([security.md](docs/security.md))")
 
     @model_validator(mode="before")
     @classmethod

@@ -375,6 +375,9 @@ def test_dynamic_adapters_rules() -> None:
     with pytest.raises(NotFound):
         d.remove("x")
     assert d.add("x", "base", "/a/x").int_id == 5  # its id again
+    d.remove("x")
+    with pytest.raises(BadRequest, match="new name"):  # a name names one adapter's weights
+        d.add("x", "base", "/a/other")
     # The actor's class answers refusals as records (an exception would come back wrapped).
     actor = AdapterStoreActor(1, 1, ["base"])
     got = actor.add("base", "base", "/a")
@@ -486,3 +489,15 @@ def test_the_openapi_document_has_the_adapter_routes(stub: StubIngress) -> None:
     # Adapters may be named as the model: no enum of the served models' names.
     assert "enum" not in json.dumps(doc["components"]["schemas"]["CompletionRequest"][
         "properties"]["model"])
+
+
+def test_a_name_is_never_loaded_from_another_path(stub: StubIngress,
+                                                   roots: dict[str, Path]) -> None:
+    """Replicas key an adapter's prefix blocks by its name: after an unload, the name may come
+    back only from the path it had."""
+    assert load(stub, "spent", roots["allowed"] / "spent").status == 200
+    assert unload(stub, "spent").status == 200
+    e = error(load(stub, "spent", roots["allowed"] / "one"), 400)
+    assert e["code"] == "lora_name_reused" and "new name" in e["message"]
+    assert load(stub, "spent", roots["allowed"] / "spent").status == 200
+    assert unload(stub, "spent").status == 200
