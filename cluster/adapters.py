@@ -326,11 +326,12 @@ class AdapterRegistry:
 
     def __init__(self, models: Sequence[ModelConfig], store: AdapterStore | None = None, *,
                  max_dynamic: int = 64, path_roots: Sequence[str] = (),
-                 ttl_s: float = 2.0) -> None:
+                 ttl_s: float = 2.0, miss_s: float = 0.2) -> None:
         self.models = {m.name: m for m in models}
         self.static = static_adapters(models)
         self.path_roots = tuple(path_roots)
         self.ttl_s = ttl_s
+        self.miss_s = miss_s
         reserved = [*self.models, *self.static]
         self.store: AdapterStore = store if store is not None else LocalStore(
             DynamicAdapters(max_dynamic, len(self.static) + 1, reserved))
@@ -365,11 +366,13 @@ class AdapterRegistry:
 
     async def lookup(self, name: str) -> Adapter | None:
         """The adapter a request's ``model`` names, or None. The store is read first when this
-        copy is stale, or when ``name`` is not in it (an adapter loaded through another ingress
-        replica); never without ``enable_lora`` on some model."""
+        copy is older than ``ttl_s``, or when ``name`` is not in it (an adapter loaded through
+        another ingress replica) and the copy is older than ``miss_s``: a flood of made-up names
+        costs at most one read per ``miss_s``. Never without ``enable_lora`` on some model."""
         if not self.enabled or name in self.static:
             return self.static.get(name)
-        if name not in self.dynamic or time.monotonic() - self.read_at > self.ttl_s:
+        age = time.monotonic() - self.read_at
+        if age > self.ttl_s or (name not in self.dynamic and age > self.miss_s):
             await self.refresh()
         return self.dynamic.get(name)
 

@@ -405,7 +405,8 @@ def test_a_copy_reads_the_store_again_on_a_miss(roots: dict[str, Path]) -> None:
     models = cfg.served_models()
     store = LocalStore(DynamicAdapters(4, 2, [CHAT, "tiny", "sql"]))
     first = AdapterRegistry(models, store, path_roots=[str(roots["allowed"])], ttl_s=3600.0)
-    second = AdapterRegistry(models, store, path_roots=[str(roots["allowed"])], ttl_s=3600.0)
+    second = AdapterRegistry(models, store, path_roots=[str(roots["allowed"])], ttl_s=3600.0,
+                             miss_s=0.0)
 
     async def ok(_: Any) -> None:
         return None
@@ -421,6 +422,28 @@ def test_a_copy_reads_the_store_again_on_a_miss(roots: dict[str, Path]) -> None:
         assert await second.lookup("three") is None
 
     asyncio.run(run())
+
+
+def test_made_up_names_read_the_store_at_most_once_per_miss_s(roots: dict[str, Path]) -> None:
+    reads = 0
+
+    class Counting(LocalStore):
+        async def snapshot(self) -> Any:
+            nonlocal reads
+            reads += 1
+            return await super().snapshot()
+
+    store = Counting(DynamicAdapters(4, 2, [CHAT, "tiny", "sql"]))
+    reg = AdapterRegistry(load_config(config(roots)).served_models(), store, ttl_s=3600.0,
+                          miss_s=3600.0)
+
+    async def run() -> None:
+        for i in range(50):
+            assert await reg.lookup(f"made-up-{i}") is None
+        assert await reg.lookup("sql") is not None  # a static one: never a read
+
+    asyncio.run(run())
+    assert reads == 1
 
 
 def test_a_refusal_during_the_replica_s_load_registers_nothing(roots: dict[str, Path]) -> None:
