@@ -24,6 +24,9 @@ against ``lora_path_roots`` (``check_path``), and requests carry the path the re
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
+import logging
 import os
 import re
 import time
@@ -38,7 +41,10 @@ from tierserve.records import (
     LoRARequest,
     NotFound,
     ServingError,
+    Unavailable,
 )
+
+log = logging.getLogger("tierserve.adapters")
 
 # What an adapter may be called (``LoRAModule.name``'s pattern, at most 128 characters).
 ADAPTER_NAME = re.compile(r"[A-Za-z0-9._:/-]{1,128}")
@@ -261,19 +267,26 @@ class AdapterStoreActor:
             return e.record()
 
 
-def store_actor_name(app_name: str) -> str:
-    """The named actor of application ``app_name``'s dynamic adapters."""
-    return f"tierserve-adapters:{app_name}"
+def store_actor_name(app_name: str, max_dynamic: int, first_id: int,
+                     reserved: Sequence[str]) -> str:
+    """The named actor of application ``app_name``'s dynamic adapters under these settings (a
+    digest of them in the name: an application deployed again with other models, static
+    adapters or bound gets a store of its own, never one made for the old settings)."""
+    digest = hashlib.sha256(json.dumps([max_dynamic, first_id, sorted(reserved)]).encode())
+    return f"tierserve-adapters:{app_name}:{digest.hexdigest()[:12]}"
 
 
 class RayStore:
     """The application's ``AdapterStoreActor`` (made on first use by whichever ingress replica
-    asks first, ``get_if_exists``; detached, so it outlives an ingress replica's restart)."""
+    asks first, ``get_if_exists``; detached, so it outlives an ingress replica's restart). A
+    call that fails (the actor lost with its node) is made once more on a fresh handle, which
+    finds or makes the actor again (empty: the dynamic adapters are lost with it); failing
+    again, a 503."""
 
     def __init__(self, app_name: str, max_dynamic: int, first_id: int,
                  reserved: Sequence[str]) -> None:
         self._args = (max_dynamic, first_id, list(reserved))
-        self._name = store_actor_name(app_name)
+        self._name = store_actor_name(app_name, max_dynamic, first_id, reserved)
         self._actor: Any = None
 
     def _handle(self) -> Any:
@@ -286,22 +299,33 @@ class RayStore:
                 lifetime="detached").remote(*self._args)
         return self._actor
 
+    async def _call(self, method: str, *args: Any) -> Any:
+        for attempt in (1, 2):
+            try:
+                return await getattr(self._handle(), method).remote(*args)
+            except Exception as e:
+                log.warning("the adapter registry's actor %s failed (%s, try %d of 2)",
+                            self._name, type(e).__name__, attempt)
+                self._actor = None
+        raise Unavailable("the LoRA adapter registry cannot be reached; try again",
+                          "adapter_registry_unavailable")
+
     async def snapshot(self) -> tuple[int, list[Adapter]]:
-        out: tuple[int, list[Adapter]] = await self._handle().snapshot.remote()
+        out: tuple[int, list[Adapter]] = await self._call("snapshot")
         return out
 
     async def id_for(self, name: str) -> int:
-        return int(await self._handle().id_for.remote(name))
+        return int(await self._call("id_for", name))
 
     async def check(self, name: str, parent: str, path: str) -> Adapter | None:
-        got = await self._handle().check.remote(name, parent, path)
+        got = await self._call("check", name, parent, path)
         return None if got is None else _unwrapped(got)
 
     async def add(self, name: str, parent: str, path: str) -> Adapter:
-        return _unwrapped(await self._handle().add.remote(name, parent, path))
+        return _unwrapped(await self._call("add", name, parent, path))
 
     async def remove(self, name: str) -> Adapter:
-        return _unwrapped(await self._handle().remove.remote(name))
+        return _unwrapped(await self._call("remove", name))
 
 
 def _unwrapped(got: Adapter | ErrorRecord) -> Adapter:
@@ -358,10 +382,11 @@ class AdapterRegistry:
         if self._reading is None:
             self._reading = asyncio.Lock()
         async with self._reading:
+            # Taken whole each time (at most ``max_dynamic_loras`` entries): a store made
+            # again after its actor was lost counts its versions from 0 again.
             version, entries = await self.store.snapshot()
-            if version != self.version:
-                self.dynamic = {a.name: a for a in entries}
-                self.version = version
+            self.dynamic = {a.name: a for a in entries}
+            self.version = version
             self.read_at = time.monotonic()
 
     async def lookup(self, name: str) -> Adapter | None:
