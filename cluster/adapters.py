@@ -389,6 +389,12 @@ class AdapterRegistry:
             self.version = version
             self.read_at = time.monotonic()
 
+    async def fresh(self) -> None:
+        """The copy read again if older than ``miss_s`` (a listing: at most one read per
+        ``miss_s``, however many listings come)."""
+        if self.enabled and time.monotonic() - self.read_at > self.miss_s:
+            await self.refresh()
+
     async def lookup(self, name: str) -> Adapter | None:
         """The adapter a request's ``model`` names, or None. The store is read first when this
         copy is older than ``ttl_s``, or when ``name`` is not in it (an adapter loaded through

@@ -815,8 +815,7 @@ class Ingress:
         """The served models the caller may use (behind the key check), then the LoRA adapters
         it may use, each with its ``parent`` (vLLM's listing)."""
         caller = self._caller(request)
-        if self.adapters.enabled:
-            await self.adapters.refresh()
+        await self.adapters.fresh()
         cards = [self._model_card(m) for m in self.served if caller.may_use(m)]
         cards += [self._model_card(a.name, a) for a in self.adapters.known()
                   if caller.may_use(a.name) and a.parent in self.served]
