@@ -428,12 +428,16 @@ class AdapterRegistry:
         return model
 
     async def load(self, name: str, path: str, model: str | None,
-                   validate: Callable[[Adapter], Awaitable[None]]) -> tuple[Adapter, bool]:
+                   validate: Callable[[Adapter], Awaitable[None]],
+                   undo: Callable[[Adapter], Awaitable[None]] | None = None
+                   ) -> tuple[Adapter, bool]:
         """Register ``name`` from ``path`` for ``model`` (``parent_of``) once ``validate`` (a
         replica of the parent loading it) succeeds: the entry and whether it is new. Loaded
         from the same path already: that entry, nothing asked. Refused (400: a bad name or
         path, a taken name, another path, the bound; or ``validate``'s error): nothing is
-        registered."""
+        registered. Refused by the store after ``validate`` (another ingress replica registered
+        the name meanwhile, or took the last place): ``undo`` (that replica unloads it), then
+        the refusal."""
         check_name(name)
         if name in self.models or name in self.static:
             raise BadRequest(f"lora_name {name!r} is a served model's or a static adapter's "
@@ -448,6 +452,10 @@ class AdapterRegistry:
         await validate(adapter)
         try:
             entry = await self.store.add(name, parent, real)
+        except ServingError:
+            if undo is not None:
+                await undo(adapter)
+            raise
         finally:
             await self.refresh()
         return entry, True

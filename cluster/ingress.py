@@ -856,7 +856,7 @@ class Ingress:
                                self.cfg.max_request_bytes, self.cfg.body_timeout_s)
         body = validated(LoadLoRAAdapterRequest, data)
         adapter, new = await self.adapters.load(body.lora_name, body.lora_path, body.model,
-                                                self._load_on_replica)
+                                                self._load_on_replica, self._undo_load)
         if new:
             log.info("LoRA adapter %r loaded for %r (id %d)", adapter.name, adapter.parent,
                      adapter.int_id)
@@ -880,6 +880,15 @@ class Ingress:
                               f"({type(e).__name__})", "replica_unavailable") from None
         if refused is not None:
             raise ServingError.of(refused)
+
+    async def _undo_load(self, adapter: Adapter) -> None:
+        """A load the registry refused after a replica took it: that replica (the one the
+        router picks, best effort) unloads it again."""
+        try:
+            await self.served[adapter.parent].control.unload_lora_adapter.remote(adapter.name)
+        except Exception as e:
+            log.warning("undoing LoRA adapter %r's load: replica call failed: %s", adapter.name,
+                        type(e).__name__)
 
     @app.post("/v1/unload_lora_adapter", response_model=None)
     async def unload_lora_adapter(self, request: Request) -> JSONResponse:

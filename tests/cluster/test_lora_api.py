@@ -524,3 +524,27 @@ def test_a_name_is_never_loaded_from_another_path(stub: StubIngress,
     assert e["code"] == "lora_name_reused" and "new name" in e["message"]
     assert load(stub, "spent", roots["allowed"] / "spent").status == 200
     assert unload(stub, "spent").status == 200
+
+
+def test_a_load_the_store_refuses_after_the_replica_took_it_is_undone(
+        roots: dict[str, Path]) -> None:
+    """Two ingress replicas load one name from two paths at once: the second to register is
+    refused by the store, and its replica's copy is unloaded again."""
+    models = load_config(config(roots)).served_models()
+    store = LocalStore(DynamicAdapters(4, 2, [CHAT, "tiny", "sql"]))
+    reg = AdapterRegistry(models, store, path_roots=[str(roots["allowed"])])
+    undone: list[str] = []
+
+    async def meanwhile(_: Any) -> None:  # the other ingress registers it while we validate
+        store.state.add("two", CHAT, os.path.realpath(roots["allowed"] / "one"))
+
+    async def undo(adapter: Any) -> None:
+        undone.append(adapter.path)
+
+    async def run() -> None:
+        with pytest.raises(BadRequest, match="another path"):
+            await reg.load("two", str(roots["allowed"] / "two"), CHAT, meanwhile, undo)
+
+    asyncio.run(run())
+    assert undone == [os.path.realpath(roots["allowed"] / "two")]
+    assert reg.dynamic["two"].path == os.path.realpath(roots["allowed"] / "one")
