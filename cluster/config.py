@@ -349,8 +349,8 @@ class ClusterConfig(_Strict):
                     "an admin's ([lora.md](docs/lora.md))")
     lora_path_roots: list[str] = Field(
         default_factory=list,
-        description="the directories an admin's `/v1/load_lora_adapter` may name an adapter "
-                    "folder in (the path resolved, symlinks and `..` followed, must lie inside one); "
+        description="the (absolute) directories an admin's `/v1/load_lora_adapter` may name an "
+                    "adapter folder in (the path resolved, symlinks and `..` followed, must lie inside one); "
                     "empty: any absolute path ([security.md](docs/security.md))")
     max_dynamic_loras: int = Field(
         default=64, ge=0, le=4096,
@@ -361,6 +361,14 @@ class ClusterConfig(_Strict):
     @classmethod
     def _known_parser(cls, name: str | None) -> str | None:
         return None if name is None else check_tool_format(name)
+
+    @field_validator("lora_path_roots")
+    @classmethod
+    def _absolute_roots(cls, roots: list[str]) -> list[str]:
+        relative = [r for r in roots if not os.path.isabs(r)]
+        if relative:
+            raise ValueError(f"lora_path_roots must be absolute directories, got {relative}")
+        return roots
 
     @field_validator("tiers")
     @classmethod

@@ -760,6 +760,9 @@ class LoadLoRAAdapterRequest(_Body):
     lora_name: StrictStr
     lora_path: StrictStr
     model: StrictStr | None = None
+    # vLLM's: new weights in place under a loaded name. Refused here when true: a name names
+    # one adapter's weights (replicas key its cached prefix blocks by it).
+    load_inplace: StrictBool = False
 
 
 class UnloadLoRAAdapterRequest(_Body):

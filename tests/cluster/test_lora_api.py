@@ -548,3 +548,11 @@ def test_a_load_the_store_refuses_after_the_replica_took_it_is_undone(
     asyncio.run(run())
     assert undone == [os.path.realpath(roots["allowed"] / "two")]
     assert reg.dynamic["two"].path == os.path.realpath(roots["allowed"] / "one")
+
+
+def test_load_inplace_and_relative_roots_are_refused(stub: StubIngress,
+                                                     roots: dict[str, Path]) -> None:
+    e = error(load(stub, "one", roots["allowed"] / "one", load_inplace=True), 400)
+    assert e["param"] == "load_inplace" and "new name" in e["message"]
+    with pytest.raises(ValueError, match="must be absolute"):
+        load_config(config(roots, lora_path_roots=["adapters"]))
