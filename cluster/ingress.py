@@ -9,7 +9,8 @@ deployment's streaming ``generate`` through a handle whose router is
 ``tierserve.router.free_blocks_router.FreeKVBlocksRouter``. When it ends, whether it met its tier's targets
 is counted (goodput). Errors are OpenAI-shaped JSON, every one built by
 ``tierserve.cluster.protocol.error_body`` (``{"error": {"message", "type", "code", "param"}}``):
-400 bad input, 401 bad key, 404 unknown model, 413 body too large, 429 full queue or shed load (with
+400 bad input, 401 bad key, 403 an admin route without an admin key, 404 unknown model, 413 body
+too large, 429 full queue or shed load (with
 ``Retry-After``), 503 no replica can serve; inside a stream, the same body as its last event.
 """
 
