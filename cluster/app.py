@@ -109,10 +109,11 @@ def ingress_args(cfg: ClusterConfig) -> dict[str, Any]:
     ingress resolves them in its own process), a ``models`` config without the one-model
     fields it replaces."""
     one_model = {"engine", "served_model_name", "tool_call_parser"} if cfg.models else set()
-    return cfg.model_dump(mode="python", exclude={"tiers"} | one_model) | {
+    return cfg.model_dump(mode="python", exclude={"tiers", "admin_keys"} | one_model) | {
         "tiers": [t.model_dump() | {
             "api_keys": [k.get_secret_value() for k in t.api_keys],
             "tenants": [n.model_dump() | {"api_keys": [k.get_secret_value() for k in n.api_keys]}
                         for n in t.tenants]}
-                  for t in cfg.tiers]
+                  for t in cfg.tiers],
+        "admin_keys": [k.get_secret_value() for k in cfg.admin_keys],
     }

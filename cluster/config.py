@@ -44,8 +44,9 @@ class TenantConfig(_Strict):
         description="its keys, written as a tier's are")
     models: list[str] | None = Field(
         default=None,
-        description="the served model names its keys may use (within its tier's `models`); "
-                    "`null`: all its tier may use ([security.md](docs/security.md))")
+        description="the served model (or LoRA adapter) names its keys may use (within its "
+                    "tier's `models`); `null`: all its tier may use "
+                    "([security.md](docs/security.md))")
 
 
 class TierConfig(_Strict):
@@ -104,7 +105,9 @@ class TierConfig(_Strict):
         default=None,
         description="the served model names its callers may use (keys and anonymous callers "
                     "alike); any other model is a 404 `model_not_found` to them and is not in "
-                    "their `/v1/models`; `null`: every model ([security.md](docs/security.md))")
+                    "their `/v1/models`; LoRA adapters are named here as models are "
+                    "([lora.md](docs/lora.md)); `null`: every model "
+                    "([security.md](docs/security.md))")
 
     @model_validator(mode="before")
     @classmethod
@@ -337,11 +340,35 @@ class ClusterConfig(_Strict):
                     "its own engine deployment, routed by the request's `model`; instead of "
                     "`engine`, `served_model_name` and `tool_call_parser` (both at once is an "
                     "error); `null`: the one model of `engine`")
+    admin_keys: list[SecretStr] = Field(
+        default_factory=list,
+        description="the API keys that may also load and unload LoRA adapters "
+                    "(`/v1/load_lora_adapter`, `/v1/unload_lora_adapter`), written as a tier's "
+                    "`api_keys` are (literal, `env:VAR`, `file:PATH`); each must be one of a "
+                    "tier's keys too (it is served in that tier); a request without a key is never "
+                    "an admin's ([lora.md](docs/lora.md))")
+    lora_path_roots: list[str] = Field(
+        default_factory=list,
+        description="the (absolute) directories an admin's `/v1/load_lora_adapter` may name an "
+                    "adapter folder in (the path resolved, symlinks and `..` followed, must lie inside one); "
+                    "empty: any absolute path ([security.md](docs/security.md))")
+    max_dynamic_loras: int = Field(
+        default=64, ge=0, le=4096,
+        description="the most adapters loaded at run time at once (all models); one more is a 400 "
+                    "`too_many_lora_adapters` until one is unloaded")
 
     @field_validator("tool_call_parser")
     @classmethod
     def _known_parser(cls, name: str | None) -> str | None:
         return None if name is None else check_tool_format(name)
+
+    @field_validator("lora_path_roots")
+    @classmethod
+    def _absolute_roots(cls, roots: list[str]) -> list[str]:
+        relative = [r for r in roots if not os.path.isabs(r)]
+        if relative:
+            raise ValueError(f"lora_path_roots must be absolute directories, got {relative}")
+        return roots
 
     @field_validator("tiers")
     @classmethod
@@ -394,12 +421,21 @@ class ClusterConfig(_Strict):
             raise ValueError("models: `Ingress` is the ingress's deployment: name the model's "
                              "deployment otherwise")
         known = set(names)
+        # An allowlist may name adapters too: the static ones, and (where a model takes
+        # adapters) names an admin may load at run time, which no config check can know.
+        adapters = {a.name for m in served for a in m.engine.lora_modules or ()}
+        clash = sorted(adapters & known)
+        if clash:
+            raise ValueError(f"lora_modules adapters {clash} have served models' names: "
+                             "adapters and models share one namespace")
+        known |= adapters
+        dynamic = any(m.engine.enable_lora for m in served)
         for t in self.tiers:
             lists = [(f"tier {t.name!r} models", t.models)] + [
                 (f"tier {t.name!r} tenant {n.name!r} models", n.models) for n in t.tenants]
             for where, allowed in lists:
                 unknown = [m for m in allowed or () if m not in known]
-                if unknown:
+                if unknown and not dynamic:
                     raise ValueError(f"{where}: {unknown} are not served models (the served "
                                      f"ones: {names})")
             for n in t.tenants:

@@ -9,7 +9,8 @@ deployment's streaming ``generate`` through a handle whose router is
 ``tierserve.router.free_blocks_router.FreeKVBlocksRouter``. When it ends, whether it met its tier's targets
 is counted (goodput). Errors are OpenAI-shaped JSON, every one built by
 ``tierserve.cluster.protocol.error_body`` (``{"error": {"message", "type", "code", "param"}}``):
-400 bad input, 401 bad key, 404 unknown model, 413 body too large, 429 full queue or shed load (with
+400 bad input, 401 bad key, 403 an admin route without an admin key, 404 unknown model, 413 body
+too large, 429 full queue or shed load (with
 ``Retry-After``), 503 no replica can serve; inside a stream, the same body as its last event.
 """
 
@@ -42,6 +43,15 @@ from tierserve.cluster.access import (
     access_log_enabled,
     exchange_of,
     setup_access_log,
+)
+from tierserve.cluster.adapters import (
+    Adapter,
+    AdapterRegistry,
+    AdapterStore,
+    DynamicAdapters,
+    LocalStore,
+    PermissionDenied,
+    RayStore,
 )
 from tierserve.cluster.chat_template import render_chat, template_kwargs, template_takes_tools
 from tierserve.cluster.config import ClusterConfig, ModelConfig, deployment_of
@@ -77,12 +87,15 @@ from tierserve.cluster.protocol import (
     CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
+    LoadLoRAAdapterRequest,
+    LoRAAdapterAnswer,
     ModelCard,
     ModelList,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     TokenizeResponse,
     ToolCallDelta,
+    UnloadLoRAAdapterRequest,
     Usage,
     VersionResponse,
     dump,
@@ -134,7 +147,7 @@ from tierserve.records import (
 from tierserve.replica.config import EngineConfig, context_length
 from tierserve.replica.detokenizer import bad_words_ids
 from tierserve.replica.models.meta import load_model_config, load_tokenizer
-from tierserve.replica.prefix_cache import block_hashes, partition_root
+from tierserve.replica.prefix_cache import adapter_partition, block_hashes, partition_root
 from tierserve.router import registry
 
 log = logging.getLogger("tierserve.ingress")
@@ -356,6 +369,7 @@ class _Served:
     prefix_root: Any  # the replicas' prefix-cache names for prefix affinity (None: cache off)
     readiness: Readiness
     gate: FlowGate | None = None
+    control: Any = None  # the same handle, not streaming: the replicas' LoRA methods
 
     @classmethod
     def load(cls, cfg: ClusterConfig, model: ModelConfig, deployment: str, handle: Any
@@ -378,7 +392,8 @@ class _Served:
                 model.tool_call_parser, str(getattr(tokenizer, "chat_template", "") or "")),
             max_tokens_limit=model.max_tokens_limit or cfg.max_tokens_limit,
             prefix_root=engine.prefix_root() if engine.enable_prefix_caching else None,
-            readiness=Readiness(lambda: serve_census(llm.app_name, llm.deployment_name)))
+            readiness=Readiness(lambda: serve_census(llm.app_name, llm.deployment_name)),
+            control=handle)
 
     def replica_count(self) -> int:
         """The engine replicas this process's router sees (1 before it has seen any)."""
@@ -411,6 +426,12 @@ class _Call:
     request_id: str = ""  # the client's (body ``request_id``), in the answer's ``id``
     service_tier: str | None = None  # the one it runs in, where the request named one
     header_id: str = ""  # the HTTP request's id (``X-Request-Id``, sent or made): to the replica
+    adapter: Adapter | None = None  # the LoRA adapter its ``model`` named (None: the base model)
+
+    @property
+    def model_name(self) -> str:
+        """The ``model`` its answer names: the adapter's name, else the served model's."""
+        return self.adapter.name if self.adapter is not None else self.served.name
 
     def parser(self) -> CallParser | None:
         """A fresh parser of one answer's tool calls (None: no tools)."""
@@ -660,6 +681,13 @@ class Ingress:
                                        served.readiness.holds_count,
                                        policy=m.engine.scheduling_policy, model=m.name)
             self.served[m.name] = served
+        # The LoRA adapters requests may name (static from the engines' lora_modules, dynamic
+        # in the application's store actor under Serve: ``tierserve.cluster.adapters``).
+        self.adapters = AdapterRegistry(models, self._adapter_store(models, handles),
+                                        max_dynamic=self.cfg.max_dynamic_loras,
+                                        path_roots=self.cfg.lora_path_roots)
+        self.metrics.adapter_labels(list(self.adapters.static),
+                                    len(self.adapters.static) + self.cfg.max_dynamic_loras)
         self.inflight = 0  # requests between admission and their last byte
         # Per tier, the bytes its open streams have sent (``TierConfig.max_stream_bytes``).
         self.stream_bytes: dict[str, int] = {t.name: 0 for t in self.cfg.tiers}
@@ -670,7 +698,8 @@ class Ingress:
         limited = any(t.models is not None or any(n.models is not None for n in t.tenants)
                       for t in self.cfg.tiers)
         self.openapi_doc = openapi_schema(app, {
-            "model": None if limited else [m.name for m in every],
+            # Nor where adapters may be named (an admin may load one at any time).
+            "model": None if limited or self.adapters.enabled else [m.name for m in every],
             "max_tokens": max(m.max_tokens_limit for m in every),
             "vocab_size": max(m.vocab_size for m in every),
             "max_stop_strings": self.cfg.max_stop_strings,
@@ -713,20 +742,48 @@ class Ingress:
     def template_takes_tools(self) -> bool:
         return self.first.template_takes_tools
 
+    def _adapter_store(self, models: Sequence[ModelConfig], handles: Sequence[Any]
+                       ) -> AdapterStore:
+        """Where the dynamic adapters live: under Serve, with a model that takes adapters, the
+        application's store actor (shared by every ingress replica); else this process."""
+        static = [a.name for m in models for a in m.engine.lora_modules or ()]
+        reserved = [m.name for m in models] + static
+        if _under_serve() and any(m.engine.enable_lora for m in models):
+            app_name = str(getattr(handles[0], "app_name", "") or "default")
+            return RayStore(app_name, self.cfg.max_dynamic_loras, len(static) + 1, reserved)
+        return LocalStore(DynamicAdapters(self.cfg.max_dynamic_loras, len(static) + 1,
+                                          reserved))
+
     def _model(self, caller: Caller, name: str | None) -> _Served:
         """The served model ``name`` if ``caller`` may use it; else a 404 ``model_not_found``
         (OpenAI's answer): a model that is not served and one the caller's key may not use get
-        the same answer, naming only the models it may use, so that a key learns nothing of
-        the others. None (where a route lets ``model`` out, as vLLM's ``/tokenize`` does): the
-        first configured model the caller may use."""
+        the same answer, naming only the models (and adapters) it may use, so that a key learns
+        nothing of the others. None (where a route lets ``model`` out, as vLLM's ``/tokenize``
+        does): the first configured model the caller may use."""
         if name is None:
             name = next((m for m in self.served if caller.may_use(m)), "")
         served = self.served.get(name)
         if served is None or not caller.may_use(name):
-            mine = [m for m in self.served if caller.may_use(m)]
-            raise NotFound(f"model {name[:256]!r} does not exist or this key may not use it; "
-                           f"the models it may use: {mine}", "model_not_found", "model")
+            raise self._not_found(caller, name)
         return served
+
+    def _not_found(self, caller: Caller, name: str) -> NotFound:
+        mine = [m for m in self.served if caller.may_use(m)] + [
+            a.name for a in self.adapters.known() if caller.may_use(a.name)]
+        return NotFound(f"model {name[:256]!r} does not exist or this key may not use it; "
+                        f"the models it may use: {mine}", "model_not_found", "model")
+
+    async def _resolve(self, caller: Caller, name: str | None) -> tuple[_Served, Adapter | None]:
+        """What a request's ``model`` names: a served model (``_model``), or a LoRA adapter the
+        caller may use (its name in the caller's ``models`` where it has a list), as its parent
+        model and the adapter. An adapter the caller may not use answers as one that does not
+        exist (the same 404, which names only what it may use)."""
+        if name is None or name in self.served:
+            return self._model(caller, name), None
+        adapter = await self.adapters.lookup(name) if caller.may_use(name) else None
+        if adapter is None or adapter.parent not in self.served:
+            raise self._not_found(caller, name)
+        return self.served[adapter.parent], adapter
 
     # ------------------------------------------------------------------ routes
 
@@ -756,20 +813,130 @@ class Ingress:
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> dict[str, Any]:
-        """The served models the caller may use (behind the key check)."""
+        """The served models the caller may use (behind the key check), then the LoRA adapters
+        it may use, each with its ``parent`` (vLLM's listing)."""
         caller = self._caller(request)
-        return dump(ModelList(data=[self._model_card(m) for m in self.served
-                                    if caller.may_use(m)]))
+        await self.adapters.fresh()
+        cards = [self._model_card(m) for m in self.served if caller.may_use(m)]
+        cards += [self._model_card(a.name, a) for a in self.adapters.known()
+                  if caller.may_use(a.name) and a.parent in self.served]
+        return dump(ModelList(data=cards))
 
     @app.get("/v1/models/{model_id:path}", response_model=None)
     async def model(self, request: Request, model_id: str) -> JSONResponse:
-        """A served model's object; an id that is not served, or not to this caller, a 404
-        ``model_not_found`` (OpenAI's)."""
-        served = self._model(self._caller(request), model_id)
-        return JSONResponse(dump(self._model_card(served.name)))
+        """A served model's or adapter's object; an id that is neither, or not to this caller,
+        a 404 ``model_not_found`` (OpenAI's)."""
+        served, adapter = await self._resolve(self._caller(request), model_id)
+        return JSONResponse(dump(self._model_card(model_id if adapter else served.name,
+                                                  adapter)))
 
-    def _model_card(self, name: str) -> ModelCard:
-        return ModelCard(id=name, created=self.created)
+    def _model_card(self, name: str, adapter: Adapter | None = None) -> ModelCard:
+        """A model's card; an adapter's names its parent, and its own name as ``root`` (never
+        its folder: the card goes to any caller that may use it)."""
+        return ModelCard(id=name, created=self.created, root=name,
+                         parent=adapter.parent if adapter is not None else None)
+
+    # ------------------------------------------------------------------ LoRA adapters (admin)
+
+    @staticmethod
+    def _admin(caller: Caller, route: str) -> None:
+        """403 ``permission_denied`` unless ``caller``'s key is an admin key."""
+        if not caller.admin:
+            raise PermissionDenied(f"{route} needs an admin key (admin_keys): this key, or a "
+                                   "request without one, may not load or unload adapters")
+
+    @app.post("/v1/load_lora_adapter", response_model=None)
+    async def load_lora_adapter(self, request: Request) -> JSONResponse:
+        """vLLM's ``/v1/load_lora_adapter``, admin keys only: ``lora_name`` from ``lora_path``
+        (inside ``lora_path_roots``) for ``model``. One replica of the parent's loads it first,
+        so a bad adapter gets that replica's 4xx and nothing is registered; the others load it
+        on first use. The same name from the same path again: 200, nothing done."""
+        caller = self._caller(request)
+        self._admin(caller, "/v1/load_lora_adapter")
+        data = await read_json(request.stream(), request.headers.get("content-length"),
+                               self.cfg.max_request_bytes, self.cfg.body_timeout_s)
+        body = validated(LoadLoRAAdapterRequest, data)
+        if body.load_inplace:
+            raise BadRequest("load_inplace is not supported: a name names one adapter's "
+                             "weights; load the new weights under a new name",
+                             "invalid_request", "load_inplace")
+        adapter, new = await self.adapters.load(body.lora_name, body.lora_path, body.model,
+                                                self._load_on_replica, self._undo_load)
+        if new:
+            log.info("LoRA adapter %r loaded for %r (id %d)", adapter.name, adapter.parent,
+                     adapter.int_id)
+        msg = (f"LoRA adapter {adapter.name!r} loaded for model {adapter.parent!r}" if new else
+               f"LoRA adapter {adapter.name!r} is loaded already from that path")
+        return JSONResponse(dump(LoRAAdapterAnswer(
+            id=adapter.name, parent=adapter.parent,
+            status="loaded" if new else "already_loaded", message=msg)))
+
+    async def _load_on_replica(self, adapter: Adapter) -> None:
+        """One replica of ``adapter``'s parent loads it: its refusal (400 a bad adapter, 429
+        its cache full of adapters in use) raised as the answer; an unreachable replica 503."""
+        control = self.served[adapter.parent].control
+        try:
+            refused = await control.load_lora_adapter.remote(adapter.name, adapter.path,
+                                                             adapter.int_id)
+        except Exception as e:
+            log.warning("loading LoRA adapter %r: replica call failed: %s", adapter.name,
+                        type(e).__name__)
+            raise Unavailable(f"no replica of model {adapter.parent!r} could load the adapter "
+                              f"({type(e).__name__})", "replica_unavailable") from None
+        if refused is not None:
+            raise ServingError.of(refused)
+
+    async def _undo_load(self, adapter: Adapter) -> None:
+        """A load the registry refused after a replica took it: that replica (the one the
+        router picks, best effort) unloads it again."""
+        try:
+            await self.served[adapter.parent].control.unload_lora_adapter.remote(adapter.name)
+        except Exception as e:
+            log.warning("undoing LoRA adapter %r's load: replica call failed: %s", adapter.name,
+                        type(e).__name__)
+
+    @app.post("/v1/unload_lora_adapter", response_model=None)
+    async def unload_lora_adapter(self, request: Request) -> JSONResponse:
+        """vLLM's ``/v1/unload_lora_adapter``, admin keys only: forget dynamic adapter
+        ``lora_name`` (400 a static one, 404 one not loaded). It leaves the registry first, so
+        no new request may name it; then its parent's replicas are asked to unload it, best
+        effort (Serve's handle reaches a replica its router picks, once per replica it sees): a
+        replica still running requests on it (409) keeps it until they end, one not asked
+        keeps it until its cache evicts it. The answer is 200 once it is out of the registry."""
+        caller = self._caller(request)
+        self._admin(caller, "/v1/unload_lora_adapter")
+        data = await read_json(request.stream(), request.headers.get("content-length"),
+                               self.cfg.max_request_bytes, self.cfg.body_timeout_s)
+        body = validated(UnloadLoRAAdapterRequest, data)
+        adapter = await self.adapters.unload(body.lora_name)
+        busy = await self._unload_on_replicas(adapter)
+        log.info("LoRA adapter %r unloaded (%d replica(s) still run requests on it)",
+                 adapter.name, busy)
+        msg = f"LoRA adapter {adapter.name!r} unloaded"
+        if busy:
+            msg += (f"; {busy} replica(s) still run requests on it and keep it until they end "
+                    "(no new request may name it)")
+        return JSONResponse(dump(LoRAAdapterAnswer(id=adapter.name, parent=adapter.parent,
+                                                   status="unloaded", message=msg)))
+
+    async def _unload_on_replicas(self, adapter: Adapter) -> int:
+        """Ask the parent's replicas to unload ``adapter`` (once per replica the router sees;
+        it may pick one twice): how many answered that requests still use it (409). Any other
+        answer (done, not loaded there, unreachable) is fine: nothing may name it any more."""
+        served = self.served.get(adapter.parent)
+        if served is None:
+            return 0
+        busy = 0
+        for _ in range(served.replica_count()):
+            try:
+                refused = await served.control.unload_lora_adapter.remote(adapter.name)
+            except Exception as e:
+                log.warning("unloading LoRA adapter %r: replica call failed: %s", adapter.name,
+                            type(e).__name__)
+                continue
+            if refused is not None and refused.status == 409:
+                busy += 1
+        return busy
 
     @app.get("/version")
     async def version(self) -> dict[str, Any]:
@@ -790,7 +957,7 @@ class Ingress:
         kind: type[TokenizeChatRequest] | type[TokenizeCompletionRequest] = (
             TokenizeChatRequest if "messages" in data else TokenizeCompletionRequest)
         body = validated(kind, data)
-        served = self._model(caller, body.model)
+        served, _ = await self._resolve(caller, body.model)
         self._tokenize_bound(body)
         strs = body.return_token_strs
         context = served.prompt_bound.context
@@ -820,7 +987,7 @@ class Ingress:
         data = await read_json(request.stream(), request.headers.get("content-length"),
                                self.cfg.max_request_bytes, self.cfg.body_timeout_s)
         body = validated(DetokenizeRequest, data)
-        served = self._model(caller, body.model)
+        served, _ = await self._resolve(caller, body.model)
         size = served.tokenizer_size
         for i, t in enumerate(body.tokens):
             if t >= size:
@@ -868,12 +1035,14 @@ class Ingress:
         caller = self._caller(request)
         body = await self._body(request, CompletionRequest)
         assert isinstance(body, CompletionRequest)
-        served = self._model(caller, body.model)
+        served, adapter = await self._resolve(caller, body.model)
         caller, tier_named = self._asked(request, caller, body)
         prompts = body.prompts()
         calls = [await self._prompt_call(served, caller, body, prompt, tier_named,
                                           "prompt" if len(prompts) == 1 else f"prompt.{j}")
                  for j, prompt in enumerate(prompts)]
+        for c in calls:
+            c.adapter = adapter
         if len(calls) == 1:
             return await self._serve(request, body, calls[0], caller)
         return await self._serve_batch(request, body, calls, caller)
@@ -959,7 +1128,7 @@ class Ingress:
                     body: ChatCompletionRequest) -> Response:
         """A chat completion request, validated, from key check to answer (the chat route's
         and, translated, the Responses route's)."""
-        served = self._model(caller, body.model)
+        served, adapter = await self._resolve(caller, body.model)
         if not getattr(served.tokenizer, "chat_template", None):
             raise BadRequest(
                 f"model {served.name!r} has no chat template (a base model, which continues "
@@ -992,7 +1161,8 @@ class Ingress:
                      tool_mode=mode, tools=names, tool_format=served.tool_format,
                      prompt_logprobs=body.prompt_logprobs is not None,
                      token_ids=bool(body.return_tokens_as_token_ids),
-                     request_id=body.request_id or "", service_tier=tier_named)
+                     request_id=body.request_id or "", service_tier=tier_named,
+                     adapter=adapter)
         return await self._serve(request, body, call, caller)
 
     @app.post("/v1/responses", response_model=None)
@@ -1226,6 +1396,8 @@ class Ingress:
             self._count_slo(route, failed=True)
             raise
         self.metrics.model_request(served.name, caller.tier.name)
+        if call.adapter is not None:
+            self.metrics.adapter_request(served.name, call.adapter.name, caller.tier.name)
         self.inflight += 1
         handed_off = False
         try:
@@ -1341,13 +1513,13 @@ class Ingress:
         out: Any
         if call.chat:
             out = ChatCompletionResponse(
-                id=rid, created=now(), model=call.served.name, usage=u,
+                id=rid, created=now(), model=call.model_name, usage=u,
                 choices=[self._chat_choice(call, i, c) for i, c in enumerate(choices)],
                 prompt_logprobs=self._prompt_logprobs(call, choices[0]),
                 service_tier=call.service_tier)
         else:
             out = CompletionResponse(
-                id=rid, created=now(), model=call.served.name, usage=u,
+                id=rid, created=now(), model=call.model_name, usage=u,
                 choices=[CompletionChoice(index=i, text=(call.echo or "") + c.text,
                                           finish_reason=c.finish_reason,
                                           logprobs=self._completion_logprobs(call, c, 0, True),
@@ -1401,9 +1573,12 @@ class Ingress:
         served = call.served
         prefixes: tuple[int, ...] = ()
         if served.prefix_root is not None and route.sampling.prompt_logprobs is None:
+            # An adapter's blocks are its own (the replica's ``adapter_partition``): the router
+            # never takes a base-model prefix for an adapter request's, nor another adapter's.
+            partition = adapter_partition(
+                call.cache_partition, call.adapter.name if call.adapter is not None else None)
             prefixes = tuple(block_hashes(call.ids, served.engine.block_size,
-                                          partition_root(served.prefix_root,
-                                                         call.cache_partition)))
+                                          partition_root(served.prefix_root, partition)))
         caller = route.caller
         while True:
             # The send, until its first delta (the router picks the replica inside the handle
@@ -1421,7 +1596,8 @@ class Ingress:
                     tpot_target_s=caller.tier.tpot_target_s,
                     waited_s=time.monotonic() - route.arrival, tenant=caller.tenant,
                     cache_partition=call.cache_partition, request_id=call.header_id,
-                    traceparent=tracing.traceparent(span)))
+                    traceparent=tracing.traceparent(span),
+                    lora=call.adapter.request() if call.adapter is not None else None))
             except BaseException as e:  # the handle refused it: nothing was sent
                 if isinstance(e, Exception):
                     tracing.failed(span, e)
@@ -1549,7 +1725,7 @@ class Ingress:
         ``continuous_usage_stats``, in a last chunk with ``include_usage``. Until the first of
         them goes out, a failed replica's request may be sent again (``_items``)."""
         created = now()
-        model = call.served.name
+        model = call.model_name
         choices = [_Choice() for _ in range(call.n)]
         parsers = [call.parser() for _ in range(call.n)]
         try:

@@ -19,6 +19,15 @@ from tierserve.replica.metrics import (
     zero_counters,
 )
 
+# Requests per LoRA adapter (the ingress's; defined here beside its use, with the label values
+# bounded by ``IngressMetrics.adapter_labels``).
+ADAPTER_COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "tierserve_adapter_requests": (
+        "Requests the ingress admitted under a LoRA adapter, per parent model, adapter (a "
+        "registered name; `_other` past the bound) and tier.", ("model", "adapter", "tier")),
+}
+OTHER_ADAPTER = "_other"
+
 
 class IngressMetrics:
     """What the ingress refuses before any replica sees the request: ``shed`` (a tier past its
@@ -40,6 +49,11 @@ class IngressMetrics:
         self.counters = {
             name: Counter(name, description=doc, tag_keys=tags)  # type: ignore[arg-type]
             for name, (doc, tags) in INGRESS_COUNTERS.items()}
+        self.counters.update({
+            name: Counter(name, description=doc, tag_keys=tags)  # type: ignore[arg-type]
+            for name, (doc, tags) in ADAPTER_COUNTERS.items()})
+        self._adapters: set[str] = set()
+        self._max_adapters = 0
         self.gauges = {
             name: Gauge(name, description=doc, tag_keys=tags)  # type: ignore[arg-type]
             for name, (doc, tags) in INGRESS_GAUGES.items()}
@@ -76,6 +90,24 @@ class IngressMetrics:
     def model_request(self, model: str, tier: str) -> None:
         """A request admitted for ``model`` (a configured name: the label's values are bounded)."""
         self.counters["tierserve_model_requests"].inc(1, tags={"model": model, "tier": tier})
+
+    def adapter_labels(self, static: Sequence[str], most: int) -> None:
+        """The adapter label's values: ``static``'s names from the start, then each dynamic
+        adapter's as it is first counted, ``most`` in all (the static ones and
+        ``max_dynamic_loras``); past that (names loaded and unloaded over time), ``_other``."""
+        self._adapters = set(static)
+        self._max_adapters = max(most, len(self._adapters))
+
+    def adapter_request(self, model: str, adapter: str, tier: str) -> None:
+        """A request admitted under ``adapter`` of ``model`` (its label bounded:
+        ``adapter_labels``)."""
+        if adapter not in self._adapters:
+            if len(self._adapters) >= self._max_adapters:
+                adapter = OTHER_ADAPTER
+            else:
+                self._adapters.add(adapter)
+        self.counters["tierserve_adapter_requests"].inc(
+            1, tags={"model": model, "adapter": adapter, "tier": tier})
 
     def shed(self, tier: str, reason: str) -> None:
         self.counters["tierserve_flow_shed"].inc(1, tags={"tier": tier, "reason": reason})

@@ -28,11 +28,14 @@ from tierserve.cluster.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     ErrorResponse,
+    LoadLoRAAdapterRequest,
+    LoRAAdapterAnswer,
     ModelCard,
     ModelList,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     TokenizeResponse,
+    UnloadLoRAAdapterRequest,
     VersionResponse,
 )
 from tierserve.cluster.responses import ResponseObject, ResponsesRequest
@@ -101,6 +104,9 @@ def _components() -> dict[str, Any]:
         (VersionResponse, "serialization"),
         (ResponsesRequest, "validation"),
         (ResponseObject, "serialization"),
+        (LoadLoRAAdapterRequest, "validation"),
+        (UnloadLoRAAdapterRequest, "validation"),
+        (LoRAAdapterAnswer, "serialization"),
     ]
     _, schema = models_json_schema(models, ref_template=REF)
     defs: dict[str, Any] = _json_schema_keywords(schema.get("$defs", {}))
@@ -241,6 +247,7 @@ def openapi_schema(app: FastAPI, limits: dict[str, Any] | None = None) -> dict[s
     }, "401": _error(401)}
     _small_routes(doc, limits)
     _responses_route(doc, limits)
+    _lora_routes(doc, limits)
     _request_ids(doc)
     health = doc["paths"]["/health"]["get"]
     health["responses"] = {"200": {
@@ -321,6 +328,53 @@ def _small_routes(doc: dict[str, Any], limits: dict[str, Any]) -> None:
         "401": _error(401),
     }
     one["security"] = [{"bearer": []}, {}]
+
+
+# The LoRA adapter routes' answers, by status (admin keys only).
+_LORA_ERRORS: dict[int, str] = {
+    400: "Bad input: not JSON, an unknown field; a lora_name that is a served model's or a static "
+    "adapter's (lora_name_taken), a lora_path that is not absolute or outside lora_path_roots "
+    "(lora_path_not_allowed), an adapter the replica refuses (invalid_lora_adapter: no such "
+    "folder, not PEFT, rank above max_lora_rank, another base model's shapes), the name loaded "
+    "from another path (lora_adapter_exists) or once before (lora_name_reused), max_dynamic_loras reached (too_many_lora_adapters), "
+    "a model without enable_lora (lora_disabled); unload: a static adapter "
+    "(static_lora_adapter).",
+    401: _ERRORS[401],
+    403: "The key is not one of admin_keys, or no key was sent (code permission_denied).",
+    404: "Load: the model named is not served (model_not_found); unload: the adapter is not "
+    "loaded (lora_not_found).",
+    408: _ERRORS[408],
+    413: _ERRORS[413],
+    429: "Load: the replica's adapter cache is full of adapters in use (lora_cache_full).",
+    500: _ERRORS[500],
+    503: "No replica of the model could be asked to load it.",
+}
+
+
+def _lora_routes(doc: dict[str, Any], limits: dict[str, Any]) -> None:
+    """``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (vLLM's bodies; admin keys)."""
+    size = limits.get("max_request_bytes")
+    body_note = f" At most {size} bytes." if size else ""
+    for path, req, says, statuses in (
+            ("/v1/load_lora_adapter", "LoadLoRAAdapterRequest",
+             "The adapter is loaded (status loaded), or was from that path already "
+             "(already_loaded).", (400, 401, 403, 404, 408, 413, 429, 500, 503)),
+            ("/v1/unload_lora_adapter", "UnloadLoRAAdapterRequest",
+             "The adapter is out of the registry (status unloaded); replicas still running "
+             "requests on it keep it until they end (the message says how many).",
+             (400, 401, 403, 404, 408, 413, 500))):
+        op = doc["paths"][path]["post"]
+        op["requestBody"] = {
+            "required": True, "description": "vLLM's body." + body_note,
+            "content": {"application/json": {"schema": {"$ref": REF.format(model=req)}}}}
+        op["security"] = [{"bearer": []}]
+        errors: dict[str, Any] = {}
+        for status in statuses:
+            errors[str(status)] = (_error(status) if status in _ERRORS else {
+                "content": {"application/json": {"schema": {
+                    "$ref": REF.format(model="ErrorResponse")}}}}) | {
+                "description": _LORA_ERRORS[status]}
+        op["responses"] = {"200": _json("LoRAAdapterAnswer", says), **errors}
 
 
 def _responses_route(doc: dict[str, Any], limits: dict[str, Any]) -> None:

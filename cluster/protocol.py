@@ -692,6 +692,10 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "tierserve"
+    # vLLM's: ``root`` the model's id (a base model's own; an adapter's name, never its
+    # folder), ``parent`` the base model an adapter runs on (None for a base model).
+    root: str | None = None
+    parent: str | None = None
 
 
 class ModelList(BaseModel):
@@ -749,6 +753,37 @@ class DetokenizeRequest(_Body):
     tokens: list[Annotated[Int, Field(ge=0)]]
 
 
+class LoadLoRAAdapterRequest(_Body):
+    """``POST /v1/load_lora_adapter`` (vLLM's body): load the PEFT folder ``lora_path`` as
+    adapter ``lora_name`` of ``model`` (None: the only model with ``enable_lora``)."""
+
+    lora_name: StrictStr
+    lora_path: StrictStr
+    model: StrictStr | None = None
+    # vLLM's: new weights in place under a loaded name. Refused here when true: a name names
+    # one adapter's weights (replicas key its cached prefix blocks by it).
+    load_inplace: StrictBool = False
+
+
+class UnloadLoRAAdapterRequest(_Body):
+    """``POST /v1/unload_lora_adapter`` (vLLM's body): forget adapter ``lora_name``
+    (``lora_int_id``, vLLM's, is taken and not needed: the name says which)."""
+
+    lora_name: StrictStr
+    lora_int_id: Int | None = None
+
+
+class LoRAAdapterAnswer(BaseModel):
+    """What the adapter routes answer (JSON, where vLLM answers a line of text): the adapter,
+    its parent model and what was done (``loaded``, ``already_loaded``, ``unloaded``)."""
+
+    object: Literal["lora_adapter"] = "lora_adapter"
+    id: str
+    parent: str
+    status: Literal["loaded", "already_loaded", "unloaded"]
+    message: str
+
+
 class DetokenizeResponse(BaseModel):
     prompt: str
 
@@ -772,8 +807,10 @@ class ErrorResponse(BaseModel):
 ERROR_TYPES: dict[int, str] = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    409: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
     503: "service_unavailable",

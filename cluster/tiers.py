@@ -59,6 +59,9 @@ class Caller:
     # The served models it may use (its tier's and tenant's ``models``); None: every one. Set
     # by its key, never moved by a priority or ``service_tier`` it asks for.
     models: frozenset[str] | None = None
+    # Its key is one of the config's ``admin_keys`` (it may load and unload LoRA adapters);
+    # never a caller without a key.
+    admin: bool = False
 
     def may_use(self, model: str) -> bool:
         return self.models is None or model in self.models
@@ -103,20 +106,42 @@ class TierResolver:
         # Tenants a key identifies: the tenant header may not claim them.
         self._keyed = {t.name: {name for name, _ in t.all_keys()} for t in config.tiers}
         self._tenant_header = config.flow.tenant_header
+        # The admin keys' digests: each must be a tier's key too (it is served in that tier).
+        self._admins = [_digest(resolve_key(k.get_secret_value())) for k in config.admin_keys]
+        tier_keys = {d for d, _, _ in self._keys}
+        for i, d in enumerate(self._admins):
+            if d not in tier_keys:
+                raise ValueError(f"admin_keys.{i} is not one of the tiers' api_keys: an admin "
+                                 "key must also be a tier's key (the tier it is served in)")
 
     def resolve(self, authorization: str | None, priority_header: str | None,
                 tenant_header: str | None = None) -> Caller:
         """The caller's tier, priority and tenant; raises ``AuthError``, ``PriorityError`` or
         ``TenantError``."""
         tier, tenant = self._tier(authorization)
+        keyed = tenant is not None  # a key was sent and is valid
         priority = self._priority(tier, priority_header)
         if tenant is None:
             tenant = self._tenant(tenant_header)
             if tenant in self._keyed.get(tier.name, ()):
                 raise TenantError(f"tenant {tenant!r} is identified by its API key, not by the "
                                   "tenant header", param=self._tenant_header)
+        admin = keyed and self._is_admin(authorization)
         return Caller(tier, priority, priority >= self.latency_floor, tenant,
-                      tier.weight_of(tenant), tier.models_of(tenant))
+                      tier.weight_of(tenant), tier.models_of(tenant), admin)
+
+    def _is_admin(self, authorization: str | None) -> bool:
+        """Whether the (valid) key sent is one of ``admin_keys``, compared as keys are: in
+        constant time against every admin key, no early exit."""
+        if not self._admins or not authorization:
+            return False
+        token = authorization.partition(" ")[2].strip()
+        probe = _digest(token)
+        found = False
+        for digest in self._admins:
+            if hmac.compare_digest(probe, digest):
+                found = True
+        return found
 
     def shifted(self, caller: Caller, offset: int) -> Caller:
         """``caller`` with vLLM's ``priority`` applied: ``offset`` on vLLM's scale, where lower
@@ -125,7 +150,7 @@ class TierResolver:
         tier = caller.tier
         value = min(max(caller.priority - offset, tier.base_priority), tier.max_priority)
         return Caller(tier, value, value >= self.latency_floor, caller.tenant, caller.weight,
-                      caller.models)
+                      caller.models, caller.admin)
 
     def for_service_tier(self, caller: Caller, asked: str, priority_given: bool
                          ) -> tuple[Caller, str]:
@@ -145,11 +170,12 @@ class TierResolver:
                                                          caller.tier.max_priority):
                 low = caller.tier  # the caller's tier is the lowest already
             return Caller(low, low.base_priority, low.base_priority >= self.latency_floor,
-                          caller.tenant, low.weight_of(caller.tenant), caller.models), "flex"
+                          caller.tenant, low.weight_of(caller.tenant), caller.models,
+                          caller.admin), "flex"
         if asked in PRIORITY_ALIASES:
             top = caller.tier.max_priority
             return Caller(caller.tier, top, top >= self.latency_floor, caller.tenant,
-                          caller.weight, caller.models), "priority"
+                          caller.weight, caller.models, caller.admin), "priority"
         return caller, "default"
 
     def _tenant(self, header: str | None) -> str:

@@ -8,12 +8,17 @@ status, the JSON body (or the SSE events' JSON) and the headers; every ``Generat
 ingress sent is in ``sent``. With a ``models`` config each model has its own handle
 (``handles``, by served name, each with its deployment's name and its own ``sent``). ``send`` does the same through the app's own middleware (request
 ids, the access log and the server span) as the ASGI app it is, and may hang up part-way.
+The handle's LoRA methods (``load_lora_adapter``, ``unload_lora_adapter``,
+``list_lora_adapters``) keep the adapters it holds in ``loras`` (name to path) and refuse as a
+replica does: a folder without ``adapter_config.json`` or whose ``r`` is above 16 is a 400, a
+name in ``busy`` a 409 on unload.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -24,7 +29,14 @@ from starlette.requests import Request
 from tierserve.cluster import ingress
 from tierserve.cluster.app import ingress_args, load_config
 from tierserve.cluster.config import deployment_of
-from tierserve.records import GenerateRequest, RequestOutput, ServingError, TokenLogprob
+from tierserve.records import (
+    ErrorRecord,
+    GenerateRequest,
+    LoRARequest,
+    RequestOutput,
+    ServingError,
+    TokenLogprob,
+)
 
 ANSWER = " ok"  # every sample's text
 
@@ -52,9 +64,50 @@ class _Handle:
     sent: list[GenerateRequest] = field(default_factory=list)
     app_name: str = "stub"
     deployment_name: str = "LLMServer"
+    loras: dict[str, str] = field(default_factory=dict)  # the adapters it holds: name -> path
+    busy: set[str] = field(default_factory=set)  # adapters with requests on them (unload: 409)
+    calls: list[tuple[Any, ...]] = field(default_factory=list)  # LoRA method calls, in order
 
     def options(self, **_: Any) -> _Handle:
         return self
+
+    @property
+    def load_lora_adapter(self) -> _Method:
+        return _Method(self._load)
+
+    @property
+    def unload_lora_adapter(self) -> _Method:
+        return _Method(self._unload)
+
+    @property
+    def list_lora_adapters(self) -> _Method:
+        return _Method(lambda: [LoRARequest(n, 1, p) for n, p in self.loras.items()])
+
+    def _load(self, name: str, path: str, int_id: int = 1) -> ErrorRecord | None:
+        self.calls.append(("load", name, path, int_id))
+        config = os.path.join(path, "adapter_config.json")
+        if not os.path.isfile(config):
+            return ErrorRecord(400, "invalid_lora_adapter",
+                               f"LoRA adapter {name!r}: no adapter_config.json in {path!r}")
+        with open(config) as f:
+            rank = json.load(f).get("r", 8)
+        if rank > 16:
+            return ErrorRecord(400, "invalid_lora_adapter",
+                               f"LoRA adapter {name!r} has rank {rank}, above max_lora_rank 16")
+        have = self.loras.get(name)
+        if have is not None and have != path:
+            return ErrorRecord(400, "invalid_lora_adapter",
+                               f"LoRA adapter {name!r} is loaded from another path")
+        self.loras[name] = path
+        return None
+
+    def _unload(self, name: str) -> ErrorRecord | None:
+        self.calls.append(("unload", name))
+        if name in self.busy:
+            return ErrorRecord(409, "lora_in_use", f"LoRA adapter {name!r} is in use")
+        if self.loras.pop(name, None) is None:
+            return ErrorRecord(404, "lora_not_found", f"LoRA adapter {name!r} is not loaded")
+        return None
 
     @property
     def generate(self) -> _Handle:
@@ -77,6 +130,19 @@ class _Handle:
                 prompt_tokens=len(request.prompt_ids), completion_tokens=len(ids), index=i,
                 logprobs=lps, prompt_logprobs=prompt_lps, cached_tokens=0))
         return _Stream(outs)
+
+
+@dataclass
+class _Method:
+    """A handle's method: ``remote`` answers as Serve's awaitable response does."""
+
+    fn: Any
+
+    async def _answer(self, *args: Any) -> Any:
+        return self.fn(*args)
+
+    def remote(self, *args: Any) -> Any:
+        return self._answer(*args)
 
 
 def _ingress_class() -> type:
@@ -124,7 +190,9 @@ class StubIngress:
         answer the app's handler makes of it."""
         method = {"/v1/completions": "completions",
                   "/v1/chat/completions": "chat", "/tokenize": "tokenize",
-                  "/detokenize": "detokenize", "/v1/responses": "responses"}[route]
+                  "/detokenize": "detokenize", "/v1/responses": "responses",
+                  "/v1/load_lora_adapter": "load_lora_adapter",
+                  "/v1/unload_lora_adapter": "unload_lora_adapter"}[route]
         data = (body if isinstance(body, str) else json.dumps(body)).encode()
         return asyncio.run(self._call(method, route, data, headers or {}))
 

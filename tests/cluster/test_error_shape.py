@@ -261,6 +261,7 @@ def test_chat_with_a_base_model_says_to_use_completions() -> None:
     inst = SimpleNamespace(cfg=cfg, tiers=TierResolver(cfg), served={served.name: served})
     inst._caller = MethodType(cls._caller, inst)
     inst._model = MethodType(cls._model, inst)
+    inst._resolve = MethodType(cls._resolve, inst)
     inst._body = MethodType(cls._body, inst)
     inst._chat = MethodType(cls._chat, inst)
     body = json.dumps({"model": "gemma-3-270m", "messages": [{"role": "user", "content": "hi"}]})

@@ -4,7 +4,10 @@ replica each, behind one ingress. A burst of mixed completions and chat requests
 every answer names its model, and came from that model's deployment (the replica that served a
 prompt holds its blocks in its prefix cache: the same prompt sent again to its model finds them
 cached, sent to the other model finds none). ``/v1/models`` lists both, ``/ready`` names both,
-an unknown model is a 404, and no KV block is left held.
+an unknown model is a 404, and no KV block is left held. ``tiny-b`` takes LoRA adapters (PEFT
+adapters made by ``peft`` for ``tierserve-tiny``'s shapes, ``tests/replica/lora_helpers.py``): its
+static adapter answers as itself, and an admin key loads, uses and unloads another through the
+HTTP routes (the application's adapter store actor and the replica's methods, live).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import copy
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -29,9 +33,33 @@ PROMPTS = {m: [f"{m} prompt {i}: " + "lorem ipsum dolor sit amet " * 2 for i in 
            for m in (A, B)}
 
 
-def multi_config() -> dict[str, Any]:
+def tiny_adapters(root: Path) -> dict[str, Path]:
+    """Two PEFT adapters for ``tierserve-tiny``'s shapes (a random Llama of its config: only
+    the shapes matter) and a folder that is not one."""
+    import transformers
+
+    from tests.replica.lora_helpers import make_adapter
+    from tierserve.replica.models.embedded_spec import embedded_config
+
+    c = embedded_config()
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_hidden_layers=c.num_layers,
+        num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
+        head_dim=c.head_dim, intermediate_size=c.intermediate_size,
+        tie_word_embeddings=True))
+    targets = ["q_proj", "v_proj", "down_proj"]
+    out = {name: make_adapter(hf, root / name, seed=i + 1, r=4, lora_alpha=8,
+                              target_modules=targets)
+           for i, name in enumerate(("b-sql", "b-chat"))}
+    (root / "empty").mkdir()
+    out["empty"] = root / "empty"
+    return out
+
+
+def multi_config(adapters: dict[str, Path] | None = None) -> dict[str, Any]:
     """configs/cluster.yaml's application with two models instead of one: the second's
-    deployment a copy of ``LLMServer``'s, renamed."""
+    deployment a copy of ``LLMServer``'s, renamed; with ``adapters``, the second takes LoRA
+    adapters (``b-sql`` static), the interactive key is an admin's."""
     app = copy.deepcopy(cluster_yaml()["applications"][0])
     app["name"], app["route_prefix"] = "multi", "/multi"
     del app["args"]["engine"]
@@ -41,6 +69,12 @@ def multi_config() -> dict[str, Any]:
     for tier in app["args"]["tiers"]:
         tier["api_keys"] = [f"env:{KEY_VARS[tier['name']]}"]
     app["args"]["anonymous_tier"] = "batch"
+    if adapters is not None:
+        app["args"]["models"][1]["engine"].update(
+            deterministic=False, enable_lora=True, max_cpu_loras=2,
+            lora_modules=[{"name": "b-sql", "path": str(adapters["b-sql"])}])
+        app["args"]["admin_keys"] = [f"env:{KEY_VARS['interactive']}"]
+        app["args"]["lora_path_roots"] = [str(adapters["b-sql"].parent)]
     llm = next(d for d in app["deployments"] if d["name"] == "LLMServer")
     llm["num_replicas"] = 1
     app["deployments"].append({**copy.deepcopy(llm), "name": f"LLMServer-{B}"})
@@ -48,8 +82,13 @@ def multi_config() -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def multi_app(local_serve: LocalServe) -> Iterator[ServeApp]:
-    with local_serve.app("multi", multi_config()) as app:
+def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return tiny_adapters(tmp_path_factory.mktemp("adapters"))
+
+
+@pytest.fixture(scope="module")
+def multi_app(local_serve: LocalServe, adapters: dict[str, Path]) -> Iterator[ServeApp]:
+    with local_serve.app("multi", multi_config(adapters)) as app:
         yield app
 
 
@@ -98,7 +137,7 @@ def test_a_burst_to_both_models_is_answered_by_each_model_s_deployment(
 
 def test_models_ready_and_an_unknown_model(multi_app: ServeApp) -> None:
     listed = httpx.get(multi_app.url("/v1/models"), timeout=30)
-    assert [m["id"] for m in listed.json()["data"]] == [A, B]
+    assert [m["id"] for m in listed.json()["data"]] == [A, B, "b-sql"]
     ready = httpx.get(multi_app.url("/ready"), timeout=30)
     assert ready.status_code == 200, ready.text
     assert set(ready.json()["models"]) == {A, B}
@@ -106,6 +145,40 @@ def test_models_ready_and_an_unknown_model(multi_app: ServeApp) -> None:
     r = httpx.post(multi_app.url("/v1/completions"), timeout=30,
                    json={"model": MODEL, "prompt": "x", "max_tokens": 2})
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_adapters_are_served_loaded_and_unloaded_over_http(
+        multi_app: ServeApp, adapters: dict[str, Path]) -> None:
+    admin = {"Authorization": f"Bearer {KEYS['interactive']}"}
+    key = {"Authorization": f"Bearer {KEYS['standard']}"}
+
+    def post(path: str, body: dict[str, Any], headers: dict[str, str]) -> httpx.Response:
+        return httpx.post(multi_app.url(path), json=body, headers=headers, timeout=120)
+
+    def complete(model: str) -> httpx.Response:
+        return post("/v1/completions", {"model": model, "prompt": PROMPTS[B][0],
+                                        "max_tokens": 4, "temperature": 0}, key)
+
+    r = complete("b-sql")  # the static adapter, on tiny-b's replica
+    assert r.status_code == 200 and r.json()["model"] == "b-sql", r.text
+    body = {"lora_name": "b-chat", "lora_path": str(adapters["b-chat"])}
+    refused = post("/v1/load_lora_adapter", body, key)
+    assert refused.status_code == 403, refused.text
+    assert refused.json()["error"]["code"] == "permission_denied"
+    assert complete("b-chat").status_code == 404  # not loaded yet
+    loaded = post("/v1/load_lora_adapter", body, admin)
+    assert loaded.status_code == 200 and loaded.json()["status"] == "loaded", loaded.text
+    bad = post("/v1/load_lora_adapter", {"lora_name": "b-bad",
+                                          "lora_path": str(adapters["empty"])}, admin)
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_lora_adapter"
+    r = complete("b-chat")
+    assert r.status_code == 200 and r.json()["model"] == "b-chat", r.text
+    cards = {m["id"]: m for m in httpx.get(multi_app.url("/v1/models"), headers=key,
+                                           timeout=30).json()["data"]}
+    assert cards["b-chat"]["parent"] == B and "b-bad" not in cards
+    gone = post("/v1/unload_lora_adapter", {"lora_name": "b-chat"}, admin)
+    assert gone.status_code == 200 and gone.json()["status"] == "unloaded", gone.text
+    assert complete("b-chat").status_code == 404
 
 
 def test_no_block_is_left_held(multi_app: ServeApp) -> None:
