@@ -200,9 +200,6 @@ class EngineConfig(BaseModel):
         if len(names) > self.cpu_loras:
             raise ValueError(f"lora_modules lists {len(names)} adapters, more than max_cpu_loras "
                              f"({self.cpu_loras}) keeps loaded")
-        if self.enable_lora and self.deterministic:
-            raise ValueError("enable_lora is not available in the deterministic mode (the "
-                             "adapters' matmuls run outside its batch-invariant kernels)")
         return self
 
     @property

@@ -95,7 +95,8 @@ def build_lora(cfg: EngineConfig, model: Any, device: torch.device,
     LoRA kernels are compiled here, for the model's shapes (``LoRAManager.warm_up``)."""
     if not cfg.enable_lora:
         return None
-    lora = LoRAManager(model, cfg.max_loras, cfg.max_lora_rank, cfg.cpu_loras, device, dtype)
+    lora = LoRAManager(model, cfg.max_loras, cfg.max_lora_rank, cfg.cpu_loras, device, dtype,
+                       deterministic=cfg.deterministic)
     if lora.use_triton:
         t0 = time.perf_counter()
         lora.warm_up()

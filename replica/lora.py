@@ -23,6 +23,12 @@ Our model fuses q/k/v into ``qkv_proj`` (rows ``[q | k | v]``) and gate/up into
 
 A step without adapter rows runs the model's code unchanged: the hooks return at once. With
 ``enable_lora`` off there are no hooks at all.
+
+In the deterministic mode (``docs/determinism.md``) the adapters run on the native CPU linear
+kernel too: each slot's ``A`` and ``B`` are packed for it when the slot is filled, and each
+adapter's rows go through it as one matrix. That kernel computes every row alone in a fixed
+order, so a row's LoRA output, as the base model's, depends neither on the other rows of the
+step nor on how its prompt was cut into chunks.
 """
 
 from __future__ import annotations
@@ -318,6 +324,7 @@ class LoRABatch:
     seg_start: torch.Tensor | None = None
     seg_slot: torch.Tensor | None = None
     triton: bool = False  # the Triton kernels apply it (else torch ops)
+    native: bool = False  # the native CPU kernel applies it, segment by segment (deterministic)
     # The torch path's layout: segments padded to the longest (``length`` rows each, padding
     # repeats a segment's first row), ``padded`` ``[S * length]`` their rows; ``valid`` the
     # positions in it that are real rows (None: all are) and ``valid_rows`` those rows;
@@ -339,6 +346,9 @@ class _Part:
     a: torch.Tensor
     b: torch.Tensor
     used: list[bool]  # per slot: whether the slot's adapter targets this projection
+    # The deterministic mode's per slot ``A`` and ``B`` packed for the native linear kernel
+    # (``cpu_packing.pack_linear``); None where the slot's adapter does not target it.
+    packed: list[tuple[torch.Tensor, torch.Tensor] | None] = field(default_factory=list)
 
 
 class _ModuleLoRA:
@@ -363,6 +373,9 @@ def apply_lora(x: torch.Tensor, out: torch.Tensor, parts: Sequence[_Part],
     shrink and one expand per part over every segment); elsewhere by torch ops over the segments
     padded to one length, one batched matmul pair and one ``index_add_`` per part whatever the
     number of adapters (a part no adapter of the step targets is skipped)."""
+    if batch.native:
+        _apply_native(x, out, parts, batch)
+        return
     if batch.triton and batch.rows is not None:
         from tierserve.kernels import lora as tlora  # Triton: the GPU path only
 
@@ -391,6 +404,25 @@ def apply_lora(x: torch.Tensor, out: torch.Tensor, parts: Sequence[_Part],
         out[:, p.offset : p.offset + p.out_features].index_add_(0, rows, delta)
 
 
+def _apply_native(x: torch.Tensor, out: torch.Tensor, parts: Sequence[_Part],
+                  batch: LoRABatch) -> None:
+    """The deterministic mode's ``apply_lora``: per segment and part, the segment's rows through
+    the native linear kernel twice (``A`` then ``B``, packed at ``_fill``), added into their
+    rows. The kernel's result for a row does not depend on the other rows it is given, and each
+    row gets exactly one add: a row's bits are the same in any batch."""
+    from tierserve.kernels import cpu_ops
+
+    for slot, rows in batch.segments:
+        xs = x.index_select(0, rows)
+        for p in parts:
+            packed = p.packed[slot]
+            if packed is None:
+                continue
+            h = cpu_ops.linear(xs, packed[0], p.a.shape[1])
+            delta = cpu_ops.linear(h, packed[1], p.out_features)
+            out[:, p.offset : p.offset + p.out_features].index_add_(0, rows, delta)
+
+
 class LoRAManager:
     """The adapters of one replica: a CPU-side cache of ``max_cpu_loras`` adapters (least
     recently used evicted, never one a request holds), ``max_loras`` device slots, and hooks
@@ -403,8 +435,10 @@ class LoRAManager:
 
     def __init__(self, model: nn.Module, max_loras: int, max_rank: int, max_cpu_loras: int,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                 use_triton: bool | None = None) -> None:
-        """``use_triton``: apply the adapters by the Triton kernels; None: on CUDA."""
+                 use_triton: bool | None = None, deterministic: bool = False) -> None:
+        """``use_triton``: apply the adapters by the Triton kernels; None: on CUDA.
+        ``deterministic``: by the native CPU linear kernel, batch-invariant (fp32 on the CPU
+        only; the engine's deterministic mode)."""
         if max_cpu_loras < max_loras:
             raise ValueError(f"max_cpu_loras ({max_cpu_loras}) must be at least max_loras "
                              f"({max_loras})")
@@ -415,6 +449,11 @@ class LoRAManager:
         self.device = torch.device(device)
         self.dtype = dtype
         self.use_triton = self.device.type == "cuda" if use_triton is None else use_triton
+        self.deterministic = deterministic
+        if deterministic and (self.device.type != "cpu" or dtype != torch.float32
+                              or self.use_triton):
+            raise LoRAError("the deterministic mode applies adapters on the native CPU kernel: "
+                            f"fp32 on the CPU only (here {dtype} on {self.device})")
         self._lock = threading.RLock()
         self._cpu: OrderedDict[str, LoRAAdapter] = OrderedDict()
         self._users: dict[str, int] = {}
@@ -434,7 +473,7 @@ class LoRAManager:
                                 dtype=dtype),
                     torch.zeros(max_loras, shape.out_features, max_rank, device=self.device,
                                 dtype=dtype),
-                    [False] * max_loras)
+                    [False] * max_loras, [None] * max_loras)
                 self._parts[(i, proj)] = part
                 by_module.setdefault(shape.module, []).append(part)
             for module, parts in by_module.items():
@@ -554,15 +593,16 @@ class LoRAManager:
         row_slots = torch.tensor(slots, dtype=torch.int64)
         host = [(slot_of[n], torch.nonzero(row_slots == slot_of[n]).flatten()) for n in present]
         # The kernels read ``rows``/``seg_start``/``seg_slot``: the segments stay on the host.
-        segments = host if self.use_triton else [(slot, r.to(self.device)) for slot, r in host]
+        segments = (host if self.use_triton or self.deterministic
+                    else [(slot, r.to(self.device)) for slot, r in host])
         flat = torch.cat([rows for _, rows in host]).to(torch.int32)
         start = torch.tensor([0, *itertools.accumulate(r.numel() for _, r in host)],
                              dtype=torch.int32)
         seg_slot = torch.tensor([slot for slot, _ in host], dtype=torch.int32)
         batch = LoRABatch(row_slots.to(self.device), segments, {slot_of[n]: n for n in present},
                           flat.to(self.device), start.to(self.device), seg_slot.to(self.device),
-                          self.use_triton)
-        if not self.use_triton:
+                          self.use_triton, native=self.deterministic)
+        if not self.use_triton and not self.deterministic:
             self._pad(batch, host)
         return batch
 
@@ -602,9 +642,19 @@ class LoRAManager:
             if w is not None:
                 part.a[slot, :r].copy_(w[0])
                 part.b[slot, :, :r].copy_(w[1])
+            part.packed[slot] = self._pack(part, slot) if w is not None else None
         self._slots[slot] = name
         self._slot_of[name] = slot
         self._cpu.move_to_end(name)
+
+    def _pack(self, part: _Part, slot: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The deterministic mode's ``A`` and ``B`` of ``slot`` packed for the native kernel
+        (the zero padding to ``max_lora_rank`` included: it adds exact zeros)."""
+        if not self.deterministic:
+            return None
+        from tierserve.kernels.cpu_packing import pack_linear
+
+        return pack_linear(part.a[slot]), pack_linear(part.b[slot])
 
     def warm_up(self) -> int:
         """Run the Triton kernels once on one row of every distinct projection part (input

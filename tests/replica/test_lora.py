@@ -159,6 +159,30 @@ def test_answers_survive_a_preemption(ckpt: tuple[Path, dict[str, Path], Any]) -
     assert all(small.engine.lora.in_use(n) == 0 for n in small.engine.lora.names())
 
 
+def test_the_deterministic_mode_keeps_adapter_rows_batch_invariant(
+        ckpt: tuple[Path, dict[str, Path], Any]) -> None:
+    """Deterministic mode with adapters: a prompt's tokens and log-probabilities, bit for bit,
+    are the same alone and in a mixed batch of both adapters and the base whose prompts are cut
+    into chunks; and they are the tokens of transformers + PEFT."""
+    base, paths, ref = ckpt
+    det = LLM(str(base), deterministic=True, enable_lora=True, max_loras=2, max_lora_rank=8,
+              max_cpu_loras=3, num_kv_blocks=64, max_num_seqs=8, max_model_len=128,
+              max_num_batched_tokens=16)
+    params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True, logprobs=1)
+    names: list[str | None] = ["alpha", "beta", None, "alpha", "beta", None]
+    prompts = _prompts((5, 21, 17, 3, 12, 30), seed=3)
+    together = det.generate([{"prompt_token_ids": p} for p in prompts], params,
+                            use_tqdm=False, lora_request=[_req(n, paths) for n in names])
+    for i, (p, n) in enumerate(zip(prompts, names, strict=True)):
+        (alone,) = det.generate([{"prompt_token_ids": p}], params, use_tqdm=False,
+                                lora_request=_req(n, paths))
+        a, t = alone.outputs[0], together[i].outputs[0]
+        assert a.token_ids == t.token_ids == greedy(ref, n, p, NEW), f"prompt {i} under {n}"
+        assert a.cumulative_logprob == t.cumulative_logprob, f"prompt {i} under {n}"
+        assert [x[tok].logprob for x, tok in zip(a.logprobs or [], a.token_ids, strict=True)] == \
+            [x[tok].logprob for x, tok in zip(t.logprobs or [], t.token_ids, strict=True)]
+
+
 def test_prefix_cache_is_keyed_by_adapter(llm: LLM, ckpt: tuple[Path, dict[str, Path], Any]
                                           ) -> None:
     _, paths, ref = ckpt
@@ -292,7 +316,6 @@ def test_a_bad_static_adapter_fails_the_start(ckpt: tuple[Path, dict[str, Path],
 @pytest.mark.parametrize("options, match", [
     ({"enable_lora": True, "max_loras": 2, "max_cpu_loras": 1}, "at least max_loras"),
     ({"lora_modules": [{"name": "a", "path": "/x"}]}, "needs enable_lora"),
-    ({"enable_lora": True, "deterministic": True}, "deterministic mode"),
     ({"enable_lora": True, "max_cpu_loras": 2,
       "lora_modules": [{"name": "a", "path": "/x"}, {"name": "a", "path": "/y"}]}, "twice"),
     ({"enable_lora": True, "lora_modules": [{"name": "a b", "path": "/x"}]}, "name"),
