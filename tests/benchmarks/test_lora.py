@@ -89,6 +89,9 @@ def test_interleave_medians_and_ratios() -> None:
     assert s["ratios"]["vllm_mixed_over_base"] == 0.8
     assert s["ratios"]["tierserve_over_vllm_base"] == 2.0
     assert s["ratios"]["tierserve_over_vllm_mixed"] == 2.0
+    assert s["ratios"]["vllm_base_lora_engine_over_plain_engine"] is None
+    s = summarize([Run(VLLM, "base", 1, 1.0, 25), Run(bench.VLLM_PLAIN, "base", 1, 1.0, 50)])
+    assert s["ratios"]["vllm_base_lora_engine_over_plain_engine"] == 0.5
     assert Run(VLLM, "base", 1, 0.0, 5).tokens_per_s == 0.0
 
 
@@ -130,6 +133,10 @@ def test_vllm_job_carries_the_adapters_and_the_interleave(tmp_path: Path) -> Non
     sent = json.loads(json.dumps(asdict(job)))  # what the worker reads
     assert sent["adapters"][1]["path"] == setup.adapters[1].lora_path
     assert sent["sets"][1][1][2]["adapter"] == 0
+    plain = bench.vllm_job("m", setup, max_num_seqs=3, max_num_batched_tokens=8, lora=False)
+    assert "enable_lora" not in plain.engine and plain.adapters == []
+    assert [label for label, _ in plain.sets] == ["base 1"]
+    assert [q.adapter for q in plain.warmup] == [None]
     assert bench.vllm_rank(16) == 16 and bench.vllm_rank(17) == 32
     with pytest.raises(ValueError, match="ranks up to 512, got 600"):
         bench.vllm_rank(600)
@@ -152,6 +159,9 @@ def test_vllm_runs_read_back_and_a_failure_says_why(monkeypatch: pytest.MonkeyPa
     assert [(r.system, r.kind, r.repeat, r.tokens) for r in runs] == [
         (VLLM, "base", 1, 9), (VLLM, "mixed", 1, 9), (VLLM, "base", 2, 9), (VLLM, "mixed", 2, 9)]
     assert tokens["mixed"] == [[8, 8, 8]] * 3 and info["engine"]["enable_lora"] is True
+    runs, tokens, info = bench.run_vllm("m", setup, 3, 64, lora=False)
+    assert [(r.system, r.kind, r.repeat) for r in runs] == [(bench.VLLM_PLAIN, "base", 1)]
+    assert "enable_lora" not in info["engine"]
 
     def short_worker(job: Any, kv_cache_gib: float) -> dict[str, Any]:
         out = fake_worker(job, kv_cache_gib)
@@ -201,19 +211,38 @@ def test_the_cli_refuses_bad_counts(capsys: pytest.CaptureFixture[str]) -> None:
 
 @pytest.mark.slow
 def test_a_whole_quick_run_on_a_tiny_checkpoint(tiny: tuple[Path, Any, ModelShapes],
-                                                tmp_path: Path) -> None:
+                                                tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
     """Two interleaved pairs and the plain engine's run, all in the JSON record; the plain
-    engine's greedy tokens equal the LoRA engine's base rows' (the base pays nothing in kind)."""
+    engine's greedy tokens equal the LoRA engine's base rows' (the base pays nothing in kind).
+    With ``--vllm`` (its worker faked): a LoRA engine that fails is printed with its reason and
+    the run goes on to the plain vLLM engine."""
+    import benchmarks.vllm_peer as peer
+
+    def worker(job: Any, kv_cache_gib: float) -> dict[str, Any]:
+        if job.adapters:
+            raise RuntimeError("vllm worker failed (1):\nTraceback (most recent call last):\n"
+                               "NotImplementedError: LoRA is not supported here\n")
+        sets = [{"label": label, "wall_s": 1.0, "requests": [{"tokens": [3] * q.max_tokens}
+                                                             for q in reqs]}
+                for label, reqs in job.sets]
+        return {"version": "0", "startup_s": 1.0, "process_s": 2.0, "sets": sets}
+
+    monkeypatch.setattr(peer, "run_worker", worker)
     out = tmp_path / "lora.json"
     assert bench.main(["--model", str(tiny[0]), "--quick", "--repeats", "2", "--adapters", "2",
-                       "--rank", "4", "--json", str(out)]) == 0
+                       "--rank", "4", "--vllm", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert [(r["system"], r["kind"], r["repeat"]) for r in result["runs"]] == [
         (TIERSERVE, "base", 1), (TIERSERVE, "mixed", 1), (TIERSERVE, "base", 2),
-        (TIERSERVE, "mixed", 2), (PLAIN, "base", 1)]
+        (TIERSERVE, "mixed", 2), (PLAIN, "base", 1), (bench.VLLM_PLAIN, "base", 1)]
     assert all(r["tokens"] == 4 * 4 for r in result["runs"])
-    assert result["summary"]["ratios"]["mixed_over_base"] is not None
-    assert result["summary"]["ratios"]["base_lora_engine_over_plain_engine"] is not None
+    ratios = result["summary"]["ratios"]
+    assert ratios["mixed_over_base"] is not None
+    assert ratios["base_lora_engine_over_plain_engine"] is not None
+    assert ratios["vllm_mixed_over_base"] is None
     same = result["tokens"]["plain_vs_lora_engine_base"]
     assert same["identical"] == same["requests"] == 4
-    assert "machine" in result and "vllm" not in result
+    why = "NotImplementedError: LoRA is not supported here"
+    assert result["vllm_error"] == why and "machine" in result and VLLM not in result
+    assert f"vllm did not run: {why}" in capsys.readouterr().out
