@@ -18,7 +18,9 @@ falls on both alike): ``base`` every request on the base model, ``mixed`` reques
 ``i mod N`` (so every step mixes all N). Then one ``base`` run on an engine without
 ``enable_lora`` (``tierserve-plain``): what the base rows pay for the LoRA engine. The prefix cache
 is off in every engine, so each run computes every prompt (no run reuses the one before). Every
-adapter is loaded, and used once in a warm-up, before the first timed run.
+engine is warmed up untimed on the run's own shapes first (every prompt on the base and, on a LoRA
+engine, on its adapter, 2 tokens each): every adapter is loaded and in a slot, and first-call
+costs fall outside the timed runs.
 
 Reported: generated tokens/s of every run, the median per system and run kind, and the ratios of
 medians: ``mixed / base`` (target: at least 0.8 on CPU), ``base on the LoRA engine / base on the
@@ -57,6 +59,7 @@ from tierserve.replica.models.catalog import DEFAULT_MODEL
 TARGET_RATIO = 0.8
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 KINDS = ("base", "mixed")
+WARMUP_TOKENS = 2  # per warm-up request
 TIERSERVE, PLAIN, VLLM, VLLM_PLAIN = "tierserve", "tierserve-plain", "vllm", "vllm-plain"
 # vLLM's LoRA config takes these ranks only (``max_lora_rank``).
 VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -199,6 +202,13 @@ class Setup:
             return [None] * len(self.prompts)
         return [self.adapters[j] for j in self.assign]
 
+    def warmup(self, lora: bool) -> list[tuple[list[int], int | None]]:
+        """The untimed warm-up's requests, ``(prompt, adapter index or None)``: every prompt
+        on the base, then (``lora``) every prompt on its mixed run's adapter."""
+        base: list[tuple[list[int], int | None]] = [(p, None) for p in self.prompts]
+        return base + ([(p, a) for p, a in zip(self.prompts, self.assign, strict=True)]
+                       if lora else [])
+
 
 def _timed(llm: LLM, prompts: list[list[int]], params: SamplingParams,
            loras: list[LoRARequest | None]) -> tuple[float, list[list[int]]]:
@@ -217,14 +227,18 @@ def _check(system: str, kind: str, tokens: list[list[int]], max_tokens: int) -> 
     return got
 
 
+def _warm(llm: LLM, setup: Setup, lora: bool) -> None:
+    warm = setup.warmup(lora)
+    _timed(llm, [p for p, _ in warm],
+           SamplingParams(max_tokens=WARMUP_TOKENS, temperature=0.0, ignore_eos=True),
+           [None if a is None else setup.adapters[a] for _, a in warm])
+
+
 def run_tierserve(llm: LLM, setup: Setup) -> tuple[list[Run], dict[str, list[list[int]]]]:
-    """The interleaved runs on ``llm`` (a LoRA engine, every adapter loaded), after a warm-up of
-    one short request on the base and on each adapter; the runs and the greedy tokens of each
-    kind's first run."""
+    """The interleaved runs on ``llm`` (a LoRA engine, every adapter loaded), after the warm-up
+    (``Setup.warmup``); the runs and the greedy tokens of each kind's first run."""
     params = SamplingParams(max_tokens=setup.max_tokens, temperature=0.0, ignore_eos=True)
-    warm = [p[:8] for p in setup.prompts[:1]] * (1 + len(setup.adapters))
-    _timed(llm, warm, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
-           [None, *setup.adapters])
+    _warm(llm, setup, lora=True)
     runs: list[Run] = []
     tokens: dict[str, list[list[int]]] = {}
     for kind, r in schedule(setup.repeats):
@@ -238,8 +252,7 @@ def run_tierserve(llm: LLM, setup: Setup) -> tuple[list[Run], dict[str, list[lis
 def run_plain(llm: LLM, setup: Setup) -> tuple[Run, list[list[int]]]:
     """One base run on ``llm``, an engine without ``enable_lora``, after the same warm-up."""
     params = SamplingParams(max_tokens=setup.max_tokens, temperature=0.0, ignore_eos=True)
-    _timed(llm, [setup.prompts[0][:8]], SamplingParams(max_tokens=2, temperature=0.0,
-                                                       ignore_eos=True), [None])
+    _warm(llm, setup, lora=False)
     seconds, toks = _timed(llm, setup.prompts, params, [None] * len(setup.prompts))
     return Run(PLAIN, "base", 1, seconds, _check(PLAIN, "base", toks, setup.max_tokens)), toks
 
@@ -257,8 +270,8 @@ def vllm_rank(rank: int) -> int:
 
 def vllm_job(model: str, setup: Setup, max_num_seqs: int, max_num_batched_tokens: int,
              lora: bool = True) -> Any:
-    """vLLM's job: one LoRA engine (prefix caching off, tierserve's caps), every adapter used
-    once in the warm-up, then the same interleave as tierserve's as sets labelled
+    """vLLM's job: one LoRA engine (prefix caching off, tierserve's caps), the same warm-up as
+    tierserve's (``Setup.warmup``), then the same interleave as tierserve's as sets labelled
     ``"<kind> <repeat>"``. ``lora=False``: the plain engine's job, one ``"base 1"`` set on an
     engine without ``enable_lora`` (vLLM's CPU platform compiles that one with
     ``torch.compile``, a LoRA engine it runs eagerly)."""
@@ -281,8 +294,7 @@ def vllm_job(model: str, setup: Setup, max_num_seqs: int, max_num_batched_tokens
         return [VllmRequest(list(p), setup.max_tokens, adapter=a)
                 for p, a in zip(setup.prompts, adapters, strict=True)]
 
-    warm = [VllmRequest(list(setup.prompts[0][:8]), 2, adapter=a)
-            for a in [None, *(range(n) if lora else ())]]
+    warm = [VllmRequest(list(p), WARMUP_TOKENS, adapter=a) for p, a in setup.warmup(lora)]
     if not lora:
         return VllmJob(model=model, sets=[("base 1", requests("base"))], engine=engine,
                        warmup=warm, reset_prefix_cache=False)

@@ -128,7 +128,8 @@ def test_vllm_job_carries_the_adapters_and_the_interleave(tmp_path: Path) -> Non
     assert [label for label, _ in job.sets] == ["base 1", "mixed 1", "base 2", "mixed 2"]
     assert [q.adapter for q in job.sets[0][1]] == [None, None, None]
     assert [q.adapter for q in job.sets[1][1]] == [0, 1, 0]
-    assert [q.adapter for q in job.warmup] == [None, 0, 1]
+    assert [q.adapter for q in job.warmup] == [None, None, None, 0, 1, 0]
+    assert [q.prompt_token_ids for q in job.warmup] == setup.prompts * 2
     assert [(a.name, a.id) for a in job.adapters] == [("a0", 1), ("a1", 2)]
     sent = json.loads(json.dumps(asdict(job)))  # what the worker reads
     assert sent["adapters"][1]["path"] == setup.adapters[1].lora_path
@@ -136,7 +137,7 @@ def test_vllm_job_carries_the_adapters_and_the_interleave(tmp_path: Path) -> Non
     plain = bench.vllm_job("m", setup, max_num_seqs=3, max_num_batched_tokens=8, lora=False)
     assert "enable_lora" not in plain.engine and plain.adapters == []
     assert [label for label, _ in plain.sets] == ["base 1"]
-    assert [q.adapter for q in plain.warmup] == [None]
+    assert [q.adapter for q in plain.warmup] == [None, None, None]
     assert bench.vllm_rank(16) == 16 and bench.vllm_rank(17) == 32
     with pytest.raises(ValueError, match="ranks up to 512, got 600"):
         bench.vllm_rank(600)
