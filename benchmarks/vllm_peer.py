@@ -15,7 +15,9 @@ every run: ``VLLM_CPU_OMP_THREADS_BIND`` set to this process's cores as a range 
 ``all``), ``VLLM_CPU_KVCACHE_SPACE`` in GiB, no hub access.
 The benchmarks that run vLLM (``benchmarks.throughput``, ``benchmarks.prefix``) call
 ``run_sets``: sets of ``(prompt token ids, max_tokens)`` requests in, the worker's answer out,
-every request checked to have generated what it asked for.
+every request checked to have generated what it asked for. ``benchmarks.lora`` builds its job
+itself: LoRA adapters in the job (``VllmJob.adapters``, the engine's settings from
+``lora_engine``), each request naming its adapter by index or none (``VllmRequest.adapter``).
 
 vLLM reads Hugging Face checkpoints; the real default model is a GGUF. ``hf_export`` writes the
 GGUF's weights once, dequantized by ``transformers`` to fp32, as a safetensors checkpoint with its
@@ -155,6 +157,27 @@ class VllmRequest:
     prompt_token_ids: list[int]
     max_tokens: int
     at: float = 0.0  # seconds after the start at which it arrives (stepped runs)
+    adapter: int | None = None  # index into VllmJob.adapters; None: the base model
+
+
+@dataclass(slots=True)
+class VllmAdapter:
+    """A LoRA adapter for the worker to pass as vLLM's ``LoRARequest(name, id, path)``: a PEFT
+    folder (``adapter_config.json``, ``adapter_model.safetensors``); ``id`` at least 1 and
+    unique in the job."""
+
+    name: str
+    id: int
+    path: str
+
+
+def lora_engine(max_loras: int, max_lora_rank: int, max_cpu_loras: int | None = None
+                ) -> dict[str, Any]:
+    """The ``VllmJob.engine`` keywords of a LoRA engine: ``enable_lora``, ``max_loras`` (adapters
+    in one step), ``max_lora_rank`` (one of the ranks vLLM takes: 1, 8, 16, 32, 64, ...) and
+    ``max_cpu_loras`` (adapters kept loaded; default ``max_loras``)."""
+    return {"enable_lora": True, "max_loras": max_loras, "max_lora_rank": max_lora_rank,
+            "max_cpu_loras": max_cpu_loras or max_loras}
 
 
 @dataclass(slots=True)
@@ -165,7 +188,9 @@ class VllmJob:
     ``max_num_batched_tokens``, ``enable_prefix_caching``, ...; the model and fp32 are added).
     ``mode``: ``"generate"`` (one ``LLM.generate`` call per set: throughput) or ``"stepped"``
     (the engine stepped by hand, requests added at their ``at``, each token's time recorded:
-    TTFT). ``warmup``: requests run (and discarded) before the first set.
+    TTFT). ``warmup``: requests run (and discarded) before the first set. ``adapters``: the
+    LoRA adapters the requests name by index (``VllmRequest.adapter``), on an engine whose
+    ``engine`` has ``lora_engine``'s keywords; empty: no request names one.
     """
 
     model: str
@@ -174,6 +199,7 @@ class VllmJob:
     mode: str = "generate"
     warmup: list[VllmRequest] = field(default_factory=list)
     reset_prefix_cache: bool = True  # between sets: each starts cold, like a fresh engine
+    adapters: list[VllmAdapter] = field(default_factory=list)
 
 
 def run_worker(job: VllmJob, kv_cache_gib: float = 4.0, timeout_s: float = 3600.0,

@@ -8,6 +8,10 @@ Answer: ``{"version", "startup_s", "sets": [{"label", "wall_s", "requests": [{"t
 compilation, warm-up); ``wall_s``: the set alone. ``ttft_s``/``e2e_s`` (stepped mode): from the
 request's arrival to its first / last token. vLLM's engine is created under ``__main__`` (its
 engine process starts with spawn).
+
+LoRA: the job's ``adapters`` (``{"name", "id", "path"}``) become vLLM's ``LoRARequest``s, and a
+request whose ``adapter`` is an index runs under that one (``lora_request`` of ``LLM.generate``,
+of ``add_request`` when stepped); a job without adapters calls vLLM exactly as before.
 """
 
 from __future__ import annotations
@@ -22,11 +26,21 @@ def _params(sp_cls: Any, max_tokens: int) -> Any:
     return sp_cls(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
-def _generate(llm: Any, sp_cls: Any, reqs: list[dict[str, Any]]) -> dict[str, Any]:
+def _lora_of(loras: list[Any], req: dict[str, Any]) -> Any:
+    """The ``LoRARequest`` a request names (its ``adapter`` index), None for the base model."""
+    index = req.get("adapter")
+    return None if index is None else loras[index]
+
+
+def _generate(llm: Any, sp_cls: Any, reqs: list[dict[str, Any]],
+              loras: list[Any] | None = None) -> dict[str, Any]:
     prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in reqs]
     params = [_params(sp_cls, r["max_tokens"]) for r in reqs]
+    extra: dict[str, Any] = {}
+    if any(r.get("adapter") is not None for r in reqs):
+        extra["lora_request"] = [_lora_of(loras or [], r) for r in reqs]
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    outs = llm.generate(prompts, params, use_tqdm=False, **extra)
     wall = time.perf_counter() - t0
     return {
         "wall_s": wall,
@@ -40,7 +54,8 @@ def _generate(llm: Any, sp_cls: Any, reqs: list[dict[str, Any]]) -> dict[str, An
     }
 
 
-def _stepped(llm: Any, sp_cls: Any, reqs: list[dict[str, Any]]) -> dict[str, Any]:
+def _stepped(llm: Any, sp_cls: Any, reqs: list[dict[str, Any]],
+             loras: list[Any] | None = None) -> dict[str, Any]:
     """Requests added at their arrival times, the engine stepped by hand; each request's first
     and last token timed when the step that made it returns."""
     engine = llm.llm_engine
@@ -57,8 +72,10 @@ def _stepped(llm: Any, sp_cls: Any, reqs: list[dict[str, Any]]) -> dict[str, Any
         while nxt < len(order) and reqs[order[nxt]]["at"] <= now:
             i = order[nxt]
             arrived[i] = t0 + reqs[i]["at"]
+            lora = _lora_of(loras or [], reqs[i])
             engine.add_request(str(i), {"prompt_token_ids": reqs[i]["prompt_token_ids"]},
-                               _params(sp_cls, reqs[i]["max_tokens"]))
+                               _params(sp_cls, reqs[i]["max_tokens"]),
+                               **({} if lora is None else {"lora_request": lora}))
             nxt += 1
         if not engine.has_unfinished_requests():
             time.sleep(max(0.0, reqs[order[nxt]]["at"] - (time.perf_counter() - t0)))
@@ -90,6 +107,15 @@ def _stepped(llm: Any, sp_cls: Any, reqs: list[dict[str, Any]]) -> dict[str, Any
     }
 
 
+def _loras(job: dict[str, Any]) -> list[Any]:
+    """vLLM's ``LoRARequest`` of each of the job's adapters, in order (none: nothing imported)."""
+    if not job.get("adapters"):
+        return []
+    from vllm.lora.request import LoRARequest
+
+    return [LoRARequest(a["name"], a["id"], a["path"]) for a in job["adapters"]]
+
+
 def main() -> int:
     with open(sys.argv[1]) as f:
         job = json.load(f)
@@ -98,15 +124,16 @@ def main() -> int:
 
     t0 = time.perf_counter()
     llm = LLM(model=job["model"], dtype="float32", seed=0, **job["engine"])
+    loras = _loras(job)
     if job["warmup"]:
-        _generate(llm, SamplingParams, job["warmup"])
+        _generate(llm, SamplingParams, job["warmup"], loras)
     startup = time.perf_counter() - t0
     run = _stepped if job["mode"] == "stepped" else _generate
     sets = []
     for label, reqs in job["sets"]:
         if job["reset_prefix_cache"]:
             llm.reset_prefix_cache()
-        sets.append({"label": label, **run(llm, SamplingParams, reqs)})
+        sets.append({"label": label, **run(llm, SamplingParams, reqs, loras)})
     out = {"version": vllm.__version__, "startup_s": startup, "sets": sets}
     with open(sys.argv[2], "w") as f:
         json.dump(out, f)
