@@ -7,7 +7,10 @@ cached, sent to the other model finds none). ``/v1/models`` lists both, ``/ready
 an unknown model is a 404, and no KV block is left held. ``tiny-b`` takes LoRA adapters (PEFT
 adapters made by ``peft`` for ``tierserve-tiny``'s shapes, ``tests/replica/lora_helpers.py``): its
 static adapter answers as itself, and an admin key loads, uses and unloads another through the
-HTTP routes (the application's adapter store actor and the replica's methods, live).
+HTTP routes (the application's adapter store actor and the replica's methods, live). Then both
+models and both adapters take bursts at once, and each answer is its own model's or adapter's
+(both models run in the deterministic mode, so an answer in a burst is bit for bit the answer
+alone).
 """
 
 from __future__ import annotations
@@ -71,7 +74,7 @@ def multi_config(adapters: dict[str, Path] | None = None) -> dict[str, Any]:
     app["args"]["anonymous_tier"] = "batch"
     if adapters is not None:
         app["args"]["models"][1]["engine"].update(
-            deterministic=False, enable_lora=True, max_cpu_loras=2,
+            enable_lora=True, max_loras=2, max_cpu_loras=2,
             lora_modules=[{"name": "b-sql", "path": str(adapters["b-sql"])}])
         app["args"]["admin_keys"] = [f"env:{KEY_VARS['interactive']}"]
         app["args"]["lora_path_roots"] = [str(adapters["b-sql"].parent)]
@@ -179,6 +182,50 @@ def test_adapters_are_served_loaded_and_unloaded_over_http(
     gone = post("/v1/unload_lora_adapter", {"lora_name": "b-chat"}, admin)
     assert gone.status_code == 200 and gone.json()["status"] == "unloaded", gone.text
     assert complete("b-chat").status_code == 404
+
+
+def test_two_models_and_two_adapters_under_load_each_answer_as_itself(
+        multi_app: ServeApp, adapters: dict[str, Path]) -> None:
+    """Both models and both adapters (``b-sql`` static, ``b-chat`` loaded over HTTP) at once,
+    three rounds of a burst: each answer is, token for token, what its own model or adapter
+    answers to that prompt alone (both engines are deterministic, so a batch changes no bit),
+    and each adapter's answers differ from the base model's somewhere (it was applied)."""
+    admin = {"Authorization": f"Bearer {KEYS['interactive']}"}
+    key = {"Authorization": f"Bearer {KEYS['standard']}"}
+    body = {"lora_name": "b-chat", "lora_path": str(adapters["b-chat"])}
+    loaded = httpx.post(multi_app.url("/v1/load_lora_adapter"), json=body, headers=admin,
+                        timeout=120)
+    assert loaded.status_code == 200, loaded.text
+    targets = (A, B, "b-sql", "b-chat")
+    prompts = {t: PROMPTS[A if t == A else B][:3] for t in targets}
+
+    def body_of(target: str, prompt: str) -> dict[str, Any]:
+        return {"model": target, "prompt": prompt, "max_tokens": 8, "temperature": 0}
+
+    async def burst() -> list[tuple[str, str, httpx.Response]]:
+        async with httpx.AsyncClient(base_url=multi_app.base_url, timeout=180,
+                                     limits=httpx.Limits(max_connections=None)) as client:
+            sends = [(t, p) for _ in range(3) for t in targets for p in prompts[t]]
+            answers = await asyncio.gather(*(
+                client.post("/v1/completions", json=body_of(t, p), headers=key)
+                for t, p in sends))
+            return [(t, p, r) for (t, p), r in zip(sends, answers, strict=True)]
+
+    answers = asyncio.run(burst())
+    alone: dict[tuple[str, str], str] = {}
+    for t in targets:
+        for p in prompts[t]:
+            r = httpx.post(multi_app.url("/v1/completions"), json=body_of(t, p), headers=key,
+                           timeout=120)
+            assert r.status_code == 200 and r.json()["model"] == t, r.text
+            alone[(t, p)] = r.json()["choices"][0]["text"]
+    assert len(answers) == 36
+    for t, p, r in answers:
+        assert r.status_code == 200, r.text
+        assert r.json()["model"] == t
+        assert r.json()["choices"][0]["text"] == alone[(t, p)], (t, p)
+    for adapter in ("b-sql", "b-chat"):
+        assert any(alone[(adapter, p)] != alone[(B, p)] for p in prompts[B]), adapter
 
 
 def test_no_block_is_left_held(multi_app: ServeApp) -> None:
