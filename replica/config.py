@@ -175,7 +175,8 @@ class EngineConfig(BaseModel):
     max_cpu_loras: int | None = Field(
         default=None, gt=0,
         description="adapters kept loaded in host memory, least recently used evicted when no "
-                    "request uses it; `null`: `max_loras`")
+                    "running request uses it (a request waits while its adapter loads); `null`: "
+                    "`max_loras`")
     lora_modules: tuple[LoRAModule, ...] | None = Field(
         default=None,
         description="adapters loaded at start: a list of `{name, path}` (a PEFT adapter "
@@ -186,6 +187,12 @@ class EngineConfig(BaseModel):
                     "model) may be admitted past a waiting request whose adapter has no slot; "
                     "then admission waits for that adapter's slot (no starvation); 0: strict "
                     "rank order")
+    lora_base_check: bool = Field(
+        default=True,
+        description="refuse an adapter whose `base_model_name_or_path` names another model than "
+                    "this engine's (400 `lora_base_mismatch`; compared lowercase, without org, "
+                    "path, `.gguf` or quantisation suffix); an adapter naming none is taken; "
+                    "false: shapes only")
 
     @model_validator(mode="after")
     def _check_lora(self) -> EngineConfig:

@@ -11,6 +11,7 @@ blocks return at once.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -22,6 +23,7 @@ from ray import serve
 from ray.serve import Deployment
 
 from tierserve.records import (
+    ADAPTER_UNAVAILABLE,
     EngineStats,
     ErrorRecord,
     GenerateRequest,
@@ -133,6 +135,14 @@ class LLMServer:
         produced = False
         try:
             async for out in stream:
+                if not produced and out.finished and out.error_code == ADAPTER_UNAVAILABLE:
+                    # Its adapter could not be loaded here (the detail is in this replica's
+                    # log; the message names the adapter only): the ingress tries another.
+                    log.warning("request %s: refused, %s", rid, out.failure)
+                    yield ErrorRecord(503, ADAPTER_UNAVAILABLE,
+                                      out.failure or "the LoRA adapter is not available",
+                                      replica=self.replica_id)
+                    return
                 if not produced and failed_before_first_token(out):
                     # Refused, so the ingress sends it to another replica (the rest of its samples
                     # are aborted).
@@ -170,7 +180,8 @@ class LLMServer:
 
     def record_routing_stats(self) -> dict[str, Any]:
         """What the router ranks replicas by (``tierserve.records.RoutingStats``, as Serve wants it:
-        a dict), with the names of the LoRA adapters this replica holds loaded."""
+        a dict), with the keys (``LoRARequest.key``) of the LoRA adapters this replica holds
+        loaded."""
         stats = RoutingStats.from_engine(self.stats(), time.time(), self.engine.alive)
         if self.engine.lora is not None:
             stats = replace(stats, lora_adapters=tuple(self.engine.lora.names()),
@@ -179,29 +190,35 @@ class LLMServer:
 
     # ------------------------------------------------------------------ LoRA adapters
 
-    def load_lora_adapter(self, lora_name: str, lora_path: str,
-                          lora_int_id: int = 1) -> ErrorRecord | None:
-        """Load the PEFT adapter at ``lora_path`` as ``lora_name`` in this replica (a no-op when
-        it is loaded from there already). None when done, else the refusal as an
-        ``ErrorRecord`` (400 a bad adapter or adapters off, 429 the adapter cache full of
-        adapters in use), for the ingress to answer."""
+    async def load_lora_adapter(self, lora_name: str, lora_path: str,
+                                lora_int_id: int = 1) -> ErrorRecord | None:
+        """Load the PEFT adapter at ``lora_path`` as ``lora_name`` of id ``lora_int_id`` in this
+        replica (a no-op when that key is loaded already), the disk read in a worker thread
+        (never on this replica's event loop). None when done (kept in the cache, or, where
+        every entry is in use by running requests, checked and loaded by its first request),
+        else the refusal as an ``ErrorRecord`` (400 a bad adapter, another base model or
+        adapters off, with the detail: an admin's answer), for the ingress to answer."""
         try:
-            self.engine.load_lora(LoRARequest(lora_name, lora_int_id, lora_path))
+            kept = await asyncio.to_thread(
+                self.engine.load_lora, LoRARequest(lora_name, lora_int_id, lora_path))
         except LoRAError as e:
             return e.record()
         except ValueError as e:
             return ErrorRecord(400, "invalid_lora_adapter", str(e))
-        log.info("LoRA adapter %r loaded from %s", lora_name, lora_path)
+        log.info("LoRA adapter %r (id %d) %s from %s", lora_name, lora_int_id,
+                 "loaded" if kept else "checked (the cache is in use)", lora_path)
         return None
 
-    def unload_lora_adapter(self, lora_name: str) -> ErrorRecord | None:
-        """Forget adapter ``lora_name`` here: None when done, else the refusal (404 not loaded,
-        409 requests still use it: see ``Engine.unload_lora``)."""
+    async def unload_lora_adapter(self, lora_name: str,
+                                  lora_int_id: int | None = None) -> ErrorRecord | None:
+        """Forget adapter ``lora_name`` here (every id of it; ``lora_int_id``: that one): None
+        when done, else the refusal (404 not loaded, 409 running requests use it: see
+        ``Engine.unload_lora``). Off the event loop: it waits for the engine's lock."""
         try:
-            self.engine.unload_lora(lora_name)
+            dropped = await asyncio.to_thread(self.engine.unload_lora, lora_name, lora_int_id)
         except LoRAError as e:
             return e.record()
-        log.info("LoRA adapter %r unloaded", lora_name)
+        log.info("LoRA adapter %r unloaded (%s)", lora_name, ", ".join(dropped))
         return None
 
     def list_lora_adapters(self) -> list[LoRARequest]:

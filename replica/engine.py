@@ -16,12 +16,14 @@ import logging
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
 
 from tierserve.records import (
+    ADAPTER_UNAVAILABLE,
     GRAMMAR_REJECTED_TOKEN,
     EngineDead,
     EngineStats,
@@ -35,7 +37,7 @@ from tierserve.records import (
 from tierserve.replica.config import EngineConfig
 from tierserve.replica.detokenizer import IncrementalDetokenizer
 from tierserve.replica.engine_config import build_engine_parts
-from tierserve.replica.lora import LoRAError, LoRAManager
+from tierserve.replica.lora import LoRAAdapter, LoRAError, LoRAManager
 from tierserve.replica.runner import ForwardBatch, PromptRows, StepLogits
 from tierserve.replica.sampler import (
     SamplerState,
@@ -120,7 +122,8 @@ class _Live:
     first_token: float | None = None
     generated: int = 0
     preemptions: int = 0  # times the scheduler preempted it (its trace's decode span)
-    lora: str | None = None  # its LoRA adapter (held in the adapter cache until it ends)
+    lora: str | None = None  # its LoRA adapter's key (pinned in the adapter cache while it runs)
+    lora_request: LoRARequest | None = None  # the adapter's name, id and path (to load it)
 
     def times(self, reason: str, now: float) -> RequestTimes:
         tpot = None
@@ -185,6 +188,15 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.error: BaseException | None = None
+        # LoRA loads, off the step loop and the callers' event loops: keys being read by the
+        # loader thread or read and waiting for an unpinned entry (``_pending``); keys whose
+        # load failed, with the detail, until the next step ends their requests.
+        self._loading: set[str] = set()
+        self._pending: dict[str, LoRAAdapter] = {}
+        self._load_failed: dict[str, str] = {}
+        self._loader: ThreadPoolExecutor | None = None
+        if self.lora is not None:
+            self.scheduler.lora_ready = self._lora_ready
 
     # ------------------------------------------------------------------ requests
 
@@ -197,10 +209,12 @@ class Engine:
         (``_check_tokens``), ``ValueError`` for a bad priority, the scheduler's ``AdmitError``
         for what it can never run and ``GrammarError`` for a structured output that does not
         compile (compiled here, once, after every other check). Its sampling parameters were
-        checked when they were made."""
+        checked when they were made. A LoRA adapter is read here, on the caller's thread (the
+        offline ``LLM``'s: there is no event loop to keep free), and ``LoRAError`` raised, the
+        path in it, when it cannot be loaded; a server's requests load theirs at admission."""
         params = request.sampling
         self._check_tokens(request.prompt_ids, params)
-        self._lora_of(request)
+        self._lora_of(request, load=True)
         with self._lock:
             self.scheduler.check(self._request(request, params))
         if params.structured is not None:
@@ -233,21 +247,24 @@ class Engine:
                        reuse_cache=params.prompt_logprobs is None,
                        tpot_target_s=request.tpot_target_s, ttft_left_s=request.ttft_left_s,
                        cache_partition=request.cache_partition,
-                       lora=None if request.lora is None else request.lora.lora_name)
+                       lora=None if request.lora is None else request.lora.key)
 
-    def _lora_of(self, request: GenerateRequest) -> str | None:
-        """The name of ``request``'s adapter, loaded (by its path, on first use) so that a
-        request of it may be queued; None for the base model. ``ValueError`` where the engine
-        serves no adapters (``enable_lora`` off) and ``LoRAError`` (a ``ValueError``) where the
-        adapter cannot be loaded."""
+    def _lora_of(self, request: GenerateRequest, load: bool = False) -> str | None:
+        """The key of ``request``'s adapter (None for the base model); ``LoRAError``
+        ``lora_disabled`` where the engine serves no adapters (``enable_lora`` off). ``load``:
+        read it now where it is not loaded (``validate``), raising ``LoRAError`` when it cannot
+        be; kept in the cache if an unpinned entry can make room."""
         lora = request.lora
         if lora is None:
             return None
         if self.lora is None:
             raise LoRAError(f"this engine serves no LoRA adapters (enable_lora is off): the "
                             f"request names adapter {lora.lora_name!r}", "lora_disabled")
-        self.lora.load(lora.lora_name, lora.lora_path, lora.lora_int_id)
-        return lora.lora_name
+        if load and not self.lora.has(lora.key):
+            adapter = self.lora.read(lora.lora_name, lora.lora_path, lora.lora_int_id)
+            with self._lock:
+                self.lora.install(adapter, self.scheduler.running_adapters())
+        return lora.key
 
     def _check_ids(self, field: str, ids: Iterable[int]) -> None:
         bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
@@ -295,7 +312,7 @@ class Engine:
         scheduler record when the caller made it already (to check it)."""
         if not validated:
             self._check_tokens(list(request.prompt_ids), params)
-            self._lora_of(request)
+            self._lora_of(request)  # adapters off: refused before anything else
         try:
             grammar = None
             sched = scheduled or self._request(request, params)
@@ -330,22 +347,16 @@ class Engine:
         constraint = (self.grammars.constraint(params.structured)
                       if params.structured is not None and params.max_tokens else None)
         lora = sched.lora
-        if lora is not None:
-            if self.lora is None or request.lora is None:
-                raise LoRAError(f"this engine serves no LoRA adapters (enable_lora is off): "
-                                f"the request names adapter {lora!r}", "lora_disabled")
-            # Held (never evicted nor unloaded) until the request ends; loaded again where the
-            # adapter cache dropped it since the request was checked.
-            self.lora.load(lora, request.lora.lora_path, request.lora.lora_int_id, acquire=True)
+        if lora is not None and (self.lora is None or request.lora is None):
+            raise LoRAError(f"this engine serves no LoRA adapters (enable_lora is off): "
+                            f"the request names adapter {lora!r}", "lora_disabled")
         with self._lock:
-            try:
-                if self.error is not None:
-                    raise EngineDead(f"the engine's step loop died: {self.error!r}")
-                rid = self.scheduler.add(sched)
-            except BaseException:
-                if lora is not None and self.lora is not None:
-                    self.lora.release(lora)
-                raise
+            if self.error is not None:
+                raise EngineDead(f"the engine's step loop died: {self.error!r}")
+            # Queued first (a full queue refuses it before anything about its adapter); its
+            # adapter is then loaded off this thread where it is not (``_lora_ready``), and
+            # the scheduler admits it once it is.
+            rid = self.scheduler.add(sched)
             self._live[rid] = _Live(
                 id=rid,
                 prompt=ids,
@@ -364,7 +375,10 @@ class Engine:
                 held=None if stream_text or params.stop else [],
                 arrival=arrival,
                 lora=lora,
+                lora_request=request.lora,
             )
+            if lora is not None and request.lora is not None:
+                self._want_lora(request.lora)
             self._wake.notify()
         return rid
 
@@ -373,19 +387,12 @@ class Engine:
         with self._lock:
             live = self._live.pop(rid, None)
             found = self.scheduler.abort(rid)
-            if live is not None:
-                self._release(live)
         if live is not None:
             if self.observer is not None:
                 self.observer.request_done(live.times("abort", time.monotonic()))
             if live.sink is not None:
                 live.sink(self._final(live, "abort"))
         return found
-
-    def _release(self, live: _Live) -> None:
-        """``live`` has ended: its adapter may be evicted or unloaded again."""
-        if live.lora is not None and self.lora is not None:
-            self.lora.release(live.lora)
 
     # ------------------------------------------------------------------ adapters
 
@@ -395,19 +402,111 @@ class Engine:
                             "lora_disabled")
         return self.lora
 
-    def load_lora(self, lora: LoRARequest) -> None:
+    def load_lora(self, lora: LoRARequest) -> bool:
         """Load adapter ``lora`` (from its ``lora_path``) so that requests may name it; a
-        no-op when it is loaded from that path already. ``ValueError`` (``LoRAError``): no
-        adapters here, a bad adapter, or the cache full of adapters in use."""
+        no-op when that key is loaded already. Reads the disk on the caller's thread (the
+        deployment calls it in a worker thread). Returns whether it is kept in the cache
+        (False: valid, but every entry it could replace is in use by running requests; a
+        request of it loads it again). ``LoRAError`` (a ``ValueError``): no adapters here, or a
+        bad adapter (the detail, its path included: an admin's answer)."""
         if not lora.lora_path:
             raise LoRAError(f"load_lora needs the adapter's path (lora {lora.lora_name!r})")
-        self._adapters().load(lora.lora_name, lora.lora_path, lora.lora_int_id)
+        manager = self._adapters()
+        adapter = manager.read(lora.lora_name, lora.lora_path, lora.lora_int_id)
+        with self._lock:
+            kept = manager.install(adapter, self.scheduler.running_adapters())
+            self._wake.notify_all()
+        return kept
 
-    def unload_lora(self, name: str) -> None:
-        """Forget adapter ``name``. Refused while requests, running or waiting, use it
-        (``LoRAInUse``, 409: the caller retries once they finish; not deferred, so that it knows
-        when the adapter is gone), or when it is not loaded (``LoRANotFound``, 404)."""
-        self._adapters().unload(name)
+    def unload_lora(self, name: str, int_id: int | None = None) -> list[str]:
+        """Forget adapter ``name`` (every id of it; ``int_id``: that one only). Returns the keys
+        dropped. Refused while running requests use it (``LoRAInUse``, 409: the caller
+        retries once they finish; not deferred, so that it knows when the adapter is gone), or
+        when it is not loaded (``LoRANotFound``, 404). Waiting requests of it hold nothing: one
+        admitted later loads it again from its path."""
+        manager = self._adapters()
+        target = name if int_id is None else f"{name}#{int_id}"
+        with self._lock:
+            dropped = manager.unload(target, self.scheduler.running_adapters())
+            for key in dropped:
+                if self._pending.pop(key, None) is not None:
+                    self._loading.discard(key)
+        return dropped
+
+    # A load: ``_want_lora`` (under the lock) hands the read to the loader thread (one per key
+    # in flight); ``_read_lora`` reads and installs it, or leaves it in ``_pending`` while every
+    # entry it could replace is pinned (retried at each step, ``_settle_loras``); a failure is
+    # recorded and ends that key's requests at the next step.
+
+    def _lora_ready(self, key: str) -> bool:
+        """The scheduler's ``lora_ready`` (under the lock): whether ``key`` is loaded; where it
+        is not, its load is started (once)."""
+        assert self.lora is not None
+        if self.lora.has(key):
+            return True
+        if key not in self._loading:
+            lora = next((live.lora_request for live in self._live.values()
+                         if live.lora == key and live.lora_request is not None), None)
+            if lora is not None:
+                self._want_lora(lora)
+        return False
+
+    def _want_lora(self, lora: LoRARequest) -> None:
+        """Start loading ``lora`` unless it is loaded or being loaded (under the lock)."""
+        key = lora.key
+        if self.lora is None or key in self._loading or self.lora.has(key):
+            return
+        self._loading.add(key)
+        if self._loader is None:
+            self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierserve-lora")
+        self._loader.submit(self._read_lora, lora)
+
+    def _read_lora(self, lora: LoRARequest) -> None:
+        """The loader thread: read ``lora`` from disk (no lock held), then install it."""
+        assert self.lora is not None
+        key = lora.key
+        try:
+            adapter = self.lora.read(lora.lora_name, lora.lora_path, lora.lora_int_id)
+        except Exception as e:  # every failure ends the key's requests, the detail logged
+            log.warning("LoRA adapter %r (id %d) could not be loaded: %s", lora.lora_name,
+                        lora.lora_int_id, e)
+            with self._lock:
+                self._loading.discard(key)
+                self._load_failed[key] = lora.lora_name
+                self._wake.notify_all()
+            return
+        with self._lock:
+            self._pending[key] = adapter
+            self._settle_loras()
+            self._wake.notify_all()
+
+    def _settle_loras(self) -> None:
+        """Install the adapters read and waiting for room, where an unpinned entry makes it now
+        (under the lock)."""
+        if not self._pending or self.lora is None:
+            return
+        pinned = self.scheduler.running_adapters()
+        for key, adapter in list(self._pending.items()):
+            if self.lora.install(adapter, pinned):
+                del self._pending[key]
+                self._loading.discard(key)
+
+    def _fail_loads(self) -> list[tuple[_Live, RequestOutput]]:
+        """End the requests whose adapter failed to load (under the lock): 503-class errors
+        naming the adapter only (``ADAPTER_UNAVAILABLE``; the detail is in the log), which the
+        deployment answers so that the ingress may try another replica."""
+        failed, self._load_failed = self._load_failed, {}
+        ended: list[tuple[_Live, RequestOutput]] = []
+        for rid, live in list(self._live.items()):
+            if live.lora is None or live.lora not in failed:
+                continue
+            del self._live[rid]
+            self.scheduler.abort(rid)
+            out = self._final(live, "error", f"LoRA adapter {failed[live.lora]!r} is not "
+                                             "available on this replica")
+            out.error_code = ADAPTER_UNAVAILABLE
+            ended.append((live, out))
+        return ended
 
     def loras(self) -> list[LoRARequest]:
         """The loaded adapters, least recently used first (empty without ``enable_lora``)."""
@@ -445,9 +544,14 @@ class Engine:
         """One iteration: schedule, forward, sample, on_step. Returns this step's deltas."""
         t0 = time.perf_counter()
         with self._lock:
+            failed = self._fail_loads() if self._load_failed else []
+            self._settle_loras()
             plan = self.scheduler.schedule()
             if plan.is_empty:
-                return []
+                if not failed and self._loading:
+                    # Only loads are awaited: sleep until one ends (its thread wakes us).
+                    self._wake.wait(timeout=0.05)
+                return self._deliver_failed(failed)
             scoring = [
                 c.id
                 for c in plan.prefill
@@ -481,7 +585,7 @@ class Engine:
         logprobs = self._logprobs(result.logits, states, tokens)
         if result.prompt_logits is not None:
             self._score_prompts(result.prompt_logits, prompt_targets)
-        outputs = self._finish_step(plan, states, tokens, logprobs)
+        outputs = self._deliver_failed(failed) + self._finish_step(plan, states, tokens, logprobs)
         t3 = time.perf_counter()
         with self._lock:
             self.scheduler.observe_step(plan.shape, t3 - t0)
@@ -491,6 +595,16 @@ class Engine:
         if self.observer is not None:
             self.observer.step_done(t3 - t0, plan.num_tokens, len(plan.preempted))
         return outputs
+
+    def _deliver_failed(self, failed: list[tuple[_Live, RequestOutput]]) -> list[RequestOutput]:
+        """Send the requests ``_fail_loads`` ended to their sinks (outside the lock)."""
+        now = time.monotonic()
+        for live, out in failed:
+            if self.observer is not None:
+                self.observer.request_done(live.times("error", now))
+            if live.sink is not None:
+                live.sink(out)
+        return [out for _, out in failed]
 
     @staticmethod
     def _logprobs(
@@ -580,8 +694,6 @@ class Engine:
             for e in events:
                 if isinstance(e, FinishedEvent):
                     live_done = self._live.pop(e.id, None)
-                    if live_done is not None:
-                        self._release(live_done)
                     out = deltas.get(e.id)
                     if live_done is None or out is None:
                         continue
@@ -702,7 +814,6 @@ class Engine:
             self._live.clear()
             for live in lives:
                 self.scheduler.abort(live.id)
-                self._release(live)
         for live in lives:
             if live.sink is not None:
                 live.sink(self._final(live, "error", f"the replica's engine failed: {e!r}"))
@@ -723,6 +834,8 @@ class Engine:
 
     def shutdown(self) -> None:
         self.grammars.shutdown()
+        if self._loader is not None:
+            self._loader.shutdown(wait=False, cancel_futures=True)
         with self._lock:
             self._stopping = True
             self._wake.notify_all()
@@ -742,7 +855,7 @@ class Engine:
             raise ValueError(f"n must be a positive integer, got {n!r}")
         params = request.sampling
         self._check_tokens(list(request.prompt_ids), params)  # once for the n samples
-        self._lora_of(request)
+        self._lora_of(request)  # adapters off; the adapter is loaded at admission, off this loop
         first = self._request(request, params)
         grammar = None
         if params.structured is not None:

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from tierserve.records import static_lora_id
 from tierserve.replica.config import EngineConfig, context_length
 from tierserve.replica.kv_pool import (
     KVPool,
@@ -88,6 +89,20 @@ def warm_kernels(cfg: EngineConfig, mcfg: Any, device: torch.device, backend: st
     return done
 
 
+def base_model_names(model: str) -> tuple[str, ...]:
+    """The names an adapter's ``base_model_name_or_path`` may give for the engine's ``model``
+    (compared by ``tierserve.replica.lora.model_identity``): the setting itself (a path's last
+    component, a hub id's name), and for a packaged model its catalogue name, file and the
+    Hugging Face id it quantises."""
+    from tierserve.replica.models.catalog import PACKAGED
+
+    names = [model]
+    packaged = PACKAGED.get(model)
+    if packaged is not None:
+        names += [packaged.name, packaged.file, packaged.hf_id]
+    return tuple(n for n in names if n)
+
+
 def build_lora(cfg: EngineConfig, model: Any, device: torch.device,
                dtype: torch.dtype) -> LoRAManager | None:
     """With ``enable_lora``: the adapter slots and hooks on ``model`` and the static adapters of
@@ -96,14 +111,15 @@ def build_lora(cfg: EngineConfig, model: Any, device: torch.device,
     if not cfg.enable_lora:
         return None
     lora = LoRAManager(model, cfg.max_loras, cfg.max_lora_rank, cfg.cpu_loras, device, dtype,
-                       deterministic=cfg.deterministic)
+                       deterministic=cfg.deterministic, base_names=base_model_names(cfg.model),
+                       base_check=cfg.lora_base_check)
     if lora.use_triton:
         t0 = time.perf_counter()
         lora.warm_up()
         log.info("compiled the LoRA kernels in %.1f s", time.perf_counter() - t0)
     for i, m in enumerate(cfg.lora_modules or (), start=1):
-        try:
-            lora.load(m.name, m.path, int_id=i)
+        try:  # the id the ingress's registry gives it too, from its name and path
+            lora.load(m.name, m.path, int_id=static_lora_id(m.name, m.path))
         except LoRAError as e:
             lora.close()
             raise LoRAError(f"lora_modules[{i - 1}] ({m.name!r}): {e}") from None

@@ -29,7 +29,6 @@ from tierserve.records import RequestOutput as EngineOutput
 from tierserve.replica.config import EngineConfig
 from tierserve.replica.detokenizer import bad_words_ids
 from tierserve.replica.engine import Engine, sample_params
-from tierserve.replica.lora import LoRACacheFull
 from tierserve.replica.models.catalog import DEFAULT_MODEL
 from tierserve.replica.scheduler import AdmitError, QueueFull
 
@@ -307,7 +306,7 @@ class LLM:
                     try:
                         rid = self.engine.add_request(request, stream_text=False, index=j,
                                                       validated=True)
-                    except (QueueFull, LoRACacheFull):
+                    except QueueFull:
                         if not self.engine.has_unfinished():
                             raise
                         break  # room comes as the queued requests finish

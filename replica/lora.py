@@ -40,7 +40,7 @@ import os
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,7 +48,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tierserve.records import LoRACacheFull, LoRAError, LoRAInUse, LoRANotFound
+from tierserve.records import LoRAError, LoRAInUse, LoRANotFound
 
 # The projections an adapter may target (PEFT's module names) -> (our fused module, part).
 # The part indexes the fused module's row blocks: qkv_proj's [q | k | v], gate_up_proj's
@@ -154,9 +154,35 @@ class LoRAAdapter:
     int_id: int = 0  # the id its LoRARequest gave (vLLM's lora_int_id)
 
     @property
+    def key(self) -> str:
+        """Its identity in a replica: ``LoRARequest.key`` of its name and id."""
+        return adapter_key(self.name, self.int_id)
+
+    @property
     def nbytes(self) -> int:
         return sum(a.numel() * a.element_size() + b.numel() * b.element_size()
                    for a, b in self.weights.values())
+
+
+def adapter_key(name: str, int_id: int) -> str:
+    """``LoRARequest.key`` of adapter ``name`` of id ``int_id``."""
+    return f"{name}#{int_id}"
+
+
+_QUANT = re.compile(r"[-._](?:i?q\d+(?:_[a-z0-9]+)*|f16|f32|bf16|fp16|fp32|gguf)$")
+
+
+def model_identity(name: str) -> str:
+    """A model's name as an adapter's ``base_model_name_or_path`` and the engine's model are
+    compared: lowercase, the last path component (no org prefix), without ``.gguf``/``-gguf``
+    and quantisation suffixes (``-q8_0``, ``.Q4_1``, ``-q4_k_m``, ``-f16``). So
+    ``HuggingFaceTB/SmolLM2-135M-Instruct`` and ``SmolLM2-135M-Instruct.Q4_1.gguf`` agree."""
+    s = name.strip().replace("\\", "/").rstrip("/").rsplit("/", 1)[-1].lower()
+    while True:
+        t = _QUANT.sub("", s)
+        if t == s or not t:
+            return s
+        s = t
 
 
 def _config_error(path: str, what: str) -> LoRAError:
@@ -424,21 +450,26 @@ def _apply_native(x: torch.Tensor, out: torch.Tensor, parts: Sequence[_Part],
 
 
 class LoRAManager:
-    """The adapters of one replica: a CPU-side cache of ``max_cpu_loras`` adapters (least
-    recently used evicted, never one a request holds), ``max_loras`` device slots, and hooks
-    on the model's fused projections. Thread-safe: the engine's loop and its callers share it.
+    """The adapters of one replica: a CPU-side cache of ``max_cpu_loras`` adapters keyed by
+    ``name#id`` (``LoRARequest.key``; least recently used evicted, never a pinned one),
+    ``max_loras`` device slots, and hooks on the model's fused projections. Thread-safe: the
+    engine's loop, its loader thread and its callers share it.
 
-    ``acquire(name)``/``release(name)`` count the requests that use an adapter: such an adapter
-    stays loaded (``unload`` refuses it). ``batch(rows)`` puts the step's adapters in slots
-    (copying any not there yet) and returns the step's ``LoRABatch``; ``active`` is that batch
-    while the model runs (``running``)."""
+    The cache keeps no count of users: the engine passes the keys ``pinned`` (those of its
+    running requests) to ``install`` and ``unload``, under its own lock, so a waiting request
+    holds nothing. ``read`` (disk, no lock) and ``install`` are a load's two halves.
+    ``batch(rows)`` puts the step's adapters in slots (copying any not there yet) and returns
+    the step's ``LoRABatch``; ``active`` is that batch while the model runs (``running``)."""
 
     def __init__(self, model: nn.Module, max_loras: int, max_rank: int, max_cpu_loras: int,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                 use_triton: bool | None = None, deterministic: bool = False) -> None:
+                 use_triton: bool | None = None, deterministic: bool = False,
+                 base_names: Collection[str] = (), base_check: bool = True) -> None:
         """``use_triton``: apply the adapters by the Triton kernels; None: on CUDA.
         ``deterministic``: by the native CPU linear kernel, batch-invariant (fp32 on the CPU
-        only; the engine's deterministic mode)."""
+        only; the engine's deterministic mode). ``base_names``: the engine model's names (each
+        a ``model_identity``) an adapter's ``base_model_name_or_path`` must be one of, where
+        ``base_check`` and the adapter names one."""
         if max_cpu_loras < max_loras:
             raise ValueError(f"max_cpu_loras ({max_cpu_loras}) must be at least max_loras "
                              f"({max_loras})")
@@ -450,13 +481,14 @@ class LoRAManager:
         self.dtype = dtype
         self.use_triton = self.device.type == "cuda" if use_triton is None else use_triton
         self.deterministic = deterministic
+        self.base_names = frozenset(model_identity(n) for n in base_names if n)
+        self.base_check = base_check
         if deterministic and (self.device.type != "cpu" or dtype != torch.float32
                               or self.use_triton):
             raise LoRAError("the deterministic mode applies adapters on the native CPU kernel: "
                             f"fp32 on the CPU only (here {dtype} on {self.device})")
         self._lock = threading.RLock()
         self._cpu: OrderedDict[str, LoRAAdapter] = OrderedDict()
-        self._users: dict[str, int] = {}
         self._slots: list[str | None] = [None] * max_loras
         self._slot_of: dict[str, int] = {}
         self._parts: dict[tuple[int, str], _Part] = {}
@@ -482,63 +514,93 @@ class LoRAManager:
 
     # ------------------------------------------------------------------ the CPU-side cache
 
-    def load(self, name: str, path: str, int_id: int = 0, acquire: bool = False) -> LoRAAdapter:
-        """The adapter ``name``, read from ``path`` if not loaded (evicting the least recently
-        used one no request holds when ``max_cpu_loras`` are loaded); ``acquire``: and count one
-        more request using it, in the same step (it cannot be evicted in between).
-        ``LoRAError``: the adapter is bad or ``name`` is loaded from another path;
-        ``LoRACacheFull``: every loaded adapter is in use."""
-        with self._lock:
-            have = self._cpu.get(name)
-            if have is not None:
-                if path and os.path.abspath(have.path) != os.path.abspath(path):
-                    raise LoRAError(f"LoRA adapter {name!r} is loaded from {have.path!r}, not "
-                                    f"{path!r}: unload it first")
-                if acquire:
-                    self._users[name] = self._users.get(name, 0) + 1
-                self._cpu.move_to_end(name)
-                return have
+    def read(self, name: str, path: str, int_id: int = 0) -> LoRAAdapter:
+        """The adapter at ``path`` read from disk and checked for this model (shapes, rank, and
+        the base model it names, ``check_base``), held by nothing: the slow part of a load,
+        which takes no lock (a loader thread runs it). ``LoRAError``: what is wrong."""
         if not path:
             raise LoRANotFound(f"LoRA adapter {name!r} is not loaded and the request gives no "
                                "path")
         adapter = load_adapter(name, path, self.shapes, self.max_rank, self.dtype, int_id)
+        self.check_base(adapter)
+        return adapter
+
+    def check_base(self, adapter: LoRAAdapter) -> None:
+        """``LoRAError`` ``lora_base_mismatch`` when ``adapter`` names a base model
+        (``base_model_name_or_path``) that is not this engine's (``base_names``, compared by
+        ``model_identity``); an adapter naming none, or an engine without ``base_names`` or with
+        ``lora_base_check`` off, passes."""
+        base = adapter.base_model
+        if not self.base_check or not self.base_names or not base:
+            return
+        if model_identity(base) not in self.base_names:
+            raise LoRAError(
+                f"LoRA adapter at {adapter.path!r}: it was trained for base model {base!r}, not "
+                f"this server's model ({', '.join(sorted(self.base_names))}); same shapes would "
+                "give wrong outputs (lora_base_check: false skips this check)",
+                "lora_base_mismatch")
+
+    def install(self, adapter: LoRAAdapter, pinned: Collection[str] = ()) -> bool:
+        """Keep ``adapter`` (read by ``read``) in the cache, under its key; False, and nothing
+        changed, when that needs an entry in ``pinned`` (the keys of the running requests'
+        adapters) dropped: another copy of its name (an older id), or the only candidates
+        for eviction when ``max_cpu_loras`` are loaded. An unpinned copy of the same name is
+        replaced; else the least recently used unpinned entry is evicted."""
+        key = adapter.key
         with self._lock:
-            if name in self._cpu:  # loaded meanwhile by another caller
-                if acquire:
-                    self._users[name] = self._users.get(name, 0) + 1
-                return self._cpu[name]
-            if len(self._cpu) >= self.max_cpu_loras:
-                victim = next((n for n in self._cpu if not self._users.get(n)), None)
+            if key in self._cpu:
+                self._cpu.move_to_end(key)
+                return True
+            others = [k for k, a in self._cpu.items() if a.name == adapter.name]
+            if any(k in pinned for k in others):
+                return False
+            if not others and len(self._cpu) >= self.max_cpu_loras:
+                victim = next((k for k in self._cpu if k not in pinned), None)
                 if victim is None:
-                    raise LoRACacheFull(f"cannot load LoRA adapter {name!r}: all max_cpu_loras "
-                                    f"({self.max_cpu_loras}) loaded adapters are in use")
-                self._drop(victim)
-            self._cpu[name] = adapter
-            if acquire:
-                self._users[name] = self._users.get(name, 0) + 1
-            return adapter
+                    return False
+                others = [victim]
+            for k in others:
+                self._drop(k)
+            self._cpu[key] = adapter
+            return True
 
-    def unload(self, name: str) -> None:
-        """Forget adapter ``name``. ``LoRAError`` when it is not loaded or requests (running
-        or waiting) use it: it is refused, not deferred, so that the caller knows when it is
-        gone."""
+    def load(self, name: str, path: str, int_id: int = 0, pinned: Collection[str] = ()) -> bool:
+        """``read`` then ``install`` (the start's static adapters, an admin's load): whether it
+        is kept in the cache (False: valid, but every entry it could replace is pinned; a
+        request of it loads it again). ``LoRAError``: the adapter is bad."""
         with self._lock:
-            if name not in self._cpu:
-                raise LoRANotFound(f"LoRA adapter {name!r} is not loaded")
-            if self._users.get(name):
-                raise LoRAInUse(f"LoRA adapter {name!r} is in use by {self._users[name]} "
-                                "request(s): unload it once they finish")
-            self._drop(name)
+            have = self._cpu.get(adapter_key(name, int_id))
+            if have is not None and (not path or have.path == path):
+                self._cpu.move_to_end(have.key)
+                return True
+        return self.install(self.read(name, path, int_id), pinned)
 
-    def _drop(self, name: str) -> None:
-        del self._cpu[name]
-        self._users.pop(name, None)
-        slot = self._slot_of.pop(name, None)
+    def unload(self, name: str, pinned: Collection[str] = ()) -> list[str]:
+        """Forget adapter ``name``: the entry of that key (``name#id``) where there is one, else
+        every entry of that name (each id). Returns the keys dropped. ``LoRANotFound`` when
+        none is loaded; ``LoRAInUse`` when one is in ``pinned`` (running requests use it;
+        nothing is dropped): refused, not deferred, so that the caller knows when it is gone."""
+        with self._lock:
+            keys = [name] if name in self._cpu else [k for k, a in self._cpu.items()
+                                                     if a.name == name]
+            if not keys:
+                raise LoRANotFound(f"LoRA adapter {name!r} is not loaded")
+            busy = [k for k in keys if k in pinned]
+            if busy:
+                raise LoRAInUse(f"LoRA adapter {name!r} is in use by running requests: unload "
+                                "it once they finish")
+            for k in keys:
+                self._drop(k)
+            return keys
+
+    def _drop(self, key: str) -> None:
+        del self._cpu[key]
+        slot = self._slot_of.pop(key, None)
         if slot is not None:
             self._slots[slot] = None
 
     def names(self) -> list[str]:
-        """The loaded adapters, least recently used first."""
+        """The loaded adapters' keys (``name#id``), least recently used first."""
         with self._lock:
             return list(self._cpu)
 
@@ -546,29 +608,14 @@ class LoRAManager:
         with self._lock:
             return list(self._cpu.values())
 
-    def get(self, name: str) -> LoRAAdapter | None:
+    def get(self, key: str) -> LoRAAdapter | None:
         with self._lock:
-            return self._cpu.get(name)
+            return self._cpu.get(key)
 
-    def acquire(self, name: str) -> None:
-        """A request now uses ``name`` (loaded): it is not evicted nor unloaded until released."""
+    def has(self, key: str) -> bool:
+        """Whether the adapter of ``key`` is loaded (a request of it may be admitted)."""
         with self._lock:
-            if name not in self._cpu:
-                raise LoRANotFound(f"LoRA adapter {name!r} is not loaded")
-            self._users[name] = self._users.get(name, 0) + 1
-            self._cpu.move_to_end(name)
-
-    def release(self, name: str) -> None:
-        with self._lock:
-            n = self._users.get(name, 0) - 1
-            if n > 0:
-                self._users[name] = n
-            else:
-                self._users.pop(name, None)
-
-    def in_use(self, name: str) -> int:
-        with self._lock:
-            return self._users.get(name, 0)
+            return key in self._cpu
 
     # ------------------------------------------------------------------ the step
 
@@ -704,6 +751,6 @@ class LoRAManager:
 
 
 __all__ = [
-    "LoRABatch", "LoRACacheFull", "LoRAError", "LoRAInUse", "LoRAManager", "LoRANotFound",
-    "ModelShapes", "apply_lora", "load_adapter", "read_adapter_config",
+    "LoRABatch", "LoRAError", "LoRAInUse", "LoRAManager", "LoRANotFound", "ModelShapes",
+    "adapter_key", "apply_lora", "load_adapter", "model_identity", "read_adapter_config",
 ]

@@ -59,7 +59,9 @@ def partition_root(root: int, partition: str | None) -> int:
 
 def adapter_partition(partition: str | None, adapter: str | None) -> str | None:
     """The prefix-cache partition of a request of cache partition ``partition`` run under the
-    LoRA adapter ``adapter`` (None: the base model, ``partition`` itself). K/V computed under an
+    LoRA adapter ``adapter`` (its key, ``LoRARequest.key``: name and id, so a name loaded again
+    from other weights never finds the old copy's blocks; None: the base model, ``partition``
+    itself). K/V computed under an
     adapter differ from the base's and another adapter's, so each adapter has partitions of its
     own: ``lora=`` and a JSON pair, which no partition the ingress makes starts with
     (``tierserve.cluster.tiers.cache_partition``: ``tenant=``, ``salt=``), so a client's salt

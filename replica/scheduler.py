@@ -316,6 +316,10 @@ class Scheduler:
         self._targets: dict[float, int] = {}  # TPOT target -> unfinished requests holding it
         self._report: StepReport = UNLIMITED  # the last step's limit, as the stats report it
         self._clock = clock
+        # LoRA: whether a request's adapter (its key) is loaded in the replica's adapter cache;
+        # the engine's, which starts a load of one that is not. None: every adapter is (the
+        # scheduler alone, in tests).
+        self.lora_ready: Callable[[str], bool] | None = None
 
     # ------------------------------------------------------------------ admission
 
@@ -465,10 +469,12 @@ class Scheduler:
             admit = step.admissible(head, shape, fed, out.preempted)
             if admit is None:
                 break  # it would take the step, or the decodes to come, past the limit
-            if admit.lora is not None and not self._adapter_fits(admit.lora):
-                # max_loras adapters run: it waits for one to drain, first in line, or, while
-                # it has not waited lora_bypass_steps, set aside for the requests behind it
-                # whose adapter runs (or the base's) to pass it.
+            if admit.lora is not None and not (self._adapter_loaded(admit.lora)
+                                               and self._adapter_fits(admit.lora)):
+                # Its adapter is not loaded yet (the engine loads it meanwhile) or max_loras
+                # adapters run: it waits for the load or a slot, first in line, or, while it
+                # has not waited lora_bypass_steps, set aside for the requests behind it to
+                # pass it.
                 if not self._may_pass(admit, passed):
                     break
                 assert admit.handle is not None
@@ -538,6 +544,18 @@ class Scheduler:
         a slot as soon as one drains: no adapter starves."""
         running = {s.lora for s in self._running if s.lora is not None}
         return lora in running or len(running) < self.cfg.max_loras
+
+    def _adapter_loaded(self, lora: str) -> bool:
+        """Whether adapter ``lora`` (its key) is loaded, so that a request of it may run; an
+        adapter of a running request always is (its entry is pinned). Where it is not, asking
+        starts its load (``lora_ready``), and the request waits as one without a slot."""
+        ready = self.lora_ready
+        return ready is None or ready(lora)
+
+    def running_adapters(self) -> set[str]:
+        """The keys of the running requests' adapters: the pinned entries of the adapter cache
+        (nothing evicts nor unloads them); a waiting request pins nothing."""
+        return {s.lora for s in self._running if s.lora is not None}
 
     def _may_pass(self, seq: Seq, passed: list[Seq]) -> bool:
         """Whether admission may go on past ``seq``, a waiting request whose adapter has no slot

@@ -40,8 +40,9 @@ class Request:
     # The prefix-cache partition its blocks are shared in (``BlockSpace.allocate``); None: the
     # shared one.
     cache_partition: str | None = None
-    # The LoRA adapter it runs under (its name; None: the base model): a step holds the rows of
-    # at most ``max_loras`` adapters, and its prefix-cache blocks are the adapter's own.
+    # The LoRA adapter it runs under (its key, ``LoRARequest.key``: name and id; None: the base
+    # model): a step holds the rows of at most ``max_loras`` adapters, and its prefix-cache
+    # blocks are that adapter identity's own (a name reloaded with a new id shares none).
     lora: str | None = None
 
     def __post_init__(self) -> None:

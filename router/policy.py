@@ -37,7 +37,8 @@ than ``Affinity.balance_abs`` requests outstanding beyond the least loaded one a
 ``Affinity.balance_rel`` times its count. Then both rankings fall back to load alone (prefix hits
 only break ties): affinity must not pile a popular prefix onto one replica while others idle.
 
-LoRA adapters (``RequestShape.lora``: the request's adapter, None for the base model): a
+LoRA adapters (``RequestShape.lora``: the request's adapter's key, ``LoRARequest.key``, its
+name and id; None for the base model): a
 replica holds an adapter when its last report lists it loaded (``RoutingStats.lora_adapters``)
 or this router sent it a request of that adapter since the report (an unseen charge's
 ``Charge.lora``: the replica loads it on first use). Where it does not, the request would pay
@@ -106,8 +107,9 @@ class RequestShape:
     # The time per output token its tier promises (None: none): a replica whose SLO-aware step
     # has no seat left for it ranks after those that have one.
     tpot_target_s: float | None = None
-    # The LoRA adapter it runs under (its name; None: the base model): a replica holding it
-    # loaded is preferred over one that would have to load it.
+    # The LoRA adapter it runs under (its key, name and id; None: the base model): a replica
+    # holding it loaded is preferred over one that would have to load it (a replica holding
+    # another id of the name does not count: it loads the new one).
     lora: str | None = None
 
     @classmethod
@@ -120,7 +122,7 @@ class RequestShape:
             prefix=request.prefix_hashes,
             samples=max(request.n, 1),
             tpot_target_s=request.tpot_target_s,
-            lora=request.lora.lora_name if request.lora is not None else None,
+            lora=request.lora.key if request.lora is not None else None,
         )
 
     def usable_prefix(self, block_size: int) -> int:

@@ -18,6 +18,7 @@ Torch-free and Ray-free: the ingress and the router import it without the model 
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
@@ -51,6 +52,9 @@ MAX_BAD_WORD_TOKENS: Final = 16
 
 # ``RequestOutput.error_code`` of an output that left its structured output's grammar.
 GRAMMAR_REJECTED_TOKEN: Final = "grammar_rejected_token"
+# ``RequestOutput.error_code`` (and the 503's code) of a request whose LoRA adapter this replica
+# could not load: the server's fault, not the request's, so the ingress may try another replica.
+ADAPTER_UNAVAILABLE: Final = "adapter_unavailable"
 
 
 def _number(x: object) -> bool:
@@ -198,11 +202,22 @@ class LoRAInUse(LoRAError):
 
 
 class LoRACacheFull(LoRAError):
-    """429: every one of the ``max_cpu_loras`` loaded adapters is in use by a request; another
-    adapter can be loaded once one of them drains (the offline ``LLM`` waits for that)."""
+    """429: every one of the ``max_cpu_loras`` loaded adapters is in use by a request. No
+    replica raises it any longer (a request whose adapter has no room waits for it); kept for
+    the callers that still name it."""
 
     status = 429
     code = "lora_cache_full"
+
+
+class AdapterUnavailable(ServingError):
+    """503: this replica could not load the request's LoRA adapter (its folder missing or
+    unreadable here, another replica may have it). The message names the adapter only, never
+    its path (the detail goes to the replica's log); ``replica`` makes the ingress try another
+    replica, as for ``replica_unavailable``."""
+
+    status = 503
+    code = ADAPTER_UNAVAILABLE
 
 
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
@@ -468,8 +483,10 @@ class TokenLogprob:
 class LoRARequest:
     """A LoRA adapter a request runs under, in vLLM's fields: ``lora_name`` (what it is called,
     the key of a replica's loaded adapters and of its prefix-cache blocks), ``lora_int_id`` (a
-    positive id, vLLM's; kept for its users, the engine keys by name) and ``lora_path`` (the
-    PEFT adapter folder, read on first use where the adapter is not loaded yet)."""
+    positive id, vLLM's) and ``lora_path`` (the PEFT adapter folder, read on first use where
+    the adapter is not loaded yet). An adapter's identity is its name *and* id (``key``): a
+    replica keys its loaded adapters, their slots and their prefix-cache blocks by it, so a name
+    loaded again from other weights (a new id) never meets the old copy's blocks."""
 
     lora_name: str
     lora_int_id: int
@@ -483,6 +500,20 @@ class LoRARequest:
             raise ValueError(f"lora_int_id must be a positive integer, got {self.lora_int_id!r}")
         if not isinstance(self.lora_path, str):
             raise ValueError(f"lora_path must be a string, got {self.lora_path!r}")
+
+    @property
+    def key(self) -> str:
+        """The adapter's identity, ``name#id``: what replicas, their routing stats and the
+        router key an adapter by."""
+        return f"{self.lora_name}#{self.lora_int_id}"
+
+
+def static_lora_id(name: str, path: str) -> int:
+    """The ``lora_int_id`` of a static adapter (``lora_modules``) of ``name`` at ``path`` (as the
+    config writes it): a positive 63-bit number from their SHA-256, so the ingress's registry and
+    every replica give it the same id without passing it."""
+    digest = hashlib.sha256(f"{name}\0{path}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") & ((1 << 63) - 1) or 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -756,8 +787,8 @@ class RoutingStats:
     slo_steps: int = 0
     # Prompt positions a second that target's prompts get within the step limit (0: no limit).
     target_prefill_per_s: int = 0
-    # The LoRA adapters the replica holds loaded (names; empty without enable_lora): the router
-    # may prefer a replica that holds a request's adapter.
+    # The LoRA adapters the replica holds loaded (their keys, ``LoRARequest.key``: name#id;
+    # empty without enable_lora): the router may prefer a replica that holds a request's adapter.
     lora_adapters: tuple[str, ...] = ()
     # The adapters one step may hold (the engine's max_loras); 0: the replica serves no LoRA
     # adapters (enable_lora off), and the router ranks it last for an adapter's request.

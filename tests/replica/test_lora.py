@@ -25,7 +25,7 @@ from tierserve import LLM, LoRARequest, SamplingParams
 from tierserve.records import GenerateRequest
 from tierserve.replica.block_space import FreeListBlocks
 from tierserve.replica.config import EngineConfig
-from tierserve.replica.lora import LoRACacheFull, LoRAError, LoRAManager, ModelShapes, load_adapter
+from tierserve.replica.lora import LoRAError, LoRAManager, ModelShapes, load_adapter
 from tierserve.replica.models.loader import load_model
 from tierserve.replica.scheduler import Request, SampledToken, Scheduler
 
@@ -89,7 +89,8 @@ def test_prefill_logits_match_peft(ckpt: tuple[Path, dict[str, Path], Any]) -> N
         lora.load(name, str(path))
     prompts = _prompts((6, 11, 4, 9), seed=3)
     names: list[str | None] = ["beta", None, "gamma", "alpha"]
-    rows = [n for n, p in zip(names, prompts, strict=True) for _ in p]
+    rows = [None if n is None else f"{n}#0" for n, p in zip(names, prompts, strict=True)
+            for _ in p]
     with lora.running(lora.batch(rows)):
         got = PagedHarness(model, len(prompts), 64).step(
             [Work(i, 0, p) for i, p in enumerate(prompts)], all_rows=True)
@@ -116,7 +117,7 @@ def test_fewer_slots_than_adapters(ckpt: tuple[Path, dict[str, Path], Any]) -> N
     names: list[str | None] = ["alpha", "beta", "gamma", None, "beta", "alpha", "gamma"]
     _check_tokens(one, ckpt, names, _prompts((4, 7, 5, 6, 9, 3, 8), seed=5))
     assert seen and all(len(s) <= 1 for s in seen)
-    assert {n for s in seen for n in s} == {"alpha", "beta", "gamma"}
+    assert {n.split("#")[0] for s in seen for n in s} == {"alpha", "beta", "gamma"}
     assert len(one.engine.loras()) <= 2
 
 
@@ -143,8 +144,7 @@ def test_running_adapters_pass_a_request_without_a_slot_and_match_peft(
     stats = two.engine.stats()
     assert stats.running == stats.waiting == 0
     assert stats.free_blocks == stats.total_blocks
-    assert two.engine.lora is not None
-    assert all(two.engine.lora.in_use(n) == 0 for n in two.engine.lora.names())
+    assert not scheduler.running_adapters()  # nothing pinned
 
 
 def test_answers_survive_a_preemption(ckpt: tuple[Path, dict[str, Path], Any]) -> None:
@@ -155,8 +155,7 @@ def test_answers_survive_a_preemption(ckpt: tuple[Path, dict[str, Path], Any]) -
     names: list[str | None] = ["alpha", "beta", None, "beta"]
     _check_tokens(small, ckpt, names, _prompts((10, 9, 11, 8), seed=7))
     assert small.engine.stats().preemptions > 0
-    assert small.engine.lora is not None
-    assert all(small.engine.lora.in_use(n) == 0 for n in small.engine.lora.names())
+    assert not small.engine.scheduler.running_adapters()  # nothing pinned
 
 
 def test_the_deterministic_mode_keeps_adapter_rows_batch_invariant(
@@ -208,13 +207,31 @@ def test_adapters_loaded_listed_unloaded(llm: LLM, ckpt: tuple[Path, dict[str, P
     assert "gamma" not in [r.lora_name for r in engine.loras()]
     with pytest.raises(LoRAError, match="not loaded"):
         engine.unload_lora("gamma")
-    # In use (a queued request holds it): refused, not deferred.
+    # In use (a running request pins it): refused, not deferred.
     rid = engine.add_request(GenerateRequest.of([5, 6, 7], GREEDY,
                                                 lora=_req("alpha", paths)))
+    while "alpha#1" not in engine.scheduler.running_adapters():
+        engine.step()
     with pytest.raises(LoRAError, match="in use"):
         engine.unload_lora("alpha")
     engine.abort(rid)
-    assert engine.lora is not None and engine.lora.in_use("alpha") == 0
+    assert not engine.scheduler.running_adapters()
+    # By name: every id of it (the static alpha's and alpha#1); by key: that one only.
+    engine.load_lora(LoRARequest("beta", 5, str(paths["beta"])))
+    engine.load_lora(LoRARequest("beta", 6, str(paths["beta"])))  # replaces beta#5 (unused)
+    assert [r.lora_int_id for r in engine.loras() if r.lora_name == "beta"] == [6]
+    assert engine.unload_lora("beta", 6) == ["beta#6"]
+    dropped = engine.unload_lora("alpha")
+    assert dropped and all(k.startswith("alpha#") for k in dropped)
+    assert "alpha" not in [r.lora_name for r in engine.loras()]
+    # A waiting request pins nothing: its adapter may be unloaded, and it loads it again.
+    rid = engine.add_request(GenerateRequest.of([5, 6, 7], GREEDY, lora=_req("beta", paths)))
+    for key in engine.lora.names() if engine.lora is not None else []:
+        if key.startswith("beta#"):
+            engine.unload_lora("beta")
+    while engine.has_unfinished():
+        engine.step()
+    assert not engine.scheduler.running_adapters()
 
 
 # ---------------------------------------------------------------------- refusals
@@ -333,20 +350,74 @@ def test_lora_request_fields() -> None:
         LoRARequest("a", 0, "/x")
 
 
-def test_a_full_adapter_cache_refuses_another(ckpt: tuple[Path, dict[str, Path], Any]) -> None:
+def test_pinned_entries_are_never_evicted_and_a_new_id_replaces_an_unused_copy(
+        ckpt: tuple[Path, dict[str, Path], Any]) -> None:
+    """The cache evicts only what no running request pins; a load that would need a pinned
+    entry gone keeps nothing (the adapter was checked, a request loads it later); a name's new
+    id replaces an unpinned copy of the name, never a pinned one."""
     base, paths, _ = ckpt
     model, _, _ = load_model(str(base), dtype=torch.float32, device="cpu")
-    lora = LoRAManager(model, max_loras=1, max_rank=8, max_cpu_loras=1)
-    lora.load("alpha", str(paths["alpha"]), acquire=True)
-    with pytest.raises(LoRACacheFull, match="in use"):
-        lora.load("beta", str(paths["beta"]))
-    assert lora.names() == ["alpha"]
-    lora.release("alpha")
-    lora.load("beta", str(paths["beta"]))  # evicts alpha, unused now
-    assert lora.names() == ["beta"]
+    lora = LoRAManager(model, max_loras=1, max_rank=8, max_cpu_loras=2)
+    assert lora.load("alpha", str(paths["alpha"]), 1)
+    assert lora.load("beta", str(paths["beta"]), 2)
+    assert not lora.load("gamma", str(paths["gamma"]), 3, pinned={"alpha#1", "beta#2"})
+    assert lora.names() == ["alpha#1", "beta#2"]
+    assert lora.load("gamma", str(paths["gamma"]), 3, pinned={"alpha#1"})  # evicts beta#2
+    assert lora.names() == ["alpha#1", "gamma#3"]
+    # alpha loaded again from other weights (a new id): not while alpha#1 is pinned; then it
+    # replaces it, and the cache keeps one copy of the name.
+    assert not lora.load("alpha", str(paths["beta"]), 9, pinned={"alpha#1"})
+    assert lora.load("alpha", str(paths["beta"]), 9)
+    assert lora.names() == ["gamma#3", "alpha#9"]
+    assert lora.get("alpha#9") is not None and lora.get("alpha#9").rank == 8  # type: ignore[union-attr]
+    with pytest.raises(LoRAError, match="in use"):
+        lora.unload("alpha", pinned={"alpha#9"})
+    assert lora.unload("alpha#9") == ["alpha#9"]
+    with pytest.raises(LoRAError, match="not loaded"):
+        lora.unload("alpha")
     with pytest.raises(LoRAError, match="above max_loras"):
-        lora.batch(["beta", "alpha"])
+        lora.batch(["gamma#3", "alpha#9"])
     lora.close()
+
+
+def test_the_base_model_an_adapter_names_must_be_the_engine_s(
+        ckpt: tuple[Path, dict[str, Path], Any], tmp_path: Path) -> None:
+    """``base_model_name_or_path`` compared by ``model_identity``: another model is a 400
+    ``lora_base_mismatch`` naming both, unless ``lora_base_check`` is off; the same model under
+    another spelling (org prefix, ``.gguf``, a quantisation suffix), or none named, is taken."""
+    from tierserve.replica.engine_config import base_model_names
+    from tierserve.replica.lora import model_identity
+
+    assert model_identity("HuggingFaceTB/SmolLM2-135M-Instruct") == \
+        model_identity("SmolLM2-135M-Instruct.Q4_1.gguf") == "smollm2-135m-instruct"
+    assert model_identity("/models/gemma-3-270m-q4_k_m.gguf") == \
+        model_identity("google/gemma-3-270m") == "gemma-3-270m"
+    assert model_identity("org/Model-GGUF") == "model"
+    assert {model_identity(n) for n in base_model_names("smollm2-135m-instruct")} == \
+        {"smollm2-135m-instruct"}
+    base, paths, _ = ckpt
+    model, _, _ = load_model(str(base), dtype=torch.float32, device="cpu")
+    lora = LoRAManager(model, max_loras=1, max_rank=8, max_cpu_loras=1,
+                       base_names=base_model_names(str(base)))
+    # peft wrote the checkpoint's path (the engine's model): taken.
+    assert lora.load("alpha", str(paths["alpha"]), 1)
+    other = _copy(paths["alpha"], tmp_path / "other")
+    edit_config(other, base_model_name_or_path="meta-llama/Llama-3.2-1B")
+    with pytest.raises(LoRAError, match=r"Llama-3\.2-1B") as e:
+        lora.load("other", str(other), 2)
+    assert e.value.code == "lora_base_mismatch" and e.value.status == 400
+    same = _copy(paths["alpha"], tmp_path / "same")
+    edit_config(same, base_model_name_or_path=f"someone/{base.name.upper()}-Q8_0.gguf")
+    assert lora.load("same", str(same), 3)
+    for i, empty in enumerate((None, "")):
+        unnamed = _copy(paths["alpha"], tmp_path / f"unnamed{i}")
+        edit_config(unnamed, base_model_name_or_path=empty)
+        assert lora.load("unnamed", str(unnamed), 4 + i)
+    lora.close()
+    off = LoRAManager(model, max_loras=1, max_rank=8, max_cpu_loras=1,
+                      base_names=base_model_names(str(base)), base_check=False)
+    assert off.load("other", str(other), 2)
+    off.close()
 
 
 # ---------------------------------------------------------------------- the scheduler
@@ -389,16 +460,19 @@ def test_the_deployment_loads_lists_unloads_and_reports_adapters(
                                "max_num_seqs": 4, "num_threads": 1, "max_model_len": 64,
                                "enable_lora": True, "max_loras": 2, "max_lora_rank": 8})
     try:
-        assert server.load_lora_adapter("beta", str(paths["beta"]), 2) is None
+        def sync(coro: Any) -> Any:
+            return asyncio.run(asyncio.wait_for(coro, timeout=60))
+
+        assert sync(server.load_lora_adapter("beta", str(paths["beta"]), 2)) is None
         assert [r.lora_name for r in server.list_lora_adapters()] == ["beta"]
         stats = RoutingStats.from_dict(server.record_routing_stats())
-        assert stats is not None and stats.lora_adapters == ("beta",)
+        assert stats is not None and stats.lora_adapters == ("beta#2",)  # keys: name#id
         assert stats.max_loras == 2  # the router's sign that this replica serves adapters
         assert server.engine.stats().lora_adapters_loaded == 1
-        bad = server.load_lora_adapter("bad", str(tmp_path / "nope"))
-        assert isinstance(bad, ErrorRecord) and bad.status == 400
+        bad = sync(server.load_lora_adapter("bad", str(tmp_path / "nope")))
+        assert isinstance(bad, ErrorRecord) and bad.status == 400  # an admin's: the detail
         assert bad.code == "invalid_lora_adapter" and "no such directory" in bad.message
-        missing = server.unload_lora_adapter("nope")
+        missing = sync(server.unload_lora_adapter("nope"))
         assert isinstance(missing, ErrorRecord) and missing.status == 404
 
         prompt = [5, 9, 14, 20]
@@ -410,12 +484,76 @@ def test_the_deployment_loads_lists_unloads_and_reports_adapters(
         items = asyncio.run(asyncio.wait_for(run(LoRARequest("beta", 2)), timeout=60))
         tokens = [t for i in items if isinstance(i, RequestOutput) for t in i.token_ids]
         assert tokens == greedy(ref, "beta", prompt, NEW)
-        (refused,) = asyncio.run(asyncio.wait_for(run(LoRARequest("ghost", 4)), timeout=60))
-        assert isinstance(refused, ErrorRecord) and refused.status == 404
-        assert server.unload_lora_adapter("beta") is None
+        # A request whose adapter cannot be loaded here: 503 adapter_unavailable naming the
+        # adapter only (never its path), with this replica's id so the ingress tries another.
+        for lora in (LoRARequest("ghost", 4), LoRARequest("ghost", 5, str(tmp_path / "gone"))):
+            (refused,) = sync(run(lora))
+            assert isinstance(refused, ErrorRecord) and refused.status == 503
+            assert refused.code == "adapter_unavailable" and "'ghost'" in refused.message
+            assert str(tmp_path) not in refused.message and refused.replica == server.replica_id
+        assert server.engine.stats().free_blocks == server.engine.stats().total_blocks
+        assert sync(server.unload_lora_adapter("beta")) is None
         assert server.list_lora_adapters() == []
     finally:
         server.engine.shutdown()
+
+
+def test_more_active_adapters_than_the_cache_holds_are_all_answered(
+        ckpt: tuple[Path, dict[str, Path], Any]) -> None:
+    """A served engine (its step loop and loader thread) with one slot and one adapter in host
+    memory, and requests of three adapters and the base at once: none is refused (a request
+    waits while its adapter loads, and for a slot), each answer is its own adapter's, and no
+    block is held after."""
+    import asyncio
+
+    from tierserve.records import ErrorRecord, RequestOutput
+    from tierserve.replica.deployment import LLMServer
+
+    base, paths, ref = ckpt
+    server = LLMServer(engine={"model": str(base), "device": "cpu", "num_kv_blocks": 48,
+                               "max_num_seqs": 8, "num_threads": 1, "max_model_len": 64,
+                               "enable_lora": True, "max_loras": 1, "max_cpu_loras": 1,
+                               "max_lora_rank": 8, "lora_bypass_steps": 2})
+    names: list[str | None] = ["alpha", "beta", "gamma", None, "gamma", "beta", "alpha"]
+    prompts = _prompts((5, 7, 4, 6, 9, 3, 8), seed=21)
+
+    async def one(name: str | None, prompt: list[int]) -> list[RequestOutput | ErrorRecord]:
+        request = GenerateRequest.of(prompt, GREEDY, lora=_req(name, paths))
+        return [item async for item in server.generate(request)]
+
+    async def all_at_once() -> list[list[RequestOutput | ErrorRecord]]:
+        return await asyncio.gather(*(one(n, p) for n, p in zip(names, prompts, strict=True)))
+
+    try:
+        answers = asyncio.run(asyncio.wait_for(all_at_once(), timeout=120))
+        for i, (n, p, items) in enumerate(zip(names, prompts, answers, strict=True)):
+            assert not [x for x in items if isinstance(x, ErrorRecord)], f"prompt {i} refused"
+            tokens = [t for x in items if isinstance(x, RequestOutput) for t in x.token_ids]
+            assert tokens == greedy(ref, n, p, NEW), f"prompt {i} under {n}"
+        stats = server.engine.stats()
+        assert stats.free_blocks == stats.total_blocks and stats.running == stats.waiting == 0
+        assert len(server.engine.loras()) == 1
+    finally:
+        server.engine.shutdown()
+
+
+def test_a_name_loaded_again_with_a_new_id_never_finds_the_old_blocks(
+        llm: LLM, ckpt: tuple[Path, dict[str, Path], Any]) -> None:
+    """Identity is name and id: ``beta`` reloaded from gamma's weights under a new id answers as
+    gamma, finds none of the prefix blocks the old ``beta`` computed, and replaces the old copy
+    (unused) in the cache."""
+    _, paths, ref = ckpt
+    prompt = _prompts((40,), seed=13)[0]
+    old = LoRARequest("beta", 2, str(paths["beta"]))
+    new = LoRARequest("beta", 77, str(paths["gamma"]))
+    cached = []
+    for lora, as_ in ((old, "beta"), (old, "beta"), (new, "gamma"), (new, "gamma")):
+        (out,) = llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False,
+                              lora_request=lora)
+        assert out.outputs[0].token_ids == greedy(ref, as_, prompt, NEW)
+        cached.append(out.num_cached_tokens)
+    assert cached[1] > 0 and cached[2] == 0 and cached[3] > 0
+    assert [r.lora_int_id for r in llm.engine.loras() if r.lora_name == "beta"] == [77]
 
 
 def test_fused_targets_under_partial_rotary_match_peft(tmp_path: Path) -> None:
@@ -434,7 +572,8 @@ def test_fused_targets_under_partial_rotary_match_peft(tmp_path: Path) -> None:
     lora.load("fused", str(paths["fused"]))
     prompts = _prompts((6, 5), seed=11)
     names: list[str | None] = ["fused", None]
-    rows = [n for n, p in zip(names, prompts, strict=True) for _ in p]
+    rows = [None if n is None else f"{n}#0" for n, p in zip(names, prompts, strict=True)
+            for _ in p]
     with lora.running(lora.batch(rows)):
         got = PagedHarness(model, len(prompts), 32).step(
             [Work(i, 0, p) for i, p in enumerate(prompts)], all_rows=True)

@@ -18,6 +18,7 @@ from tierserve.router.policy import (
     Charge,
     ReplicaLoad,
     RequestShape,
+    holds_adapter,
     rank_replicas,
 )
 from tierserve.router.routing import RouterSettings, RouterState
@@ -117,13 +118,26 @@ def test_a_burst_of_one_adapter_follows_its_first_request() -> None:
     request = GenerateRequest.of(list(range(20)), SamplingParams(max_tokens=4),
                                  lora=LoRARequest("sql", 1), latency=True)
     shape = RequestShape.from_request(request)
-    assert shape.lora == "sql"
+    assert shape.lora == "sql#1"  # the adapter's key: its name and id
     picks = [state.route(i, reports, shape, f"r{i}", T0 + 1)[0].key for i in range(3)]
     assert len(set(picks)) == 1
     # A base-model request is not drawn there: the queue is all it sees.
     base = RequestShape.from_request(replace(request, lora=None))
     assert base.lora is None
     assert state.route(9, reports, base, "r9", T0 + 1)[0].key != picks[0]
+
+
+def test_a_replica_holding_another_id_of_the_name_does_not_hold_the_adapter() -> None:
+    """Adapters are keyed by name and id: a replica that reports ``sql#1`` would load ``sql#2``
+    (the name loaded again from other weights), so it is no warmer for it than any other."""
+    old = stats(adapters=("sql#1",))
+    assert holds_adapter(old, [], "sql#1")
+    assert not holds_adapter(old, [], "sql#2")
+    assert not holds_adapter(stats(), charges(1, at=T0, lora="sql#1"), "sql#2")
+    loads = [ReplicaLoad("old", old), ReplicaLoad("new", stats(adapters=("sql#2",)))]
+    for seed in range(10):
+        assert first(loads, lora="sql#2", seed=seed) == "new"
+        assert first(loads, lora="sql#1", seed=seed) == "old"
 
 
 def test_balance_overrides_adapter_affinity() -> None:

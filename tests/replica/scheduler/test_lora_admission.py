@@ -1,7 +1,7 @@
 """Admission with LoRA adapters (docs/scheduler.md, LoRA): a step holds at most ``max_loras``
 adapters; requests of a running adapter (or of the base) pass a waiting request whose adapter has
-no slot for ``lora_bypass_steps`` steps, then admission waits for its slot. Pure scheduler, no
-model: every sampled token is 7 and nothing stops early."""
+no slot, or is not loaded yet, for ``lora_bypass_steps`` steps, then admission waits for it. Pure
+scheduler, no model: every sampled token is 7 and nothing stops early."""
 
 from __future__ import annotations
 
@@ -104,24 +104,72 @@ def test_the_bound_stops_the_bypass_and_the_head_gets_its_slot() -> None:
     assert b_start <= bypass + 6 + 2
 
 
-def test_no_adapter_starves_and_no_block_leaks_with_the_bypass() -> None:
-    s = _scheduler(bypass=3, max_loras=2, blocks=60)
+def _flood(bypass: int, steps: int) -> tuple[Scheduler, set[RequestId]]:
+    """Two slots; requests of a, b, c, d, e and the base queued, then a flood that never stops:
+    every step one more request of a and one of b (the running adapters) and one of the base.
+    Returns the scheduler after ``steps`` steps (or once the first requests are done, the
+    flood then stopped and drained) and the first requests not finished."""
+    s = _scheduler(bypass=bypass, max_loras=2, blocks=400)
     names = [None, "a", "b", "c", "a", "d", None, "c", "b", "d", "e", "a", "a", None, "e"]
-    ids = {s.add(Request(PROMPT, 3 + i % 5, lora=n)): n for i, n in enumerate(names)}
-    left = set(ids)
-    for step in range(300):
+    left = {s.add(Request(PROMPT, 3 + i % 5, lora=n)) for i, n in enumerate(names)}
+    for _ in range(steps):
         if not left:
             break
-        if step % 2 == 0 and step < 40:  # a steady flow of a's requests
-            rid = s.add(Request(PROMPT, 4, lora="a"))
-            ids[rid] = "a"
-            left.add(rid)
+        for n in ("a", "b", None):
+            s.add(Request(PROMPT, 4, lora=n))
         _, done = _step(s)
         left -= done
         assert len(_running_adapters(s)) <= 2
-    assert not left  # every request ran to its end
-    assert s.stats().free_blocks == s.stats().total_blocks
+    return s, left
+
+
+def test_no_adapter_starves_under_a_flood_that_never_stops() -> None:
+    """The flood keeps a and b running for ever: without the bound c, d and e would never get a
+    slot (the control below); with it every first request ends, and once the flood stops and
+    drains no block is held."""
+    s, left = _flood(bypass=3, steps=400)
+    assert not left  # every first request ran to its end, the flood going on meanwhile
+    for _ in range(200):
+        _step(s)
     assert not s._waiting and not s._running
+    assert s.stats().free_blocks == s.stats().total_blocks
+
+
+def test_without_the_bound_the_flood_starves_the_other_adapters() -> None:
+    """The control of the test above: a bypass longer than the run lets the flood's requests
+    pass c, d and e at every step, so they never start: what the bound prevents."""
+    _, left = _flood(bypass=10**6, steps=150)
+    assert left
+
+
+def test_a_request_whose_adapter_is_not_loaded_waits_and_asks_for_it() -> None:
+    """``lora_ready`` false (its load under way): the request is set aside as one without a slot
+    (the base's requests pass it), asked for at each step, and admitted once it is loaded; past
+    the bound admission stops at it."""
+    s = _scheduler(bypass=2, max_loras=2)
+    loaded: set[str] = set()
+    asked: list[str] = []
+
+    def ready(key: str) -> bool:
+        asked.append(key)
+        return key in loaded
+
+    s.lora_ready = ready
+    a1 = s.add(Request(PROMPT, 8, lora="a#1"))
+    base = s.add(Request(PROMPT, 8))
+    admitted, _ = _step(s)
+    assert admitted == {base} and asked == ["a#1"]
+    later = s.add(Request(PROMPT, 8))
+    admitted, _ = _step(s)
+    assert admitted == {later}  # passed a1 (bypass 2)
+    stuck = s.add(Request(PROMPT, 8))
+    for _ in range(3):
+        admitted, _ = _step(s)
+        assert a1 not in admitted and stuck not in admitted  # the bound: it waits behind a1
+    loaded.add("a#1")
+    admitted, _ = _step(s)
+    assert admitted == {a1, stuck}
+    assert s.running_adapters() == {"a#1"}
 
 
 def test_aborting_a_passed_request_leaves_nothing_behind() -> None:
