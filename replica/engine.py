@@ -377,7 +377,10 @@ class Engine:
                 lora=lora,
                 lora_request=request.lora,
             )
-            if lora is not None and request.lora is not None:
+            if (lora is not None and request.lora is not None and self.lora is not None
+                    and len(self.lora.names()) < self.lora.max_cpu_loras):
+                # Where the cache has room its load starts now; else when admission reaches
+                # it (in rank order), so a request far back evicts no one's adapter early.
                 self._want_lora(request.lora)
             self._wake.notify()
         return rid

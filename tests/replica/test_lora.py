@@ -348,6 +348,30 @@ def test_lora_request_fields() -> None:
         LoRARequest("", 1, "/x")
     with pytest.raises(ValueError, match="lora_int_id"):
         LoRARequest("a", 0, "/x")
+    assert LoRARequest("a", 7, "/x").key == "a#7"  # an adapter's identity: name and id
+    from tierserve.records import static_lora_id
+
+    ids = {static_lora_id("a", "/x"), static_lora_id("a", "/y"), static_lora_id("b", "/x")}
+    assert len(ids) == 3 and all(0 < i < 2**63 for i in ids)
+    assert static_lora_id("a", "/x") == static_lora_id("a", "/x")
+
+
+def test_a_static_adapter_has_the_id_of_its_name_and_path(
+        ckpt: tuple[Path, dict[str, Path], Any]) -> None:
+    """The replica gives a ``lora_modules`` adapter ``static_lora_id(name, path)``, the id the
+    ingress's registry computes too: a request carrying it finds the adapter loaded."""
+    from tierserve.records import static_lora_id
+
+    base, paths, ref = ckpt
+    path = str(paths["gamma"])
+    one = LLM(str(base), enable_lora=True, max_lora_rank=8, num_kv_blocks=32, max_model_len=64,
+              lora_modules=[{"name": "g", "path": path}])
+    assert one.engine.loras() == [LoRARequest("g", static_lora_id("g", path), path)]
+    prompt = _prompts((6,), seed=2)[0]
+    (out,) = one.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False,
+                          lora_request=LoRARequest("g", static_lora_id("g", path), path))
+    assert out.outputs[0].token_ids == greedy(ref, "gamma", prompt, NEW)
+    assert len(one.engine.loras()) == 1  # the same entry, not a second copy
 
 
 def test_pinned_entries_are_never_evicted_and_a_new_id_replaces_an_unused_copy(
