@@ -73,7 +73,9 @@ def test_the_model_with_adapters_on_the_kernels_matches_torch(tmp_path: Path) ->
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 260, (n,), generator=gen).tolist() for n in (5, 3, 6, 4)]
     names = ["beta", None, "alpha", "gamma"]
-    rows = [n for n, p in zip(names, prompts, strict=True) for _ in p]
+    # The manager's keys: name#id (loaded below with id 0).
+    rows = [None if n is None else f"{n}#0" for n, p in zip(names, prompts, strict=True)
+            for _ in p]
     got = []
     for triton_path in (False, True):
         lora = LoRAManager(model, max_loras=3, max_rank=8, max_cpu_loras=3,
