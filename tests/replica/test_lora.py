@@ -423,7 +423,7 @@ def test_the_base_model_an_adapter_names_must_be_the_engine_s(
     model, _, _ = load_model(str(base), dtype=torch.float32, device="cpu")
     lora = LoRAManager(model, max_loras=1, max_rank=8, max_cpu_loras=1,
                        base_names=base_model_names(str(base)))
-    # peft wrote the checkpoint's path (the engine's model): taken.
+    # peft wrote no base name here (the base was in memory): taken on its shapes.
     assert lora.load("alpha", str(paths["alpha"]), 1)
     other = _copy(paths["alpha"], tmp_path / "other")
     edit_config(other, base_model_name_or_path="meta-llama/Llama-3.2-1B")
