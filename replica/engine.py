@@ -415,6 +415,9 @@ class Engine:
         if not lora.lora_path:
             raise LoRAError(f"load_lora needs the adapter's path (lora {lora.lora_name!r})")
         manager = self._adapters()
+        have = manager.get(lora.key)
+        if have is not None and have.path == lora.lora_path:
+            return True
         adapter = manager.read(lora.lora_name, lora.lora_path, lora.lora_int_id)
         with self._lock:
             kept = manager.install(adapter, self.scheduler.running_adapters())
@@ -550,37 +553,38 @@ class Engine:
             failed = self._fail_loads() if self._load_failed else []
             self._settle_loras()
             plan = self.scheduler.schedule()
-            if plan.is_empty:
-                if not failed and self._loading:
-                    # Only loads are awaited: sleep until one ends (its thread wakes us).
-                    self._wake.wait(timeout=0.05)
-                return self._deliver_failed(failed)
-            scoring = [
-                c.id
-                for c in plan.prefill
-                if (live := self._live.get(c.id)) is not None and live.prompt_lp is not None
-            ]
-            adapters = None
-            if self.lora is not None:
-                ids = [d.id for d in plan.decodes] + [c.id for c in plan.prefill]
-                adapters = {rid: name for rid in ids
-                            if (name := self._live[rid].lora) is not None}
-            if adapters:
-                batch = self.runner.build_batch(plan, scoring, adapters)
-            else:  # the base model's step, as without adapters
-                batch = self.runner.build_batch(plan, scoring)
-            prompt_targets = [(rows, self._live[rows.id].prompt) for rows in batch.prompt_rows]
-            states = [self._live[rid] for rid in batch.sampled]
-            now = time.monotonic()
-            for c in plan.prefill:
-                live = self._live.get(c.id)
-                if live is not None and live.admitted is None:  # its admitting chunk
-                    live.admitted = now
-                    live.cached_tokens = c.cached_tokens
-            for rid in plan.preempted:
-                live = self._live.get(rid)
-                if live is not None:
-                    live.preemptions += 1
+            if plan.is_empty and not failed and self._loading:
+                # Only loads are awaited: sleep until one ends (its thread wakes us).
+                self._wake.wait(timeout=0.05)
+            if not plan.is_empty:
+                scoring = [
+                    c.id
+                    for c in plan.prefill
+                    if (live := self._live.get(c.id)) is not None and live.prompt_lp is not None
+                ]
+                adapters = None
+                if self.lora is not None:
+                    ids = [d.id for d in plan.decodes] + [c.id for c in plan.prefill]
+                    adapters = {rid: name for rid in ids
+                                if (name := self._live[rid].lora) is not None}
+                if adapters:
+                    batch = self.runner.build_batch(plan, scoring, adapters)
+                else:  # the base model's step, as without adapters
+                    batch = self.runner.build_batch(plan, scoring)
+                prompt_targets = [(rows, self._live[rows.id].prompt) for rows in batch.prompt_rows]
+                states = [self._live[rid] for rid in batch.sampled]
+                now = time.monotonic()
+                for c in plan.prefill:
+                    live = self._live.get(c.id)
+                    if live is not None and live.admitted is None:  # its admitting chunk
+                        live.admitted = now
+                        live.cached_tokens = c.cached_tokens
+                for rid in plan.preempted:
+                    live = self._live.get(rid)
+                    if live is not None:
+                        live.preemptions += 1
+        if plan.is_empty:
+            return self._deliver_failed(failed)
         t1 = time.perf_counter()
         result = self.runner.forward(batch)
         t2 = time.perf_counter()
