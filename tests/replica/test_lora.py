@@ -561,6 +561,35 @@ def test_more_active_adapters_than_the_cache_holds_are_all_answered(
         server.engine.shutdown()
 
 
+def test_a_failed_load_ends_only_the_requests_of_that_adapter(
+        llm: LLM, ckpt: tuple[Path, dict[str, Path], Any], tmp_path: Path) -> None:
+    """Requests queued by ``add_request`` (a server's path: the adapter is loaded at admission,
+    by the loader thread): one adapter's folder is gone, so its two requests end in
+    ``adapter_unavailable`` naming the adapter, never the path; the other adapter's and the
+    base's are answered; no block stays held."""
+    _, paths, ref = ckpt
+    engine = llm.engine
+    prompt = _prompts((6,), seed=17)[0]
+    gone = LoRARequest("lost", 41, str(tmp_path / "lost"))
+    loras: list[LoRARequest | None] = [gone, _req("gamma", paths), None, gone]
+    rids = [engine.add_request(GenerateRequest.of(prompt, GREEDY, lora=lo)) for lo in loras]
+    outs: dict[Any, list[Any]] = {rid: [] for rid in rids}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outs[out.request_id].append(out)
+    for rid, lo in zip(rids, loras, strict=True):
+        last = outs[rid][-1]
+        assert last.finished
+        if lo is gone:
+            assert last.finish_reason == "error" and last.error_code == "adapter_unavailable"
+            assert "'lost'" in (last.failure or "") and str(tmp_path) not in (last.failure or "")
+        else:
+            tokens = [t for o in outs[rid] for t in o.token_ids]
+            assert tokens == greedy(ref, None if lo is None else "gamma", prompt, NEW)
+    stats = engine.stats()
+    assert stats.free_blocks == stats.total_blocks and "lost#41" not in engine.lora.names()  # type: ignore[union-attr]
+
+
 def test_a_name_loaded_again_with_a_new_id_never_finds_the_old_blocks(
         llm: LLM, ckpt: tuple[Path, dict[str, Path], Any]) -> None:
     """Identity is name and id: ``beta`` reloaded from gamma's weights under a new id answers as
