@@ -24,6 +24,7 @@ from ray.serve import Deployment
 
 from tierserve.records import (
     ADAPTER_UNAVAILABLE,
+    AdapterUnavailable,
     EngineStats,
     ErrorRecord,
     GenerateRequest,
@@ -139,9 +140,8 @@ class LLMServer:
                     # Its adapter could not be loaded here (the detail is in this replica's
                     # log; the message names the adapter only): the ingress tries another.
                     log.warning("request %s: refused, %s", rid, out.failure)
-                    yield ErrorRecord(503, ADAPTER_UNAVAILABLE,
-                                      out.failure or "the LoRA adapter is not available",
-                                      replica=self.replica_id)
+                    yield AdapterUnavailable(out.failure or "the LoRA adapter is not available",
+                                             replica=self.replica_id).record()
                     return
                 if not produced and failed_before_first_token(out):
                     # Refused, so the ingress sends it to another replica (the rest of its samples
