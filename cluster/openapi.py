@@ -336,7 +336,9 @@ _LORA_ERRORS: dict[int, str] = {
     "adapter's (lora_name_taken), a lora_path that is not absolute or outside lora_path_roots "
     "(lora_path_not_allowed), an adapter the replica refuses (invalid_lora_adapter: no such "
     "folder, not PEFT, rank above max_lora_rank, another base model's shapes), the name loaded "
-    "from another path (lora_adapter_exists) or once before (lora_name_reused), max_dynamic_loras reached (too_many_lora_adapters), "
+    "from another path, for another model or other tenants (lora_adapter_exists), "
+    "max_dynamic_loras reached (too_many_lora_adapters), a tenants entry that is not a tenant "
+    "an API key identifies (invalid_request, param tenants), "
     "a model without enable_lora (lora_disabled); unload: a static adapter "
     "(static_lora_adapter).",
     401: _ERRORS[401],

@@ -763,6 +763,9 @@ class LoadLoRAAdapterRequest(_Body):
     # vLLM's: new weights in place under a loaded name. Refused here when true: a name names
     # one adapter's weights (replicas key its cached prefix blocks by it).
     load_inplace: StrictBool = False
+    # Tierserve's: the tenants that own it (names an API key of the config identifies); only
+    # their keys may use or see it. None: whoever the allowlists let name it.
+    tenants: list[StrictStr] | None = Field(default=None, max_length=256)
 
 
 class UnloadLoRAAdapterRequest(_Body):

@@ -18,6 +18,7 @@ Torch-free and Ray-free: the ingress and the router import it without the model 
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
@@ -483,6 +484,21 @@ class LoRARequest:
             raise ValueError(f"lora_int_id must be a positive integer, got {self.lora_int_id!r}")
         if not isinstance(self.lora_path, str):
             raise ValueError(f"lora_path must be a string, got {self.lora_path!r}")
+
+    @property
+    def key(self) -> str:
+        """The adapter's identity, ``name#id``: what a replica's adapter cache, its prefix-cache
+        partition and the router's affinity key it by (a name loaded again from other weights
+        gets another id, so it never finds the old weights' blocks)."""
+        return f"{self.lora_name}#{self.lora_int_id}"
+
+
+def static_lora_id(name: str, path: str) -> int:
+    """The ``lora_int_id`` of a static adapter (a config's ``lora_modules`` entry): a positive
+    63-bit int from the sha256 of ``name``, a NUL and ``path`` as written in the config, so the
+    ingress and every replica give it the same id without passing it."""
+    digest = hashlib.sha256(f"{name}\0{path}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") % (2**63 - 1) + 1
 
 
 @dataclass(frozen=True, slots=True)
