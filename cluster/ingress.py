@@ -939,15 +939,19 @@ class Ingress:
 
     async def _unload_on_replicas(self, adapter: Adapter) -> int:
         """Ask the parent's replicas to unload ``adapter`` (once per replica the router sees;
-        it may pick one twice): how many answered that requests still use it (409). Any other
-        answer (done, not loaded there, unreachable) is fine: nothing may name it any more."""
+        it may pick one twice), to free their memory sooner: how many answered that requests
+        still use it (409). Any other answer (done, not loaded there, unreachable) is fine: no
+        request carries this registration's key again, so a copy left anywhere is an entry no
+        request reaches, which that replica's cache evicts in time."""
         served = self.served.get(adapter.parent)
         if served is None:
             return 0
         busy = 0
         for _ in range(served.replica_count()):
             try:
-                refused = await served.control.unload_lora_adapter.remote(adapter.name)
+                # That registration's copy only (a name loaded again has another id).
+                refused = await served.control.unload_lora_adapter.remote(adapter.name,
+                                                                          adapter.int_id)
             except Exception as e:
                 log.warning("unloading LoRA adapter %r: replica call failed: %s", adapter.name,
                             type(e).__name__)

@@ -469,8 +469,10 @@ class TokenLogprob:
 class LoRARequest:
     """A LoRA adapter a request runs under, in vLLM's fields: ``lora_name`` (what it is called,
     the key of a replica's loaded adapters and of its prefix-cache blocks), ``lora_int_id`` (a
-    positive id, vLLM's; kept for its users, the engine keys by name) and ``lora_path`` (the
-    PEFT adapter folder, read on first use where the adapter is not loaded yet)."""
+    positive id, vLLM's) and ``lora_path`` (the PEFT adapter folder, read on first use where
+    the adapter is not loaded yet). An adapter's identity is its name *and* id (``key``): a
+    replica keys its loaded adapters, their slots and their prefix-cache blocks by it, so a name
+    loaded again from other weights (a new id) never meets the old copy's blocks."""
 
     lora_name: str
     lora_int_id: int
@@ -487,18 +489,17 @@ class LoRARequest:
 
     @property
     def key(self) -> str:
-        """The adapter's identity, ``name#id``: what a replica's adapter cache, its prefix-cache
-        partition and the router's affinity key it by (a name loaded again from other weights
-        gets another id, so it never finds the old weights' blocks)."""
+        """The adapter's identity, ``name#id``: what replicas, their routing stats and the
+        router key an adapter by."""
         return f"{self.lora_name}#{self.lora_int_id}"
 
 
 def static_lora_id(name: str, path: str) -> int:
-    """The ``lora_int_id`` of a static adapter (a config's ``lora_modules`` entry): a positive
-    63-bit int from the sha256 of ``name``, a NUL and ``path`` as written in the config, so the
-    ingress and every replica give it the same id without passing it."""
+    """The ``lora_int_id`` of a static adapter (``lora_modules``) of ``name`` at ``path`` (as the
+    config writes it): a positive 63-bit number from their SHA-256, so the ingress's registry and
+    every replica give it the same id without passing it."""
     digest = hashlib.sha256(f"{name}\0{path}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") % (2**63 - 1) + 1
+    return int.from_bytes(digest[:8], "big") & ((1 << 63) - 1) or 1
 
 
 @dataclass(frozen=True, slots=True)

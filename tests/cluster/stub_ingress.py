@@ -102,8 +102,10 @@ class _Handle:
         self.ids[name] = int_id
         return None
 
-    def _unload(self, name: str) -> ErrorRecord | None:
+    def _unload(self, name: str, int_id: int | None = None) -> ErrorRecord | None:
         self.calls.append(("unload", name))
+        if int_id is not None and self.ids.get(name, int_id) != int_id:
+            return ErrorRecord(404, "lora_not_found", f"LoRA adapter {name!r} is not loaded")
         if name in self.busy:
             return ErrorRecord(409, "lora_in_use", f"LoRA adapter {name!r} is in use")
         self.ids.pop(name, None)
