@@ -882,8 +882,8 @@ class Ingress:
                                self.cfg.max_request_bytes, self.cfg.body_timeout_s)
         body = validated(LoadLoRAAdapterRequest, data)
         if body.load_inplace:
-            raise BadRequest("load_inplace is not supported: a name names one adapter's "
-                             "weights; load the new weights under a new name",
+            raise BadRequest("load_inplace is not supported: unload the adapter, then load "
+                             "the new weights (or load them under a new name)",
                              "invalid_request", "load_inplace")
         adapter, new = await self.adapters.load(body.lora_name, body.lora_path, body.model,
                                                 self._load_on_replica, body.tenants)
