@@ -632,6 +632,20 @@ def test_an_admin_key_must_be_a_tier_s_key(roots: dict[str, Path]) -> None:
     assert resolver.shifted(resolver.resolve(f"Bearer {ADMIN}", None), 1).admin
 
 
+
+def test_a_caller_is_keyed_only_by_a_valid_key(roots: dict[str, Path]) -> None:
+    """``Caller.keyed`` (what adapter ownership counts): a key's tenant, through a priority or
+    service tier it asks for; never a caller without a key."""
+    resolver = TierResolver(load_config(config(roots)))
+    acme = resolver.resolve(f"Bearer {ACME}", None)
+    assert acme.keyed and acme.tenant == "acme"
+    assert resolver.resolve(f"Bearer {PAID}", None).tenant == "paid-key1"
+    assert resolver.shifted(acme, 1).keyed
+    assert resolver.for_service_tier(acme, "flex", False)[0].keyed
+    assert resolver.for_service_tier(acme, "priority", False)[0].keyed
+    assert not resolver.resolve(None, None).keyed
+
+
 # ------------------------------------------------------------------ the OpenAPI document
 
 
