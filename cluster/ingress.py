@@ -897,8 +897,9 @@ class Ingress:
             status="loaded" if new else "already_loaded", message=msg)))
 
     async def _load_on_replica(self, adapter: Adapter) -> None:
-        """One replica of ``adapter``'s parent loads it: its refusal (400 a bad adapter, 429
-        its cache full of adapters in use) raised as the answer; an unreachable replica 503."""
+        """One replica of ``adapter``'s parent loads it under this registration's id: its
+        refusal (400 a bad adapter, with the replica's detail: the answer goes to an admin)
+        raised as the answer; an unreachable replica 503."""
         control = self.served[adapter.parent].control
         try:
             refused = await control.load_lora_adapter.remote(adapter.name, adapter.path,
