@@ -106,8 +106,8 @@ class TierConfig(_Strict):
         description="the served model names its callers may use (keys and anonymous callers "
                     "alike); any other model is a 404 `model_not_found` to them and is not in "
                     "their `/v1/models`; LoRA adapters are named here as models are "
-                    "([lora.md](docs/lora.md)); `null`: every model "
-                    "([security.md](docs/security.md))")
+                    "([lora.md](docs/lora.md)); `null`: every model, and every adapter but "
+                    "one an admin loaded for other `tenants` ([security.md](docs/security.md))")
 
     @model_validator(mode="before")
     @classmethod

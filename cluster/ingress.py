@@ -52,6 +52,7 @@ from tierserve.cluster.adapters import (
     LocalStore,
     PermissionDenied,
     RayStore,
+    open_tiers,
 )
 from tierserve.cluster.chat_template import render_chat, template_kwargs, template_takes_tools
 from tierserve.cluster.config import ClusterConfig, ModelConfig, deployment_of
@@ -182,6 +183,10 @@ def error_response(
 
 # The header a request's id comes in and goes back out in (every response, errors included).
 REQUEST_ID_HEADER = "X-Request-Id"
+# A replica's refusals before the first token that another replica may not give: its failure,
+# and an adapter it could not load at request time (a folder its node lacks, a read that
+# failed): each is sent to another replica (the refusing one avoided) while retries allow.
+RESENT_CODES = frozenset({"replica_unavailable", "adapter_unavailable"})
 _REQUEST_ID = re.compile(REQUEST_ID_PATTERN)
 
 
@@ -683,9 +688,11 @@ class Ingress:
             self.served[m.name] = served
         # The LoRA adapters requests may name (static from the engines' lora_modules, dynamic
         # in the application's store actor under Serve: ``tierserve.cluster.adapters``).
-        self.adapters = AdapterRegistry(models, self._adapter_store(models, handles),
-                                        max_dynamic=self.cfg.max_dynamic_loras,
-                                        path_roots=self.cfg.lora_path_roots)
+        self.adapters = AdapterRegistry(
+            models, self._adapter_store(models, handles), max_dynamic=self.cfg.max_dynamic_loras,
+            path_roots=self.cfg.lora_path_roots,
+            tenants=[label for t in self.cfg.tiers for label, _ in t.all_keys()])
+        self._warn_public_adapters()
         self.metrics.adapter_labels(list(self.adapters.static),
                                     len(self.adapters.static) + self.cfg.max_dynamic_loras)
         self.inflight = 0  # requests between admission and their last byte
@@ -750,9 +757,24 @@ class Ingress:
         reserved = [m.name for m in models] + static
         if _under_serve() and any(m.engine.enable_lora for m in models):
             app_name = str(getattr(handles[0], "app_name", "") or "default")
-            return RayStore(app_name, self.cfg.max_dynamic_loras, len(static) + 1, reserved)
-        return LocalStore(DynamicAdapters(self.cfg.max_dynamic_loras, len(static) + 1,
-                                          reserved))
+            return RayStore(app_name, self.cfg.max_dynamic_loras, reserved)
+        return LocalStore(DynamicAdapters(self.cfg.max_dynamic_loras, reserved))
+
+    def _warn_public_adapters(self) -> None:
+        """A warning at start where adapters are served and some callers have no ``models``
+        list: a dynamic adapter loaded without ``tenants`` is usable by every one of them."""
+        tiers = open_tiers(self.cfg) if self.adapters.enabled else []
+        if tiers:
+            log.warning("enable_lora is on and tier(s) %s have callers without a models list: "
+                        "they may use every static adapter and every dynamic adapter loaded "
+                        "without `tenants` (see docs/security.md)", tiers)
+
+    @staticmethod
+    def _may_use_adapter(caller: Caller, adapter: Adapter) -> bool:
+        """Whether ``caller`` may use (and see) ``adapter``: its allowlist lets it name it, and
+        its key identifies one of the adapter's owners where it has any."""
+        return caller.may_use(adapter.name) and adapter.open_to(
+            caller.tenant if caller.keyed else None)
 
     def _model(self, caller: Caller, name: str | None) -> _Served:
         """The served model ``name`` if ``caller`` may use it; else a 404 ``model_not_found``
@@ -769,19 +791,21 @@ class Ingress:
 
     def _not_found(self, caller: Caller, name: str) -> NotFound:
         mine = [m for m in self.served if caller.may_use(m)] + [
-            a.name for a in self.adapters.known() if caller.may_use(a.name)]
+            a.name for a in self.adapters.known() if self._may_use_adapter(caller, a)]
         return NotFound(f"model {name[:256]!r} does not exist or this key may not use it; "
                         f"the models it may use: {mine}", "model_not_found", "model")
 
     async def _resolve(self, caller: Caller, name: str | None) -> tuple[_Served, Adapter | None]:
         """What a request's ``model`` names: a served model (``_model``), or a LoRA adapter the
-        caller may use (its name in the caller's ``models`` where it has a list), as its parent
-        model and the adapter. An adapter the caller may not use answers as one that does not
-        exist (the same 404, which names only what it may use)."""
+        caller may use (its name in the caller's ``models`` where it has a list, and its key's
+        tenant among the adapter's owners where it has any), as its parent model and the
+        adapter. An adapter the caller may not use answers as one that does not exist (the
+        same 404, which names only what it may use)."""
         if name is None or name in self.served:
             return self._model(caller, name), None
         adapter = await self.adapters.lookup(name) if caller.may_use(name) else None
-        if adapter is None or adapter.parent not in self.served:
+        if (adapter is None or adapter.parent not in self.served
+                or not self._may_use_adapter(caller, adapter)):
             raise self._not_found(caller, name)
         return self.served[adapter.parent], adapter
 
@@ -819,7 +843,7 @@ class Ingress:
         await self.adapters.fresh()
         cards = [self._model_card(m) for m in self.served if caller.may_use(m)]
         cards += [self._model_card(a.name, a) for a in self.adapters.known()
-                  if caller.may_use(a.name) and a.parent in self.served]
+                  if self._may_use_adapter(caller, a) and a.parent in self.served]
         return dump(ModelList(data=cards))
 
     @app.get("/v1/models/{model_id:path}", response_model=None)
@@ -848,20 +872,21 @@ class Ingress:
     @app.post("/v1/load_lora_adapter", response_model=None)
     async def load_lora_adapter(self, request: Request) -> JSONResponse:
         """vLLM's ``/v1/load_lora_adapter``, admin keys only: ``lora_name`` from ``lora_path``
-        (inside ``lora_path_roots``) for ``model``. One replica of the parent's loads it first,
-        so a bad adapter gets that replica's 4xx and nothing is registered; the others load it
-        on first use. The same name from the same path again: 200, nothing done."""
+        (inside ``lora_path_roots``) for ``model``, owned by ``tenants`` where given (only their
+        keys may use or see it). One replica of the parent's loads it first, so a bad adapter
+        gets that replica's 4xx and nothing is registered; the others load it on first use. The
+        same name from the same path (for the same tenants) again: 200, nothing done."""
         caller = self._caller(request)
         self._admin(caller, "/v1/load_lora_adapter")
         data = await read_json(request.stream(), request.headers.get("content-length"),
                                self.cfg.max_request_bytes, self.cfg.body_timeout_s)
         body = validated(LoadLoRAAdapterRequest, data)
         if body.load_inplace:
-            raise BadRequest("load_inplace is not supported: a name names one adapter's "
-                             "weights; load the new weights under a new name",
+            raise BadRequest("load_inplace is not supported: unload the adapter, then load "
+                             "the new weights (or load them under a new name)",
                              "invalid_request", "load_inplace")
         adapter, new = await self.adapters.load(body.lora_name, body.lora_path, body.model,
-                                                self._load_on_replica, self._undo_load)
+                                                self._load_on_replica, body.tenants)
         if new:
             log.info("LoRA adapter %r loaded for %r (id %d)", adapter.name, adapter.parent,
                      adapter.int_id)
@@ -872,8 +897,9 @@ class Ingress:
             status="loaded" if new else "already_loaded", message=msg)))
 
     async def _load_on_replica(self, adapter: Adapter) -> None:
-        """One replica of ``adapter``'s parent loads it: its refusal (400 a bad adapter, 429
-        its cache full of adapters in use) raised as the answer; an unreachable replica 503."""
+        """One replica of ``adapter``'s parent loads it under this registration's id: its
+        refusal (400 a bad adapter, with the replica's detail: the answer goes to an admin)
+        raised as the answer; an unreachable replica 503."""
         control = self.served[adapter.parent].control
         try:
             refused = await control.load_lora_adapter.remote(adapter.name, adapter.path,
@@ -886,23 +912,16 @@ class Ingress:
         if refused is not None:
             raise ServingError.of(refused)
 
-    async def _undo_load(self, adapter: Adapter) -> None:
-        """A load the registry refused after a replica took it: that replica (the one the
-        router picks, best effort) unloads it again."""
-        try:
-            await self.served[adapter.parent].control.unload_lora_adapter.remote(adapter.name)
-        except Exception as e:
-            log.warning("undoing LoRA adapter %r's load: replica call failed: %s", adapter.name,
-                        type(e).__name__)
-
     @app.post("/v1/unload_lora_adapter", response_model=None)
     async def unload_lora_adapter(self, request: Request) -> JSONResponse:
         """vLLM's ``/v1/unload_lora_adapter``, admin keys only: forget dynamic adapter
         ``lora_name`` (400 a static one, 404 one not loaded). It leaves the registry first, so
         no new request may name it; then its parent's replicas are asked to unload it, best
-        effort (Serve's handle reaches a replica its router picks, once per replica it sees): a
-        replica still running requests on it (409) keeps it until they end, one not asked
-        keeps it until its cache evicts it. The answer is 200 once it is out of the registry."""
+        effort and only to free their memory sooner (Serve's handle reaches a replica its
+        router picks, once per replica it sees): a replica still running requests on it (409)
+        keeps it until they end, one not asked keeps it until its cache evicts it. Nothing
+        depends on those calls: no request carries that registration's id again (a name loaded
+        again gets a new one). The answer is 200 once it is out of the registry."""
         caller = self._caller(request)
         self._admin(caller, "/v1/unload_lora_adapter")
         data = await read_json(request.stream(), request.headers.get("content-length"),
@@ -921,15 +940,19 @@ class Ingress:
 
     async def _unload_on_replicas(self, adapter: Adapter) -> int:
         """Ask the parent's replicas to unload ``adapter`` (once per replica the router sees;
-        it may pick one twice): how many answered that requests still use it (409). Any other
-        answer (done, not loaded there, unreachable) is fine: nothing may name it any more."""
+        it may pick one twice), to free their memory sooner: how many answered that requests
+        still use it (409). Any other answer (done, not loaded there, unreachable) is fine: no
+        request carries this registration's key again, so a copy left anywhere is an entry no
+        request reaches, which that replica's cache evicts in time."""
         served = self.served.get(adapter.parent)
         if served is None:
             return 0
         busy = 0
         for _ in range(served.replica_count()):
             try:
-                refused = await served.control.unload_lora_adapter.remote(adapter.name)
+                # That registration's copy only (a name loaded again has another id).
+                refused = await served.control.unload_lora_adapter.remote(adapter.name,
+                                                                          adapter.int_id)
             except Exception as e:
                 log.warning("unloading LoRA adapter %r: replica call failed: %s", adapter.name,
                             type(e).__name__)
@@ -1573,10 +1596,11 @@ class Ingress:
         served = call.served
         prefixes: tuple[int, ...] = ()
         if served.prefix_root is not None and route.sampling.prompt_logprobs is None:
-            # An adapter's blocks are its own (the replica's ``adapter_partition``): the router
-            # never takes a base-model prefix for an adapter request's, nor another adapter's.
+            # An adapter's blocks are its own (the replica's ``adapter_partition`` of its key,
+            # name and id): the router never takes a base-model prefix for an adapter request's,
+            # nor another adapter's, nor those of older weights once under the same name.
             partition = adapter_partition(
-                call.cache_partition, call.adapter.name if call.adapter is not None else None)
+                call.cache_partition, call.adapter.key if call.adapter is not None else None)
             prefixes = tuple(block_hashes(call.ids, served.engine.block_size,
                                           partition_root(served.prefix_root, partition)))
         caller = route.caller
@@ -1609,7 +1633,7 @@ class Ingress:
                     raise Unavailable("the replica ended the request without an answer",
                                       "no_answer")
                 if isinstance(first, ErrorRecord):
-                    if first.code == "replica_unavailable" and first.replica:
+                    if first.code in RESENT_CODES and first.replica:
                         route.avoid.append(first.replica)
                     raise ServingError.of(first)
                 if failed_before_first_token(first):
@@ -1620,7 +1644,7 @@ class Ingress:
                 tracing.failed(span, e)
                 span.end()
                 stream.cancel()
-                if e.code != "replica_unavailable" or route.retries_left <= 0:
+                if e.code not in RESENT_CODES or route.retries_left <= 0:
                     raise
                 route.retries_left -= 1
                 attempt = self.cfg.replica_retries - route.retries_left

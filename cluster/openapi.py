@@ -58,7 +58,8 @@ _ERRORS: dict[int, str] = {
     "after the Retry-After header's seconds.",
     500: "A fault of the server's own (never the client's input): the body names only the "
     "exception's type; inside a stream, its last event before [DONE].",
-    503: "No replica could serve the request (replica failure or none running).",
+    503: "No replica could serve the request (replica failure or none running; "
+    "adapter_unavailable: no replica tried could load the LoRA adapter its model names).",
 }
 
 
@@ -336,7 +337,9 @@ _LORA_ERRORS: dict[int, str] = {
     "adapter's (lora_name_taken), a lora_path that is not absolute or outside lora_path_roots "
     "(lora_path_not_allowed), an adapter the replica refuses (invalid_lora_adapter: no such "
     "folder, not PEFT, rank above max_lora_rank, another base model's shapes), the name loaded "
-    "from another path (lora_adapter_exists) or once before (lora_name_reused), max_dynamic_loras reached (too_many_lora_adapters), "
+    "from another path, for another model or other tenants (lora_adapter_exists), "
+    "max_dynamic_loras reached (too_many_lora_adapters), a tenants entry that is not a tenant "
+    "an API key identifies (invalid_request, param tenants), "
     "a model without enable_lora (lora_disabled); unload: a static adapter "
     "(static_lora_adapter).",
     401: _ERRORS[401],
@@ -345,9 +348,9 @@ _LORA_ERRORS: dict[int, str] = {
     "loaded (lora_not_found).",
     408: _ERRORS[408],
     413: _ERRORS[413],
-    429: "Load: the replica's adapter cache is full of adapters in use (lora_cache_full).",
     500: _ERRORS[500],
-    503: "No replica of the model could be asked to load it.",
+    503: "No replica of the model could be asked to load it (replica_unavailable), or the "
+    "adapter registry could not be reached (adapter_registry_unavailable).",
 }
 
 
@@ -358,7 +361,7 @@ def _lora_routes(doc: dict[str, Any], limits: dict[str, Any]) -> None:
     for path, req, says, statuses in (
             ("/v1/load_lora_adapter", "LoadLoRAAdapterRequest",
              "The adapter is loaded (status loaded), or was from that path already "
-             "(already_loaded).", (400, 401, 403, 404, 408, 413, 429, 500, 503)),
+             "(already_loaded).", (400, 401, 403, 404, 408, 413, 500, 503)),
             ("/v1/unload_lora_adapter", "UnloadLoRAAdapterRequest",
              "The adapter is out of the registry (status unloaded); replicas still running "
              "requests on it keep it until they end (the message says how many).",

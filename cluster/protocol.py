@@ -760,9 +760,12 @@ class LoadLoRAAdapterRequest(_Body):
     lora_name: StrictStr
     lora_path: StrictStr
     model: StrictStr | None = None
-    # vLLM's: new weights in place under a loaded name. Refused here when true: a name names
-    # one adapter's weights (replicas key its cached prefix blocks by it).
+    # vLLM's: new weights in place under a loaded name. Refused here when true: an unload and
+    # a load do it (the name comes back as a new registration, with a new id).
     load_inplace: StrictBool = False
+    # Tierserve's: the tenants that own it (names an API key of the config identifies); only
+    # their keys may use or see it. None: whoever the allowlists let name it.
+    tenants: list[StrictStr] | None = Field(default=None, max_length=256)
 
 
 class UnloadLoRAAdapterRequest(_Body):

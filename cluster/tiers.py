@@ -62,6 +62,9 @@ class Caller:
     # Its key is one of the config's ``admin_keys`` (it may load and unload LoRA adapters);
     # never a caller without a key.
     admin: bool = False
+    # Its tenant was identified by a valid API key (not claimed by the tenant header, nor the
+    # default): only such a tenant may own a LoRA adapter (``Adapter.tenants``).
+    keyed: bool = False
 
     def may_use(self, model: str) -> bool:
         return self.models is None or model in self.models
@@ -128,7 +131,7 @@ class TierResolver:
                                   "tenant header", param=self._tenant_header)
         admin = keyed and self._is_admin(authorization)
         return Caller(tier, priority, priority >= self.latency_floor, tenant,
-                      tier.weight_of(tenant), tier.models_of(tenant), admin)
+                      tier.weight_of(tenant), tier.models_of(tenant), admin, keyed)
 
     def _is_admin(self, authorization: str | None) -> bool:
         """Whether the (valid) key sent is one of ``admin_keys``, compared as keys are: in
@@ -150,7 +153,7 @@ class TierResolver:
         tier = caller.tier
         value = min(max(caller.priority - offset, tier.base_priority), tier.max_priority)
         return Caller(tier, value, value >= self.latency_floor, caller.tenant, caller.weight,
-                      caller.models, caller.admin)
+                      caller.models, caller.admin, caller.keyed)
 
     def for_service_tier(self, caller: Caller, asked: str, priority_given: bool
                          ) -> tuple[Caller, str]:
@@ -171,11 +174,11 @@ class TierResolver:
                 low = caller.tier  # the caller's tier is the lowest already
             return Caller(low, low.base_priority, low.base_priority >= self.latency_floor,
                           caller.tenant, low.weight_of(caller.tenant), caller.models,
-                          caller.admin), "flex"
+                          caller.admin, caller.keyed), "flex"
         if asked in PRIORITY_ALIASES:
             top = caller.tier.max_priority
             return Caller(caller.tier, top, top >= self.latency_floor, caller.tenant,
-                          caller.weight, caller.models, caller.admin), "priority"
+                          caller.weight, caller.models, caller.admin, caller.keyed), "priority"
         return caller, "default"
 
     def _tenant(self, header: str | None) -> str:

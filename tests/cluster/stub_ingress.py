@@ -11,7 +11,9 @@ ids, the access log and the server span) as the ASGI app it is, and may hang up 
 The handle's LoRA methods (``load_lora_adapter``, ``unload_lora_adapter``,
 ``list_lora_adapters``) keep the adapters it holds in ``loras`` (name to path) and refuse as a
 replica does: a folder without ``adapter_config.json`` or whose ``r`` is above 16 is a 400, a
-name in ``busy`` a 409 on unload.
+name in ``busy`` a 409 on unload; a name loaded again under another id replaces the old copy
+(``ids``: name to id). The records in ``refuse`` are the first answers of the next
+``generate`` calls, one each (a replica refusing a request before its first token).
 """
 
 from __future__ import annotations
@@ -44,10 +46,10 @@ ANSWER = " ok"  # every sample's text
 class _Stream:
     """One request's deltas: every sample's whole answer in one finished delta."""
 
-    def __init__(self, outputs: list[RequestOutput]) -> None:
-        self._outputs = list(outputs)
+    def __init__(self, outputs: list[RequestOutput] | list[ErrorRecord]) -> None:
+        self._outputs: list[Any] = list(outputs)
 
-    async def __anext__(self) -> RequestOutput:
+    async def __anext__(self) -> RequestOutput | ErrorRecord:
         if not self._outputs:
             raise StopAsyncIteration
         return self._outputs.pop(0)
@@ -67,6 +69,8 @@ class _Handle:
     loras: dict[str, str] = field(default_factory=dict)  # the adapters it holds: name -> path
     busy: set[str] = field(default_factory=set)  # adapters with requests on them (unload: 409)
     calls: list[tuple[Any, ...]] = field(default_factory=list)  # LoRA method calls, in order
+    ids: dict[str, int] = field(default_factory=dict)  # the id each held adapter was loaded as
+    refuse: list[ErrorRecord] = field(default_factory=list)  # the next requests' refusals
 
     def options(self, **_: Any) -> _Handle:
         return self
@@ -94,17 +98,17 @@ class _Handle:
         if rank > 16:
             return ErrorRecord(400, "invalid_lora_adapter",
                                f"LoRA adapter {name!r} has rank {rank}, above max_lora_rank 16")
-        have = self.loras.get(name)
-        if have is not None and have != path:
-            return ErrorRecord(400, "invalid_lora_adapter",
-                               f"LoRA adapter {name!r} is loaded from another path")
-        self.loras[name] = path
+        self.loras[name] = path  # another id's copy, if any, replaced
+        self.ids[name] = int_id
         return None
 
-    def _unload(self, name: str) -> ErrorRecord | None:
+    def _unload(self, name: str, int_id: int | None = None) -> ErrorRecord | None:
         self.calls.append(("unload", name))
+        if int_id is not None and self.ids.get(name, int_id) != int_id:
+            return ErrorRecord(404, "lora_not_found", f"LoRA adapter {name!r} is not loaded")
         if name in self.busy:
             return ErrorRecord(409, "lora_in_use", f"LoRA adapter {name!r} is in use")
+        self.ids.pop(name, None)
         if self.loras.pop(name, None) is None:
             return ErrorRecord(404, "lora_not_found", f"LoRA adapter {name!r} is not loaded")
         return None
@@ -115,6 +119,8 @@ class _Handle:
 
     def remote(self, request: GenerateRequest) -> _Stream:
         self.sent.append(request)
+        if self.refuse:
+            return _Stream([self.refuse.pop(0)])
         ids = list(self.tokenizer.encode(ANSWER, add_special_tokens=False))
         p = request.sampling
         outs = []

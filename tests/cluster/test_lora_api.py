@@ -26,7 +26,15 @@ from tierserve.cluster.adapters import (
 )
 from tierserve.cluster.app import load_config
 from tierserve.cluster.tiers import TierResolver
-from tierserve.records import BadRequest, ErrorRecord, LoRARequest, NotFound, ServingError
+from tierserve.records import (
+    BadRequest,
+    ErrorRecord,
+    LoRARequest,
+    NotFound,
+    ServingError,
+    Unavailable,
+    static_lora_id,
+)
 
 CHAT, TINY = "smollm2-135m-instruct", "tierserve-tiny"
 ADMIN, PAID, ACME, LAB, FREE = "sk-admin", "sk-paid", "sk-acme", "sk-lab", "sk-free"
@@ -118,7 +126,10 @@ def test_a_request_naming_a_static_adapter_runs_under_it(stub: StubIngress,
     h = stub.handles[CHAT]
     a = stub.post("/v1/chat/completions", chat("sql"), auth(PAID))
     assert a.status == 200 and a.body["model"] == "sql"
-    assert h.sent[-1].lora == LoRARequest("sql", 1, str(roots["allowed"] / "sql"))
+    path = str(roots["allowed"] / "sql")
+    # Its id: the digest of its name and path as the config writes them (the replicas compute
+    # the same, so the two agree without passing it).
+    assert h.sent[-1].lora == LoRARequest("sql", static_lora_id("sql", path), path)
     c = stub.post("/v1/completions", {"model": "sql", "prompt": "Hi", "max_tokens": 2,
                                       "stream": True}, auth(PAID))
     assert c.status == 200 and {e["model"] for e in c.body} == {"sql"}
@@ -199,11 +210,11 @@ def test_an_admin_loads_an_adapter_that_its_tenant_alone_may_use(
                       "status": "loaded", "message": a.body["message"]}
     ((kind, name, sent_path, int_id),) = [c for c in h.calls if c[1] == "acme-ft"]
     assert (kind, name, sent_path) == ("load", "acme-ft", os.path.realpath(path))
-    assert int_id == 2  # after the static "sql" (1)
+    assert 0 < int_id < 2**63  # drawn for this registration; requests carry the same
     # Its tenant uses it; another tenant with a list without it, and the free tier, may not.
     ok = stub.post("/v1/chat/completions", chat("acme-ft"), auth(ACME))
     assert ok.status == 200 and ok.body["model"] == "acme-ft"
-    assert h.sent[-1].lora == LoRARequest("acme-ft", 2, os.path.realpath(path))
+    assert h.sent[-1].lora == LoRARequest("acme-ft", int_id, os.path.realpath(path))
     for key in (LAB, FREE):
         e = error(stub.post("/v1/chat/completions", chat("acme-ft"), auth(key)), 404)
         assert "acme-ft' does not" in e["message"] and e["message"].count("acme-ft") == 1
@@ -217,6 +228,90 @@ def test_an_admin_loads_an_adapter_that_its_tenant_alone_may_use(
     assert len([c for c in h.calls if c[1] == "acme-ft"]) == 1
     e = error(load(stub, "acme-ft", roots["allowed"] / "acme-v2"), 400)
     assert e["code"] == "lora_adapter_exists" and "unload it first" in e["message"]
+
+
+def test_an_adapter_loaded_for_tenants_is_theirs_alone(stub: StubIngress,
+                                                        roots: dict[str, Path]) -> None:
+    """With ``tenants``, only those tenants' keys may use or see it: another key of the same
+    tier without a list (here the admin's own), the free tier and the anonymous tier get the
+    404 of a model that does not exist, and their listings do not show it."""
+    h = stub.handles[CHAT]
+    a = load(stub, "paid-own", roots["allowed"] / "three", tenants=["paid-key1"])
+    assert a.status == 200, a.body
+    ok = stub.post("/v1/chat/completions", chat("paid-own"), auth(PAID))
+    assert ok.status == 200 and ok.body["model"] == "paid-own"
+    assert h.sent[-1].lora is not None and h.sent[-1].lora.lora_name == "paid-own"
+    assert "paid-own" in [m["id"] for m in stub.get("/v1/models", auth(PAID)).body["data"]]
+    assert stub.get("/v1/models/paid-own", auth(PAID)).status == 200
+    for key in (ADMIN, FREE, None):
+        headers = auth(key) if key else None
+        e = error(stub.post("/v1/chat/completions", chat("paid-own"), headers), 404)
+        assert e["code"] == "model_not_found" and e["message"].count("paid-own") == 1
+        assert "paid-own" not in [m["id"] for m in stub.get("/v1/models", headers).body["data"]]
+        assert error(stub.get("/v1/models/paid-own", headers), 404)["code"] == "model_not_found"
+    # The same name for other owners is another adapter: unload it first.
+    e = error(load(stub, "paid-own", roots["allowed"] / "three"), 400)
+    assert e["code"] == "lora_adapter_exists"
+    again = load(stub, "paid-own", roots["allowed"] / "three", tenants=["paid-key1"])
+    assert again.status == 200 and again.body["status"] == "already_loaded"
+    assert unload(stub, "paid-own").status == 200
+
+
+def test_owners_count_only_a_tenant_its_key_identifies(stub: StubIngress) -> None:
+    """A tenant only claimed (the tenant header, or no tenant) is never an owner."""
+    from tierserve.cluster.adapters import Adapter
+    from tierserve.cluster.tiers import Caller
+
+    owned = Adapter("x", CHAT, "/a/x", 7, tenants=("acme",))
+    tier = stub.inst.cfg.tiers[0]
+    may = stub.inst._may_use_adapter
+    assert may(Caller(tier, 5, tenant="acme", keyed=True), owned)
+    assert not may(Caller(tier, 5, tenant="acme"), owned)  # claimed by a header
+    assert not may(Caller(tier, 5, tenant="lab", keyed=True), owned)
+    # The allowlist holds besides: an owner whose list lacks it may not use it.
+    assert not may(Caller(tier, 5, tenant="acme", keyed=True, models=frozenset([CHAT])), owned)
+
+
+@pytest.mark.parametrize(("tenants", "needle"), [
+    (["nobody"], "not a tenant"), ([], "at least one"), ("acme", "valid list"),
+    (["acme", 3], "valid string")])
+def test_a_load_s_tenants_must_be_tenants_a_key_identifies(
+        stub: StubIngress, roots: dict[str, Path], tenants: Any, needle: str) -> None:
+    calls = len(stub.handles[CHAT].calls)
+    e = error(load(stub, "owned", roots["allowed"] / "one", tenants=tenants), 400)
+    assert needle in e["message"] and e["param"].startswith("tenants")
+    assert len(stub.handles[CHAT].calls) == calls  # no replica was asked
+    assert "owned" not in stub.inst.adapters.dynamic
+
+
+def test_open_tiers_are_named_at_start(roots: dict[str, Path]) -> None:
+    """The start's warning names the tiers whose callers have no list (the paid tier's own
+    keys here); with a list everywhere, none."""
+    from tierserve.cluster.adapters import open_tiers
+
+    assert open_tiers(load_config(config(roots))) == ["paid"]
+    cfg = config(roots)
+    cfg["tiers"][0]["models"] = [CHAT, "tiny", "sql", "acme-ft"]
+    assert open_tiers(load_config(cfg)) == []
+    cfg["tiers"][0].pop("models")
+    cfg["tiers"][0]["api_keys"] = []
+    cfg["admin_keys"] = []
+    assert open_tiers(load_config(cfg)) == []  # only tenants with lists
+    cfg["tiers"][1].pop("models")
+    cfg["tiers"][1]["api_keys"] = []
+    assert open_tiers(load_config(cfg)) == ["free"]  # the anonymous tier, even without keys
+
+
+def test_an_adapter_a_replica_cannot_load_is_sent_to_another(stub: StubIngress) -> None:
+    """A replica's 503 ``adapter_unavailable`` (it could not read the adapter at request time)
+    sends the request to another replica, the refusing one avoided."""
+    h = stub.handles[CHAT]
+    h.refuse.append(ErrorRecord(503, "adapter_unavailable",
+                                "LoRA adapter 'sql' is not available on this replica",
+                                replica="replica-1"))
+    a = stub.post("/v1/chat/completions", chat("sql"), auth(PAID))
+    assert a.status == 200 and a.body["model"] == "sql"
+    assert h.sent[-1].avoid_replicas == ("replica-1",) and not h.refuse
 
 
 @pytest.mark.parametrize(("path", "code"), [
@@ -284,10 +379,12 @@ def test_unload_forgets_it_and_unloads_it_from_the_replicas(
     assert e["code"] == "model_not_found"
     assert "gone" not in [m["id"] for m in stub.get("/v1/models", auth(PAID)).body["data"]]
     assert error(unload(stub, "gone"), 404)["code"] == "lora_not_found"
-    # Loaded again (from the same path), it has its id again.
+    # Loaded again (from the same path), it is another registration: another id.
     assert load(stub, "gone", roots["allowed"] / "gone").status == 200
     ids = [c[3] for c in h.calls if c[:2] == ("load", "gone")]
-    assert len(ids) == 2 and ids[0] == ids[1]
+    assert len(ids) == 2 and ids[0] != ids[1]
+    assert stub.post("/v1/chat/completions", chat("gone"), auth(PAID)).status == 200
+    assert h.sent[-1].lora is not None and h.sent[-1].lora.lora_int_id == ids[1]
     assert unload(stub, "gone").status == 200
 
 
@@ -360,29 +457,44 @@ def test_the_adapter_label_is_bounded(stub: StubIngress) -> None:
 
 
 def test_dynamic_adapters_rules() -> None:
-    d = DynamicAdapters(max_dynamic=2, first_id=5, reserved=["base", "sql"])
-    a = d.add("x", "base", "/a/x")
-    assert (a.int_id, a.static, d.version) == (5, False, 1)
-    assert d.add("x", "base", "/a/x") == a and d.version == 1  # the same: a no-op
+    d = DynamicAdapters(max_dynamic=2, reserved=["base", "sql"])
+    a = d.add("x", "base", "/a/x", 77)
+    assert (a.int_id, a.static, a.key, d.version) == (77, False, "x#77", 1)
+    assert d.add("x", "base", "/a/x", 78) == a and d.version == 1  # the same: a no-op, its id
     with pytest.raises(BadRequest, match="another path"):
-        d.add("x", "base", "/a/y")
+        d.add("x", "base", "/a/y", 79)
+    with pytest.raises(BadRequest, match="other tenants"):
+        d.add("x", "base", "/a/x", 79, ("acme",))
     with pytest.raises(BadRequest, match="share one namespace"):
-        d.add("sql", "base", "/a/sql")
-    d.add("y", "base", "/a/y")
+        d.add("sql", "base", "/a/sql", 80)
+    d.add("y", "base", "/a/y", 81)
     with pytest.raises(BadRequest, match="max_dynamic_loras"):
-        d.add("z", "base", "/a/z")
+        d.add("z", "base", "/a/z", 82)
     assert d.remove("x") == a
     with pytest.raises(NotFound):
         d.remove("x")
-    assert d.add("x", "base", "/a/x").int_id == 5  # its id again
-    d.remove("x")
-    with pytest.raises(BadRequest, match="new name"):  # a name names one adapter's weights
-        d.add("x", "base", "/a/other")
+    # A name unloaded comes back from any path, as another registration (its own id): the
+    # replicas and their prefix caches key it by name and id, never mixing the two.
+    again = d.add("x", "base", "/a/other", 83, ("acme",))
+    assert (again.int_id, again.tenants, again.key) == (83, ("acme",), "x#83")
     # The actor's class answers refusals as records (an exception would come back wrapped).
-    actor = AdapterStoreActor(1, 1, ["base"])
-    got = actor.add("base", "base", "/a")
+    actor = AdapterStoreActor(1, ["base"])
+    got = actor.add("base", "base", "/a", 5)
     assert isinstance(got, ErrorRecord) and got.code == "lora_name_taken"
     assert isinstance(actor.remove("nope"), ErrorRecord)
+
+
+def test_lora_ids() -> None:
+    """A static id is the same wherever it is computed, positive and 63-bit, and differs with
+    the name or the path; dynamic ids are drawn anew each time."""
+    from tierserve.cluster.adapters import new_lora_id
+
+    one = static_lora_id("sql", "/a/sql")
+    assert one == static_lora_id("sql", "/a/sql") and 0 < one < 2**63
+    assert len({one, static_lora_id("sql", "/a/sql2"), static_lora_id("sq", "l/a/sql")}) == 3
+    drawn = {new_lora_id() for _ in range(64)}
+    assert len(drawn) == 64 and all(0 < i < 2**63 for i in drawn)
+    assert LoRARequest("a", 9, "/p").key == "a#9"
 
 
 def test_check_path(tmp_path: Path) -> None:
@@ -403,7 +515,7 @@ def test_a_copy_reads_the_store_again_on_a_miss(roots: dict[str, Path]) -> None:
     other on its next lookup of that name; an unload, once its copy is stale."""
     cfg = load_config(config(roots))
     models = cfg.served_models()
-    store = LocalStore(DynamicAdapters(4, 2, [CHAT, "tiny", "sql"]))
+    store = LocalStore(DynamicAdapters(4, [CHAT, "tiny", "sql"]))
     first = AdapterRegistry(models, store, path_roots=[str(roots["allowed"])], ttl_s=3600.0)
     second = AdapterRegistry(models, store, path_roots=[str(roots["allowed"])], ttl_s=3600.0,
                              miss_s=0.0)
@@ -424,26 +536,51 @@ def test_a_copy_reads_the_store_again_on_a_miss(roots: dict[str, Path]) -> None:
     asyncio.run(run())
 
 
+class SlowStore(LocalStore):
+    """A store whose reads take a while (an actor call) and are counted; ``fail`` makes the
+    next reads fail as an unreachable actor does."""
+
+    def __init__(self, state: DynamicAdapters) -> None:
+        super().__init__(state)
+        self.reads = 0
+        self.fail = False
+
+    async def snapshot(self) -> Any:
+        self.reads += 1
+        await asyncio.sleep(0.05)
+        if self.fail:
+            raise Unavailable("the LoRA adapter registry cannot be reached; try again",
+                              "adapter_registry_unavailable")
+        return await super().snapshot()
+
+
 def test_made_up_names_read_the_store_at_most_once_per_miss_s(roots: dict[str, Path]) -> None:
-    reads = 0
-
-    class Counting(LocalStore):
-        async def snapshot(self) -> Any:
-            nonlocal reads
-            reads += 1
-            return await super().snapshot()
-
-    store = Counting(DynamicAdapters(4, 2, [CHAT, "tiny", "sql"]))
+    """50 lookups of made-up names at once share one read (the refresh is single-flight);
+    more at once after it, and listings, read nothing until ``miss_s`` has passed."""
+    store = SlowStore(DynamicAdapters(4, [CHAT, "tiny", "sql"]))
     reg = AdapterRegistry(load_config(config(roots)).served_models(), store, ttl_s=3600.0,
                           miss_s=3600.0)
 
     async def run() -> None:
-        for i in range(50):
-            assert await reg.lookup(f"made-up-{i}") is None
+        got = await asyncio.gather(*(reg.lookup(f"made-up-{i}") for i in range(50)))
+        assert got == [None] * 50 and store.reads == 1
+        got = await asyncio.gather(*(reg.lookup(f"again-{i}") for i in range(50)),
+                                   *(reg.fresh() for _ in range(10)))
+        assert store.reads == 1
         assert await reg.lookup("sql") is not None  # a static one: never a read
+        # A lookup cancelled while it waits does not cancel the read the others share.
+        reg.read_at = float("-inf")
+        waiters = [asyncio.ensure_future(reg.lookup(f"late-{i}")) for i in range(5)]
+        await asyncio.sleep(0)
+        waiters[0].cancel()
+        assert await asyncio.gather(*waiters[1:]) == [None] * 4 and store.reads == 2
+        # A failed read fails every lookup that shared it, once.
+        store.fail, reg.read_at = True, float("-inf")
+        failed = await asyncio.gather(*(reg.lookup(f"down-{i}") for i in range(10)),
+                                      return_exceptions=True)
+        assert all(isinstance(e, Unavailable) for e in failed) and store.reads == 3
 
     asyncio.run(run())
-    assert reads == 1
 
 
 def test_a_refusal_during_the_replica_s_load_registers_nothing(roots: dict[str, Path]) -> None:
@@ -495,12 +632,26 @@ def test_an_admin_key_must_be_a_tier_s_key(roots: dict[str, Path]) -> None:
     assert resolver.shifted(resolver.resolve(f"Bearer {ADMIN}", None), 1).admin
 
 
+
+def test_a_caller_is_keyed_only_by_a_valid_key(roots: dict[str, Path]) -> None:
+    """``Caller.keyed`` (what adapter ownership counts): a key's tenant, through a priority or
+    service tier it asks for; never a caller without a key."""
+    resolver = TierResolver(load_config(config(roots)))
+    acme = resolver.resolve(f"Bearer {ACME}", None)
+    assert acme.keyed and acme.tenant == "acme"
+    assert resolver.resolve(f"Bearer {PAID}", None).tenant == "paid-key1"
+    assert resolver.shifted(acme, 1).keyed
+    assert resolver.for_service_tier(acme, "flex", False)[0].keyed
+    assert resolver.for_service_tier(acme, "priority", False)[0].keyed
+    assert not resolver.resolve(None, None).keyed
+
+
 # ------------------------------------------------------------------ the OpenAPI document
 
 
 def test_the_openapi_document_has_the_adapter_routes(stub: StubIngress) -> None:
     doc = stub.inst.openapi_doc
-    for path, errors in (("/v1/load_lora_adapter", {"400", "403", "404", "429", "503"}),
+    for path, errors in (("/v1/load_lora_adapter", {"400", "403", "404", "503"}),
                          ("/v1/unload_lora_adapter", {"400", "403", "404"})):
         op = doc["paths"][path]["post"]
         assert errors <= set(op["responses"]) and "200" in op["responses"]
@@ -514,40 +665,73 @@ def test_the_openapi_document_has_the_adapter_routes(stub: StubIngress) -> None:
         "properties"]["model"])
 
 
-def test_a_name_is_never_loaded_from_another_path(stub: StubIngress,
-                                                   roots: dict[str, Path]) -> None:
-    """Replicas key an adapter's prefix blocks by its name: after an unload, the name may come
-    back only from the path it had."""
-    assert load(stub, "spent", roots["allowed"] / "spent").status == 200
-    assert unload(stub, "spent").status == 200
-    e = error(load(stub, "spent", roots["allowed"] / "one"), 400)
-    assert e["code"] == "lora_name_reused" and "new name" in e["message"]
-    assert load(stub, "spent", roots["allowed"] / "spent").status == 200
-    assert unload(stub, "spent").status == 200
+def test_a_name_loaded_again_from_other_weights_is_another_adapter(
+        stub: StubIngress, roots: dict[str, Path]) -> None:
+    """After an unload a name may come back from another path: a new id, so its requests carry
+    another key and their prefix hashes are not the old weights' (the replicas key adapters and
+    their blocks by name and id)."""
+    h = stub.handles[CHAT]
+    hashes = []
+    for folder in ("spent", "one"):
+        assert load(stub, "spent", roots["allowed"] / folder).status == 200
+        a = stub.post("/v1/completions", {"model": "spent", "prompt": LONG, "max_tokens": 1},
+                      auth(PAID))
+        assert a.status == 200
+        sent = h.sent[-1]
+        assert sent.lora is not None and sent.lora.lora_path == os.path.realpath(
+            roots["allowed"] / folder)
+        hashes.append((sent.lora.key, sent.prefix_hashes))
+        assert unload(stub, "spent").status == 200
+    (key1, old), (key2, new) = hashes
+    assert key1 != key2 and old and new and not set(old) & set(new)
 
 
-def test_a_load_the_store_refuses_after_the_replica_took_it_is_undone(
+def test_a_load_the_store_refuses_after_the_replica_took_it_leaves_nothing_reachable(
         roots: dict[str, Path]) -> None:
     """Two ingress replicas load one name from two paths at once: the second to register is
-    refused by the store, and its replica's copy is unloaded again."""
+    refused by the store; the copy its replica loaded has an id that no request carries."""
     models = load_config(config(roots)).served_models()
-    store = LocalStore(DynamicAdapters(4, 2, [CHAT, "tiny", "sql"]))
+    store = LocalStore(DynamicAdapters(4, [CHAT, "tiny", "sql"]))
     reg = AdapterRegistry(models, store, path_roots=[str(roots["allowed"])])
-    undone: list[str] = []
+    validated: list[int] = []
 
-    async def meanwhile(_: Any) -> None:  # the other ingress registers it while we validate
-        store.state.add("two", CHAT, os.path.realpath(roots["allowed"] / "one"))
-
-    async def undo(adapter: Any) -> None:
-        undone.append(adapter.path)
+    async def meanwhile(adapter: Any) -> None:  # the other ingress registers it meanwhile
+        validated.append(adapter.int_id)
+        store.state.add("two", CHAT, os.path.realpath(roots["allowed"] / "one"), 12345)
 
     async def run() -> None:
         with pytest.raises(BadRequest, match="another path"):
-            await reg.load("two", str(roots["allowed"] / "two"), CHAT, meanwhile, undo)
+            await reg.load("two", str(roots["allowed"] / "two"), CHAT, meanwhile)
+        assert await reg.lookup("two") is not None
 
     asyncio.run(run())
-    assert undone == [os.path.realpath(roots["allowed"] / "two")]
-    assert reg.dynamic["two"].path == os.path.realpath(roots["allowed"] / "one")
+    entry = reg.dynamic["two"]
+    assert entry.path == os.path.realpath(roots["allowed"] / "one")
+    assert entry.int_id == 12345 and validated[0] != 12345
+
+
+def test_a_failed_read_after_a_load_or_unload_is_not_the_answer(
+        roots: dict[str, Path]) -> None:
+    """The store took the load (or unload): a read of it failing afterwards is logged, and
+    this ingress's copy has the change anyway."""
+    store = SlowStore(DynamicAdapters(4, [CHAT, "tiny", "sql"]))
+    reg = AdapterRegistry(load_config(config(roots)).served_models(), store, ttl_s=3600.0,
+                          miss_s=3600.0)
+    ids: list[int] = []
+
+    async def ok(adapter: Any) -> None:
+        ids.append(adapter.int_id)
+
+    async def run() -> None:
+        await reg.refresh()
+        store.fail = True
+        entry, new = await reg.load("three", str(roots["allowed"] / "three"), CHAT, ok)
+        assert new and entry.int_id == ids[0] and await reg.lookup("three") == entry
+        assert (await reg.unload("three")).int_id == ids[0]
+        assert await reg.lookup("three") is None
+        assert store.state.snapshot() == (2, [])
+
+    asyncio.run(run())
 
 
 def test_load_inplace_and_relative_roots_are_refused(stub: StubIngress,

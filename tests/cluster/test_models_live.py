@@ -8,9 +8,10 @@ an unknown model is a 404, and no KV block is left held. ``tiny-b`` takes LoRA a
 adapters made by ``peft`` for ``tierserve-tiny``'s shapes, ``tests/replica/lora_helpers.py``): its
 static adapter answers as itself, and an admin key loads, uses and unloads another through the
 HTTP routes (the application's adapter store actor and the replica's methods, live). Then both
-models and both adapters take bursts at once, and each answer is its own model's or adapter's
-(both models run in the deterministic mode, so an answer in a burst is bit for bit the answer
-alone).
+models and three adapters (more than ``max_cpu_loras``: 2) take bursts at once, and each answer
+is its own model's or adapter's (both models run in the deterministic mode, so an answer in a
+burst is bit for bit the answer alone), and each adapter's answer alone is the offline ``LLM``'s
+under that adapter, computed in the test process.
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ PROMPTS = {m: [f"{m} prompt {i}: " + "lorem ipsum dolor sit amet " * 2 for i in 
 
 
 def tiny_adapters(root: Path) -> dict[str, Path]:
-    """Two PEFT adapters for ``tierserve-tiny``'s shapes (a random Llama of its config: only
-    the shapes matter) and a folder that is not one."""
+    """Three PEFT adapters for ``tierserve-tiny``'s shapes (a random Llama of its config: only
+    the shapes matter; seeds 1, 2, 3) and a folder that is not one."""
     import transformers
 
     from tests.replica.lora_helpers import make_adapter
@@ -53,7 +54,7 @@ def tiny_adapters(root: Path) -> dict[str, Path]:
     targets = ["q_proj", "v_proj", "down_proj"]
     out = {name: make_adapter(hf, root / name, seed=i + 1, r=4, lora_alpha=8,
                               target_modules=targets)
-           for i, name in enumerate(("b-sql", "b-chat"))}
+           for i, name in enumerate(("b-sql", "b-chat", "b-sum"))}
     (root / "empty").mkdir()
     out["empty"] = root / "empty"
     return out
@@ -184,23 +185,53 @@ def test_adapters_are_served_loaded_and_unloaded_over_http(
     assert complete("b-chat").status_code == 404
 
 
-def test_two_models_and_two_adapters_under_load_each_answer_as_itself(
+def offline_answers(adapters: dict[str, Path], prompts: list[str], max_tokens: int
+                    ) -> dict[tuple[str, str], list[int]]:
+    """What ``tiny-b``'s engine answers, offline in this process, to each prompt under each
+    adapter and the base (``B``): ``LLM`` with tiny-b's engine settings, greedy, each prompt's
+    ids made as ``/v1/completions`` makes them (the served tokenizer, special tokens added, no
+    template)."""
+    from tierserve import LLM, LoRARequest, SamplingParams
+    from tierserve.replica.models.meta import load_tokenizer
+
+    tok = load_tokenizer(MODEL, False)
+    ids = [{"prompt_token_ids": list(tok.encode(p, add_special_tokens=True))} for p in prompts]
+    llm = LLM(**{**ENGINE, "max_num_seqs": 4, "enable_lora": True, "max_loras": 2,
+                 "max_cpu_loras": 2})
+    params = SamplingParams(max_tokens=max_tokens, temperature=0)
+    out: dict[tuple[str, str], list[int]] = {}
+    for i, target in enumerate((B, "b-sql", "b-chat", "b-sum")):
+        lora = None if target == B else LoRARequest(target, i, str(adapters[target]))
+        for p, o in zip(prompts, llm.generate(ids, params, use_tqdm=False, lora_request=lora),
+                        strict=True):
+            out[(target, p)] = list(o.outputs[0].token_ids)
+    return out
+
+
+def test_two_models_and_three_adapters_under_load_each_answer_as_itself(
         multi_app: ServeApp, adapters: dict[str, Path]) -> None:
-    """Both models and both adapters (``b-sql`` static, ``b-chat`` loaded over HTTP) at once,
-    three rounds of a burst: each answer is, token for token, what its own model or adapter
-    answers to that prompt alone (both engines are deterministic, so a batch changes no bit),
-    and each adapter's answers differ from the base model's somewhere (it was applied)."""
+    """Both models and three adapters (``b-sql`` static, ``b-chat`` and ``b-sum`` loaded over
+    HTTP; more than ``max_cpu_loras``, 2, so an adapter's request meets a cache full of
+    adapters in use, and waits) at once, three rounds of a burst: every request is answered,
+    and each answer is, token for token, what its own model or adapter answers to that prompt
+    alone (both engines are deterministic, so a batch changes no bit). Alone, each adapter's
+    answers and the base's are the offline engine's in this process (so no adapter ran under
+    another's weights, which answers measured only through the cluster could not show), and
+    they differ between the adapters and from the base somewhere (each was applied)."""
     admin = {"Authorization": f"Bearer {KEYS['interactive']}"}
     key = {"Authorization": f"Bearer {KEYS['standard']}"}
-    body = {"lora_name": "b-chat", "lora_path": str(adapters["b-chat"])}
-    loaded = httpx.post(multi_app.url("/v1/load_lora_adapter"), json=body, headers=admin,
-                        timeout=120)
-    assert loaded.status_code == 200, loaded.text
-    targets = (A, B, "b-sql", "b-chat")
+    for name in ("b-chat", "b-sum"):
+        body = {"lora_name": name, "lora_path": str(adapters[name])}
+        loaded = httpx.post(multi_app.url("/v1/load_lora_adapter"), json=body, headers=admin,
+                            timeout=120)
+        assert loaded.status_code == 200, loaded.text
+    adapter_names = ("b-sql", "b-chat", "b-sum")
+    targets = (A, B, *adapter_names)
     prompts = {t: PROMPTS[A if t == A else B][:3] for t in targets}
+    max_tokens = 8
 
     def body_of(target: str, prompt: str) -> dict[str, Any]:
-        return {"model": target, "prompt": prompt, "max_tokens": 8, "temperature": 0}
+        return {"model": target, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
 
     async def burst() -> list[tuple[str, str, httpx.Response]]:
         async with httpx.AsyncClient(base_url=multi_app.base_url, timeout=180,
@@ -213,19 +244,31 @@ def test_two_models_and_two_adapters_under_load_each_answer_as_itself(
 
     answers = asyncio.run(burst())
     alone: dict[tuple[str, str], str] = {}
+    alone_ids: dict[tuple[str, str], list[int]] = {}
     for t in targets:
         for p in prompts[t]:
-            r = httpx.post(multi_app.url("/v1/completions"), json=body_of(t, p), headers=key,
-                           timeout=120)
+            # Its tokens' ids too (logprobs' tokens as ids), for the offline comparison.
+            r = httpx.post(multi_app.url("/v1/completions"), headers=key, timeout=120, json={
+                **body_of(t, p), "logprobs": 1, "return_tokens_as_token_ids": True})
             assert r.status_code == 200 and r.json()["model"] == t, r.text
-            alone[(t, p)] = r.json()["choices"][0]["text"]
-    assert len(answers) == 36
+            choice = r.json()["choices"][0]
+            alone[(t, p)] = choice["text"]
+            alone_ids[(t, p)] = [int(s.removeprefix("token_id:"))
+                                 for s in choice["logprobs"]["tokens"]]
+    assert len(answers) == 45
     for t, p, r in answers:
         assert r.status_code == 200, r.text
         assert r.json()["model"] == t
         assert r.json()["choices"][0]["text"] == alone[(t, p)], (t, p)
-    for adapter in ("b-sql", "b-chat"):
+    offline = offline_answers(adapters, prompts[B], max_tokens)
+    for t in (B, *adapter_names):
+        for p in prompts[B]:
+            assert alone_ids[(t, p)] == offline[(t, p)], (t, p)
+    for i, adapter in enumerate(adapter_names):
         assert any(alone[(adapter, p)] != alone[(B, p)] for p in prompts[B]), adapter
+        for other in adapter_names[i + 1:]:
+            assert any(alone[(adapter, p)] != alone[(other, p)] for p in prompts[B]), (
+                adapter, other)
 
 
 def test_no_block_is_left_held(multi_app: ServeApp) -> None:
