@@ -201,15 +201,6 @@ class LoRAInUse(LoRAError):
     code = "lora_in_use"
 
 
-class LoRACacheFull(LoRAError):
-    """429: every one of the ``max_cpu_loras`` loaded adapters is in use by a request. No
-    replica raises it any longer (a request whose adapter has no room waits for it); kept for
-    the callers that still name it."""
-
-    status = 429
-    code = "lora_cache_full"
-
-
 class AdapterUnavailable(ServingError):
     """503: this replica could not load the request's LoRA adapter (its folder missing or
     unreadable here, another replica may have it). The message names the adapter only, never

@@ -588,12 +588,12 @@ def test_a_refusal_during_the_replica_s_load_registers_nothing(roots: dict[str, 
                           path_roots=[str(roots["allowed"])])
 
     async def refuse(_: Any) -> None:
-        raise ServingError("cache full", "lora_cache_full", status=429)
+        raise ServingError("not a PEFT adapter", "invalid_lora_adapter", status=400)
 
     async def run() -> None:
         with pytest.raises(ServingError) as e:
             await reg.load("spent", str(roots["allowed"] / "spent"), CHAT, refuse)
-        assert e.value.status == 429
+        assert e.value.status == 400
         assert await reg.lookup("spent") is None
 
     asyncio.run(run())
