@@ -57,7 +57,11 @@ START_TIMEOUT_S = 420
 
 
 def _port_free(port: int) -> bool:
+    """Whether a server could listen on ``port`` now: nothing listens there. With
+    ``SO_REUSEADDR``, as every server sets it (uvicorn, Ray's metrics export): the connections a
+    stopped server closed itself wait out TIME_WAIT (a minute on Linux) but stop no one."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
