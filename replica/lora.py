@@ -351,6 +351,10 @@ class LoRABatch:
     seg_slot: torch.Tensor | None = None
     triton: bool = False  # the Triton kernels apply it (else torch ops)
     native: bool = False  # the native CPU kernel applies it, segment by segment (deterministic)
+    # The torch path on the CPU where the adapter rows form few contiguous runs (prefill
+    # chunks): ``(start, end, slot)`` per run, applied in place on row ranges (no gather, no
+    # scatter); None: the padded layout below.
+    runs: list[tuple[int, int, int]] | None = None
     # The torch path's layout: segments padded to the longest (``length`` rows each, padding
     # repeats a segment's first row), ``padded`` ``[S * length]`` their rows; ``valid`` the
     # positions in it that are real rows (None: all are) and ``valid_rows`` those rows;
@@ -410,6 +414,15 @@ def apply_lora(x: torch.Tensor, out: torch.Tensor, parts: Sequence[_Part],
             tlora.lora_add(x, out, p.a, p.b, p.offset, batch.rows, batch.seg_start,
                            batch.seg_slot)
         return
+    if batch.runs is not None:
+        for start, end, slot in batch.runs:
+            xr = x[start:end]
+            for p in parts:
+                if not p.used[slot]:
+                    continue
+                h = torch.mm(xr, p.a[slot].t())
+                out[start:end, p.offset : p.offset + p.out_features].addmm_(h, p.b[slot].t())
+        return
     if batch.padded is None:
         raise ValueError("a LoRABatch for the torch path has its padded layout "
                          "(LoRAManager.batch builds it)")
@@ -447,6 +460,25 @@ def _apply_native(x: torch.Tensor, out: torch.Tensor, parts: Sequence[_Part],
             h = cpu_ops.linear(xs, packed[0], p.a.shape[1])
             delta = cpu_ops.linear(h, packed[1], p.out_features)
             out[:, p.offset : p.offset + p.out_features].index_add_(0, rows, delta)
+
+
+# The CPU's torch path applies adapters run by run (contiguous rows of one adapter: the runner
+# puts each adapter's decodes side by side, and its chunks) while a step has at most this many
+# runs, or two per adapter; beyond (rows in another order), over the segments padded to one
+# length, which costs a gather and a scatter but few ops.
+RUNS_MAX = 8
+
+
+def _runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
+    """The maximal ranges of consecutive rows under one adapter slot (-1, the base: none)."""
+    runs: list[tuple[int, int, int]] = []
+    start = 0
+    for i in range(1, len(slots) + 1):
+        if i == len(slots) or slots[i] != slots[start]:
+            if slots[start] >= 0:
+                runs.append((start, i, slots[start]))
+            start = i
+    return runs
 
 
 class LoRAManager:
@@ -650,7 +682,11 @@ class LoRAManager:
                           flat.to(self.device), start.to(self.device), seg_slot.to(self.device),
                           self.use_triton, native=self.deterministic)
         if not self.use_triton and not self.deterministic:
-            self._pad(batch, host)
+            runs = _runs(slots)
+            if self.device.type == "cpu" and len(runs) <= max(RUNS_MAX, 2 * len(present)):
+                batch.runs = runs
+            else:
+                self._pad(batch, host)
         return batch
 
     def _pad(self, batch: LoRABatch, host: list[tuple[int, torch.Tensor]]) -> None:

@@ -175,13 +175,24 @@ class ModelRunner:
         one (the runner's ``lora`` puts them in slots); a step with adapter rows runs eagerly,
         never as a CUDA graph (the graphs hold the base model's step)."""
         decodes = plan.decodes
+        chunks = plan.prefill
+        if adapters and self.lora is not None:
+            # Each adapter's rows side by side (decodes, then chunks, as always; the base's
+            # first): the CPU path then applies an adapter to row ranges in place. Rows map
+            # back to requests by ``sampled`` and ``prompt_rows``, so their order is free.
+            def rank(rid: RequestId) -> tuple[bool, str]:
+                name = adapters.get(rid)
+                return (name is not None, name or "")
+
+            decodes = sorted(decodes, key=lambda d: rank(d.id))
+            chunks = sorted(chunks, key=lambda c: rank(c.id))
         ids = [d.token for d in decodes]
         specs = [SeqSpec(d.position, 1, d.block_table) for d in decodes]
         rows = list(range(len(ids)))
         sampled = [d.id for d in decodes]
         extra: list[int] = []
         prompt_rows: list[PromptRows] = []
-        for c in plan.prefill:
+        for c in chunks:
             base = len(ids)
             ids.extend(c.tokens)
             specs.append(SeqSpec(c.start, c.len, c.block_table))
@@ -196,7 +207,7 @@ class ModelRunner:
         lora = None
         if adapters and self.lora is not None:
             rows_of: list[str | None] = [adapters.get(d.id) for d in decodes]
-            for c in plan.prefill:
+            for c in chunks:
                 rows_of.extend([adapters.get(c.id)] * c.len)
             lora = self.lora.batch(rows_of)
         if self.graphs is not None and not plan.prefill and lora is None:

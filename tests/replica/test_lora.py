@@ -25,7 +25,14 @@ from tierserve import LLM, LoRARequest, SamplingParams
 from tierserve.records import GenerateRequest
 from tierserve.replica.block_space import FreeListBlocks
 from tierserve.replica.config import EngineConfig
-from tierserve.replica.lora import LoRAError, LoRAManager, ModelShapes, load_adapter
+from tierserve.replica.lora import (
+    LoRAError,
+    LoRAManager,
+    ModelShapes,
+    _runs,
+    apply_lora,
+    load_adapter,
+)
 from tierserve.replica.models.loader import load_model
 from tierserve.replica.scheduler import Request, SampledToken, Scheduler
 
@@ -634,3 +641,34 @@ def test_fused_targets_under_partial_rotary_match_peft(tmp_path: Path) -> None:
         torch.testing.assert_close(lg, logits(ref, n, p), rtol=0, atol=1e-4)
     assert not torch.allclose(logits(ref, "fused", prompts[0]), logits(ref, None, prompts[0]))
     lora.close()
+
+
+def test_rows_in_runs_and_rows_interleaved_add_the_same(
+        llm: LLM, ckpt: tuple[Path, dict[str, Path], Any]) -> None:
+    """The CPU path applies an adapter in place on runs of contiguous rows (the runner orders a
+    step's rows by adapter) and, for rows in any other order, over padded segments: both add
+    the same into every row, and nothing into the base's."""
+    _, paths, _ = ckpt
+    lora = llm.engine.lora
+    assert lora is not None
+    keys = {"alpha": "alpha#101", "beta": "beta#102"}
+    for name, key in keys.items():
+        assert lora.load(name, str(paths[name]), int(key.split("#")[1]))
+    assert _runs([-1, 0, 0, 1, 1, 1, -1, 0]) == [(1, 3, 0), (3, 6, 1), (7, 8, 0)]
+    parts = [p for (layer, _), p in lora._parts.items() if layer == 0]
+    width = max(p.offset + p.out_features for p in parts)
+    xs = {id(p): torch.randn(24, p.a.shape[2]) for p in parts}  # each part's input rows
+    interleaved = [(keys["alpha"], keys["beta"], None)[i % 3] for i in range(24)]
+    perm = sorted(range(24), key=lambda i: (interleaved[i] is not None, interleaved[i] or ""))
+    ordered = [interleaved[i] for i in perm]
+    outs = []
+    for rows, order in ((interleaved, list(range(24))), (ordered, perm)):
+        batch = lora.batch(rows)
+        assert batch is not None and (batch.runs is None) == (rows is interleaved)
+        out = torch.zeros(24, width)
+        for p in parts:
+            apply_lora(xs[id(p)][order], out, [p], batch)
+        assert out[[i for i, k in enumerate(rows) if k is None]].abs().sum() == 0
+        assert out.abs().sum() > 0
+        outs.append(out)
+    torch.testing.assert_close(outs[0][perm], outs[1], rtol=1e-5, atol=1e-5)
