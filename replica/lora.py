@@ -379,6 +379,11 @@ class _Part:
     # The deterministic mode's per slot ``A`` and ``B`` packed for the native linear kernel
     # (``cpu_packing.pack_linear``); None where the slot's adapter does not target it.
     packed: list[tuple[torch.Tensor, torch.Tensor] | None] = field(default_factory=list)
+    # On the CPU's torch path: the A of every part of the module side by side, ``[slots,
+    # parts * R, in]`` (``a`` is this part's view of it, columns ``index * R`` on), so that one
+    # matmul shrinks a run of rows for all the module's parts.
+    group: torch.Tensor | None = None
+    index: int = 0
 
 
 class _ModuleLoRA:
@@ -415,12 +420,18 @@ def apply_lora(x: torch.Tensor, out: torch.Tensor, parts: Sequence[_Part],
                            batch.seg_slot)
         return
     if batch.runs is not None:
+        group = parts[0].group
         for start, end, slot in batch.runs:
             xr = x[start:end]
+            # One shrink for the module's parts where they share a group (their A side by
+            # side), else one per part.
+            both = torch.mm(xr, group[slot].t()) if group is not None else None
             for p in parts:
                 if not p.used[slot]:
                     continue
-                h = torch.mm(xr, p.a[slot].t())
+                rank = p.a.shape[1]
+                h = (both[:, p.index * rank : (p.index + 1) * rank] if both is not None
+                     else torch.mm(xr, p.a[slot].t()))
                 out[start:end, p.offset : p.offset + p.out_features].addmm_(h, p.b[slot].t())
         return
     if batch.padded is None:
@@ -530,6 +541,7 @@ class LoRAManager:
         for i, (layer, shapes) in enumerate(zip(decoder.layers, self.shapes.layers, strict=True)):
             by_module: dict[str, list[_Part]] = {}
             mods = dict(layer.named_modules())
+            grouped = self.device.type == "cpu" and not self.use_triton and not deterministic
             for proj, shape in shapes.items():
                 part = _Part(
                     shape.offset, shape.out_features,
@@ -541,6 +553,12 @@ class LoRAManager:
                 self._parts[(i, proj)] = part
                 by_module.setdefault(shape.module, []).append(part)
             for module, parts in by_module.items():
+                if grouped and len(parts) > 1:
+                    group = torch.zeros(max_loras, len(parts) * max_rank,
+                                        parts[0].a.shape[2], device=self.device, dtype=dtype)
+                    for j, part in enumerate(parts):
+                        part.group, part.index = group, j
+                        part.a = group[:, j * max_rank : (j + 1) * max_rank]
                 hook = mods[module].register_forward_hook(_ModuleLoRA(self, parts))
                 self._hooks.append(hook)
 
